@@ -1,0 +1,151 @@
+"""benchmark.json: what one training job measured. Written by training/train.py, read by the store and analysis.
+
+The schema is versioned (SCHEMA_VERSION); docs/metrics.md documents every field and
+``BenchmarkResult.model_json_schema()`` is the machine-readable form. Bump the minor version for added optional
+fields, the major version for anything a reader of an older file would misread.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1.0"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Hardware(_Strict):
+    device: Literal["cuda", "cpu"]
+    gpu_name: str | None = None  # as the driver reports it
+    gpu_sku: str | None = None  # gpuscout.hardware key, None when not recognised or on CPU
+    gpus_per_node: int = Field(ge=0)
+    nodes: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    peak_tflops_per_gpu: float | None = None  # dense peak for the precision used; None on CPU / unknown SKU
+    gpu_memory_gb: float | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    cpu_model: str | None = None
+    cpu_count: int | None = None
+
+
+class Software(_Strict):
+    python: str
+    torch: str
+    transformers: str
+    deepspeed: str | None = None
+    gpuscout: str
+    image_digest: str | None = None
+
+
+class TrainConfig(_Strict):
+    model: str  # preset name, HF id or path
+    params_total: int
+    params_matmul: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    sequence_length: int
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int  # micro batch x accumulation x world size, in sequences
+    precision: Literal["bf16", "fp16", "fp32"]
+    packing: bool
+    attention: str
+    torch_compile: bool
+    gradient_checkpointing: bool
+    deepspeed_stage: int = Field(ge=0, le=3)
+    dataloader_workers: int
+    learning_rate: float
+    seed: int
+    optimizations: list[str] = Field(default_factory=list)  # e.g. ["fused_adamw", "liger_cross_entropy"]
+
+
+class DatasetInfo(_Strict):
+    sha256: str
+    documents: int
+    tokens: int  # non-padding training tokens available
+    padding_fraction: float = Field(ge=0, le=1)
+    tokenizer: str
+
+
+class Timing(_Strict):
+    warmup_steps: int  # optimizer steps excluded from every throughput figure
+    timed_steps: int
+    total_steps: int
+    step_time_mean_s: float
+    step_time_p50_s: float
+    step_time_p90_s: float
+    wall_time_s: float  # whole script, start to end
+    train_time_s: float  # sum of all optimizer-step times, warmup included
+    dataloader_wait_fraction: float = Field(ge=0, le=1)
+    startup_time_s: float = 0.0  # model build, data load, compile before step 1
+
+
+class Throughput(_Strict):
+    tokens_per_s: float  # non-padding tokens of all ranks per second over timed steps
+    tokens_per_s_ci95: tuple[float, float]  # 95 % confidence interval of the mean
+    tokens_per_s_per_gpu: float | None = None
+    samples_per_s: float
+    tokens_timed: int  # non-padding tokens processed during timed steps
+
+
+class Efficiency(_Strict):
+    flops_per_token: float  # model FLOPs (PaLM convention, docs/metrics.md)
+    hardware_flops_per_token: float
+    t_eff: float  # effective attention context used in flops_per_token
+    mfu: float | None = None  # fraction; None on CPU or an unknown SKU
+    hfu: float | None = None
+    note: str | None = None  # why mfu is None
+
+
+class Memory(_Strict):
+    peak_allocated_gb: float | None = None
+    peak_reserved_gb: float | None = None
+    gpu_utilization_mean: float | None = None  # percent, NVML
+    power_w_mean: float | None = None  # watts per GPU, NVML
+    host_rss_peak_gb: float | None = None
+
+
+class LossPoint(_Strict):
+    step: int
+    tokens: int  # cumulative non-padding tokens (all ranks) at this step
+    elapsed_s: float  # cumulative training time at this step
+    loss: float
+
+
+class Loss(_Strict):
+    train: list[LossPoint]
+    validation: list[LossPoint] = Field(default_factory=list)
+    final_train_loss: float | None = None
+    final_validation_loss: float | None = None
+
+
+class StopInfo(_Strict):
+    rule: Literal["fixed", "steady_state"]
+    reason: str  # e.g. "max_steps reached", "throughput CI within +-2.0 % after 37 steps"
+    steps: int
+    resumed_from_step: int | None = None
+
+
+class BenchmarkResult(_Strict):
+    schema_version: str = SCHEMA_VERSION
+    status: Literal["completed", "failed"]
+    job_name: str
+    run_id: str | None = None
+    instance_type: str
+    failure_reason: str | None = None
+    hardware: Hardware
+    software: Software
+    config: TrainConfig
+    dataset: DatasetInfo
+    timing: Timing | None = None
+    throughput: Throughput | None = None
+    efficiency: Efficiency | None = None
+    memory: Memory = Field(default_factory=Memory)
+    loss: Loss | None = None
+    stop: StopInfo | None = None

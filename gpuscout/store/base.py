@@ -1,0 +1,160 @@
+"""The ResultStore contract shared by the SQLite (local) and DynamoDB (cloud) stores.
+
+Records are pydantic models; stores persist them whole (JSON) plus the keys they query on. One contract test
+suite (tests/unit/test_store_contract.py) runs against every implementation.
+
+Job events arrive out of order and more than once (EventBridge is at-least-once, unordered).
+``apply_job_event`` is therefore conditional: an event is applied only if it is newer than the last applied
+one, or equally new with a higher status rank; a terminal status is never replaced by a non-terminal one.
+It returns whether the event changed the row.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RunStatus(StrEnum):
+    REJECTED = "REJECTED"  # manifest invalid, nothing launched
+    REFUSED = "REFUSED"  # valid, but the plan was over budget; nothing launched
+    PLANNED = "PLANNED"
+    PREPARING = "PREPARING"
+    RUNNING = "RUNNING"
+    ANALYZING = "ANALYZING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+class JobStatus(StrEnum):
+    PLANNED = "PLANNED"
+    STARTING = "STARTING"  # InProgress: Starting / Downloading
+    TRAINING = "TRAINING"  # InProgress: Training
+    STOPPING = "STOPPING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+    CAPACITY = "CAPACITY"  # no capacity for the instance type
+    QUOTA = "QUOTA"  # account quota (ResourceLimitExceeded)
+    OOM = "OOM"  # ran out of GPU memory
+
+
+TERMINAL_JOB_STATUSES = frozenset(
+    {JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CAPACITY, JobStatus.QUOTA, JobStatus.OOM}
+)
+
+# Higher rank wins among events with the same timestamp; terminal states outrank every live state.
+JOB_STATUS_RANK: dict[JobStatus, int] = {
+    JobStatus.PLANNED: 0,
+    JobStatus.STARTING: 1,
+    JobStatus.TRAINING: 2,
+    JobStatus.STOPPING: 3,
+    JobStatus.COMPLETED: 10,
+    JobStatus.FAILED: 10,
+    JobStatus.STOPPED: 10,
+    JobStatus.CAPACITY: 10,
+    JobStatus.QUOTA: 10,
+    JobStatus.OOM: 10,
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class RunRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    name: str
+    status: RunStatus
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+    manifest_source: str  # file path or s3://bucket/key
+    manifest: dict[str, Any] | None = None  # the validated manifest (None when REJECTED)
+    predicted_cost_usd: float | None = None
+    error: str | None = None  # why REJECTED / REFUSED / FAILED
+    problems: list[dict[str, str]] = Field(default_factory=list)  # manifest problems when REJECTED
+    run_dir: str | None = None  # local runs: folder with data, jobs and report
+    execution_arn: str | None = None  # cloud runs
+
+
+class JobRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    job_name: str
+    status: JobStatus
+    instance_type: str
+    instance_count: int = 1
+    variant_name: str
+    repetition: int = 0
+    spot: bool = False
+    spec: dict[str, Any]  # JobSpec.model_dump(mode="json")
+    benchmark: dict[str, Any] | None = None  # BenchmarkResult.model_dump(mode="json")
+    failure_reason: str | None = None
+    billable_seconds: int | None = None
+    training_seconds: int | None = None  # TrainingEndTime - TrainingStartTime
+    secondary_status_transitions: list[dict[str, Any]] = Field(default_factory=list)
+    last_event_time: datetime | None = None  # event time of the last applied state change
+    status_rank: int = 0
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class ResultRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    created_at: datetime = Field(default_factory=utcnow)
+    analysis: dict[str, Any]  # gpuscout.analysis.RunAnalysis.model_dump(mode="json")
+    report_uri: str | None = None  # folder or s3:// prefix holding report.md/html/json and charts
+    price_snapshot: dict[str, Any] = Field(default_factory=dict)
+
+
+@runtime_checkable
+class ResultStore(Protocol):
+    def put_run(self, run: RunRecord) -> None: ...
+
+    def get_run(self, run_id: str) -> RunRecord:
+        """Raises RunNotFoundError."""
+        ...
+
+    def list_runs(self, limit: int = 50) -> list[RunRecord]:
+        """Newest first."""
+        ...
+
+    def update_run(self, run_id: str, **fields: Any) -> RunRecord:
+        """Set the given RunRecord fields (and updated_at); raises RunNotFoundError."""
+        ...
+
+    def put_job(self, job: JobRecord) -> None:
+        """Create or replace a job row (used at planning time and for final results)."""
+        ...
+
+    def get_job(self, run_id: str, job_name: str) -> JobRecord | None: ...
+
+    def list_jobs(self, run_id: str) -> list[JobRecord]:
+        """Ordered by job name."""
+        ...
+
+    def apply_job_event(
+        self,
+        run_id: str,
+        job_name: str,
+        status: JobStatus,
+        event_time: datetime,
+        **fields: Any,
+    ) -> bool:
+        """Conditionally apply one job state change (see module docstring). Returns True if the row changed.
+
+        ``fields`` are other JobRecord fields carried by the event (failure_reason, billable_seconds, ...).
+        """
+        ...
+
+    def put_result(self, result: ResultRecord) -> None: ...
+
+    def get_result(self, run_id: str) -> ResultRecord | None: ...
