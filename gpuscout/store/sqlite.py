@@ -1,0 +1,250 @@
+"""SQLite result store for local runs (``gpuscout local``): one file, stdlib sqlite3, WAL journal.
+
+One table per record type holds the whole record as JSON plus the key columns it is queried on. The schema is
+versioned (table ``schema_version``); a database written by a newer gpuscout is refused rather than misread.
+Every write is one transaction; ``apply_job_event`` reads and writes under ``BEGIN IMMEDIATE`` so two writers
+cannot interleave between the condition check and the update.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from gpuscout.errors import RunNotFoundError, StoreError
+from gpuscout.store.base import (
+    JOB_STATUS_RANK,
+    TERMINAL_JOB_STATUSES,
+    JobRecord,
+    JobStatus,
+    ResultRecord,
+    RunRecord,
+    utcnow,
+)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    created_at TEXT NOT NULL,
+    status TEXT NOT NULL,
+    payload TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_created_at ON runs (created_at);
+CREATE TABLE IF NOT EXISTS jobs (
+    run_id TEXT NOT NULL,
+    job_name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    PRIMARY KEY (run_id, job_name)
+);
+CREATE TABLE IF NOT EXISTS results (
+    run_id TEXT PRIMARY KEY,
+    payload TEXT NOT NULL
+);
+"""
+
+# Fields an event may not set through **fields: they are the row's identity or the event's own outcome.
+_EVENT_RESERVED_FIELDS = frozenset({"run_id", "job_name", "status", "last_event_time", "status_rank", "updated_at"})
+
+
+def default_db_path() -> Path:
+    """``$GPUSCOUT_HOME/gpuscout.db``, by default ``~/.gpuscout/gpuscout.db``."""
+    home = os.environ.get("GPUSCOUT_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".gpuscout"
+    return base / "gpuscout.db"
+
+
+def _as_utc(value: datetime) -> datetime:
+    """Naive datetimes are taken to be UTC, aware ones are converted to it."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _sort_key(value: datetime) -> str:
+    """A fixed-width UTC timestamp whose string order is its time order."""
+    return _as_utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class SqliteStore:
+    """``ResultStore`` backed by one SQLite file (created with its folder on first use)."""
+
+    def __init__(self, path: Path | str | None = None) -> None:
+        self.path = Path(path).expanduser() if path is not None else default_db_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._connect() as conn:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript(_SCHEMA)
+                self._check_schema_version(conn)
+        except (OSError, sqlite3.Error) as err:
+            raise StoreError(f"cannot open the result database {self.path}: {err}") from err
+
+    def _check_schema_version(self, conn: sqlite3.Connection) -> None:
+        with conn:
+            row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+            found = row[0] if row else None
+            if found is None:
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            elif found > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {found}, newer than this gpuscout supports "
+                    f"({SCHEMA_VERSION}); upgrade gpuscout or use another --db"
+                )
+
+    def __repr__(self) -> str:
+        return f"SqliteStore({str(self.path)!r})"
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        """A connection whose ``with`` block is one transaction (commit on success, rollback on error)."""
+        with closing(sqlite3.connect(self.path, timeout=30.0, isolation_level="DEFERRED")) as conn:
+            conn.execute("PRAGMA foreign_keys=ON")
+            yield conn
+
+    @contextmanager
+    def _transaction(self, *, immediate: bool = False) -> Iterator[sqlite3.Connection]:
+        try:
+            with self._connect() as conn:
+                if immediate:
+                    conn.execute("BEGIN IMMEDIATE")
+                with conn:
+                    yield conn
+        except sqlite3.Error as err:
+            raise StoreError(f"result database {self.path}: {err}") from err
+
+    # Runs
+
+    def put_run(self, run: RunRecord) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO runs (run_id, created_at, status, payload) VALUES (?, ?, ?, ?)",
+                (run.run_id, _sort_key(run.created_at), run.status.value, run.model_dump_json()),
+            )
+
+    def get_run(self, run_id: str) -> RunRecord:
+        with self._transaction() as conn:
+            row = conn.execute("SELECT payload FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return RunRecord.model_validate_json(row[0])
+
+    def list_runs(self, limit: int = 50) -> list[RunRecord]:
+        with self._transaction() as conn:
+            rows = conn.execute(
+                "SELECT payload FROM runs ORDER BY created_at DESC, run_id DESC LIMIT ?", (limit,)
+            ).fetchall()
+        return [RunRecord.model_validate_json(r[0]) for r in rows]
+
+    def update_run(self, run_id: str, **fields: Any) -> RunRecord:
+        unknown = sorted(set(fields) - set(RunRecord.model_fields))
+        if unknown:
+            raise StoreError(f"update_run: a run has no field {', '.join(unknown)}")
+        with self._transaction(immediate=True) as conn:
+            row = conn.execute("SELECT payload FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFoundError(run_id)
+            current = RunRecord.model_validate_json(row[0])
+            try:
+                updated = RunRecord.model_validate(
+                    {**current.model_dump(), **fields, "updated_at": fields.get("updated_at", utcnow())}
+                )
+            except ValidationError as err:
+                raise StoreError(f"update_run {run_id}: {err}") from err
+            conn.execute(
+                "UPDATE runs SET created_at = ?, status = ?, payload = ? WHERE run_id = ?",
+                (_sort_key(updated.created_at), updated.status.value, updated.model_dump_json(), run_id),
+            )
+        return updated
+
+    # Jobs
+
+    def put_job(self, job: JobRecord) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO jobs (run_id, job_name, status, payload) VALUES (?, ?, ?, ?)",
+                (job.run_id, job.job_name, job.status.value, job.model_dump_json()),
+            )
+
+    def get_job(self, run_id: str, job_name: str) -> JobRecord | None:
+        with self._transaction() as conn:
+            row = conn.execute(
+                "SELECT payload FROM jobs WHERE run_id = ? AND job_name = ?", (run_id, job_name)
+            ).fetchone()
+        return JobRecord.model_validate_json(row[0]) if row else None
+
+    def list_jobs(self, run_id: str) -> list[JobRecord]:
+        with self._transaction() as conn:
+            rows = conn.execute("SELECT payload FROM jobs WHERE run_id = ? ORDER BY job_name", (run_id,)).fetchall()
+        return [JobRecord.model_validate_json(r[0]) for r in rows]
+
+    def apply_job_event(
+        self,
+        run_id: str,
+        job_name: str,
+        status: JobStatus,
+        event_time: datetime,
+        **fields: Any,
+    ) -> bool:
+        """Apply a job state change if it is newer (or equally new with a higher rank) and does not regress a
+        terminal status. An event for a job that has no row changes nothing and returns False."""
+        status = JobStatus(status)
+        reserved = sorted(set(fields) & _EVENT_RESERVED_FIELDS)
+        unknown = sorted(set(fields) - set(JobRecord.model_fields))
+        if reserved or unknown:
+            raise StoreError(f"apply_job_event: cannot set {', '.join(reserved + unknown)} from an event")
+        event_time = _as_utc(event_time)
+        rank = JOB_STATUS_RANK[status]
+        with self._transaction(immediate=True) as conn:
+            row = conn.execute(
+                "SELECT payload FROM jobs WHERE run_id = ? AND job_name = ?", (run_id, job_name)
+            ).fetchone()
+            if row is None:
+                return False
+            current = JobRecord.model_validate_json(row[0])
+            if current.status in TERMINAL_JOB_STATUSES and status not in TERMINAL_JOB_STATUSES:
+                return False
+            if current.last_event_time is not None:
+                last = _as_utc(current.last_event_time)
+                if event_time < last or (event_time == last and rank <= current.status_rank):
+                    return False
+            try:
+                updated = JobRecord.model_validate(
+                    {
+                        **current.model_dump(),
+                        **fields,
+                        "status": status,
+                        "status_rank": rank,
+                        "last_event_time": event_time,
+                        "updated_at": utcnow(),
+                    }
+                )
+            except ValidationError as err:
+                raise StoreError(f"apply_job_event {run_id}/{job_name}: {err}") from err
+            conn.execute(
+                "UPDATE jobs SET status = ?, payload = ? WHERE run_id = ? AND job_name = ?",
+                (updated.status.value, updated.model_dump_json(), run_id, job_name),
+            )
+        return True
+
+    # Results
+
+    def put_result(self, result: ResultRecord) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO results (run_id, payload) VALUES (?, ?)",
+                (result.run_id, result.model_dump_json()),
+            )
+
+    def get_result(self, run_id: str) -> ResultRecord | None:
+        with self._transaction() as conn:
+            row = conn.execute("SELECT payload FROM results WHERE run_id = ?", (run_id,)).fetchone()
+        return ResultRecord.model_validate_json(row[0]) if row else None

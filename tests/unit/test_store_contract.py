@@ -1,0 +1,249 @@
+"""The ResultStore contract (gpuscout/store/base.py), run against every store in store_factories.STORE_FACTORIES."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from store_factories import STORE_FACTORIES
+
+from gpuscout.errors import RunNotFoundError
+from gpuscout.store.base import (
+    JOB_STATUS_RANK,
+    JobRecord,
+    JobStatus,
+    ResultRecord,
+    ResultStore,
+    RunRecord,
+    RunStatus,
+)
+
+T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
+PLUS_TWO = timezone(timedelta(hours=2))
+
+
+@pytest.fixture(params=sorted(STORE_FACTORIES))
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ResultStore]:
+    with STORE_FACTORIES[request.param](tmp_path) as s:
+        yield s
+
+
+def make_run(run_id: str = "run-a", *, created_at: datetime = T0, **kw: object) -> RunRecord:
+    return RunRecord.model_validate(
+        {
+            "run_id": run_id,
+            "name": "demo",
+            "status": RunStatus.PLANNED,
+            "created_at": created_at,
+            "manifest_source": "configs/manifests/quickstart.yaml",
+            "manifest": {"name": "demo", "sequence_length": 256},
+            "predicted_cost_usd": 0.01,
+            **kw,
+        }
+    )
+
+
+def make_job(job_name: str = "gs-run-a-local-v0-r0", run_id: str = "run-a", **kw: object) -> JobRecord:
+    return JobRecord.model_validate(
+        {
+            "run_id": run_id,
+            "job_name": job_name,
+            "status": JobStatus.PLANNED,
+            "instance_type": "ml.g5.xlarge",
+            "variant_name": "bs4",
+            "spec": {"job_name": job_name, "hyperparameters": {"max_steps": "10"}},
+            **kw,
+        }
+    )
+
+
+def test_the_store_satisfies_the_protocol(store: ResultStore) -> None:
+    assert isinstance(store, ResultStore)
+
+
+def test_run_round_trip(store: ResultStore) -> None:
+    run = make_run(problems=[{"path": "targets[0]", "message": "unknown"}], run_dir="/tmp/runs/run-a")
+    store.put_run(run)
+    assert store.get_run("run-a") == run
+
+
+def test_unknown_run_raises_run_not_found(store: ResultStore) -> None:
+    with pytest.raises(RunNotFoundError) as info:
+        store.get_run("nope")
+    assert info.value.run_id == "nope"
+    with pytest.raises(RunNotFoundError):
+        store.update_run("nope", status=RunStatus.RUNNING)
+
+
+def test_list_runs_is_newest_first_and_limited(store: ResultStore) -> None:
+    for i, run_id in enumerate(["run-old", "run-new", "run-mid"]):
+        offset = {"run-old": 0, "run-mid": 1, "run-new": 2}[run_id]
+        store.put_run(make_run(run_id, created_at=T0 + timedelta(hours=offset), name=f"n{i}"))
+    assert [r.run_id for r in store.list_runs()] == ["run-new", "run-mid", "run-old"]
+    assert [r.run_id for r in store.list_runs(limit=2)] == ["run-new", "run-mid"]
+
+
+def test_update_run_sets_fields_and_updated_at(store: ResultStore) -> None:
+    run = make_run(updated_at=T0)
+    store.put_run(run)
+    updated = store.update_run("run-a", status=RunStatus.SUCCEEDED, error=None, run_dir="runs/run-a")
+    assert updated.status is RunStatus.SUCCEEDED
+    assert updated.run_dir == "runs/run-a"
+    assert updated.updated_at > T0
+    assert updated.created_at == run.created_at
+    assert store.get_run("run-a") == updated
+
+
+def test_put_run_replaces(store: ResultStore) -> None:
+    store.put_run(make_run())
+    store.put_run(make_run(status=RunStatus.REFUSED, error="over budget"))
+    got = store.get_run("run-a")
+    assert got.status is RunStatus.REFUSED
+    assert got.error == "over budget"
+    assert len(store.list_runs()) == 1
+
+
+def test_job_round_trip_and_order(store: ResultStore) -> None:
+    store.put_run(make_run())
+    store.put_run(make_run("run-b", created_at=T0 + timedelta(minutes=1)))
+    names = ["gs-run-a-c", "gs-run-a-a", "gs-run-a-b"]
+    for name in names:
+        store.put_job(make_job(name, benchmark={"status": "completed", "throughput": {"tokens_per_s": 12.5}}))
+    store.put_job(make_job("gs-run-b-a", run_id="run-b"))
+    jobs = store.list_jobs("run-a")
+    assert [j.job_name for j in jobs] == sorted(names)
+    assert jobs[0].benchmark == {"status": "completed", "throughput": {"tokens_per_s": 12.5}}
+    assert store.get_job("run-a", "gs-run-a-b") == make_job(
+        "gs-run-a-b",
+        benchmark={"status": "completed", "throughput": {"tokens_per_s": 12.5}},
+        updated_at=jobs[1].updated_at,
+    )
+    assert store.get_job("run-a", "missing") is None
+    assert store.get_job("run-b", "gs-run-a-a") is None
+    assert [j.job_name for j in store.list_jobs("run-b")] == ["gs-run-b-a"]
+    assert store.list_jobs("run-zzz") == []
+
+
+def test_put_job_replaces(store: ResultStore) -> None:
+    store.put_job(make_job())
+    store.put_job(make_job(status=JobStatus.FAILED, failure_reason="boom"))
+    [job] = store.list_jobs("run-a")
+    assert job.status is JobStatus.FAILED
+    assert job.failure_reason == "boom"
+
+
+def test_result_round_trip(store: ResultStore) -> None:
+    assert store.get_result("run-a") is None
+    result = ResultRecord(
+        run_id="run-a",
+        created_at=T0,
+        analysis={"recommendation": {"job_name": "gs-x", "summary": "pick gs-x"}, "jobs": [{"rank": 1}]},
+        report_uri="runs/run-a/report",
+        price_snapshot={"local": 0.0928},
+    )
+    store.put_result(result)
+    assert store.get_result("run-a") == result
+    assert store.get_result("run-b") is None
+
+
+# Job events: at-least-once, unordered delivery.
+
+
+def _event_store(store: ResultStore) -> ResultStore:
+    store.put_run(make_run())
+    store.put_job(make_job())
+    return store
+
+
+def _job(store: ResultStore) -> JobRecord:
+    job = store.get_job("run-a", "gs-run-a-local-v0-r0")
+    assert job is not None
+    return job
+
+
+def test_first_event_applies_and_records_time_and_rank(store: ResultStore) -> None:
+    _event_store(store)
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.STARTING, T0) is True
+    job = _job(store)
+    assert job.status is JobStatus.STARTING
+    assert job.last_event_time == T0
+    assert job.status_rank == JOB_STATUS_RANK[JobStatus.STARTING]
+
+
+def test_newer_event_applies_with_fields(store: ResultStore) -> None:
+    _event_store(store)
+    store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0)
+    changed = store.apply_job_event(
+        "run-a",
+        "gs-run-a-local-v0-r0",
+        JobStatus.FAILED,
+        T0 + timedelta(minutes=5),
+        failure_reason="AlgorithmError: exit 1",
+        billable_seconds=312,
+    )
+    assert changed is True
+    job = _job(store)
+    assert (job.status, job.failure_reason, job.billable_seconds) == (JobStatus.FAILED, "AlgorithmError: exit 1", 312)
+
+
+def test_older_event_after_newer_does_nothing(store: ResultStore) -> None:
+    _event_store(store)
+    store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.STOPPING, T0 + timedelta(minutes=2))
+    before = _job(store)
+    changed = store.apply_job_event(
+        "run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0 + timedelta(minutes=1), billable_seconds=5
+    )
+    assert changed is False
+    assert _job(store) == before
+
+
+def test_duplicate_event_is_a_no_op(store: ResultStore) -> None:
+    _event_store(store)
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0) is True
+    before = _job(store)
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0) is False
+    assert _job(store) == before
+
+
+def test_same_time_higher_rank_wins_lower_rank_loses(store: ResultStore) -> None:
+    _event_store(store)
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.STARTING, T0) is True
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0) is True
+    assert _job(store).status is JobStatus.TRAINING
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.STARTING, T0) is False
+    assert _job(store).status is JobStatus.TRAINING
+
+
+def test_terminal_status_is_never_regressed(store: ResultStore) -> None:
+    _event_store(store)
+    store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.COMPLETED, T0, billable_seconds=100)
+    later = T0 + timedelta(hours=1)
+    for live in (JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING):
+        assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", live, later) is False
+    job = _job(store)
+    assert job.status is JobStatus.COMPLETED
+    assert job.billable_seconds == 100
+
+
+def test_terminal_row_written_by_put_job_is_not_regressed_by_an_event(store: ResultStore) -> None:
+    store.put_job(make_job(status=JobStatus.COMPLETED, status_rank=JOB_STATUS_RANK[JobStatus.COMPLETED]))
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0) is False
+    assert _job(store).status is JobStatus.COMPLETED
+
+
+def test_event_times_compare_across_time_zones(store: ResultStore) -> None:
+    _event_store(store)
+    store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.TRAINING, T0)
+    earlier_elsewhere = (T0 - timedelta(seconds=1)).astimezone(PLUS_TWO)
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.STOPPING, earlier_elsewhere) is False
+    later_elsewhere = (T0 + timedelta(seconds=1)).astimezone(PLUS_TWO)
+    assert store.apply_job_event("run-a", "gs-run-a-local-v0-r0", JobStatus.STOPPING, later_elsewhere) is True
+
+
+def test_event_for_unknown_job_changes_nothing(store: ResultStore) -> None:
+    _event_store(store)
+    assert store.apply_job_event("run-a", "gs-not-planned", JobStatus.TRAINING, T0) is False
+    assert store.get_job("run-a", "gs-not-planned") is None
+    assert [j.job_name for j in store.list_jobs("run-a")] == ["gs-run-a-local-v0-r0"]
