@@ -11,7 +11,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+import boto3
+from moto import mock_aws
+
 from gpuscout.store.base import ResultStore
+from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 from gpuscout.store.sqlite import SqliteStore
 
 
@@ -20,6 +24,15 @@ def sqlite_store(tmp_path: Path) -> Iterator[ResultStore]:
     yield SqliteStore(tmp_path / "contract.db")
 
 
+@contextmanager
+def dynamodb_store(tmp_path: Path) -> Iterator[ResultStore]:
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        client.create_table(**table_definition("gpuscout-contract"))
+        yield DynamoDbStore("gpuscout-contract", client=client)
+
+
 STORE_FACTORIES: dict[str, Callable[[Path], AbstractContextManager[ResultStore]]] = {
     "sqlite": sqlite_store,
+    "dynamodb": dynamodb_store,
 }

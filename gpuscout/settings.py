@@ -1,0 +1,63 @@
+"""The Lambda functions' environment, parsed once per cold start into one validated model.
+
+The names are the Cloud contract in docs/internals.md; the CDK stack sets them. A missing or malformed variable
+fails the cold start with a message naming it, instead of a KeyError deep in a handler.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from functools import lru_cache
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gpuscout.errors import GpuscoutError
+
+
+class SettingsError(GpuscoutError):
+    """The Lambda environment is missing a variable or holds an invalid value."""
+
+
+class LambdaSettings(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    table_name: str = Field(alias="TABLE_NAME", min_length=3)
+    data_bucket: str = Field(alias="DATA_BUCKET", min_length=3)
+    artifacts_bucket: str = Field(alias="ARTIFACTS_BUCKET", min_length=3)
+    sagemaker_role_arn: str = Field(alias="SAGEMAKER_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
+    training_image_uri: str = Field(alias="TRAINING_IMAGE_URI", min_length=1)
+    processing_instance_type: str = Field(alias="PROCESSING_INSTANCE_TYPE", default="ml.m5.xlarge")
+    allowed_instance_types: tuple[str, ...] = Field(alias="ALLOWED_INSTANCE_TYPES", default=())
+    default_budget_usd: float = Field(alias="DEFAULT_BUDGET_USD", default=100.0, gt=0)
+    service_name: str = Field(alias="POWERTOOLS_SERVICE_NAME", default="gpuscout")
+    notification_topic_arn: str | None = Field(alias="NOTIFICATION_TOPIC_ARN", default=None)
+
+    @field_validator("allowed_instance_types", mode="before")
+    @classmethod
+    def _split_comma_list(cls, v: object) -> object:
+        if isinstance(v, str):
+            return tuple(part.strip() for part in v.split(",") if part.strip())
+        return v
+
+    @field_validator("notification_topic_arn", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: object) -> object:
+        return None if v == "" else v
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LambdaSettings:
+        env = os.environ if environ is None else environ
+        try:
+            return cls.model_validate(dict(env))
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors(include_url=False)
+            )
+            raise SettingsError(f"invalid Lambda environment: {problems}") from err
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> LambdaSettings:
+    """The settings of this process (cached: parsed once per Lambda cold start)."""
+    return LambdaSettings.from_environ()
