@@ -1,0 +1,543 @@
+"""The benchmark manifest: a pydantic v2 model (``extra="forbid"`` everywhere) and a safe loader.
+
+``parse_manifest`` / ``load_manifest`` never let anything but a :class:`Manifest` or a
+:class:`~gpuscout.errors.ManifestError` out. The error carries every problem found, each with a field path
+(``targets[1].instance_type``) and a message that says what is allowed. docs/manifest.md is the reference.
+
+Loading is defensive because manifests arrive from an S3 bucket: at most 256 KiB, strict UTF-8, YAML through a
+SafeLoader subclass that refuses anchors/aliases (alias bombs), duplicate keys, non-string keys, keys with control
+characters and deep nesting; JSON is accepted by extension or content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from yaml.events import AliasEvent
+
+from gpuscout.catalog import LOCAL, Catalog, InstanceType, LocalHardware, load_catalog
+from gpuscout.errors import ManifestError, Problem
+from gpuscout.models import HF_ID_TO_PRESET, PRESETS, Architecture
+
+MAX_MANIFEST_BYTES = 256 * 1024
+MAX_NESTING = 32
+BUNDLED_SOURCES = ("bundled:hebrew-bible", "bundled:hebrew-chatterbot")
+SLUG_RE = r"^[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?$"
+S3_URI_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\x00-\x1f]*)?$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+Slug = Annotated[str, Field(pattern=SLUG_RE, description="1-40 lowercase letters, digits and inner hyphens")]
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class ManifestProblemsError(ValueError):
+    """Raised inside a model validator to report several problems at once, with paths relative to that model;
+    :func:`parse_manifest` expands them."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+class ModelSpec(_Strict):
+    preset: str | None = None
+    hf_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    path: str | None = Field(default=None, min_length=1, max_length=1024)
+    architecture: str | None = None  # preset used for FLOPs/memory when hf_id/path is not a known preset
+
+    @field_validator("preset", "architecture")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; allowed: {', '.join(PRESETS)}")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _clean_path(cls, v: str | None) -> str | None:
+        if v is not None and _CONTROL_RE.search(v):
+            raise ValueError("path must not contain control characters")
+        if v is not None and v.startswith("s3://") and not S3_URI_RE.match(v):
+            raise ValueError("an S3 path must look like s3://bucket/prefix")
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSpec:
+        given = [k for k in ("preset", "hf_id", "path") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of preset, hf_id, path (got {', '.join(given) or 'none'})")
+        if self.flops_architecture() is None:
+            raise ValueError(
+                f"{given[0]} {getattr(self, given[0])!r} is not a known preset; set model.architecture to the "
+                f"preset with the same dimensions ({', '.join(PRESETS)}) so time and memory can be planned"
+            )
+        return self
+
+    def flops_architecture(self) -> Architecture | None:
+        """Dimensions used for FLOPs and memory planning."""
+        if self.architecture:
+            return PRESETS[self.architecture]
+        if self.preset:
+            return PRESETS[self.preset]
+        if self.hf_id and self.hf_id in HF_ID_TO_PRESET:
+            return PRESETS[HF_ID_TO_PRESET[self.hf_id]]
+        return None
+
+
+class TokenizerSpec(_Strict):
+    kind: Literal["qwen", "bpe", "hf"] = "qwen"
+    path: str | None = Field(default=None, min_length=1, max_length=1024)
+    vocab_size: int | None = Field(default=None, ge=256, le=262144)
+
+    @model_validator(mode="after")
+    def _fields_per_kind(self) -> TokenizerSpec:
+        if self.kind == "hf" and self.path is None:
+            raise ValueError("kind 'hf' needs path (a local folder, s3:// URI or hub id of the tokenizer)")
+        if self.kind != "hf" and self.path is not None:
+            raise ValueError(f"path is only used with kind 'hf' (kind is {self.kind!r})")
+        if self.kind != "bpe" and self.vocab_size is not None:
+            raise ValueError(f"vocab_size is only used with kind 'bpe' (kind is {self.kind!r})")
+        return self
+
+    @property
+    def resolved_vocab_size(self) -> int | None:
+        """BPE vocabulary size (default 4096); None for qwen/hf (the model's own vocabulary is used)."""
+        return (self.vocab_size or 4096) if self.kind == "bpe" else None
+
+
+class DatasetSpec(_Strict):
+    source: str = Field(min_length=1, max_length=1024)
+    format: Literal["auto", "jsonl", "txt", "parquet"] = "auto"
+    text_field: str = Field(default="text", min_length=1, max_length=128)
+    max_documents: int | None = Field(default=None, ge=1)
+    min_characters: int = Field(default=20, ge=0)
+    validation_fraction: float = Field(default=0.05, ge=0.0, lt=0.5)
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        if _CONTROL_RE.search(v):
+            raise ValueError("source must not contain control characters")
+        if v.startswith("bundled:") and v not in BUNDLED_SOURCES:
+            raise ValueError(f"unknown bundled dataset {v!r}; allowed: {', '.join(BUNDLED_SOURCES)}")
+        if v.startswith("s3://") and not S3_URI_RE.match(v):
+            raise ValueError("an S3 source must look like s3://bucket/prefix")
+        return v
+
+    @property
+    def kind(self) -> Literal["bundled", "s3", "local"]:
+        if self.source.startswith("bundled:"):
+            return "bundled"
+        return "s3" if self.source.startswith("s3://") else "local"
+
+
+class StopRule(_Strict):
+    kind: Literal["fixed", "steady_state"] = "fixed"
+    ci_tolerance: float = Field(default=0.02, gt=0.0, lt=1.0)
+    min_timed_steps: int = Field(default=10, ge=2)
+
+
+class TrainingSpec(_Strict):
+    max_steps: int | None = Field(default=None, ge=1, le=10_000_000)
+    max_tokens: int | None = Field(default=None, ge=1, le=10**15)
+    warmup_steps: int | None = Field(default=None, ge=0)  # None = auto: max(3, 10 % of max_steps)
+    learning_rate: float = Field(default=1e-5, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int = Field(default=42, ge=0, le=2**32 - 1)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    stop_rule: StopRule = Field(default_factory=StopRule)
+    eval_interval: int = Field(default=0, ge=0)  # optimizer steps between validation passes; 0 = only at the end
+    checkpoint_interval: int = Field(default=0, ge=0)  # optimizer steps between checkpoints; 0 = none
+    validation_batches: int = Field(default=8, ge=0)  # batches per validation pass
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainingSpec:
+        if (self.max_steps is None) == (self.max_tokens is None):
+            raise ValueError("give exactly one of max_steps, max_tokens")
+        if self.max_steps is not None and self.warmup_steps is not None and self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
+        return self
+
+
+class Target(_Strict):
+    instance_type: str = Field(min_length=1, max_length=64)
+    instance_count: int = Field(default=1, ge=1, le=64)
+    spot: bool = False
+    price_per_hour_usd: float | None = Field(default=None, gt=0.0)  # overrides the catalog's on-demand price
+    spot_price_per_hour_usd: float | None = Field(default=None, gt=0.0)
+    max_wait_hours: float | None = Field(default=None, gt=0.0, le=120.0)  # managed spot: wait + run limit
+
+    @field_validator("instance_type")
+    @classmethod
+    def _in_catalog(cls, v: str, info: ValidationInfo) -> str:
+        catalog = _catalog_from(info)
+        if v not in catalog.training_types:
+            if v in catalog:
+                raise ValueError(
+                    f"{v} is a {catalog.get(v).role} instance, not a training target; "
+                    f"allowed: {', '.join(catalog.training_types)}"
+                )
+            raise ValueError(f"unknown instance type {v!r}; allowed: {', '.join(catalog.training_types)}")
+        return v
+
+    @model_validator(mode="after")
+    def _combination(self) -> Target:
+        problems: list[Problem] = []
+        if self.instance_type == LOCAL:
+            if self.price_per_hour_usd is None:
+                problems.append(
+                    Problem("price_per_hour_usd", "a local target must state what this machine costs per hour")
+                )
+            if self.spot:
+                problems.append(Problem("spot", "spot is a SageMaker option; a local target cannot be spot"))
+            if self.instance_count != 1:
+                problems.append(Problem("instance_count", "a local target has instance_count 1"))
+        if not self.spot:
+            for field in ("spot_price_per_hour_usd", "max_wait_hours"):
+                if getattr(self, field) is not None:
+                    problems.append(Problem(field, "only used with spot: true"))
+        if problems:
+            raise ManifestProblemsError(problems)
+        return self
+
+
+class Variant(_Strict):
+    name: Slug
+    per_device_batch_size: int | None = Field(default=None, ge=1, le=4096)  # None = the instance's default
+    gradient_accumulation_steps: int | None = Field(default=None, ge=1, le=4096)  # None = the instance's default
+    deepspeed_stage: Literal[0, 2, 3] = 0
+    torch_compile: bool = False
+    gradient_checkpointing: bool = False
+    dataloader_workers: int = Field(default=2, ge=0, le=64)
+    packing: bool = True
+    attention: Literal["sdpa", "eager", "flex"] = "sdpa"
+    fused_cross_entropy: bool = False
+    fused_adamw: bool = False
+
+
+class Constraints(_Strict):
+    budget_usd: float = Field(gt=0.0, le=1_000_000.0)
+    deadline_hours: float | None = Field(default=None, gt=0.0)
+    target_loss: float | None = Field(default=None, gt=0.0)
+
+
+Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
+
+
+class Manifest(_Strict):
+    name: Slug
+    description: str | None = Field(default=None, max_length=2000)
+    model: ModelSpec
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    dataset: DatasetSpec
+    sequence_length: int = Field(ge=16, le=131072)
+    training: TrainingSpec
+    targets: list[Target] = Field(min_length=1, max_length=32)
+    variants: list[Variant] = Field(min_length=1, max_length=64)
+    repetitions: int = Field(default=1, ge=1, le=10)
+    constraints: Constraints
+    objective: Objective = "cheapest_per_token"
+    network_isolation: bool = False
+
+    @model_validator(mode="after")
+    def _cross_field(self, info: ValidationInfo) -> Manifest:
+        catalog = _catalog_from(info)
+        problems: list[Problem] = []
+        names = [v.name for v in self.variants]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                problems.append(
+                    Problem(f"variants[{i}].name", f"duplicate variant name {name!r}; names must be unique")
+                )
+        seen: dict[tuple[str, int, bool], int] = {}
+        for i, t in enumerate(self.targets):
+            key = (t.instance_type, t.instance_count, t.spot)
+            if key in seen:
+                problems.append(
+                    Problem(f"targets[{i}]", f"same instance_type, instance_count and spot as targets[{seen[key]}]")
+                )
+            seen.setdefault(key, i)
+        arch = self.model.flops_architecture()
+        if arch is not None and self.sequence_length > arch.max_position_embeddings:
+            problems.append(
+                Problem(
+                    "sequence_length",
+                    f"{self.sequence_length} exceeds the model's max_position_embeddings "
+                    f"({arch.max_position_embeddings})",
+                )
+            )
+        if self.objective == "cheapest_within_deadline" and self.constraints.deadline_hours is None:
+            problems.append(Problem("constraints.deadline_hours", f"objective {self.objective} needs deadline_hours"))
+        if self.tokenizer.kind == "bpe" and self.model.preset is None:
+            problems.append(
+                Problem("tokenizer.kind", "a trained BPE tokenizer only works with a random-init model.preset")
+            )
+        precision = self.training.precision
+        for i, t in enumerate(self.targets):
+            inst = catalog.get(t.instance_type)
+            if precision != "auto" and not inst.is_local and precision not in inst.precisions:
+                problems.append(
+                    Problem(
+                        "training.precision",
+                        f"{precision} is not supported by targets[{i}] {t.instance_type} ({inst.gpu_sku}); "
+                        f"it supports {', '.join(inst.precisions)} (or use auto)",
+                    )
+                )
+            if inst.is_local:
+                continue
+            world = inst.gpu_count * t.instance_count
+            for j, v in enumerate(self.variants):
+                if v.deepspeed_stage > 0 and world < 2:
+                    problems.append(
+                        Problem(
+                            f"variants[{j}].deepspeed_stage",
+                            f"ZeRO stage {v.deepspeed_stage} shards across GPUs, but targets[{i}] {t.instance_type} "
+                            f"x{t.instance_count} has {world} GPU; use deepspeed_stage 0 there (no offload support)",
+                        )
+                    )
+        if problems:
+            raise ManifestProblemsError(problems)
+        return self
+
+    def resolved_precision(
+        self, target: Target, catalog: Catalog, local_hardware: LocalHardware | None = None
+    ) -> Precision:
+        """The precision a job on ``target`` trains in: explicit, or ``auto`` = bf16 if supported, else fp16;
+        fp32 on CPU. For ``local`` the detected hardware decides (CPU when ``local_hardware`` is None)."""
+        inst: InstanceType = catalog.get(target.instance_type)
+        supported = (local_hardware.precisions if local_hardware else ("fp32",)) if inst.is_local else inst.precisions
+        if self.training.precision != "auto":
+            return self.training.precision
+        for p in ("bf16", "fp16", "fp32"):
+            if p in supported:
+                return p
+        return "fp32"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Safe loading
+
+
+class _ManifestLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors/aliases, duplicate, non-string and control-character keys, deep nesting."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, "YAML anchors and aliases (&name, *name) are not allowed in a manifest", event.start_mark
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_NESTING:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"nesting deeper than {MAX_NESTING} levels", event.start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, yaml.MappingNode):
+            raise yaml.constructor.ConstructorError(None, None, "expected a mapping", node.start_mark)
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    "mapping keys must be plain strings (quote numbers, booleans and null)",
+                    key_node.start_mark,
+                )
+            key = key_node.value
+            if _CONTROL_RE.search(key):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} contains a control character", key_node.start_mark
+                )
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=True)
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if _CONTROL_RE.search(key):
+            raise ValueError(f"key {key!r} contains a control character")
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid number in a manifest")
+
+
+def _json_depth_ok(text: str) -> bool:
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def _decode(data: bytes | str, source: str) -> str:
+    raw = data.encode("utf-8", errors="surrogatepass") if isinstance(data, str) else bytes(data)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            source, [Problem("", f"file is {len(raw):,} bytes; a manifest may be at most {MAX_MANIFEST_BYTES:,}")]
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ManifestError(
+            source, [Problem("", f"not valid UTF-8: byte 0x{raw[err.start]:02x} at offset {err.start} ({err.reason})")]
+        ) from err
+    return text.removeprefix("\ufeff")
+
+
+def _is_json(text: str, source: str) -> bool:
+    suffix = Path(source).suffix.lower()
+    if suffix == ".json":
+        return True
+    if suffix in (".yaml", ".yml"):
+        return False
+    return text.lstrip().startswith("{")
+
+
+def _parse_document(text: str, source: str) -> Any:
+    if _is_json(text, source):
+        if not _json_depth_ok(text):
+            raise ManifestError(source, [Problem("", f"JSON nesting deeper than {MAX_NESTING} levels")])
+        try:
+            return json.loads(text, object_pairs_hook=_json_pairs, parse_constant=_reject_constant)
+        except json.JSONDecodeError as err:
+            raise ManifestError(
+                source, [Problem("", f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}")]
+            ) from err
+        except (ValueError, RecursionError) as err:
+            raise ManifestError(source, [Problem("", f"invalid JSON: {err}")]) from err
+    try:
+        return yaml.load(text, Loader=_ManifestLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = err.problem or err.context or "YAML error"
+        raise ManifestError(source, [Problem("", f"invalid YAML{where}: {what}")]) from err
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError) as err:
+        raise ManifestError(source, [Problem("", f"invalid YAML: {err}")]) from err
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at ``loc`` (for listing the allowed keys)."""
+    model: type[BaseModel] | None = Manifest
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or (ann,)
+        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return model
+
+
+def _problems_from(err: ValidationError) -> list[Problem]:
+    problems: list[Problem] = []
+    for e in err.errors(include_url=False):
+        loc = tuple(e["loc"])
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, ManifestProblemsError):
+            prefix = _format_loc(loc)
+            for p in ctx_err.problems:
+                sep = "" if not prefix or not p.path or p.path.startswith("[") else "."
+                problems.append(Problem(f"{prefix}{sep}{p.path}", p.message))
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            allowed = ", ".join(owner.model_fields) if owner else ""
+            msg = f"unknown field{'; allowed: ' + allowed if allowed else ''}"
+        elif e["type"] == "string_pattern_mismatch" and loc and loc[-1] == "name":
+            msg = "must be 1-40 lowercase letters, digits and inner hyphens (e.g. 'qwen7b-p5')"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        problems.append(Problem(_format_loc(loc), msg))
+    return problems
+
+
+def _catalog_from(info: ValidationInfo) -> Catalog:
+    ctx = info.context if isinstance(info.context, dict) else {}
+    catalog = ctx.get("catalog")
+    return catalog if isinstance(catalog, Catalog) else load_catalog()
+
+
+def validate_manifest_data(data: Any, source: str, catalog: Catalog | None = None) -> Manifest:
+    """Validate already-parsed data (a dict) as a manifest; ManifestError lists every problem."""
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else type(data).__name__
+        raise ManifestError(source, [Problem("", f"a manifest is a mapping of fields at the top level, not {kind}")])
+    catalog = catalog or load_catalog()
+    try:
+        return Manifest.model_validate(data, context={"catalog": catalog})
+    except ValidationError as err:
+        raise ManifestError(source, _problems_from(err)) from err
+
+
+def parse_manifest(data: bytes | str, source: str, catalog: Catalog | None = None) -> Manifest:
+    """Parse manifest text (YAML or JSON) from ``source`` (a file name or S3 URI used in messages)."""
+    text = _decode(data, source)
+    return validate_manifest_data(_parse_document(text, source), source, catalog)
+
+
+def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
+    """Read and validate a manifest file."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                str(p), [Problem("", f"file is {size:,} bytes; a manifest may be at most {MAX_MANIFEST_BYTES:,}")]
+            )
+        raw = p.read_bytes()
+    except OSError as err:
+        raise ManifestError(str(p), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
+    return parse_manifest(raw, str(p), catalog)
