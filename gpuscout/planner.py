@@ -1,0 +1,404 @@
+"""Planner: a validated manifest -> one JobSpec per target x variant x repetition, each with a time/cost prediction.
+
+Prediction (docs/manifest.md "How the planner predicts"):
+
+* GPU targets use the FLOPs model. tokens/s = u x GPUs x dense peak(precision) / FLOPs per token, FLOPs per token
+  from :mod:`gpuscout.flops` with T_eff = sequence_length (an upper bound for packed data). ``u`` is the assumed
+  utilization of the GPU family (:data:`ASSUMED_MFU`), times :data:`ZERO3_FACTOR` under ZeRO-3 and
+  :data:`MULTI_NODE_FACTOR` across instances. With gradient checkpointing ``u`` is applied to the hardware FLOPs
+  (forward recomputed), so the predicted MFU drops by model/hardware FLOPs.
+* ``local`` on CPU (or a GPU gpuscout has no SKU for) times a short matmul on the device (~0.3 s) and assumes
+  :data:`MEASURED_EFFICIENCY` of that rate for training; ``mfu_assumed`` is None there.
+* Memory: weights + gradients + Adam states at 16 bytes/parameter (mixed precision: 2 weight + 2 grad + 4 fp32
+  master + 8 Adam, or 4+4+8 in fp32), divided by the data-parallel size for what ZeRO shards (stage 2: grads and
+  optimizer; stage 3: everything), + activations (Korthikanti et al. 2022: 34 x s x b x h bytes per layer with
+  16-bit activations and fused attention; with checkpointing one layer's worth plus 2 x s x b x h per layer kept) +
+  logits (6 bytes per token per vocab entry unless the cross-entropy is fused) + 1.5 GB CUDA context. Must fit in
+  90 % of the GPU memory, else PlanError.
+* Cost = (training + overhead) / 3600 x price x instance_count; overhead = 360 s in the cloud (provisioning, image
+  pull, data download, upload), 0 locally. A spot target without a spot price is planned at the on-demand price.
+* max_runtime_seconds = 3 x predicted training + overhead + 10 min, clamped to [30 min, 5 days].
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict
+
+from gpuscout.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
+from gpuscout.errors import BudgetExceededError, PlanError
+from gpuscout.flops import hardware_flops_per_token, model_flops_per_token, total_params
+from gpuscout.jobspec import JOB_NAME_RE, JobSpec, Prediction
+from gpuscout.manifest import Manifest, Target, Variant
+from gpuscout.models import Architecture
+
+# Assumed model-FLOPs utilization per GPU SKU for fine-tuning a decoder with HF Trainer + SDPA, no custom kernels.
+# A100: ~40 % is what well-tuned Megatron/DeepSpeed runs report at 7B scale (e.g. the BLOOM and OPT logs ~35-50 %);
+# H100/H200: lower fraction of a much higher peak because the same software stack does not use FP8/TMA features;
+# A10G: PCIe, no NVLink, small memory forces small batches; V100: fp16 with loss scaling on first-gen tensor cores.
+ASSUMED_MFU: dict[str, float] = {
+    "A100-SXM4-40GB": 0.40,
+    "A100-SXM4-80GB": 0.40,
+    "H100-SXM5-80GB": 0.38,
+    "H200-SXM-141GB": 0.38,
+    "A10G-24GB": 0.30,
+    "V100-SXM2-16GB": 0.25,
+}
+ZERO3_FACTOR = 0.90  # parameter all-gathers per layer, partly overlapped
+MULTI_NODE_FACTOR = 0.90  # gradient/parameter traffic over EFA instead of NVLink only
+MEASURED_EFFICIENCY = 0.30  # share of a bare matmul's FLOPS a training step reaches on CPU / unknown GPU
+CLOUD_OVERHEAD_S = 360.0
+LOCAL_OVERHEAD_S = 0.0
+RUNTIME_SAFETY_FACTOR = 3.0
+RUNTIME_MARGIN_S = 600
+MIN_RUNTIME_S = 1800
+MAX_RUNTIME_S = 5 * 24 * 3600
+MEMORY_USABLE_FRACTION = 0.90
+CUDA_CONTEXT_GB = 1.5
+DEEPSPEED_CONFIGS = {2: "zero2.json", 3: "zero3.json"}
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    manifest_name: str
+    budget_usd: float
+    jobs: list[JobSpec]
+
+    @property
+    def predicted_cost_usd(self) -> float:
+        return sum(j.prediction.cost_usd for j in self.jobs)
+
+    @property
+    def predicted_seconds(self) -> float:
+        """Longest single job (jobs run in parallel in the cloud)."""
+        return max((j.prediction.training_seconds + j.prediction.overhead_seconds for j in self.jobs), default=0.0)
+
+    def check_budget(self) -> None:
+        if self.predicted_cost_usd > self.budget_usd:
+            raise BudgetExceededError(self.predicted_cost_usd, self.budget_usd)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", text.lower())).strip("-")
+
+
+def make_run_id(name: str, *, key: str | None = None, etag: str | None = None) -> str:
+    """Run id: ``<name>-<hash of key+etag>`` when given (the same S3 object twice -> the same id, so a re-delivered
+    event does not start a second run), else ``<name>-<UTC yyyymmdd-hhmmss>-<random>``. Lowercase letters, digits
+    and hyphens, at most 48 characters, so it fits in SageMaker names and tags."""
+    base = _slug(name)[:24].strip("-") or "run"
+    if key is not None or etag is not None:
+        digest = hashlib.sha256(f"{key or ''}\x00{etag or ''}".encode()).hexdigest()[:12]
+        return f"{base}-{digest}"
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return f"{base}-{stamp}-{secrets.token_hex(3)}"
+
+
+def job_name(run_id: str, *, target_index: int, target: Target, variant_index: int, variant: Variant, rep: int) -> str:
+    """``gs-<run hash>-t<i>v<j>r<k>-<instance>-<variant>``, at most 63 characters. The head is unique by
+    construction; the descriptive tail is cut to fit."""
+    run_hash = hashlib.sha256(run_id.encode()).hexdigest()[:6]
+    head = f"gs-{run_hash}-t{target_index}v{variant_index}r{rep}"
+    tail = f"{_slug(target.instance_type.removeprefix('ml.'))}-{_slug(variant.name)}"
+    name = f"{head}-{tail}"[:63].rstrip("-")
+    if not JOB_NAME_RE.match(name):  # cannot happen with slugs; guards the contract
+        raise PlanError(f"could not form a valid SageMaker job name from {name!r}")
+    return name
+
+
+@functools.cache
+def measure_matmul_flops(device: str = "cpu", dtype_name: str = "float32", seconds: float = 0.3) -> float:
+    """Achievable matmul FLOP/s on ``device``: square matmuls for about ``seconds``. Cached per process."""
+    try:
+        import torch
+    except ImportError:
+        import numpy as np
+
+        a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
+        return _time_matmuls(lambda: a @ a, 512, seconds, sync=lambda: None)
+    dtype = getattr(torch, dtype_name)
+    n = 1024 if device == "cpu" else 4096
+    x = torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return _time_matmuls(lambda: x @ x, n, seconds, sync=sync)
+
+
+def _time_matmuls(fn: Callable[[], object], n: int, seconds: float, *, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    count = 0
+    start = time.perf_counter()
+    while True:
+        fn()
+        count += 1
+        if count % 4 == 0:
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return 2.0 * n**3 * count / elapsed
+
+
+def _architecture(manifest: Manifest) -> Architecture:
+    arch = manifest.model.flops_architecture()
+    if arch is None:  # the manifest validator guarantees one
+        raise PlanError("model has no known architecture; set model.architecture")
+    vocab = manifest.tokenizer.resolved_vocab_size
+    return arch.with_vocab(vocab) if vocab else arch
+
+
+def memory_per_gpu_gb(
+    arch: Architecture, *, seq: int, batch: int, precision: str, stage: int, world: int, variant: Variant
+) -> float:
+    """Rough peak memory per GPU in GB (module docstring)."""
+    params = total_params(arch)
+    state_bytes = 16.0
+    if stage == 3:
+        states = params * state_bytes / world
+    elif stage == 2:
+        weights = params * (2.0 if precision != "fp32" else 4.0)
+        states = weights + (params * state_bytes - weights) / world
+    else:
+        states = params * state_bytes
+    act_bytes = 2.0 if precision != "fp32" else 4.0
+    per_layer_full = 17.0 * act_bytes * seq * batch * arch.hidden_size  # 34 bytes at 16 bit
+    if variant.gradient_checkpointing:
+        activations = arch.num_hidden_layers * act_bytes * seq * batch * arch.hidden_size + per_layer_full
+    else:
+        activations = arch.num_hidden_layers * per_layer_full
+    logits = 0.0 if variant.fused_cross_entropy else 6.0 * seq * batch * arch.vocab_size
+    return (states + activations + logits) / 1e9 + CUDA_CONTEXT_GB
+
+
+def _predict_tokens_per_s(
+    *,
+    arch: Architecture,
+    seq: int,
+    precision: str,
+    gpus_total: int,
+    sku_name: str | None,
+    peak_tflops: float | None,
+    variant: Variant,
+    instance_count: int,
+    device: str,
+) -> tuple[float, float | None, str]:
+    model_flops = model_flops_per_token(arch, float(seq))
+    hw_flops = hardware_flops_per_token(arch, float(seq), activation_recompute=variant.gradient_checkpointing)
+    if sku_name in ASSUMED_MFU and peak_tflops:
+        util = ASSUMED_MFU[sku_name]
+        factors = [f"{sku_name} assumed utilization {util:.2f}"]
+        if variant.deepspeed_stage == 3:
+            util *= ZERO3_FACTOR
+            factors.append(f"x{ZERO3_FACTOR} ZeRO-3")
+        if instance_count > 1:
+            util *= MULTI_NODE_FACTOR
+            factors.append(f"x{MULTI_NODE_FACTOR} multi-node")
+        tokens_per_s = util * gpus_total * peak_tflops * 1e12 / hw_flops
+        predicted_mfu = util * model_flops / hw_flops
+        method = (
+            f"FLOPs model: {'; '.join(factors)}; {gpus_total} GPU x {peak_tflops:g} TFLOPS dense {precision}; "
+            f"{hw_flops / 1e9:.3g} GFLOP/token (T_eff={seq}"
+            f"{', recompute' if variant.gradient_checkpointing else ''})"
+        )
+        return tokens_per_s, predicted_mfu, method
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision] if device != "cpu" else "float32"
+    achieved = measure_matmul_flops(device, dtype)
+    devices = max(gpus_total, 1)
+    tokens_per_s = MEASURED_EFFICIENCY * achieved * devices / hw_flops
+    method = (
+        f"measured: {achieved / 1e9:.1f} GFLOP/s {dtype} matmul on this {device} x {devices} x efficiency "
+        f"{MEASURED_EFFICIENCY}; {hw_flops / 1e9:.3g} GFLOP/token"
+    )
+    return tokens_per_s, None, method
+
+
+def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: LocalHardware | None = None) -> Plan:
+    """Expand targets x variants x repetitions into JobSpecs with predictions; PlanError if one cannot fit."""
+    arch = _architecture(manifest)
+    seq = manifest.sequence_length
+    training = manifest.training
+    jobs: list[JobSpec] = []
+    for ti, target in enumerate(manifest.targets):
+        inst: InstanceType = catalog.get(target.instance_type)
+        hw = (local_hardware or detect_local_hardware()) if inst.is_local else None
+        if hw is not None:
+            local_hardware = hw
+            gpus_per_instance = hw.gpu_count if hw.device == "cuda" else 0
+            sku_name = hw.gpu_sku if hw.sku else None
+            gpu_memory_gb = hw.gpu_memory_gb
+            device = hw.device
+        else:
+            gpus_per_instance = inst.gpu_count
+            sku_name = inst.gpu_sku
+            gpu_memory_gb = inst.gpu_memory_gb
+            device = "cuda" if inst.gpu_count else "cpu"
+        world = max(gpus_per_instance, 1) * target.instance_count
+        precision = manifest.resolved_precision(target, catalog, hw)
+        supported = hw.precisions if hw is not None else inst.precisions
+        where = f"targets[{ti}] {target.instance_type}"
+        if precision not in supported:
+            raise PlanError(f"{where}: precision {precision} is not supported here ({', '.join(supported)})")
+        peak = None
+        if sku_name and (sku := (hw.sku if hw is not None else inst.sku)):
+            peak = sku.peak_for(precision)
+        price = target.price_per_hour_usd or inst.on_demand_usd_per_hour
+        if price is None:
+            raise PlanError(f"{where}: no price; set price_per_hour_usd")
+        spot_price = target.spot_price_per_hour_usd if target.spot else None
+        billed_price = spot_price if spot_price is not None else price
+        defaults = inst.defaults
+        for vi, variant in enumerate(manifest.variants):
+            batch = variant.per_device_batch_size or (defaults.per_device_batch_size if defaults else 1)
+            accum = variant.gradient_accumulation_steps or (defaults.gradient_accumulation_steps if defaults else 1)
+            if variant.deepspeed_stage and device == "cpu":
+                raise PlanError(f"{where} runs on CPU; variant {variant.name!r} needs deepspeed_stage 0")
+            if variant.deepspeed_stage and world < 2:
+                raise PlanError(f"{where} has one GPU; variant {variant.name!r} needs deepspeed_stage 0")
+            need = memory_per_gpu_gb(
+                arch,
+                seq=seq,
+                batch=batch,
+                precision=precision,
+                stage=variant.deepspeed_stage,
+                world=world,
+                variant=variant,
+            )
+            host_gb = hw.memory_gib * 2**30 / 1e9 if hw is not None and hw.memory_gib else None
+            capacity = gpu_memory_gb if device == "cuda" else host_gb
+            if capacity is not None and need > MEMORY_USABLE_FRACTION * capacity:
+                raise PlanError(
+                    f"{where}, variant {variant.name!r}: needs ~{need:.1f} GB per "
+                    f"{'GPU' if device == 'cuda' else 'host'} but {capacity:.0f} GB is available "
+                    f"({MEMORY_USABLE_FRACTION:.0%} usable) for {arch.name} at "
+                    f"sequence_length {seq}, per_device_batch_size {batch}; try deepspeed_stage 3, "
+                    "gradient_checkpointing: true, fused_cross_entropy: true, a smaller batch, or a larger instance"
+                )
+            tokens_per_step = batch * accum * world * seq
+            max_steps = training.max_steps or math.ceil((training.max_tokens or 0) / tokens_per_step)
+            tokens_per_s, mfu_assumed, method = _predict_tokens_per_s(
+                arch=arch,
+                seq=seq,
+                precision=precision,
+                gpus_total=gpus_per_instance * target.instance_count,
+                sku_name=sku_name,
+                peak_tflops=peak,
+                variant=variant,
+                instance_count=target.instance_count,
+                device=device,
+            )
+            training_s = max_steps * tokens_per_step / tokens_per_s
+            overhead_s = LOCAL_OVERHEAD_S if inst.is_local else CLOUD_OVERHEAD_S
+            cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
+            runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)
+            runtime = min(max(runtime, MIN_RUNTIME_S), MAX_RUNTIME_S)
+            for rep in range(manifest.repetitions):
+                name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
+                jobs.append(
+                    JobSpec(
+                        job_name=name,
+                        run_id=run_id,
+                        target_index=ti,
+                        variant_name=variant.name,
+                        repetition=rep,
+                        instance_type=target.instance_type,
+                        instance_count=target.instance_count,
+                        gpus_per_instance=gpus_per_instance,
+                        spot=target.spot,
+                        price_per_hour_usd=price,
+                        spot_price_per_hour_usd=spot_price,
+                        precision=precision,
+                        deepspeed_config=DEEPSPEED_CONFIGS.get(variant.deepspeed_stage),
+                        max_runtime_seconds=runtime,
+                        hyperparameters=hyperparameters(
+                            manifest,
+                            run_id=run_id,
+                            job_name=name,
+                            instance_type=target.instance_type,
+                            variant=variant,
+                            batch=batch,
+                            accum=accum,
+                            max_steps=max_steps,
+                            precision=precision,
+                        ),
+                        prediction=Prediction(
+                            tokens_per_s=tokens_per_s,
+                            mfu_assumed=mfu_assumed,
+                            training_seconds=training_s,
+                            overhead_seconds=overhead_s,
+                            cost_usd=cost,
+                            method=method,
+                        ),
+                    )
+                )
+    names = [j.job_name for j in jobs]
+    if len(set(names)) != len(names):  # unique by construction (t/v/r indices in the head); guards the contract
+        raise PlanError("job names are not unique")
+    return Plan(run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs)
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def hyperparameters(
+    manifest: Manifest,
+    *,
+    run_id: str,
+    job_name: str,
+    instance_type: str,
+    variant: Variant,
+    batch: int,
+    accum: int,
+    max_steps: int,
+    precision: str,
+) -> dict[str, str]:
+    """train.py's hyperparameters (docs/internals.md), all strings; warmup_steps omitted for auto."""
+    t = manifest.training
+    model = manifest.model
+    hp: dict[str, str] = {"run_id": run_id, "job_name": job_name, "instance_type": instance_type}
+    if model.preset:
+        hp["model_preset"] = model.preset
+    else:
+        hp["model_name_or_path"] = model.hf_id or model.path or ""
+    hp.update(
+        {
+            "sequence_length": str(manifest.sequence_length),
+            "per_device_train_batch_size": str(batch),
+            "gradient_accumulation_steps": str(accum),
+            "max_steps": str(max_steps),
+            "learning_rate": repr(t.learning_rate),
+            "weight_decay": repr(t.weight_decay),
+            "seed": str(t.seed),
+            "precision": precision,
+            "packing": _flag(variant.packing),
+            "attention_implementation": variant.attention,
+            "gradient_checkpointing": _flag(variant.gradient_checkpointing),
+            "torch_compile": _flag(variant.torch_compile),
+            "dataloader_num_workers": str(variant.dataloader_workers),
+            "deepspeed_stage": str(variant.deepspeed_stage),
+            "fused_cross_entropy": _flag(variant.fused_cross_entropy),
+            "fused_adamw": _flag(variant.fused_adamw),
+            "stop_rule": t.stop_rule.kind,
+            "ci_tolerance": repr(t.stop_rule.ci_tolerance),
+            "min_timed_steps": str(t.stop_rule.min_timed_steps),
+            "eval_interval": str(t.eval_interval),
+            "checkpoint_interval": str(t.checkpoint_interval),
+            "validation_batches": str(t.validation_batches),
+        }
+    )
+    if t.warmup_steps is not None:
+        hp["warmup_steps"] = str(t.warmup_steps)
+    return hp
