@@ -1,0 +1,538 @@
+"""The answer to a run: per target x variant metrics, costs, ranking and a recommendation (``analyze_run``).
+
+Pipeline (each stage O(n) or O(n log n) in the number of jobs):
+
+1. ``measure``: group JobRecords by target x variant (repetitions together) and compute everything that does not
+   depend on a price: tokens/s mean and 95 % CI, MFU, epoch and target-loss seconds, billed and overhead seconds.
+2. ``price``: turn seconds into dollars with a PriceBook (on-demand and spot).
+3. ``gpuscout.recommend.decide``: exclusions, ranking by the manifest's objective, Pareto front, recommendation.
+
+``reprice`` repeats stages 2 and 3 on a stored analysis with new prices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuscout import costs
+from gpuscout.benchmark import BenchmarkResult
+from gpuscout.costs import LossTarget, TimeBreakdown
+from gpuscout.pricing import PriceBook, PriceSnapshot
+from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+
+Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
+OBJECTIVES: tuple[str, ...] = ("cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget")
+LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
+
+
+class LossSample(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: float
+    elapsed_s: float
+    loss: float
+
+
+class JobAnalysis(BaseModel):
+    """One target x variant: its repetitions aggregated. Dollar fields are None until priced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str  # the first repetition's job name
+    job_names: list[str]
+    target_index: int | None = None
+    instance_type: str
+    instance_count: int = 1
+    gpus: int = 0  # all instances together
+    gpu_sku: str | None = None
+    variant_name: str
+    spot: bool = False
+    repetitions: int  # completed repetitions behind the numbers
+    repetitions_planned: int
+    status: str  # "completed" or the status that stopped every repetition (FAILED, OOM, CAPACITY, ...)
+    failure: str | None = None  # why no repetition completed
+    # throughput and efficiency
+    tokens_per_s: float | None = None
+    tokens_per_s_ci95: tuple[float, float] | None = None
+    ci_method: str | None = None
+    tokens_per_s_per_gpu: float | None = None
+    mfu: float | None = None
+    hfu: float | None = None
+    step_time_p50_s: float | None = None
+    step_time_p90_s: float | None = None
+    peak_memory_gb: float | None = None
+    final_train_loss: float | None = None
+    # prices used
+    usd_per_hour: float | None = None  # on-demand, per instance
+    spot_usd_per_hour: float | None = None
+    price_source: str | None = None
+    # cost per token
+    usd_per_million_tokens: float | None = None  # on-demand
+    usd_per_million_tokens_ci95: tuple[float, float] | None = None
+    usd_per_million_tokens_spot: float | None = None
+    usd_per_million_tokens_spot_ci95: tuple[float, float] | None = None
+    # the user's full dataset
+    dataset_tokens: int | None = None
+    epoch_seconds: float | None = None
+    epoch_hours: float | None = None
+    epoch_usd: float | None = None
+    epoch_usd_spot: float | None = None
+    # the target loss
+    target_loss: float | None = None
+    target_loss_method: str | None = None
+    target_loss_detail: str | None = None
+    target_loss_tokens: float | None = None
+    target_loss_seconds: float | None = None
+    target_loss_hours: float | None = None
+    target_loss_usd: float | None = None
+    # the full job the user would run: training (epoch or to the target loss) plus overheads
+    workload_basis: str | None = None
+    workload_hours: float | None = None
+    workload_usd: float | None = None
+    # what the benchmark itself cost
+    billed_seconds: float | None = None  # per instance, all repetitions (failed ones included)
+    billed_source: str | None = None
+    billed_usd: float | None = None
+    time_breakdown: TimeBreakdown | None = None  # mean over repetitions, per instance
+    overhead_seconds: float | None = None
+    overhead_usd: float | None = None
+    loss_curve: list[LossSample] = Field(default_factory=list)
+    # decision
+    excluded_reason: str | None = None
+    rank: int | None = None
+    on_pareto_front: bool = False
+
+    @property
+    def label(self) -> str:
+        count = f" x{self.instance_count}" if self.instance_count > 1 else ""
+        spot = " (spot)" if self.spot else ""
+        return f"{self.instance_type}{count} / {self.variant_name}{spot}"
+
+    @property
+    def effective_usd_per_hour(self) -> float | None:
+        return self.spot_usd_per_hour if self.spot else self.usd_per_hour
+
+    @property
+    def effective_usd_per_million_tokens(self) -> float | None:
+        return self.usd_per_million_tokens_spot if self.spot else self.usd_per_million_tokens
+
+    @property
+    def effective_usd_per_million_tokens_ci95(self) -> tuple[float, float] | None:
+        return self.usd_per_million_tokens_spot_ci95 if self.spot else self.usd_per_million_tokens_ci95
+
+
+class Recommendation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str | None
+    instance_type: str | None = None
+    instance_count: int | None = None
+    variant_name: str | None = None
+    summary: str
+    margin_fraction: float | None = None  # how much better than the runner-up on the objective's metric
+    runner_up_job_name: str | None = None
+    clear_winner: bool = False
+
+
+class Exclusion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str
+    instance_type: str
+    variant_name: str
+    reason: str
+
+
+class Constraints(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    budget_usd: float | None = None
+    deadline_hours: float | None = None
+    target_loss: float | None = None
+
+
+class RunAnalysis(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    run_name: str | None = None
+    objective: Objective
+    constraints: Constraints
+    dataset_tokens: int | None = None
+    jobs: list[JobAnalysis]
+    recommendation: Recommendation
+    excluded: list[Exclusion]
+    price_snapshot: PriceSnapshot
+    total_billed_usd: float
+    assumptions: list[str]
+    generated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+# -- manifest access (a gpuscout.manifest.Manifest or its dict) ---------------------------------------------------
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def read_objective_and_constraints(manifest: Any) -> tuple[Objective, Constraints]:
+    constraints = _get(manifest, "constraints")
+    objective = _get(manifest, "objective") or _get(constraints, "objective") or "cheapest_per_token"
+    objective = str(getattr(objective, "value", objective))
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
+    return objective, Constraints(  # type: ignore[return-value]
+        budget_usd=_get(constraints, "budget_usd"),
+        deadline_hours=_get(constraints, "deadline_hours"),
+        target_loss=_get(constraints, "target_loss"),
+    )
+
+
+# -- stage 1: measure ---------------------------------------------------------------------------------------------
+_FAILURE_WORDS = {
+    JobStatus.OOM: "out of GPU memory",
+    JobStatus.CAPACITY: "no capacity for the instance type",
+    JobStatus.QUOTA: "account quota exceeded (ResourceLimitExceeded)",
+    JobStatus.FAILED: "failed",
+    JobStatus.STOPPED: "stopped before it finished",
+}
+
+
+def _group_key(job: JobRecord) -> tuple[Any, ...]:
+    target_index = job.spec.get("target_index")
+    return (target_index, job.instance_type, job.instance_count, job.spot, job.variant_name)
+
+
+def _failure_text(job: JobRecord) -> str:
+    words = _FAILURE_WORDS.get(job.status, f"did not finish (status {job.status.value})")
+    reason = job.failure_reason or ((job.benchmark or {}).get("failure_reason"))
+    return f"{words}: {reason}" if reason and job.status is not JobStatus.OOM else words
+
+
+def _downsample(points: Sequence[Any], limit: int) -> list[Any]:
+    if len(points) <= limit:
+        return list(points)
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+def _measure_group(jobs: list[JobRecord], target_loss: float | None) -> JobAnalysis:
+    jobs = sorted(jobs, key=lambda j: (j.repetition, j.job_name))
+    first = jobs[0]
+    completed: list[tuple[JobRecord, BenchmarkResult]] = []
+    failures: list[str] = []
+    for job in jobs:
+        if job.status is JobStatus.COMPLETED and job.benchmark is not None:
+            try:
+                result = BenchmarkResult.model_validate(job.benchmark)
+            except ValidationError as err:
+                failures.append(f"unreadable benchmark.json ({err.error_count()} problems)")
+                continue
+            if result.status == "completed" and result.throughput is not None and result.throughput.tokens_per_s > 0:
+                completed.append((job, result))
+            else:
+                failures.append(f"failed: {result.failure_reason or 'benchmark.json reports no throughput'}")
+        elif job.status is JobStatus.COMPLETED:
+            failures.append("completed without a benchmark.json")
+        else:
+            failures.append(_failure_text(job))
+
+    # billed time: every repetition that ran, failed ones included
+    billed_seconds: float | None = None
+    billed_source = None
+    billed_by_job: list[float] = []
+    for job in jobs:
+        if job.billable_seconds is not None:
+            billed_by_job.append(float(job.billable_seconds))
+            billed_source = "SageMaker BillableTimeInSeconds"
+        elif job.benchmark and (job.benchmark.get("timing") or {}).get("wall_time_s") is not None:
+            billed_by_job.append(float(job.benchmark["timing"]["wall_time_s"]))
+            billed_source = billed_source or "wall time of the training script (local run)"
+    if billed_by_job:
+        billed_seconds = math.fsum(billed_by_job)
+
+    spec = first.spec
+    gpus_per_instance = int(spec.get("gpus_per_instance", 0) or 0)
+    analysis = JobAnalysis(
+        job_name=first.job_name,
+        job_names=[j.job_name for j in jobs],
+        target_index=spec.get("target_index"),
+        instance_type=first.instance_type,
+        instance_count=first.instance_count,
+        gpus=gpus_per_instance * first.instance_count,
+        variant_name=first.variant_name,
+        spot=first.spot,
+        repetitions=len(completed),
+        repetitions_planned=len(jobs),
+        status="completed" if completed else _worst_status(jobs),
+        failure=None if completed else "; ".join(sorted(set(failures))),
+        billed_seconds=billed_seconds,
+        billed_source=billed_source,
+        target_loss=target_loss,
+    )
+    if not completed:
+        return analysis
+
+    results = [r for _, r in completed]
+    tps = [r.throughput.tokens_per_s for r in results if r.throughput is not None]
+    mean_tps, ci = costs.mean_ci95(tps)
+    if ci is not None:
+        ci_method = f"t-interval over {len(tps)} repetitions"
+    else:
+        ci = results[0].throughput.tokens_per_s_ci95 if results[0].throughput is not None else None
+        ci_method = "within-run interval over timed steps (1 repetition)"
+    hw = results[0].hardware
+    world = hw.world_size or analysis.gpus or 1
+    timings = [r.timing for r in results if r.timing is not None]
+    peak = [r.memory.peak_allocated_gb for r in results if r.memory.peak_allocated_gb is not None]
+    final_losses = [r.loss.final_train_loss for r in results if r.loss and r.loss.final_train_loss is not None]
+    dataset_tokens = results[0].dataset.tokens
+
+    breakdowns = [
+        costs.time_breakdown(
+            job.secondary_status_transitions,
+            startup_s=result.timing.startup_time_s if result.timing else 0.0,
+            wall_time_s=result.timing.wall_time_s if result.timing else None,
+            train_time_s=result.timing.train_time_s if result.timing else None,
+        )
+        for job, result in completed
+    ]
+    breakdown = TimeBreakdown(
+        **{phase: math.fsum(getattr(b, phase) for b in breakdowns) / len(breakdowns) for phase in costs.PHASES},
+        source=breakdowns[0].source,
+    )
+
+    update: dict[str, Any] = {
+        "gpus": world if hw.device == "cuda" else analysis.gpus,
+        "gpu_sku": hw.gpu_sku,
+        "tokens_per_s": mean_tps,
+        "tokens_per_s_ci95": ci,
+        "ci_method": ci_method,
+        "tokens_per_s_per_gpu": mean_tps / world,
+        "mfu": _mean([r.efficiency.mfu for r in results if r.efficiency and r.efficiency.mfu is not None]),
+        "hfu": _mean([r.efficiency.hfu for r in results if r.efficiency and r.efficiency.hfu is not None]),
+        "step_time_p50_s": _mean([t.step_time_p50_s for t in timings]),
+        "step_time_p90_s": _mean([t.step_time_p90_s for t in timings]),
+        "peak_memory_gb": max(peak) if peak else None,
+        "final_train_loss": _mean(final_losses),
+        "dataset_tokens": dataset_tokens,
+        "epoch_seconds": costs.epoch_seconds(dataset_tokens, mean_tps) if dataset_tokens > 0 else None,
+        "time_breakdown": breakdown,
+        "overhead_seconds": breakdown.overhead_seconds,
+    }
+    curve = results[0].loss.train if results[0].loss else []
+    update["loss_curve"] = [
+        LossSample(tokens=p.tokens, elapsed_s=p.elapsed_s, loss=p.loss) for p in _downsample(curve, LOSS_CURVE_POINTS)
+    ]
+    if target_loss is not None:
+        update.update(_target_loss(results, target_loss, mean_tps))
+    return analysis.model_copy(update=update)
+
+
+def _worst_status(jobs: Sequence[JobRecord]) -> str:
+    # the most telling status when every repetition failed: capacity/quota/OOM say more than a bare FAILED
+    order = [JobStatus.CAPACITY, JobStatus.QUOTA, JobStatus.OOM, JobStatus.FAILED, JobStatus.STOPPED]
+    statuses = {j.status for j in jobs}
+    for status in order:
+        if status in statuses:
+            return status.value
+    return sorted(s.value for s in statuses)[0]
+
+
+def _target_loss(results: Sequence[BenchmarkResult], target: float, mean_tps: float) -> dict[str, Any]:
+    outcomes: list[LossTarget] = []
+    for r in results:
+        curve = [(p.tokens, p.elapsed_s, p.loss) for p in (r.loss.train if r.loss else [])]
+        rep_tps = r.throughput.tokens_per_s if r.throughput else mean_tps
+        outcomes.append(costs.time_to_target_loss(curve, target, rep_tps))
+    usable = [o for o in outcomes if o.tokens is not None and o.seconds is not None]
+    if len(usable) < len(outcomes):
+        reason = next(o for o in outcomes if o.tokens is None)
+        return {"target_loss_method": reason.method, "target_loss_detail": reason.detail}
+    methods = sorted({o.method for o in usable})
+    return {
+        "target_loss_method": methods[0] if len(methods) == 1 else " / ".join(methods),
+        "target_loss_detail": usable[0].detail + (f" (mean of {len(usable)} repetitions)" if len(usable) > 1 else ""),
+        "target_loss_tokens": math.fsum(o.tokens for o in usable if o.tokens is not None) / len(usable),
+        "target_loss_seconds": math.fsum(o.seconds for o in usable if o.seconds is not None) / len(usable),
+    }
+
+
+def measure(jobs: Sequence[JobRecord], target_loss: float | None = None) -> list[JobAnalysis]:
+    """Stage 1: one JobAnalysis per target x variant, price-independent fields only."""
+    groups: dict[tuple[Any, ...], list[JobRecord]] = {}
+    for job in jobs:
+        groups.setdefault(_group_key(job), []).append(job)
+    measured = [_measure_group(group, target_loss) for group in groups.values()]
+    measured.sort(key=lambda a: (a.instance_type, a.instance_count, a.variant_name, a.spot, a.job_name))
+    return measured
+
+
+# -- stage 2: price -----------------------------------------------------------------------------------------------
+def _cost_ci(usd_per_hour: float, count: int, ci: tuple[float, float] | None) -> tuple[float, float] | None:
+    if ci is None or ci[0] <= 0:
+        return None
+    # cost falls as throughput rises: the interval's ends swap
+    return (
+        costs.usd_per_million_tokens(usd_per_hour, count, ci[1]),
+        costs.usd_per_million_tokens(usd_per_hour, count, ci[0]),
+    )
+
+
+def price_job(job: JobAnalysis, prices: PriceBook, spec: Mapping[str, Any] | None = None) -> JobAnalysis:
+    """Stage 2: dollar fields of one JobAnalysis from the PriceBook (or the job spec's plan-time price)."""
+    if job.instance_type in prices or spec is None:
+        price = prices.get(job.instance_type)
+    else:
+        price = prices.ensure(
+            job.instance_type,
+            float(spec["price_per_hour_usd"]),
+            spec.get("spot_price_per_hour_usd"),
+            source="job spec (plan-time price)",
+        )
+    on_demand, spot = price.on_demand_usd_per_hour, price.spot_usd_per_hour
+    billed_rate = spot if job.spot else on_demand
+    n = job.instance_count
+    update: dict[str, Any] = {
+        "usd_per_hour": on_demand,
+        "spot_usd_per_hour": spot,
+        "price_source": f"{price.on_demand_source}; spot: {price.spot_source}",
+        "billed_usd": costs.usd_for_seconds(job.billed_seconds, billed_rate, n)
+        if job.billed_seconds is not None
+        else None,
+    }
+    if job.tokens_per_s:
+        tps = job.tokens_per_s
+        update |= {
+            "usd_per_million_tokens": costs.usd_per_million_tokens(on_demand, n, tps),
+            "usd_per_million_tokens_spot": costs.usd_per_million_tokens(spot, n, tps),
+            "usd_per_million_tokens_ci95": _cost_ci(on_demand, n, job.tokens_per_s_ci95),
+            "usd_per_million_tokens_spot_ci95": _cost_ci(spot, n, job.tokens_per_s_ci95),
+            "overhead_usd": costs.usd_for_seconds(job.overhead_seconds or 0.0, billed_rate, n),
+        }
+        if job.epoch_seconds is not None:
+            update |= {
+                "epoch_hours": job.epoch_seconds / costs.SECONDS_PER_HOUR,
+                "epoch_usd": costs.usd_for_seconds(job.epoch_seconds, on_demand, n),
+                "epoch_usd_spot": costs.usd_for_seconds(job.epoch_seconds, spot, n),
+            }
+        if job.target_loss_seconds is not None:
+            update |= {
+                "target_loss_hours": job.target_loss_seconds / costs.SECONDS_PER_HOUR,
+                "target_loss_usd": costs.usd_for_seconds(job.target_loss_seconds, billed_rate, n),
+            }
+        training_s, basis = None, None
+        if job.target_loss is not None:
+            if job.target_loss_seconds is not None:
+                training_s, basis = job.target_loss_seconds, f"train to loss {job.target_loss:g} + overheads"
+        elif job.epoch_seconds is not None:
+            training_s, basis = job.epoch_seconds, f"one epoch of {job.dataset_tokens:,} tokens + overheads"
+        if training_s is not None:
+            total_s = training_s + (job.overhead_seconds or 0.0)
+            update |= {
+                "workload_basis": basis,
+                "workload_hours": total_s / costs.SECONDS_PER_HOUR,
+                "workload_usd": costs.usd_for_seconds(total_s, billed_rate, n),
+            }
+    return job.model_copy(update=update)
+
+
+# -- entry points -------------------------------------------------------------------------------------------------
+def _assumptions(prices: PriceBook, objective: str, constraints: Constraints) -> list[str]:
+    notes = [
+        "tokens/s counts non-padding tokens of all GPUs over timed steps (warmup excluded).",
+        "Cost per 1M tokens = price per instance-hour x instances / 3600 / tokens per s x 1e6.",
+        f"Spot prices: {prices.spot.assumption}",
+        "Billed cost = BillableTimeInSeconds (cloud) or script wall time (local) x price x instances; "
+        "spot targets are billed at the spot price.",
+        "95 % confidence intervals: Student t over repetitions; with one repetition, the run's own interval "
+        "over timed steps.",
+    ]
+    if constraints.target_loss is not None:
+        notes.append(
+            f"Time to loss {constraints.target_loss:g}: measured on the train-loss curve when reached, else "
+            f"projected by a power-law (or log-linear) fit; never beyond {costs.MAX_EXTRAPOLATION:g}x the measured "
+            "tokens."
+        )
+    if constraints.deadline_hours is not None:
+        notes.append(
+            f"Deadline {constraints.deadline_hours:g} h applies to the full workload (training plus overheads)."
+        )
+    if objective == "fastest_within_budget" and constraints.budget_usd is not None:
+        notes.append(f"Budget ${constraints.budget_usd:,.2f} applies to the full workload's cost.")
+    notes.extend(prices.notes)
+    return notes
+
+
+def analyze_run(
+    run: RunRecord,
+    jobs: Sequence[JobRecord],
+    *,
+    manifest: Any = None,
+    catalog: Any = None,
+    prices: PriceBook | None = None,
+) -> RunAnalysis:
+    """Analyze one run's jobs: metrics, costs, exclusions, ranking and a recommendation.
+
+    ``manifest`` is a gpuscout.manifest.Manifest or its dict (default: the one stored on the run). ``prices``
+    defaults to the catalog table with the manifest's price overrides; the cloud passes a PriceBook refreshed
+    from the AWS Price List API.
+    """
+    from gpuscout.recommend import decide
+
+    manifest = manifest if manifest is not None else run.manifest
+    objective, constraints = read_objective_and_constraints(manifest)
+    if prices is None:
+        prices = PriceBook.from_catalog(catalog).with_manifest_overrides(manifest)
+    specs = {j.job_name: j.spec for j in jobs}
+    measured = measure(jobs, constraints.target_loss)
+    priced = [price_job(a, prices, specs.get(a.job_name)) for a in measured]
+    ranked, recommendation, excluded = decide(priced, objective, constraints)
+    dataset_tokens = next((a.dataset_tokens for a in ranked if a.dataset_tokens), None)
+    return RunAnalysis(
+        run_id=run.run_id,
+        run_name=run.name,
+        objective=objective,
+        constraints=constraints,
+        dataset_tokens=dataset_tokens,
+        jobs=ranked,
+        recommendation=recommendation,
+        excluded=excluded,
+        price_snapshot=prices.snapshot(),
+        total_billed_usd=math.fsum(a.billed_usd or 0.0 for a in ranked),
+        assumptions=_assumptions(prices, objective, constraints),
+    )
+
+
+def reprice(analysis: RunAnalysis | Mapping[str, Any], prices: PriceBook) -> RunAnalysis:
+    """Re-price a stored analysis (RunAnalysis or its JSON dict) with new prices; measurements are reused."""
+    from gpuscout.recommend import decide
+
+    old = analysis if isinstance(analysis, RunAnalysis) else RunAnalysis.model_validate(analysis)
+    fresh = [a.model_copy(update={"excluded_reason": None, "rank": None, "on_pareto_front": False}) for a in old.jobs]
+    for previous in old.price_snapshot.prices.values():
+        prices.setdefault(previous)  # instance types the new prices do not cover keep their old price
+    priced = [price_job(a, prices) for a in fresh]
+    ranked, recommendation, excluded = decide(priced, old.objective, old.constraints)
+    return old.model_copy(
+        update={
+            "jobs": ranked,
+            "recommendation": recommendation,
+            "excluded": excluded,
+            "price_snapshot": prices.snapshot(),
+            "total_billed_usd": math.fsum(a.billed_usd or 0.0 for a in ranked),
+            "assumptions": _assumptions(prices, old.objective, old.constraints),
+            "generated_at": datetime.now(UTC),
+        }
+    )

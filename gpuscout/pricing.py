@@ -1,0 +1,309 @@
+"""Prices per instance-hour: the catalog table, manifest overrides and the AWS Price List API.
+
+Order of precedence for one instance type (highest first):
+
+1. a manifest target's ``price_per_hour_usd`` / ``spot_price_per_hour_usd``;
+2. the AWS Price List API (``refresh_from_aws``; cloud only, falls back to 2. with a logged reason on any error);
+3. the catalog table (``configs/instances/*.json``: on_demand_usd_per_hour, price_region, price_date, price_source).
+
+Spot prices are not in the Price List API for SageMaker, so unless a target overrides them they are an
+*assumption*: on-demand x (1 - discount) with the discount from ``configs/pricing/spot.json``. Every price keeps
+its source, date and region, and ``PriceBook.snapshot()`` freezes them into a ``PriceSnapshot`` that is stored with
+the result so a run can be re-priced later (``gpuscout.analysis.reprice``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuscout import paths
+from gpuscout.errors import PricingError
+
+log = logging.getLogger(__name__)
+
+PRICE_LIST_REGION = "us-east-1"  # the Price List API endpoint lives in us-east-1 (and ap-south-1)
+SAGEMAKER_SERVICE_CODE = "AmazonSageMaker"
+
+
+class SpotAssumption(BaseModel):
+    """configs/pricing/spot.json: how spot prices are derived when nobody states one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default_discount: float = Field(ge=0, lt=1)
+    family_discounts: dict[str, float] = Field(default_factory=dict)  # e.g. {"ml.p5": 0.5}
+    assumption: str
+    source: str
+    date: str
+
+    def discount_for(self, instance_type: str) -> float:
+        # Longest matching prefix wins, so "ml.p5e" can differ from "ml.p5".
+        best = ""
+        for prefix in self.family_discounts:
+            if instance_type.startswith(prefix) and len(prefix) > len(best):
+                best = prefix
+        return self.family_discounts[best] if best else self.default_discount
+
+
+def load_spot_assumption(path: Path | None = None) -> SpotAssumption:
+    path = path or paths.PRICING_DIR / "spot.json"
+    try:
+        return SpotAssumption.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as err:
+        raise PricingError(f"cannot read the spot price assumption {path}: {err}") from err
+
+
+class InstancePrice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str
+    on_demand_usd_per_hour: float = Field(ge=0)
+    spot_usd_per_hour: float = Field(ge=0)
+    on_demand_source: str  # "catalog: <source>", "aws-price-list", "manifest override", "job spec"
+    spot_source: str  # "assumed 60 % discount (<source>)" or "manifest override"
+    date: str  # price date (catalog price_date, Price List effectiveDate, or the override's run date)
+    region: str
+
+    def for_spot(self, spot: bool) -> float:
+        return self.spot_usd_per_hour if spot else self.on_demand_usd_per_hour
+
+
+class PriceSnapshot(BaseModel):
+    """Every price a result used, frozen: stored with the result so the run can be re-priced or audited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prices: dict[str, InstancePrice]
+    spot_assumption: str
+    taken_at: datetime
+    notes: list[str] = Field(default_factory=list)  # e.g. why the Price List refresh fell back to the table
+
+
+class _CatalogEntry(Protocol):
+    on_demand_usd_per_hour: float
+    price_region: str
+    price_date: Any
+    price_source: str
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _catalog_entries(catalog: Any) -> Iterable[tuple[str, Any]]:
+    """(instance_type, entry) pairs from a gpuscout.catalog.Catalog, a mapping, or an iterable of entries."""
+    if catalog is None:
+        return []
+    for attr in ("instances", "entries"):
+        inner = getattr(catalog, attr, None)
+        if inner is not None:
+            catalog = inner
+            break
+    if isinstance(catalog, Mapping):
+        return list(catalog.items())
+    return [(str(_field(e, "instance_type")), e) for e in catalog]
+
+
+class PriceBook:
+    """On-demand and spot price per instance-hour, with where each number came from."""
+
+    def __init__(
+        self, prices: Mapping[str, InstancePrice] | None = None, *, spot: SpotAssumption | None = None
+    ) -> None:
+        self._prices: dict[str, InstancePrice] = dict(prices or {})
+        self.spot = spot or load_spot_assumption()
+        self.notes: list[str] = []
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_catalog(cls, catalog: Any, *, spot: SpotAssumption | None = None) -> PriceBook:
+        book = cls(spot=spot)
+        for instance_type, entry in _catalog_entries(catalog):
+            on_demand = _field(entry, "on_demand_usd_per_hour")
+            if on_demand is None:
+                continue
+            book._prices[instance_type] = book._derived(
+                instance_type,
+                float(on_demand),
+                on_demand_source=f"catalog: {_field(entry, 'price_source', 'unknown source')}",
+                date=str(_field(entry, "price_date", "")),
+                region=str(_field(entry, "price_region", "")),
+            )
+        return book
+
+    @classmethod
+    def from_snapshot(cls, snapshot: PriceSnapshot | Mapping[str, Any]) -> PriceBook:
+        snap = snapshot if isinstance(snapshot, PriceSnapshot) else PriceSnapshot.model_validate(snapshot)
+        book = cls(snap.prices)
+        book.notes = list(snap.notes)
+        return book
+
+    def _derived(
+        self, instance_type: str, on_demand: float, *, on_demand_source: str, date: str, region: str
+    ) -> InstancePrice:
+        discount = self.spot.discount_for(instance_type)
+        return InstancePrice(
+            instance_type=instance_type,
+            on_demand_usd_per_hour=on_demand,
+            spot_usd_per_hour=on_demand * (1.0 - discount),
+            on_demand_source=on_demand_source,
+            spot_source=f"assumed {discount:.0%} discount on on-demand ({self.spot.source})",
+            date=date,
+            region=region,
+        )
+
+    def set_on_demand(self, instance_type: str, usd_per_hour: float, *, source: str, date: str, region: str) -> None:
+        """Set an on-demand price; a spot price that was itself derived is re-derived, an override is kept."""
+        old = self._prices.get(instance_type)
+        new = self._derived(instance_type, usd_per_hour, on_demand_source=source, date=date, region=region)
+        if old is not None and not old.spot_source.startswith("assumed"):
+            new = new.model_copy(update={"spot_usd_per_hour": old.spot_usd_per_hour, "spot_source": old.spot_source})
+        self._prices[instance_type] = new
+
+    def with_manifest_overrides(self, manifest: Any) -> PriceBook:
+        """Apply targets[].price_per_hour_usd / spot_price_per_hour_usd of a Manifest (model or dict)."""
+        targets = _field(manifest, "targets", None) or []
+        for target in targets:
+            instance_type = _field(target, "instance_type")
+            on_demand = _field(target, "price_per_hour_usd")
+            spot = _field(target, "spot_price_per_hour_usd")
+            if not instance_type or (on_demand is None and spot is None):
+                continue
+            if on_demand is not None:
+                old = self._prices.get(instance_type)
+                self.set_on_demand(
+                    instance_type,
+                    float(on_demand),
+                    source="manifest override",
+                    date=old.date if old else "",
+                    region=old.region if old else "",
+                )
+            if spot is not None:
+                current = self._prices.get(instance_type)
+                if current is None:
+                    raise PricingError(
+                        f"{instance_type}: a spot price override needs an on-demand price too "
+                        "(not in the catalog; set price_per_hour_usd on the target)"
+                    )
+                self._prices[instance_type] = current.model_copy(
+                    update={"spot_usd_per_hour": float(spot), "spot_source": "manifest override"}
+                )
+        return self
+
+    # -- lookup -------------------------------------------------------------------------------------------
+    def __contains__(self, instance_type: object) -> bool:
+        return instance_type in self._prices
+
+    def get(self, instance_type: str) -> InstancePrice:
+        try:
+            return self._prices[instance_type]
+        except KeyError as err:
+            known = ", ".join(sorted(self._prices)) or "none"
+            raise PricingError(f"no price for {instance_type!r} (priced: {known})") from err
+
+    def ensure(self, instance_type: str, on_demand: float, spot: float | None, *, source: str) -> InstancePrice:
+        """The book's price, or (when the book has none) one from a job spec's plan-time prices."""
+        if instance_type not in self._prices:
+            price = self._derived(instance_type, on_demand, on_demand_source=source, date="", region="")
+            if spot is not None:
+                price = price.model_copy(update={"spot_usd_per_hour": spot, "spot_source": source})
+            self._prices[instance_type] = price
+        return self._prices[instance_type]
+
+    def setdefault(self, price: InstancePrice) -> InstancePrice:
+        """Add ``price`` unless the book already prices that instance type; return the book's price."""
+        return self._prices.setdefault(price.instance_type, price)
+
+    def snapshot(self) -> PriceSnapshot:
+        return PriceSnapshot(
+            prices=dict(sorted(self._prices.items())),
+            spot_assumption=self.spot.assumption,
+            taken_at=datetime.now(UTC),
+            notes=list(self.notes),
+        )
+
+    # -- AWS Price List API -------------------------------------------------------------------------------
+    def refresh_from_aws(self, instance_types: Iterable[str], region: str, *, client: Any = None) -> PriceBook:
+        """Replace on-demand prices with the Price List API's SageMaker Training prices for ``region``.
+
+        Any error (no permission, throttling, no product, unparsable answer) keeps the table price and records
+        the reason in ``notes`` (and the log); the analysis never fails because the Price List API did.
+        """
+        if client is None:
+            try:
+                import boto3
+
+                client = boto3.client("pricing", region_name=PRICE_LIST_REGION)
+            except Exception as err:  # boto3 raises many kinds here (no region, no credentials, ...)
+                self._note(f"AWS Price List API unavailable ({err}); using the catalog table")
+                return self
+        for instance_type in sorted(set(instance_types)):
+            try:
+                usd, date = fetch_sagemaker_training_price(client, instance_type, region)
+            except Exception as err:  # any failure falls back to the table, by design (see docstring)
+                self._note(f"{instance_type}: Price List API lookup failed ({err}); using the catalog table price")
+                continue
+            self.set_on_demand(instance_type, usd, source="aws-price-list", date=date, region=region)
+        return self
+
+    def _note(self, message: str) -> None:
+        log.warning(message)
+        self.notes.append(message)
+
+
+def fetch_sagemaker_training_price(client: Any, instance_type: str, region: str) -> tuple[float, str]:
+    """On-demand USD per hour and effective date of SageMaker Training on ``instance_type`` in ``region``."""
+    response = client.get_products(
+        ServiceCode=SAGEMAKER_SERVICE_CODE,
+        Filters=[
+            {"Type": "TERM_MATCH", "Field": "instanceName", "Value": instance_type},
+            {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
+            {"Type": "TERM_MATCH", "Field": "component", "Value": "Training"},
+        ],
+        FormatVersion="aws_v1",
+        MaxResults=10,
+    )
+    return parse_price_list(response.get("PriceList", []), instance_type)
+
+
+def parse_price_list(price_list: list[str], instance_type: str) -> tuple[float, str]:
+    """Parse get_products' PriceList (JSON strings) into (USD per hour, effective date).
+
+    Only on-demand terms in USD per hour ("Hrs") for the requested instance and the Training component count.
+    Several matching products with different prices are ambiguous and rejected.
+    """
+    found: set[tuple[float, str]] = set()
+    for raw in price_list:
+        try:
+            item = json.loads(raw)
+        except (TypeError, json.JSONDecodeError) as err:
+            raise PricingError(f"unparsable Price List entry for {instance_type}: {err}") from err
+        attributes = item.get("product", {}).get("attributes", {})
+        if attributes.get("instanceName") != instance_type or attributes.get("component", "Training") != "Training":
+            continue
+        for term in item.get("terms", {}).get("OnDemand", {}).values():
+            date = str(term.get("effectiveDate", ""))[:10]
+            for dimension in term.get("priceDimensions", {}).values():
+                if dimension.get("unit") not in ("Hrs", "Hours", "Hour"):
+                    continue
+                usd = dimension.get("pricePerUnit", {}).get("USD")
+                if usd is None:
+                    continue
+                value = float(usd)
+                if value > 0:
+                    found.add((value, date))
+    if not found:
+        raise PricingError(f"the Price List API has no on-demand Training price for {instance_type}")
+    prices = {usd for usd, _ in found}
+    if len(prices) > 1:
+        raise PricingError(f"ambiguous Price List answer for {instance_type}: {sorted(prices)} USD/h")
+    return max(found, key=lambda p: p[1])

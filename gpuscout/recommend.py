@@ -1,0 +1,193 @@
+"""Exclusions, ranking by the manifest's objective, the Pareto front and the recommendation.
+
+Objectives and their metric:
+
+- ``cheapest_per_token`` / ``cheapest_within_deadline``: lowest $ per 1M tokens at the price the target pays
+  (spot targets at the spot price);
+- ``fastest`` / ``fastest_within_budget``: highest tokens/s (all GPUs together).
+
+Constraints: ``deadline_hours`` excludes, under every objective, a target whose full workload (one epoch of the
+dataset, or training to ``target_loss`` when set, plus overheads) takes longer. ``budget_usd`` caps the benchmark
+spend at planning time; here it excludes a target whose workload costs more only under ``fastest_within_budget``.
+
+Ties are broken deterministically: by the other metric (cheaper first for speed objectives, faster first for cost
+objectives), then instance type, instance count, variant name, spot last, and job name, all ascending.
+
+The winner is "clear" only when its 95 % confidence interval on the objective's metric does not overlap the
+runner-up's; otherwise the summary says "no clear winner" and names both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpuscout.analysis import Constraints, Exclusion, JobAnalysis, Recommendation
+
+COST_OBJECTIVES = frozenset({"cheapest_per_token", "cheapest_within_deadline"})
+
+
+def _cost(job: JobAnalysis) -> float:
+    value = job.effective_usd_per_million_tokens
+    return value if value is not None else float("inf")
+
+
+def _speed(job: JobAnalysis) -> float:
+    return job.tokens_per_s or 0.0
+
+
+def sort_key(job: JobAnalysis, objective: str) -> tuple[Any, ...]:
+    """Deterministic order for ``objective``: best first (see module docstring for the tie-breakers)."""
+    names = (job.instance_type, job.instance_count, job.variant_name, job.spot, job.job_name)
+    if objective in COST_OBJECTIVES:
+        return (_cost(job), -_speed(job), *names)
+    return (-_speed(job), _cost(job), *names)
+
+
+def exclusion_reason(job: JobAnalysis, objective: str, constraints: Constraints) -> str | None:
+    if job.status != "completed" or job.tokens_per_s is None:
+        return job.failure or f"no result (status {job.status})"
+    if job.effective_usd_per_million_tokens is None:
+        return "no price for the instance type"
+    needs_workload = constraints.deadline_hours is not None or (
+        objective == "fastest_within_budget" and constraints.budget_usd is not None
+    )
+    if needs_workload and job.workload_hours is None:
+        detail = job.target_loss_detail or "no dataset size"
+        return f"cannot check the constraints: time to loss {constraints.target_loss} unknown ({detail})"
+    if (
+        constraints.deadline_hours is not None
+        and job.workload_hours is not None
+        and job.workload_hours > constraints.deadline_hours
+    ):
+        hours = f"{job.workload_hours:,.1f} h > {constraints.deadline_hours:g} h"
+        return f"misses the deadline: {hours} ({job.workload_basis})"
+    if (
+        objective == "fastest_within_budget"
+        and constraints.budget_usd is not None
+        and job.workload_usd is not None
+        and job.workload_usd > constraints.budget_usd
+    ):
+        return f"over budget: ${job.workload_usd:,.2f} > ${constraints.budget_usd:,.2f} ({job.workload_basis})"
+    return None
+
+
+def pareto_front(jobs: Sequence[JobAnalysis]) -> set[str]:
+    """Job names not dominated on (higher tokens/s, lower $ per 1M tokens). O(n log n): sort, then one sweep."""
+    points = [j for j in jobs if j.tokens_per_s is not None and j.effective_usd_per_million_tokens is not None]
+    points.sort(key=lambda j: (-_speed(j), _cost(j)))
+    front: set[str] = set()
+    best_cost = float("inf")
+    last_on_front: tuple[float, float] | None = None
+    for job in points:
+        point = (_speed(job), _cost(job))
+        if point[1] < best_cost:  # faster-or-equal points came first, so only a lower cost survives
+            front.add(job.job_name)
+            best_cost, last_on_front = point[1], point
+        elif point == last_on_front:  # an exact duplicate of a front point is not dominated either
+            front.add(job.job_name)
+    return front
+
+
+def _interval(job: JobAnalysis, objective: str) -> tuple[float, float] | None:
+    return job.effective_usd_per_million_tokens_ci95 if objective in COST_OBJECTIVES else job.tokens_per_s_ci95
+
+
+def _metric_text(job: JobAnalysis, objective: str) -> str:
+    interval = _interval(job, objective)
+    if objective in COST_OBJECTIVES:
+        text = f"${_cost(job):,.4g} per 1M tokens{' (spot)' if job.spot else ''}"
+        if interval:
+            text += f" (95 % CI ${interval[0]:,.4g}-{interval[1]:,.4g})"
+        return text
+    text = f"{_speed(job):,.0f} tokens/s"
+    if interval:
+        text += f" (95 % CI {interval[0]:,.0f}-{interval[1]:,.0f})"
+    return text
+
+
+def _margin(best: JobAnalysis, runner_up: JobAnalysis, objective: str) -> float:
+    if objective in COST_OBJECTIVES:
+        return _cost(runner_up) / _cost(best) - 1.0  # the runner-up costs this much more per token
+    return _speed(best) / _speed(runner_up) - 1.0  # the winner is this much faster
+
+
+def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
+    """Recommendation from eligible jobs in rank order."""
+    if not ranked:
+        return Recommendation(
+            job_name=None, summary="No recommendation: every target x variant was excluded (see the exclusions)."
+        )
+    best = ranked[0]
+    facts = _metric_text(best, objective)
+    other = f"{_speed(best):,.0f} tokens/s" if objective in COST_OBJECTIVES else f"${_cost(best):,.4g} per 1M tokens"
+    if best.workload_hours is not None and best.workload_usd is not None:
+        other += f"; {best.workload_basis}: {best.workload_hours:,.1f} h, ${best.workload_usd:,.2f}"
+    base = dict(
+        job_name=best.job_name,
+        instance_type=best.instance_type,
+        instance_count=best.instance_count,
+        variant_name=best.variant_name,
+    )
+    if len(ranked) == 1:
+        return Recommendation(
+            **base,
+            summary=f"{best.label}: {facts}, {other}. It is the only target x variant left, so there is no runner-up.",
+            clear_winner=True,
+        )
+    runner = ranked[1]
+    margin = _margin(best, runner, objective)
+    mine, theirs = _interval(best, objective), _interval(runner, objective)
+    overlap = mine is not None and theirs is not None and mine[0] <= theirs[1] and theirs[0] <= mine[1]
+    comparison = (
+        f"the runner-up {runner.label} costs {margin:.1%} more ({_metric_text(runner, objective)})"
+        if objective in COST_OBJECTIVES
+        else f"{margin:.1%} faster than the runner-up {runner.label} ({_metric_text(runner, objective)})"
+    )
+    if overlap:
+        summary = (
+            f"No clear winner: the 95 % confidence intervals of {best.label} and {runner.label} overlap. "
+            f"{best.label} leads on the mean: {facts}, {other}; {comparison}. "
+            "More repetitions would separate them."
+        )
+    else:
+        summary = f"Recommended: {best.label}: {facts}, {other}; {comparison}."
+    return Recommendation(
+        **base,
+        summary=summary,
+        margin_fraction=margin,
+        runner_up_job_name=runner.job_name,
+        clear_winner=not overlap,
+    )
+
+
+def decide(
+    jobs: Sequence[JobAnalysis], objective: str, constraints: Constraints
+) -> tuple[list[JobAnalysis], Recommendation, list[Exclusion]]:
+    """Exclude, rank, mark the Pareto front and recommend. Returns ranked jobs first, then excluded ones."""
+    eligible: list[JobAnalysis] = []
+    excluded: list[JobAnalysis] = []
+    for job in jobs:
+        reason = exclusion_reason(job, objective, constraints)
+        if reason is None:
+            eligible.append(job)
+        else:
+            excluded.append(job.model_copy(update={"excluded_reason": reason, "rank": None}))
+    eligible.sort(key=lambda j: sort_key(j, objective))
+    excluded.sort(key=lambda j: (j.instance_type, j.instance_count, j.variant_name, j.spot, j.job_name))
+    front = pareto_front(eligible + excluded)
+    ranked = [
+        job.model_copy(update={"rank": i, "excluded_reason": None, "on_pareto_front": job.job_name in front})
+        for i, job in enumerate(eligible, start=1)
+    ]
+    excluded = [job.model_copy(update={"on_pareto_front": job.job_name in front}) for job in excluded]
+    exclusions = [
+        Exclusion(
+            job_name=j.job_name,
+            instance_type=j.instance_type,
+            variant_name=j.variant_name,
+            reason=j.excluded_reason or "",
+        )
+        for j in excluded
+    ]
+    return ranked + excluded, recommend(ranked, objective), exclusions
