@@ -1,0 +1,178 @@
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuscout.catalog import LocalHardware, load_catalog
+from gpuscout.errors import ManifestError
+from gpuscout.manifest import MAX_MANIFEST_BYTES, Manifest, load_manifest, parse_manifest
+from gpuscout.paths import MANIFESTS_DIR
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "manifests"
+CATALOG = load_catalog()
+
+
+def base() -> dict:
+    return yaml.safe_load((FIXTURES / "local-and-p3.yaml").read_text())
+
+
+def problems(data: dict) -> dict[str, str]:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(json.dumps(data), "m.json", CATALOG)
+    assert info.value.source == "m.json"
+    return {p.path: p.message for p in info.value.problems}
+
+
+@pytest.mark.parametrize("path", sorted(MANIFESTS_DIR.glob("*.yaml")) + sorted(FIXTURES.glob("*.*")))
+def test_examples_validate(path):
+    m = load_manifest(path, CATALOG)
+    assert isinstance(m, Manifest)
+
+
+def test_json_and_yaml_agree():
+    y = load_manifest(FIXTURES / "local-and-p3.yaml", CATALOG)
+    j = load_manifest(FIXTURES / "local.json", CATALOG)
+    assert y.model_dump(exclude={"name"}) == j.model_dump(exclude={"name"})
+    sniffed = parse_manifest((FIXTURES / "local.json").read_bytes(), "s3://bucket/manifests/x", CATALOG)
+    assert sniffed.name == "json-demo"
+
+
+def test_defaults():
+    m = parse_manifest(json.dumps(base()), "m.json", CATALOG)
+    assert m.tokenizer.resolved_vocab_size == 4096
+    assert m.dataset.min_characters == 20 and m.dataset.validation_fraction == 0.05
+    assert m.training.stop_rule.kind == "fixed" and m.training.stop_rule.ci_tolerance == 0.02
+    assert m.repetitions == 1 and m.objective == "cheapest_per_token" and m.network_isolation is False
+    v = m.variants[0]
+    assert (v.deepspeed_stage, v.packing, v.attention, v.fused_adamw) == (0, True, "sdpa", False)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "path", "fragment"),
+    [
+        (lambda d: d.update(name="Has Space"), "name", "lowercase"),
+        (lambda d: d.update(name="x" * 41), "name", "1-40"),
+        (lambda d: d.update(surprise=1), "surprise", "allowed: name, description"),
+        (lambda d: d["model"].update(hf_id="Qwen/Qwen2.5-7B"), "model", "exactly one of preset, hf_id, path"),
+        (lambda d: d.update(model={}), "model", "exactly one"),
+        (lambda d: d.update(model={"path": "s3://my-bucket/models/m/"}), "model", "set model.architecture"),
+        (lambda d: d["model"].update(preset="gpt-5"), "model.preset", "allowed: qwen2-tiny"),
+        (lambda d: d["tokenizer"].update(kind="hf"), "tokenizer", "needs path"),
+        (lambda d: d["tokenizer"].update(kind="sentencepiece"), "tokenizer.kind", "'qwen', 'bpe' or 'hf'"),
+        (lambda d: d["dataset"].update(source="bundled:wiki"), "dataset.source", "bundled:hebrew-bible"),
+        (lambda d: d["dataset"].update(source="s3://"), "dataset.source", "s3://bucket/prefix"),
+        (lambda d: d["dataset"].update(format="csv"), "dataset.format", "'jsonl'"),
+        (lambda d: d["dataset"].update(validation_fraction=0.7), "dataset.validation_fraction", "less than 0.5"),
+        (lambda d: d.update(sequence_length=0), "sequence_length", "greater than or equal to 16"),
+        (lambda d: d.update(sequence_length=8192), "sequence_length", "max_position_embeddings"),
+        (lambda d: d["training"].update(max_tokens=1000), "training", "exactly one of max_steps, max_tokens"),
+        (lambda d: d["training"].pop("max_steps"), "training", "exactly one of max_steps, max_tokens"),
+        (lambda d: d["training"].update(warmup_steps=30), "training", "below max_steps"),
+        (lambda d: d["training"].update(learning_rate=-1), "training.learning_rate", "greater than 0"),
+        (lambda d: d["training"].update(precision="bf16"), "training.precision", "ml.p3.2xlarge"),
+        (lambda d: d["targets"][1].update(instance_type="ml.p9.xlarge"), "targets[1].instance_type", "ml.p5.48xlarge"),
+        (lambda d: d["targets"][1].update(instance_type="ml.m5.xlarge"), "targets[1].instance_type", "processing"),
+        (lambda d: d["targets"][0].pop("price_per_hour_usd"), "targets[0].price_per_hour_usd", "costs per hour"),
+        (lambda d: d["targets"][0].update(spot=True), "targets[0].spot", "cannot be spot"),
+        (lambda d: d["targets"][1].update(max_wait_hours=3), "targets[1].max_wait_hours", "spot: true"),
+        (lambda d: d["targets"].append({"instance_type": "ml.p3.2xlarge"}), "targets[2]", "same instance_type"),
+        (lambda d: d.update(targets=[]), "targets", "at least 1"),
+        (lambda d: d["variants"].append({"name": "base"}), "variants[1].name", "duplicate"),
+        (lambda d: d["variants"][0].update(per_device_batch_size=0), "variants[0].per_device_batch_size", ">= 1"),
+        (lambda d: d["variants"][0].update(deepspeed_stage=1), "variants[0].deepspeed_stage", "0, 2 or 3"),
+        (lambda d: d["variants"][0].update(deepspeed_stage=3), "variants[0].deepspeed_stage", "1 GPU"),
+        (lambda d: d["constraints"].update(budget_usd=0), "constraints.budget_usd", "greater than 0"),
+        (lambda d: d.pop("constraints"), "constraints", "required"),
+        (lambda d: d.update(objective="cheapest_within_deadline"), "constraints.deadline_hours", "deadline"),
+        (lambda d: d.update(objective="vibes"), "objective", "'fastest'"),
+        (lambda d: d.update(repetitions=0), "repetitions", "greater than or equal to 1"),
+        (lambda d: d.update(model={"preset": "qwen2.5-0.5b"}, tokenizer={"kind": "hf", "path": "x"}), None, None),
+        (lambda d: d.update(model={"hf_id": "Qwen/Qwen2.5-0.5B"}), "tokenizer.kind", "random-init"),
+    ],
+)
+def test_each_rule(mutate, path, fragment):
+    data = base()
+    mutate(data)
+    if path is None:
+        parse_manifest(json.dumps(data), "m.json", CATALOG)
+        return
+    found = problems(data)
+    assert path in found, found
+    assert fragment.replace(">= 1", "greater than or equal to 1") in found[path]
+
+
+def test_three_mistakes_reported_together():
+    data = base()
+    data["name"] = "Bad Name"
+    data["targets"][1]["instance_type"] = "ml.p7.nope"
+    data["variants"][0]["gradient_accumulation_steps"] = -2
+    found = problems(data)
+    assert {"name", "targets[1].instance_type", "variants[0].gradient_accumulation_steps"} <= set(found)
+    err = ManifestError("m.json", [])
+    assert err.exit_code == 2
+
+
+def test_error_message_lists_every_problem():
+    data = base()
+    data["training"]["precision"] = "bf16"
+    data["variants"].append({"name": "base"})
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(json.dumps(data), "manifests/x.json", CATALOG)
+    text = str(info.value)
+    assert text.startswith("manifests/x.json: 2 problem(s)")
+    assert "training.precision" in text and "variants[1].name" in text
+    assert info.value.to_dict()["problems"][0]["path"]
+
+
+def test_resolved_precision():
+    m = parse_manifest(json.dumps(base()), "m.json", CATALOG)
+    local, p3 = m.targets
+    assert m.resolved_precision(p3, CATALOG) == "fp16"
+    assert m.resolved_precision(local, CATALOG) == "fp32"
+    gpu = LocalHardware(device="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_sku="H100-SXM5-80GB", gpu_count=1)
+    assert m.resolved_precision(local, CATALOG, gpu) == "bf16"
+    data = base()
+    data["targets"][1]["instance_type"] = "ml.g5.8xlarge"
+    g5 = parse_manifest(json.dumps(data), "m.json", CATALOG)
+    assert g5.resolved_precision(g5.targets[1], CATALOG) == "bf16"
+    data["training"]["precision"] = "fp32"
+    explicit = parse_manifest(json.dumps(data), "m.json", CATALOG)
+    assert explicit.resolved_precision(explicit.targets[1], CATALOG) == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"a: &x [1]\nb: *x\n", "anchors and aliases"),
+        (b"name: a\nname: b\n", "duplicate key 'name'"),
+        (b"1: a\n", "plain strings"),
+        (b"? [a, b]\n: c\n", "plain strings"),
+        (b'"na\\x07me": a\n', "control character"),
+        (b"name: caf\xe9\n", "offset 9"),
+        (b"- a\n- b\n", "not list"),
+        (b"", "not empty"),
+        (b"name: [unclosed\n", "invalid YAML at line"),
+        (b'{"name": "a", "name": "b"}', "duplicate key"),
+        (b'{"budget": Infinity}', "Infinity"),
+        (b"[" * 100 + b"]" * 100, "nesting"),
+    ],
+)
+def test_unsafe_or_broken_input(raw, fragment):
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(raw, "bad.yaml" if not raw.startswith(b"{") else "bad.json", CATALOG)
+    assert fragment in str(info.value)
+
+
+def test_size_limit(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"# " + b"x" * MAX_MANIFEST_BYTES + b"\n")
+    with pytest.raises(ManifestError, match="at most"):
+        load_manifest(big, CATALOG)
+    with pytest.raises(ManifestError, match="at most"):
+        parse_manifest("#" * (MAX_MANIFEST_BYTES + 1), "s3://b/k", CATALOG)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ManifestError, match="cannot read"):
+        load_manifest(tmp_path / "nope.yaml", CATALOG)
