@@ -1,0 +1,370 @@
+"""The ``gpuscout`` command line (typer + rich).
+
+Every GpuscoutError becomes one red line (a manifest error lists each problem with its field path) and the
+error's exit code; anything else is a bug and prints one line plus a hint to rerun with ``--debug``.
+Heavy modules (the local runner, analysis, planner) are imported inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import webbrowser
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from typer import _click  # the click copy typer 0.29 ships; its Context is what commands receive
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
+
+from gpuscout import __version__
+from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError
+from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+BUDGET_EXIT_CODE = 3
+INTERRUPTED_EXIT_CODE = 130
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def exit_code_for(err: GpuscoutError) -> int:
+    """Over budget is exit 3 (a refusal, not a failure); every other domain error carries its own code."""
+    return BUDGET_EXIT_CODE if isinstance(err, BudgetExceededError) else err.exit_code
+
+
+def print_error(err: GpuscoutError) -> None:
+    if isinstance(err, ManifestError):
+        err_console.print(f"[bold red]error:[/] {escape(err.source)}: {len(err.problems)} problem(s)")
+        for problem in err.problems:
+            err_console.print(f"  [red]-[/] {escape(str(problem))}", soft_wrap=True)
+    else:
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
+
+
+class _GuardedGroup(TyperGroup):
+    """Turns exceptions from any command into one message and an exit code (tracebacks only with --debug)."""
+
+    def invoke(self, ctx: _click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, TyperException):
+            raise
+        except GpuscoutError as err:
+            if _debug(ctx):
+                raise
+            print_error(err)
+            raise typer.Exit(exit_code_for(err)) from err
+        except KeyboardInterrupt as err:
+            err_console.print("[yellow]interrupted[/]")
+            raise typer.Exit(INTERRUPTED_EXIT_CODE) from err
+        except Exception as err:
+            if _debug(ctx):
+                raise
+            err_console.print(
+                f"[bold red]unexpected error:[/] {type(err).__name__}: {escape(str(err))} "
+                "(run with --debug for the traceback)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from err
+
+
+def _debug(ctx: _click.Context) -> bool:
+    return bool((ctx.obj or {}).get("debug")) or os.environ.get("GPUSCOUT_DEBUG") == "1"
+
+
+app = typer.Typer(
+    name="gpuscout",
+    cls=_GuardedGroup,
+    help="Which GPU instance (and which training settings on it) fine-tunes your model fastest per dollar.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+DbOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--db",
+        envvar="GPUSCOUT_DB",
+        help="SQLite result database (default: $GPUSCOUT_HOME/gpuscout.db, i.e. ~/.gpuscout/gpuscout.db).",
+        dir_okay=False,
+    ),
+]
+ManifestArg = Annotated[Path, typer.Argument(help="Manifest file (YAML or JSON).", dir_okay=False)]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"gpuscout {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks of errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Benchmark one fine-tuning job across instance types and training settings; recommend the best per dollar."""
+    ctx.obj = {"debug": debug}
+
+
+def open_store(db: Path | None) -> ResultStore:
+    return SqliteStore(db)
+
+
+# validate / plan / catalog
+
+
+@app.command()
+def validate(file: ManifestArg) -> None:
+    """Check a manifest against the schema and the instance catalog; list every problem with its field path."""
+    from gpuscout.catalog import load_catalog
+    from gpuscout.manifest import load_manifest
+
+    manifest = load_manifest(file, catalog=load_catalog())
+    targets = len(manifest.targets)
+    variants = len(manifest.variants)
+    repetitions = manifest.repetitions
+    console.print(
+        f"[green]ok[/] {escape(str(file))}: {targets} target(s) x {variants} variant(s) x {repetitions} "
+        f"repetition(s) = {targets * variants * repetitions} job(s)",
+        soft_wrap=True,
+    )
+
+
+@app.command()
+def plan(file: ManifestArg) -> None:
+    """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget."""
+    from gpuscout.catalog import load_catalog
+    from gpuscout.local import plan_manifest, plan_table
+
+    catalog = load_catalog()
+    manifest, the_plan = plan_manifest(file, catalog)
+    console.print(plan_table(the_plan))
+    budget = manifest.constraints.budget_usd if manifest.constraints else None
+    the_plan.check_budget()
+    note = f" (budget ${budget:,.2f})" if budget is not None else ""
+    console.print(f"[green]within budget[/]{note}")
+
+
+@app.command("catalog")
+def catalog_cmd() -> None:
+    """List the instance types gpuscout knows: GPUs, memory, peak TFLOPS and on-demand price."""
+    from gpuscout.catalog import load_catalog
+
+    table = Table(title="Instance catalog", title_justify="left")
+    for col, justify in (
+        ("instance type", "left"),
+        ("role", "left"),
+        ("GPUs", "right"),
+        ("GPU", "left"),
+        ("GPU mem GB", "right"),
+        ("bf16 TFLOPS/GPU", "right"),
+        ("vCPU", "right"),
+        ("RAM GiB", "right"),
+        ("EFA", "left"),
+        ("$/h on-demand", "right"),
+        ("price", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for inst in load_catalog():
+        sku = inst.sku
+        peak = sku.peak_for("bf16") if sku else None
+        table.add_row(
+            inst.instance_type,
+            inst.role,
+            str(inst.gpu_count),
+            sku.model if sku else "-",
+            _num(inst.gpu_memory_gb, "{:.0f}"),
+            _num(peak, "{:.0f}") if sku else "-",
+            _num(inst.vcpus, "{}"),
+            _num(inst.memory_gib, "{:.0f}"),
+            "yes" if inst.efa else "no",
+            _num(inst.on_demand_usd_per_hour, "{:.3f}") if inst.on_demand_usd_per_hour else "manifest",
+            f"{inst.price_region or ''} {inst.price_date or ''}".strip() or "-",
+        )
+    console.print(table)
+
+
+def _num(value: float | int | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+# local
+
+
+@app.command()
+def local(
+    file: ManifestArg,
+    runs_dir: Annotated[Path, typer.Option("--runs-dir", help="Folder for run outputs.", file_okay=False)] = Path(
+        "runs"
+    ),
+    db: DbOption = None,
+) -> None:
+    """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
+    from gpuscout.local import run_local
+
+    store = open_store(db)
+    run = run_local(file, store=store, runs_dir=runs_dir, console=console)
+    if run.status is RunStatus.STOPPED:
+        raise typer.Exit(INTERRUPTED_EXIT_CODE)
+    if run.status is not RunStatus.SUCCEEDED:
+        raise typer.Exit(1)
+
+
+# runs / results / report
+
+
+@app.command()
+def runs(
+    db: DbOption = None,
+    limit: Annotated[int, typer.Option(help="Show at most this many runs.", min=1)] = 50,
+) -> None:
+    """List runs, newest first."""
+    store = open_store(db)
+    records = store.list_runs(limit=limit)
+    if not records:
+        console.print("no runs yet; try `gpuscout local configs/manifests/quickstart.yaml`")
+        return
+    table = Table(title="Runs (newest first)", title_justify="left")
+    for col in ("run id", "name", "status", "created (UTC)", "jobs", "predicted $", "note"):
+        table.add_column(col, justify="right" if col in ("jobs", "predicted $") else "left")
+    for run in records:
+        jobs = store.list_jobs(run.run_id)
+        table.add_row(
+            run.run_id,
+            run.name,
+            _status_markup(run.status.value),
+            run.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            str(len(jobs)),
+            _num(run.predicted_cost_usd, "{:.4f}"),
+            escape(run.error or ""),
+        )
+    console.print(table)
+
+
+class OutputFormat(StrEnum):
+    TABLE = "table"
+    JSON = "json"
+    CSV = "csv"
+
+
+@app.command()
+def results(
+    run_id: Annotated[str, typer.Argument(help="Run id (see `gpuscout runs`).")],
+    fmt: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.TABLE,
+    reprice: Annotated[
+        bool, typer.Option("--reprice", help="Recompute costs with today's prices instead of the stored snapshot.")
+    ] = False,
+    db: DbOption = None,
+) -> None:
+    """Show a run's ranked results: tokens/s, MFU, $ per 1M tokens, status, and the recommendation."""
+    from gpuscout.local import ranked_table, recommendation_text, result_rows
+
+    store = open_store(db)
+    run = store.get_run(run_id)
+    jobs = store.list_jobs(run_id)
+    result = store.get_result(run_id)
+    analysis = _analysis_for(run, result, reprice=reprice)
+    rows = result_rows(analysis, jobs)
+    if fmt is OutputFormat.JSON:
+        payload = {
+            "run_id": run.run_id,
+            "name": run.name,
+            "status": run.status.value,
+            "created_at": run.created_at.isoformat(),
+            "error": run.error,
+            "report_uri": result.report_uri if result else None,
+            "repriced": reprice,
+            "recommendation": (analysis or {}).get("recommendation"),
+            "jobs": rows,
+        }
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        return
+    if fmt is OutputFormat.CSV:
+        buffer = io.StringIO()
+        fields = list(rows[0]) if rows else ["job_name"]
+        writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
+        sys.stdout.write(buffer.getvalue())
+        return
+    console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {_status_markup(run.status.value)}")
+    if run.error:
+        console.print(f"  {escape(run.error)}")
+    console.print(ranked_table(rows, title="Ranked results" + (" (repriced with current prices)" if reprice else "")))
+    text = recommendation_text(analysis)
+    if text:
+        console.print(text)
+
+
+def _csv_value(value: object) -> object:
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(value)
+    return "" if value is None else value
+
+
+def _analysis_for(run: RunRecord, result: ResultRecord | None, *, reprice: bool) -> dict[str, Any] | None:
+    if not reprice:
+        return result.analysis if result else None
+    from gpuscout.local import repriced_analysis
+
+    return repriced_analysis(run, result)
+
+
+@app.command()
+def report(
+    run_id: Annotated[str, typer.Argument(help="Run id (see `gpuscout runs`).")],
+    open_html: Annotated[bool, typer.Option("--open", help="Open report.html in a browser.")] = False,
+    db: DbOption = None,
+) -> None:
+    """Print a run's report.md (and where the HTML, JSON and charts are), or open the HTML report."""
+    store = open_store(db)
+    run = store.get_run(run_id)
+    result = store.get_result(run_id)
+    if result is None or not result.report_uri:
+        raise GpuscoutError(f"run {run_id} has no report (status {run.status.value}); reports are written at the end")
+    if result.report_uri.startswith("s3://"):
+        raise GpuscoutError(f"the report of run {run_id} is in S3 ({result.report_uri}); download it from there")
+    folder = Path(result.report_uri)
+    markdown, html = folder / "report.md", folder / "report.html"
+    if open_html:
+        if not html.is_file():
+            raise GpuscoutError(f"{html} does not exist")
+        webbrowser.open(html.resolve().as_uri())
+        console.print(f"opened {html}")
+        return
+    if not markdown.is_file():
+        raise GpuscoutError(f"{markdown} does not exist (was the run folder moved or deleted?)")
+    sys.stdout.write(markdown.read_text(encoding="utf-8").rstrip("\n") + "\n\n")
+    console.print(f"report: {markdown}  html: {html}  folder: {folder}", soft_wrap=True)
+
+
+def _status_markup(status: str) -> str:
+    colour = {
+        "SUCCEEDED": "green",
+        "COMPLETED": "green",
+        "FAILED": "red",
+        "OOM": "red",
+        "REJECTED": "red",
+        "REFUSED": "yellow",
+        "STOPPED": "yellow",
+        "CAPACITY": "yellow",
+        "QUOTA": "yellow",
+    }.get(status)
+    return f"[{colour}]{status}[/]" if colour else status

@@ -1,0 +1,743 @@
+"""``gpuscout local``: the whole benchmark on this machine, with the same scripts the cloud runs.
+
+Steps: load + validate the manifest -> plan with the detected hardware (refuse over budget) -> prepare data once
+(``training/data_preparation.py``, cached under ``runs/.cache/data/<key>``) -> for every job, a SageMaker-like
+``opt/ml`` folder tree and ``training/train.py`` as a subprocess with the same SM_* variables SageMaker sets ->
+benchmark.json into the store -> analysis + report -> ranked table and recommendation.
+
+A failing job never stops the others. Ctrl-C stops the job in flight, marks the run STOPPED and keeps (and
+analyzes) what was measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gpuscout import paths
+from gpuscout.benchmark import BenchmarkResult
+from gpuscout.catalog import LOCAL, Catalog, load_catalog
+from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError
+from gpuscout.jobspec import JobSpec
+from gpuscout.metric_lines import parse_metric_line
+from gpuscout.store.base import (
+    JOB_STATUS_RANK,
+    JobRecord,
+    JobStatus,
+    ResultRecord,
+    ResultStore,
+    RunRecord,
+    RunStatus,
+    utcnow,
+)
+
+CURRENT_HOST = "algo-1"
+STDERR_TAIL_LINES = 20
+FAILURE_REASON_MAX_CHARS = 1500
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda oom", "cannot allocate memory")
+TERMINATE_GRACE_S = 10.0
+
+
+# -- planning ---------------------------------------------------------------------------------------------------
+
+
+def plan_manifest(manifest_path: Path | str, catalog: Catalog | None = None, *, run_id: str | None = None) -> Any:
+    """Load and validate a manifest, then plan it (hardware detected when a target is ``local``).
+
+    Returns ``(manifest, plan)``; raises ManifestError / PlanError. The budget is *not* checked here.
+    """
+    from gpuscout.catalog import detect_local_hardware
+    from gpuscout.manifest import load_manifest
+    from gpuscout.planner import make_run_id, plan
+
+    catalog = catalog or load_catalog()
+    manifest = load_manifest(manifest_path, catalog=catalog)
+    local_hardware = detect_local_hardware() if any(t.instance_type == LOCAL for t in manifest.targets) else None
+    the_plan = plan(manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware)
+    return manifest, the_plan
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def plan_table(the_plan: Any) -> Table:
+    """The job matrix of a plan with predicted throughput, time and cost, and the total."""
+    jobs: list[JobSpec] = list(the_plan.jobs)
+    table = Table(title=f"Plan for run {the_plan.run_id}", title_justify="left")
+    table.add_column("job", overflow="fold")
+    table.add_column("instance", overflow="fold")
+    table.add_column("variant", overflow="fold")
+    table.add_column("precision")
+    table.add_column("pred. tokens/s", justify="right")
+    table.add_column("pred. time", justify="right")
+    table.add_column("pred. $", justify="right")
+    for spec in jobs:
+        p = spec.prediction
+        count = f" x{spec.instance_count}" if spec.instance_count > 1 else ""
+        table.add_row(
+            spec.job_name,
+            f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}",
+            spec.variant_name,
+            spec.precision,
+            f"{p.tokens_per_s:,.0f}",
+            _fmt_duration(p.training_seconds + p.overhead_seconds),
+            f"{p.cost_usd:,.4f}",
+        )
+    total_s = sum(s.prediction.training_seconds + s.prediction.overhead_seconds for s in jobs)
+    table.add_section()
+    table.add_row(
+        f"total ({len(jobs)} jobs)", "", "", "", "", _fmt_duration(total_s), f"{the_plan.predicted_cost_usd:,.4f}"
+    )
+    return table
+
+
+# -- data preparation -----------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def data_cache_key(manifest: Any) -> str:
+    """Hash of everything that determines the prepared data: source, tokenizer, sequence length, caps, script."""
+    dataset, tokenizer = manifest.dataset, manifest.tokenizer
+    source = dataset.source
+    if dataset.kind == "local":
+        source = str(Path(source).expanduser().resolve())
+    script = paths.TRAINING_DIR / "data_preparation.py"
+    key = {
+        "source": source,
+        "format": dataset.format,
+        "text_field": dataset.text_field,
+        "max_documents": dataset.max_documents,
+        "min_characters": dataset.min_characters,
+        "validation_fraction": dataset.validation_fraction,
+        "tokenizer": tokenizer.kind,
+        "tokenizer_path": tokenizer.path,
+        "vocab_size": tokenizer.resolved_vocab_size,
+        "sequence_length": manifest.sequence_length,
+        "script_sha256": _file_sha256(script) if script.is_file() else None,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_preparation_command(manifest: Any, output: Path, *, workers: int) -> list[str]:
+    dataset, tokenizer = manifest.dataset, manifest.tokenizer
+    command = [
+        sys.executable,
+        str(paths.TRAINING_DIR / "data_preparation.py"),
+        "--input",
+        dataset.source,
+        "--output",
+        str(output),
+        "--tokenizer",
+        tokenizer.kind,
+        "--sequence-length",
+        str(manifest.sequence_length),
+        "--validation-fraction",
+        str(dataset.validation_fraction),
+        "--min-characters",
+        str(dataset.min_characters),
+        "--text-field",
+        dataset.text_field,
+        "--workers",
+        str(workers),
+        "--seed",
+        str(manifest.training.seed),
+    ]
+    if tokenizer.resolved_vocab_size is not None:
+        command += ["--vocab-size", str(tokenizer.resolved_vocab_size)]
+    if tokenizer.path is not None:
+        command += ["--tokenizer-path", tokenizer.path]
+    if dataset.max_documents is not None:
+        command += ["--max-documents", str(dataset.max_documents)]
+    return command
+
+
+def prepare_data(manifest: Any, cache_dir: Path, console: Console) -> Path:
+    """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
+    key = data_cache_key(manifest)
+    target = cache_dir / key
+    if (target / "dataset.json").is_file():
+        console.print(f"data: reusing prepared data {target}")
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = cache_dir / f".{key}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    workers = max(1, min(4, os.cpu_count() or 1))
+    command = data_preparation_command(manifest, staging, workers=workers)
+    log_path = cache_dir / f"{key}.prepare.log"
+    console.print(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, env=_child_env({}))
+    if proc.returncode != 0 or not (staging / "dataset.json").is_file():
+        tail = _tail_lines(log_path, STDERR_TAIL_LINES)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataPreparationError(
+            f"data preparation failed (exit {proc.returncode}); log: {log_path}\n{tail}".rstrip()
+        )
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process prepared the same data at the same time: use theirs.
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "dataset.json").is_file():
+            raise
+    console.print(f"data: prepared in {time.monotonic() - started:.1f} s")
+    return target
+
+
+# -- one job ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobFolders:
+    root: Path  # runs/<run_id>/jobs/<job_name>
+    opt_ml: Path
+    config: Path
+    train_channel: Path
+    model: Path
+    output: Path
+    output_data: Path
+    checkpoints: Path
+    stdout_log: Path
+    stderr_log: Path
+
+    @classmethod
+    def create(cls, root: Path, spec: JobSpec, data_dir: Path) -> JobFolders:
+        opt_ml = root / "opt" / "ml"
+        folders = cls(
+            root=root,
+            opt_ml=opt_ml,
+            config=opt_ml / "input" / "config",
+            train_channel=opt_ml / "input" / "data" / "train",
+            model=opt_ml / "model",
+            output=opt_ml / "output",
+            output_data=opt_ml / "output" / "data",
+            checkpoints=opt_ml / "checkpoints",
+            stdout_log=root / "train.log",
+            stderr_log=root / "train.stderr.log",
+        )
+        for folder in (folders.config, folders.train_channel.parent, folders.model, folders.output_data):
+            folder.mkdir(parents=True, exist_ok=True)
+        folders.checkpoints.mkdir(parents=True, exist_ok=True)
+        if folders.train_channel.is_symlink() or folders.train_channel.exists():
+            folders.train_channel.unlink()
+        folders.train_channel.symlink_to(data_dir.resolve(), target_is_directory=True)
+        (folders.config / "hyperparameters.json").write_text(json.dumps(spec.hyperparameters, indent=2) + "\n")
+        resource = {"current_host": CURRENT_HOST, "hosts": [CURRENT_HOST], "network_interface_name": "lo"}
+        (folders.config / "resourceconfig.json").write_text(json.dumps(resource, indent=2) + "\n")
+        (folders.config / "inputdataconfig.json").write_text(
+            json.dumps({"train": {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"}}) + "\n"
+        )
+        return folders
+
+    def environment(self, spec: JobSpec) -> dict[str, str]:
+        """The SM_* variables SageMaker sets in a training container, pointing into this folder tree."""
+        return {
+            "SM_CHANNEL_TRAIN": str(self.train_channel),
+            "SM_CHANNELS": json.dumps(["train"]),
+            "SM_MODEL_DIR": str(self.model),
+            "SM_OUTPUT_DIR": str(self.output),
+            "SM_OUTPUT_DATA_DIR": str(self.output_data),
+            "SM_INPUT_DIR": str(self.opt_ml / "input"),
+            "SM_INPUT_CONFIG_DIR": str(self.config),
+            "SM_HPS": json.dumps(spec.hyperparameters),
+            "SM_NUM_GPUS": str(spec.gpus_per_instance),
+            "SM_NUM_CPUS": str(os.cpu_count() or 1),
+            "SM_HOSTS": json.dumps([CURRENT_HOST]),
+            "SM_CURRENT_HOST": CURRENT_HOST,
+            "SM_CURRENT_INSTANCE_TYPE": spec.instance_type,
+            "SM_TRAINING_ENV": json.dumps({"job_name": spec.job_name, "hosts": [CURRENT_HOST]}),
+            "GPUSCOUT_CHECKPOINT_DIR": str(self.checkpoints),
+            "GPUSCOUT_RUN_ID": spec.run_id,
+            "GPUSCOUT_JOB_NAME": spec.job_name,
+        }
+
+
+@dataclass
+class JobProgress:
+    """What the latest metric lines of a running job said."""
+
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    lines: int = 0
+    summary: dict[str, float] = field(default_factory=dict)
+
+    def update(self, line: str) -> None:
+        self.lines += 1
+        values = parse_metric_line(line)
+        if values is None:
+            return
+        if line.lstrip().startswith("gpuscout_summary"):
+            self.summary.update(values)
+            return
+        if "step" in values:
+            self.step = int(values["step"])
+        if "loss" in values:
+            self.loss = values["loss"]
+        if "tokens_per_s" in values:
+            self.tokens_per_s = values["tokens_per_s"]
+
+    def describe(self, max_steps: int | None) -> str:
+        parts = [f"step {self.step if self.step is not None else '-'}{f'/{max_steps}' if max_steps else ''}"]
+        parts.append(f"loss {self.loss:.4f}" if self.loss is not None else "loss -")
+        parts.append(f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s is not None else "tok/s -")
+        return "  ".join(parts)
+
+
+@dataclass
+class JobOutcome:
+    status: JobStatus
+    benchmark: dict[str, Any] | None
+    failure_reason: str | None
+    wall_seconds: float
+
+
+def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    pythonpath = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(paths.REPO_DIR) + (os.pathsep + pythonpath if pythonpath else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra)
+    return env
+
+
+def _tail_lines(path: Path, count: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = deque((line.rstrip("\n") for line in f if line.strip()), maxlen=count)
+    except OSError:
+        return ""
+    return "\n".join(lines)
+
+
+def _pump(stream: IO[str], log_path: Path, progress: JobProgress) -> None:
+    with open(log_path, "w", encoding="utf-8") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            progress.update(line)
+
+
+def _failure_from_stderr(stderr_log: Path, stdout_log: Path) -> str:
+    tail = _tail_lines(stderr_log, STDERR_TAIL_LINES) or _tail_lines(stdout_log, STDERR_TAIL_LINES)
+    if not tail:
+        return "no output"
+    # The last line of a Python traceback is the exception; keep a little context before it.
+    lines = tail.splitlines()
+    return "\n".join(lines[-5:])[-FAILURE_REASON_MAX_CHARS:]
+
+
+def _classify_failure(reason: str) -> JobStatus:
+    lowered = reason.lower()
+    return JobStatus.OOM if any(marker in lowered for marker in OOM_MARKERS) else JobStatus.FAILED
+
+
+def _read_benchmark(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The validated benchmark.json as a dict, or why it could not be used."""
+    if not path.is_file():
+        return None, None
+    try:
+        result = BenchmarkResult.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as err:
+        return None, f"benchmark.json is unreadable: {str(err).splitlines()[0]}"
+    return result.model_dump(mode="json"), None
+
+
+def run_job(
+    spec: JobSpec,
+    folders: JobFolders,
+    *,
+    progress: Progress,
+    task: TaskID,
+    label: str,
+    poll_interval_s: float = 0.25,
+) -> JobOutcome:
+    """Run train.py for one job; never raises for a failing job (KeyboardInterrupt propagates after cleanup)."""
+    max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
+    command = [sys.executable, str(paths.TRAINING_DIR / "train.py")]
+    started = time.monotonic()
+    job_progress = JobProgress()
+    with open(folders.stderr_log, "w", encoding="utf-8") as stderr:
+        proc = subprocess.Popen(
+            command,
+            cwd=folders.root,
+            env=_child_env(folders.environment(spec)),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+        )
+        assert proc.stdout is not None
+        reader = threading.Thread(
+            target=_pump, args=(proc.stdout, folders.stdout_log, job_progress), name=f"log-{spec.job_name}"
+        )
+        reader.start()
+        timed_out = False
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=poll_interval_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                progress.update(
+                    task,
+                    completed=job_progress.step or 0,
+                    description=f"{label}  {job_progress.describe(max_steps)}",
+                )
+                if time.monotonic() - started > spec.max_runtime_seconds:
+                    timed_out = True
+                    _stop(proc)
+                    break
+        except KeyboardInterrupt:
+            _stop(proc)
+            reader.join(timeout=TERMINATE_GRACE_S)
+            raise
+        reader.join(timeout=TERMINATE_GRACE_S)
+    wall = time.monotonic() - started
+    progress.update(task, completed=job_progress.step or 0, description=f"{label}  {job_progress.describe(max_steps)}")
+    benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
+    if timed_out:
+        reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
+        return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall)
+    if benchmark is not None and benchmark["status"] == "completed" and proc.returncode == 0:
+        return JobOutcome(JobStatus.COMPLETED, benchmark, None, wall)
+    if benchmark is not None and benchmark.get("failure_reason"):
+        reason = str(benchmark["failure_reason"])
+    elif unreadable:
+        reason = unreadable
+    else:
+        tail = _failure_from_stderr(folders.stderr_log, folders.stdout_log)
+        reason = f"train.py exited with code {proc.returncode}: {tail}"
+    return JobOutcome(_classify_failure(reason), benchmark, reason, wall)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+# -- results table ------------------------------------------------------------------------------------------------
+
+
+def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -> list[dict[str, Any]]:
+    """Flat rows, best first: from the stored analysis, or from the job rows when the run was not analyzed."""
+    if analysis and analysis.get("jobs") is not None:
+        rows = []
+        for a in analysis["jobs"]:
+            ci = a.get("tokens_per_s_ci95") or (None, None)
+            rows.append(
+                {
+                    "rank": a.get("rank"),
+                    "job_name": a.get("job_name"),
+                    "variant": a.get("variant_name"),
+                    "instance_type": a.get("instance_type"),
+                    "instance_count": a.get("instance_count", 1),
+                    "gpus": a.get("gpus", 0),
+                    "spot": a.get("spot", False),
+                    "status": a.get("status"),
+                    "repetitions": a.get("repetitions"),
+                    "tokens_per_s": a.get("tokens_per_s"),
+                    "tokens_per_s_ci95_low": ci[0],
+                    "tokens_per_s_ci95_high": ci[1],
+                    "mfu": a.get("mfu"),
+                    "usd_per_hour": a.get("usd_per_hour"),
+                    "usd_per_million_tokens": a.get("usd_per_million_tokens"),
+                    "usd_per_million_tokens_spot": a.get("usd_per_million_tokens_spot"),
+                    "final_train_loss": a.get("final_train_loss"),
+                    "note": a.get("excluded_reason") or a.get("failure"),
+                }
+            )
+        return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0, r["job_name"] or ""))
+    rows = []
+    for job in jobs:
+        throughput = (job.benchmark or {}).get("throughput") or {}
+        efficiency = (job.benchmark or {}).get("efficiency") or {}
+        ci = throughput.get("tokens_per_s_ci95") or (None, None)
+        rows.append(
+            {
+                "rank": None,
+                "job_name": job.job_name,
+                "variant": job.variant_name,
+                "instance_type": job.instance_type,
+                "instance_count": job.instance_count,
+                "gpus": job.spec.get("gpus_per_instance", 0) * job.instance_count,
+                "spot": job.spot,
+                "status": job.status.value,
+                "repetitions": 1 if job.status is JobStatus.COMPLETED else 0,
+                "tokens_per_s": throughput.get("tokens_per_s"),
+                "tokens_per_s_ci95_low": ci[0],
+                "tokens_per_s_ci95_high": ci[1],
+                "mfu": efficiency.get("mfu"),
+                "usd_per_hour": job.spec.get("price_per_hour_usd"),
+                "usd_per_million_tokens": None,
+                "usd_per_million_tokens_spot": None,
+                "final_train_loss": ((job.benchmark or {}).get("loss") or {}).get("final_train_loss"),
+                "note": job.failure_reason,
+            }
+        )
+    return rows
+
+
+def _mfu_text(row: Mapping[str, Any]) -> str:
+    if row.get("mfu") is not None:
+        return f"{row['mfu'] * 100:.1f} %"
+    if not row.get("gpus"):
+        return "n/a (CPU)"
+    return "n/a (unknown GPU)"
+
+
+def _tps_text(row: Mapping[str, Any]) -> str:
+    tps = row.get("tokens_per_s")
+    if tps is None:
+        return "-"
+    low, high = row.get("tokens_per_s_ci95_low"), row.get("tokens_per_s_ci95_high")
+    if low is None or high is None:
+        return f"{tps:,.0f}"
+    return f"{tps:,.0f} ± {max(high - tps, tps - low):,.0f}"
+
+
+def _usd_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.4f}" if value < 10 else f"{value:,.2f}"
+
+
+def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked results") -> Table:
+    """Rank, variant, instance, tokens/s ± 95 % CI, MFU (or why not), $ per 1M tokens, status, note."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("variant")
+    table.add_column("instance")
+    table.add_column("tokens/s ± CI95", justify="right")
+    table.add_column("MFU", justify="right")
+    table.add_column("$ / 1M tokens", justify="right")
+    table.add_column("status")
+    table.add_column("note", overflow="fold", max_width=60)
+    for row in rows:
+        status = str(row.get("status") or "")
+        colour = "green" if status.lower() == "completed" else "red"
+        count = f" x{row['instance_count']}" if (row.get("instance_count") or 1) > 1 else ""
+        note = str(row.get("note") or "").splitlines()
+        table.add_row(
+            str(row["rank"]) if row.get("rank") is not None else "-",
+            escape(str(row.get("variant") or "")),
+            escape(f"{row.get('instance_type')}{count}{' (spot)' if row.get('spot') else ''}"),
+            _tps_text(row),
+            _mfu_text(row),
+            _usd_text(row.get("usd_per_million_tokens_spot") if row.get("spot") else row.get("usd_per_million_tokens")),
+            f"[{colour}]{escape(status)}[/]",
+            escape(note[-1] if note else ""),
+        )
+    return table
+
+
+def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
+    recommendation = (analysis or {}).get("recommendation") or {}
+    summary = recommendation.get("summary")
+    return f"[bold]Recommendation:[/] {escape(summary)}" if summary else ""
+
+
+# -- the whole run ------------------------------------------------------------------------------------------------
+
+
+def _analyze_and_report(
+    run: RunRecord, store: ResultStore, manifest: Any, catalog: Catalog, report_dir: Path
+) -> dict[str, Any]:
+    from gpuscout.analysis import analyze_run
+    from gpuscout.report import write_report
+
+    jobs = store.list_jobs(run.run_id)
+    analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
+    written = write_report(analysis, report_dir)
+    dumped = analysis.model_dump(mode="json")
+    store.put_result(
+        ResultRecord(
+            run_id=run.run_id,
+            analysis=dumped,
+            report_uri=str(report_dir),
+            price_snapshot=analysis.price_snapshot.model_dump(mode="json"),
+        )
+    )
+    (report_dir / "files.json").write_text(json.dumps({k: str(v) for k, v in written.items()}, indent=2) + "\n")
+    return dumped
+
+
+def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, Any]:
+    """The stored analysis re-priced with today's catalog prices (and the manifest's overrides)."""
+    from gpuscout.analysis import reprice
+    from gpuscout.pricing import PriceBook
+
+    if result is None:
+        raise GpuscoutError(f"run {run.run_id} has no stored analysis to re-price (status {run.status.value})")
+    prices = PriceBook.from_catalog(load_catalog()).with_manifest_overrides(run.manifest)
+    return reprice(result.analysis, prices).model_dump(mode="json")
+
+
+def run_local(
+    manifest_path: Path | str,
+    *,
+    store: ResultStore,
+    runs_dir: Path = Path("runs"),
+    console: Console | None = None,
+    catalog: Catalog | None = None,
+    data_cache_dir: Path | None = None,
+) -> RunRecord:
+    """Run a manifest's benchmark on this machine and return the final run row (see module docstring)."""
+    console = console or Console()
+    catalog = catalog or load_catalog()
+    manifest_path = Path(manifest_path)
+    manifest, the_plan = plan_manifest(manifest_path, catalog)
+    specs: list[JobSpec] = list(the_plan.jobs)
+    run_id: str = the_plan.run_id
+    run_dir = runs_dir / run_id
+    run = RunRecord(
+        run_id=run_id,
+        name=manifest.name,
+        status=RunStatus.PLANNED,
+        manifest_source=str(manifest_path),
+        manifest=manifest.model_dump(mode="json"),
+        predicted_cost_usd=the_plan.predicted_cost_usd,
+        run_dir=str(run_dir),
+    )
+    console.print(plan_table(the_plan))
+    try:
+        the_plan.check_budget()
+    except BudgetExceededError as err:
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err), "run_dir": None}))
+        raise
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(manifest_path, run_dir / f"manifest{manifest_path.suffix or '.yaml'}")
+    (run_dir / "plan.json").write_text(
+        json.dumps([s.model_dump(mode="json") for s in specs], indent=2) + "\n", encoding="utf-8"
+    )
+    store.put_run(run)
+    for spec in specs:
+        store.put_job(_job_record(spec, JobStatus.PLANNED))
+
+    interrupted = False
+    current: JobSpec | None = None
+    try:
+        store.update_run(run_id, status=RunStatus.PREPARING)
+        data_dir = prepare_data(manifest, data_cache_dir or runs_dir / ".cache" / "data", console)
+        store.update_run(run_id, status=RunStatus.RUNNING)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as progress:
+            for i, spec in enumerate(specs, start=1):
+                current = spec
+                label = f"job {i}/{len(specs)} {spec.variant_name}"
+                task = progress.add_task(label, total=_int_or_none(spec.hyperparameters.get("max_steps")))
+                store.put_job(_job_record(spec, JobStatus.TRAINING))
+                folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
+                outcome = run_job(spec, folders, progress=progress, task=task, label=label)
+                store.put_job(_job_record(spec, outcome.status, outcome))
+                word = "[green]done[/]" if outcome.status is JobStatus.COMPLETED else f"[red]{outcome.status.value}[/]"
+                reason = f": {escape(outcome.failure_reason.splitlines()[-1])}" if outcome.failure_reason else ""
+                progress.console.print(f"{escape(spec.job_name)} {word} in {outcome.wall_seconds:.1f} s{reason}")
+                current = None
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: stopping; what was measured is kept[/]")
+        for spec in specs:
+            job = store.get_job(run_id, spec.job_name)
+            if job is not None and job.status in (JobStatus.PLANNED, JobStatus.TRAINING):
+                reason = "interrupted (Ctrl-C)" if spec is current else "not started: run interrupted (Ctrl-C)"
+                store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
+    except GpuscoutError as err:
+        store.update_run(run_id, status=RunStatus.FAILED, error=str(err))
+        raise
+
+    jobs = store.list_jobs(run_id)
+    completed = [j for j in jobs if j.status is JobStatus.COMPLETED]
+    analysis: dict[str, Any] | None = None
+    if completed:
+        store.update_run(run_id, status=RunStatus.ANALYZING)
+        try:
+            analysis = _analyze_and_report(store.get_run(run_id), store, manifest, catalog, run_dir / "report")
+        except Exception as err:
+            store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
+            raise
+    if interrupted:
+        final = store.update_run(run_id, status=RunStatus.STOPPED, error="interrupted (Ctrl-C)")
+    elif completed:
+        final = store.update_run(run_id, status=RunStatus.SUCCEEDED, error=None)
+    else:
+        final = store.update_run(run_id, status=RunStatus.FAILED, error=f"all {len(jobs)} jobs failed")
+
+    console.print(ranked_table(result_rows(analysis, jobs), title=f"Ranked results: run {run_id}"))
+    text = recommendation_text(analysis)
+    if text:
+        console.print(text)
+    where = f"report: {run_dir / 'report' / 'report.md'}" if analysis else f"jobs: {run_dir / 'jobs'}"
+    console.print(f"run {run_id} {final.status.value}; {where}", soft_wrap=True)
+    console.print(f"next: gpuscout results {run_id}   gpuscout report {run_id}", soft_wrap=True)
+    return final
+
+
+def _job_record(spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None) -> JobRecord:
+    return JobRecord(
+        run_id=spec.run_id,
+        job_name=spec.job_name,
+        status=status,
+        instance_type=spec.instance_type,
+        instance_count=spec.instance_count,
+        variant_name=spec.variant_name,
+        repetition=spec.repetition,
+        spot=spec.spot,
+        spec=spec.model_dump(mode="json"),
+        benchmark=outcome.benchmark if outcome else None,
+        failure_reason=outcome.failure_reason if outcome else None,
+        training_seconds=round(outcome.wall_seconds) if outcome else None,
+        status_rank=JOB_STATUS_RANK[status],
+        last_event_time=utcnow(),
+    )
