@@ -1,0 +1,379 @@
+"""The cloud workflow's Lambda steps (validate, plan, record a failed job, analyze): the Cloud contract.
+
+Each function is what one Lambda handler calls; inputs and outputs are the state machine's JSON
+(docs/internals.md, "Cloud contract"). AWS clients and the store are passed in, so tests run them against moto.
+
+Idempotency: the run id is deterministic from the manifest object (key + ETag, ``planner.make_run_id``). A second
+delivery of the same object reaches ``plan_jobs``, finds the run already planned and raises PlanRefused without
+launching anything or touching the first run's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import mimetypes
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import lru_cache
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import boto3
+from botocore.exceptions import BotoCoreError, ClientError
+
+from gpuscout.analysis import analyze_run as analyze_jobs
+from gpuscout.catalog import Catalog, load_catalog
+from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem, RunNotFoundError
+from gpuscout.events import classify_failure, parse_event_timestamp
+from gpuscout.manifest import Manifest, parse_manifest, validate_manifest_data
+from gpuscout.planner import make_run_id, plan
+from gpuscout.pricing import PriceBook
+from gpuscout.sagemaker_requests import (
+    DataSource,
+    RequestSettings,
+    processing_job_request,
+    training_job_request,
+)
+from gpuscout.settings import LambdaSettings, get_settings
+from gpuscout.store.base import (
+    JobRecord,
+    JobStatus,
+    ResultRecord,
+    ResultStore,
+    RunRecord,
+    RunStatus,
+    utcnow,
+)
+from gpuscout.store.dynamodb import DynamoDbStore
+
+MAX_MANIFEST_BYTES = 1024 * 1024
+REJECTED_PREFIX = "rejected/"
+REPORTS_PREFIX = "reports/"
+
+
+class ManifestRejected(GpuscoutError):  # noqa: N818 - the state machine's Catch matches this exact name
+    """The manifest is invalid; nothing was launched. The message is the cause the execution fails with."""
+
+    exit_code = 2
+
+
+class PlanRefused(GpuscoutError):  # noqa: N818 - the state machine's Catch matches this exact name
+    """The manifest is valid but the run was not launched (over budget, or already planned)."""
+
+
+class CloudStepError(GpuscoutError):
+    """An AWS call of a workflow step failed."""
+
+
+@dataclass(frozen=True)
+class Services:
+    """What a Lambda step works with, built once per cold start from the environment."""
+
+    settings: LambdaSettings
+    store: DynamoDbStore
+    s3: Any
+    sagemaker: Any
+
+
+@lru_cache(maxsize=1)
+def services() -> Services:
+    settings = get_settings()
+    return Services(
+        settings=settings,
+        store=DynamoDbStore(settings.table_name, client=boto3.client("dynamodb")),
+        s3=boto3.client("s3"),
+        sagemaker=boto3.client("sagemaker"),
+    )
+
+
+def request_settings(settings: LambdaSettings) -> RequestSettings:
+    return RequestSettings(
+        role_arn=settings.sagemaker_role_arn,
+        training_image_uri=settings.training_image_uri,
+        data_bucket=settings.data_bucket,
+        artifacts_bucket=settings.artifacts_bucket,
+        processing_instance_type=settings.processing_instance_type,
+    )
+
+
+def manifest_stem(key: str) -> str:
+    """``manifests/qwen-p5.yaml`` -> ``qwen-p5``."""
+    name = PurePosixPath(key).name
+    for suffix in (".yaml", ".yml", ".json"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def data_source_of(manifest: Manifest) -> DataSource:
+    return DataSource(
+        source=manifest.dataset.source,
+        tokenizer=manifest.tokenizer.kind,
+        sequence_length=manifest.sequence_length,
+        max_documents=manifest.dataset.max_documents,
+        tokenizer_path=manifest.tokenizer.path,
+        vocab_size=manifest.tokenizer.resolved_vocab_size,
+        text_field=manifest.dataset.text_field,
+        min_characters=manifest.dataset.min_characters,
+        validation_fraction=manifest.dataset.validation_fraction,
+    )
+
+
+def _cloud_problems(manifest: Manifest, settings: LambdaSettings) -> list[Problem]:
+    """What a valid manifest may still not do in this stack: run locally, or use a type the stack disallows."""
+    problems: list[Problem] = []
+    allowed = settings.allowed_instance_types
+    for i, target in enumerate(manifest.targets):
+        if target.instance_type == "local":
+            problems.append(Problem(f"targets[{i}].instance_type", "'local' runs only with `gpuscout local`"))
+        elif allowed and target.instance_type not in allowed:
+            problems.append(
+                Problem(
+                    f"targets[{i}].instance_type",
+                    f"{target.instance_type} is not allowed by this stack; allowed: {', '.join(allowed)}",
+                )
+            )
+    return problems
+
+
+def _read_object(s3: Any, bucket: str, key: str) -> tuple[bytes, str]:
+    try:
+        response = s3.get_object(Bucket=bucket, Key=key)
+        body: bytes = response["Body"].read(MAX_MANIFEST_BYTES + 1)
+    except (ClientError, BotoCoreError) as err:
+        raise CloudStepError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    return body, str(response.get("ETag", "")).strip('"')
+
+
+def validate_manifest(
+    execution_input: dict[str, Any],
+    *,
+    store: ResultStore,
+    s3: Any,
+    settings: LambdaSettings,
+    catalog: Catalog | None = None,
+) -> dict[str, Any]:
+    """Validate step. Returns ``{"run_id", "bucket", "key", "manifest"}`` or raises ManifestRejected after writing
+    ``rejected/<name>.error.json`` (every problem with its field path) and a REJECTED run row."""
+    bucket, key = str(execution_input["bucket"]), str(execution_input["key"])
+    source = f"s3://{bucket}/{key}"
+    body, object_etag = _read_object(s3, bucket, key)
+    etag = str(execution_input.get("etag") or object_etag).strip('"')
+    stem = manifest_stem(key)
+    catalog = catalog or load_catalog()
+    manifest: Manifest | None = None
+    try:
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise ManifestError(source, [Problem("", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")])
+        manifest = parse_manifest(body, source, catalog)
+        cloud_problems = _cloud_problems(manifest, settings)
+        if cloud_problems:
+            raise ManifestError(source, cloud_problems)
+    except ManifestError as err:
+        run_id = make_run_id(manifest.name if manifest else stem, key=key, etag=etag)
+        report = {**err.to_dict(), "run_id": run_id, "etag": etag, "rejected_at": utcnow().isoformat()}
+        error_key = f"{REJECTED_PREFIX}{stem}.error.json"
+        try:
+            s3.put_object(
+                Bucket=bucket,
+                Key=error_key,
+                Body=json.dumps(report, indent=2).encode(),
+                ContentType="application/json",
+            )
+        except (ClientError, BotoCoreError) as s3_err:
+            raise CloudStepError(f"cannot write s3://{bucket}/{error_key}: {s3_err}") from s3_err
+        store.put_run(
+            RunRecord(
+                run_id=run_id,
+                name=manifest.name if manifest else stem,
+                status=RunStatus.REJECTED,
+                manifest_source=source,
+                error=str(err),
+                problems=[{"path": p.path, "message": p.message} for p in err.problems],
+            )
+        )
+        raise ManifestRejected(
+            f"{source} is invalid ({len(err.problems)} problem(s); details in s3://{bucket}/{error_key}):\n"
+            + "\n".join(f"  - {p}" for p in err.problems)
+        ) from err
+    return {
+        "run_id": make_run_id(manifest.name, key=key, etag=etag),
+        "bucket": bucket,
+        "key": key,
+        "manifest": manifest.model_dump(mode="json"),
+    }
+
+
+def _object_exists(s3: Any, bucket: str, key: str) -> bool:
+    try:
+        s3.head_object(Bucket=bucket, Key=key)
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+            return False
+        raise CloudStepError(f"cannot check s3://{bucket}/{key}: {err}") from err
+    return True
+
+
+def plan_jobs(
+    validated: dict[str, Any],
+    *,
+    store: ResultStore,
+    s3: Any,
+    settings: LambdaSettings,
+    catalog: Catalog | None = None,
+) -> dict[str, Any]:
+    """Plan step: job specs -> requests; RUN + JOB rows (PLANNED). Raises PlanRefused over budget (REFUSED run)
+    or when this manifest object was already planned (nothing is written then)."""
+    run_id = str(validated["run_id"])
+    source = f"s3://{validated['bucket']}/{validated['key']}"
+    try:
+        existing = store.get_run(run_id)
+    except RunNotFoundError:
+        existing = None
+    if existing is not None:
+        raise PlanRefused(
+            f"{source} (this exact object) was already planned as run {run_id} ({existing.status.value}); "
+            "nothing was launched again"
+        )
+    catalog = catalog or load_catalog()
+    manifest = validate_manifest_data(validated["manifest"], source, catalog)
+    the_plan = plan(manifest, catalog, run_id=run_id)
+    run = RunRecord(
+        run_id=run_id,
+        name=manifest.name,
+        status=RunStatus.PLANNED,
+        manifest_source=source,
+        manifest=manifest.model_dump(mode="json"),
+        predicted_cost_usd=the_plan.predicted_cost_usd,
+    )
+    try:
+        the_plan.check_budget()
+    except BudgetExceededError as err:
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
+        raise PlanRefused(f"{source}: {err}") from err
+
+    data = data_source_of(manifest)
+    req_settings = request_settings(settings)
+    skip_prepare = _object_exists(s3, settings.data_bucket, data.dataset_manifest_key())
+    jobs_out: list[dict[str, Any]] = []
+    for spec in the_plan.jobs:
+        target = manifest.targets[spec.target_index]
+        max_wait = int(target.max_wait_hours * 3600) if target.max_wait_hours else None
+        request = training_job_request(
+            spec,
+            req_settings,
+            data,
+            enable_network_isolation=manifest.network_isolation,
+            spot_max_wait_seconds=max_wait,
+        )
+        store.put_job(
+            JobRecord(
+                run_id=run_id,
+                job_name=spec.job_name,
+                status=JobStatus.PLANNED,
+                instance_type=spec.instance_type,
+                instance_count=spec.instance_count,
+                variant_name=spec.variant_name,
+                repetition=spec.repetition,
+                spot=spec.spot,
+                spec=spec.model_dump(mode="json"),
+            )
+        )
+        jobs_out.append({"job_name": spec.job_name, "request": request})
+    store.put_run(run)  # last: a run row means every job row exists
+    return {
+        "run_id": run_id,
+        "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
+        "jobs": jobs_out,
+        "predicted_cost_usd": the_plan.predicted_cost_usd,
+    }
+
+
+def _describe_from_cause(cause: str) -> dict[str, Any]:
+    """The Map Catch's Cause: a DescribeTrainingJob JSON (``.sync`` failures) or a plain API error message."""
+    try:
+        parsed = json.loads(cause)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def record_job_failure(failure: dict[str, Any], *, store: ResultStore) -> dict[str, Any]:
+    """A Map iteration's caught error -> CAPACITY / QUOTA / OOM / FAILED on the JOB row. Never raises for a
+    classifiable error, so one missing instance type does not fail the benchmark.
+
+    When the Cause is the job's description, the row is written as of just before the job's last modification, so
+    SageMaker's own terminal event (which carries billable time and the benchmark) still wins when it arrives.
+    """
+    run_id, job_name = str(failure["run_id"]), str(failure["job_name"])
+    error = failure.get("error") or {}
+    error_name = str(error.get("Error", "")) if isinstance(error, dict) else ""
+    cause = str(error.get("Cause", "")) if isinstance(error, dict) else str(error)
+    described = _describe_from_cause(cause)
+    reason = str(described.get("FailureReason") or cause or error_name or "unknown error")
+    status = classify_failure(f"{error_name} {reason}")
+    event_time = utcnow()
+    last_modified = parse_event_timestamp(described.get("LastModifiedTime"))
+    if isinstance(last_modified, datetime):
+        event_time = last_modified - timedelta(milliseconds=1)
+    fields: dict[str, Any] = {"failure_reason": f"{error_name}: {reason}" if error_name else reason}
+    billable = described.get("BillableTimeInSeconds")
+    if isinstance(billable, int):
+        fields["billable_seconds"] = billable
+    applied = store.apply_job_event(run_id, job_name, status, event_time, **fields)
+    return {"run_id": run_id, "job_name": job_name, "status": status.value, "applied": applied}
+
+
+def _upload_report(s3: Any, bucket: str, run_id: str, files: dict[str, Path]) -> str:
+    prefix = f"{REPORTS_PREFIX}{run_id}/"
+    for path in files.values():
+        content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        try:
+            s3.upload_file(str(path), bucket, prefix + path.name, ExtraArgs={"ContentType": content_type})
+        except (ClientError, BotoCoreError) as err:
+            raise CloudStepError(f"cannot upload {path.name} to s3://{bucket}/{prefix}: {err}") from err
+    return f"s3://{bucket}/{prefix}"
+
+
+def analyze(
+    request: dict[str, Any],
+    *,
+    store: ResultStore,
+    s3: Any,
+    settings: LambdaSettings,
+    catalog: Catalog | None = None,
+    prices: PriceBook | None = None,
+    work_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Analyze step: RunAnalysis + report files in ``reports/<run_id>/`` of the data bucket + RESULT row. The state
+    machine's Notify state publishes the returned summary (so this step sends no notification itself)."""
+    # Imported here: report rendering pulls in matplotlib, which only the analyze Lambda needs at cold start.
+    from gpuscout.report import write_report
+
+    run_id = str(request["run_id"])
+    run = store.get_run(run_id)
+    jobs = store.list_jobs(run_id)
+    catalog = catalog or load_catalog()
+    if prices is None:
+        prices = PriceBook.from_catalog(catalog).with_manifest_overrides(run.manifest)
+    analysis = analyze_jobs(run, jobs, manifest=run.manifest, catalog=catalog, prices=prices)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        files = write_report(analysis, Path(tmp) / run_id)
+        report_uri = _upload_report(s3, settings.data_bucket, run_id, files)
+    store.put_result(
+        ResultRecord(
+            run_id=run_id,
+            analysis=analysis.model_dump(mode="json"),
+            report_uri=report_uri,
+            price_snapshot=analysis.price_snapshot.model_dump(mode="json"),
+        )
+    )
+    completed = sum(1 for j in jobs if j.status is JobStatus.COMPLETED)
+    if run.status is not RunStatus.STOPPED:
+        if completed:
+            store.update_run(run_id, status=RunStatus.SUCCEEDED)
+        else:
+            store.update_run(run_id, status=RunStatus.FAILED, error=f"none of the {len(jobs)} job(s) completed")
+    summary = analysis.recommendation.summary
+    return {"run_id": run_id, "recommendation": summary, "report_uri": report_uri}

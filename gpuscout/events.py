@@ -1,0 +1,325 @@
+"""SageMaker "Training Job State Change" events -> the JOB row, the job's benchmark, and the run's budget guard.
+
+EventBridge delivers these at least once and in any order, and SageMaker may send several events per state
+change. Each event is applied with ``ResultStore.apply_job_event`` (conditional on event time and status rank),
+so duplicates and stale events change nothing. On a terminal state the job's ``benchmark.json`` is read from the
+tarred ``SM_OUTPUT_DATA_DIR`` SageMaker uploaded (``output/<run_id>/<job>/output/output.tar.gz``) and stored in the
+same conditional update as the status.
+
+Budget guard: after a job ends, the run's measured spend (billable seconds x on-demand price x instance count,
+summed over finished jobs) is compared with the manifest's budget; once it is crossed, every job of the run still
+in progress is stopped and the run is marked STOPPED.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, Protocol
+
+from botocore.exceptions import BotoCoreError, ClientError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from gpuscout.benchmark import BenchmarkResult
+from gpuscout.errors import GpuscoutError
+from gpuscout.sagemaker_requests import RUN_ID_TAG, output_tar_key
+from gpuscout.store.base import TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
+
+BENCHMARK_FILE = "benchmark.json"
+MAX_BENCHMARK_BYTES = 32 * 1024 * 1024
+
+OOM_MARKERS = ("OutOfMemory", "CUDA out of memory", "out of memory")
+CAPACITY_MARKERS = ("CapacityError", "InsufficientCapacity", "Insufficient capacity")
+QUOTA_MARKERS = ("ResourceLimitExceeded",)
+STARTING_SECONDARY = frozenset(
+    {
+        "Starting",
+        "Pending",
+        "Downloading",
+        "LaunchingMLInstances",
+        "PreparingTrainingStack",
+        "DownloadingTrainingImage",
+        "Interrupted",  # spot capacity reclaimed; SageMaker waits for capacity, then restarts
+        "Restarting",
+    }
+)
+LIVE_JOB_STATUSES = frozenset({JobStatus.STARTING, JobStatus.TRAINING})
+
+
+class EventError(GpuscoutError):
+    """A job-state event could not be processed (unreadable output, unknown job)."""
+
+
+def parse_event_timestamp(value: object) -> object:
+    """SageMaker events carry epoch milliseconds (number or digit string); ISO strings are accepted too."""
+    if value is None or value == "" or isinstance(value, datetime):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return datetime.fromtimestamp(value / 1000, tz=UTC)
+    if isinstance(value, str) and value.replace(".", "", 1).isdigit():
+        return datetime.fromtimestamp(float(value) / 1000, tz=UTC)
+    return value
+
+
+EventTime = Annotated[datetime, BeforeValidator(parse_event_timestamp)]
+
+
+class _Detail(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class SecondaryStatusTransition(_Detail):
+    status: str = Field(alias="Status")
+    start_time: EventTime = Field(alias="StartTime")
+    end_time: EventTime | None = Field(default=None, alias="EndTime")
+    status_message: str | None = Field(default=None, alias="StatusMessage")
+
+
+class ResourceConfig(_Detail):
+    instance_type: str | None = Field(default=None, alias="InstanceType")
+    instance_count: int | None = Field(default=None, alias="InstanceCount")
+
+
+class TrainingJobStateChange(_Detail):
+    """The ``detail`` of a "SageMaker Training Job State Change" event (a DescribeTrainingJob snapshot)."""
+
+    training_job_name: str = Field(alias="TrainingJobName")
+    training_job_arn: str | None = Field(default=None, alias="TrainingJobArn")
+    training_job_status: Literal["InProgress", "Completed", "Failed", "Stopping", "Stopped"] = Field(
+        alias="TrainingJobStatus"
+    )
+    secondary_status: str | None = Field(default=None, alias="SecondaryStatus")
+    failure_reason: str | None = Field(default=None, alias="FailureReason")
+    resource_config: ResourceConfig | None = Field(default=None, alias="ResourceConfig")
+    enable_managed_spot_training: bool | None = Field(default=None, alias="EnableManagedSpotTraining")
+    creation_time: EventTime | None = Field(default=None, alias="CreationTime")
+    training_start_time: EventTime | None = Field(default=None, alias="TrainingStartTime")
+    training_end_time: EventTime | None = Field(default=None, alias="TrainingEndTime")
+    last_modified_time: EventTime | None = Field(default=None, alias="LastModifiedTime")
+    billable_time_in_seconds: int | None = Field(default=None, alias="BillableTimeInSeconds")
+    training_time_in_seconds: int | None = Field(default=None, alias="TrainingTimeInSeconds")
+    secondary_status_transitions: list[SecondaryStatusTransition] = Field(
+        default_factory=list, alias="SecondaryStatusTransitions"
+    )
+    tags: dict[str, str] = Field(default_factory=dict, alias="Tags")
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tags_as_dict(cls, v: object) -> object:
+        # Events carry {"key": "value"}; DescribeTrainingJob-style lists of {"Key", "Value"} are accepted too.
+        if isinstance(v, list):
+            return {str(t.get("Key")): str(t.get("Value")) for t in v if isinstance(t, dict)}
+        return {} if v is None else v
+
+
+def classify_failure(reason: str | None) -> JobStatus:
+    """A SageMaker failure reason or Step Functions error -> CAPACITY / QUOTA / OOM / FAILED."""
+    text = reason or ""
+    lowered = text.lower()
+    if any(marker.lower() in lowered for marker in QUOTA_MARKERS):
+        return JobStatus.QUOTA
+    if any(marker.lower() in lowered for marker in CAPACITY_MARKERS):
+        return JobStatus.CAPACITY
+    if any(marker.lower() in lowered for marker in OOM_MARKERS):
+        return JobStatus.OOM
+    return JobStatus.FAILED
+
+
+def job_status_of(detail: TrainingJobStateChange) -> JobStatus:
+    """TrainingJobStatus / SecondaryStatus -> gpuscout JobStatus."""
+    status = detail.training_job_status
+    if status == "InProgress":
+        if detail.secondary_status in STARTING_SECONDARY or detail.secondary_status is None:
+            return JobStatus.STARTING
+        return JobStatus.TRAINING  # Training, Uploading
+    if status == "Stopping":
+        return JobStatus.STOPPING
+    if status == "Completed":
+        return JobStatus.COMPLETED
+    if status == "Stopped":
+        return JobStatus.STOPPED
+    return classify_failure(detail.failure_reason)
+
+
+class ObjectReader(Protocol):
+    def get_object(self, *, Bucket: str, Key: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+
+
+class TrainingJobStopper(Protocol):
+    def stop_training_job(self, *, TrainingJobName: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+
+
+def read_benchmark(s3: ObjectReader, bucket: str, run_id: str, job_name: str) -> BenchmarkResult | None:
+    """benchmark.json from the job's output.tar.gz; None when the job uploaded no output (or no benchmark)."""
+    key = output_tar_key(run_id, job_name)
+    try:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+            return None
+        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    except BotoCoreError as err:
+        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    try:
+        with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
+            member = next(
+                (m for m in archive.getmembers() if m.isfile() and m.name.rsplit("/", 1)[-1] == BENCHMARK_FILE),
+                None,
+            )
+            if member is None:
+                return None
+            if member.size > MAX_BENCHMARK_BYTES:
+                raise EventError(f"{BENCHMARK_FILE} in s3://{bucket}/{key} is {member.size} bytes, too large")
+            handle = archive.extractfile(member)
+            raw = handle.read() if handle is not None else b""
+    except tarfile.TarError as err:
+        raise EventError(f"s3://{bucket}/{key} is not a readable tar archive: {err}") from err
+    try:
+        return BenchmarkResult.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as err:
+        raise EventError(f"{BENCHMARK_FILE} in s3://{bucket}/{key} is invalid: {err}") from err
+
+
+class JobEventOutcome(BaseModel):
+    """What processing one event did (the handler logs it and emits metrics from it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None
+    job_name: str
+    status: JobStatus
+    applied: bool
+    ignored_reason: str | None = None
+    instance_type: str | None = None
+    tokens_per_s: float | None = None
+    measured_spend_usd: float | None = None
+    budget_usd: float | None = None
+    stopped_jobs: list[str] = Field(default_factory=list)
+
+
+def _transition_dicts(detail: TrainingJobStateChange) -> list[dict[str, Any]]:
+    return [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in detail.secondary_status_transitions]
+
+
+def _run_id_of(detail: TrainingJobStateChange, store: ResultStore) -> str | None:
+    run_id = detail.tags.get(RUN_ID_TAG)
+    if run_id:
+        return run_id
+    finder = getattr(store, "find_run_id", None)
+    if callable(finder):
+        found = finder(detail.training_job_name)
+        return str(found) if found else None
+    return None
+
+
+def measured_spend_usd(jobs: list[JobRecord]) -> float:
+    """Billed spend so far: billable seconds x on-demand price per instance-hour x instance count.
+
+    BillableTimeInSeconds already reflects managed-spot savings, so it is priced at the on-demand rate.
+    """
+    total = 0.0
+    for job in jobs:
+        if job.billable_seconds is None:
+            continue
+        price = float(job.spec.get("price_per_hour_usd", 0.0))
+        total += job.billable_seconds / 3600 * price * job.instance_count
+    return total
+
+
+def run_budget_usd(manifest: dict[str, Any] | None) -> float | None:
+    constraints = (manifest or {}).get("constraints") or {}
+    budget = constraints.get("budget_usd") if isinstance(constraints, dict) else None
+    return float(budget) if budget is not None else None
+
+
+def enforce_budget(
+    store: ResultStore, sagemaker: TrainingJobStopper, run_id: str, *, default_budget_usd: float | None = None
+) -> tuple[float, float | None, list[str]]:
+    """Stop the run's live jobs once its measured spend crosses the budget. Returns (spend, budget, stopped)."""
+    run = store.get_run(run_id)
+    jobs = store.list_jobs(run_id)
+    spend = measured_spend_usd(jobs)
+    budget = run_budget_usd(run.manifest)
+    if budget is None:
+        budget = default_budget_usd
+    if budget is None or spend <= budget:
+        return spend, budget, []
+    stopped: list[str] = []
+    for job in jobs:
+        if job.status not in LIVE_JOB_STATUSES:
+            continue
+        try:
+            sagemaker.stop_training_job(TrainingJobName=job.job_name)
+        except ClientError as err:
+            # Already stopping / finished between our read and the call: nothing left to stop.
+            if err.response.get("Error", {}).get("Code") not in {"ValidationException", "ResourceNotFound"}:
+                raise EventError(f"cannot stop training job {job.job_name}: {err}") from err
+            continue
+        stopped.append(job.job_name)
+    if run.status not in {RunStatus.STOPPED, RunStatus.SUCCEEDED, RunStatus.FAILED}:
+        store.update_run(
+            run_id,
+            status=RunStatus.STOPPED,
+            error=f"budget guard: measured spend ${spend:,.2f} crossed the budget of ${budget:,.2f}; "
+            f"stopped {len(stopped)} running job(s)",
+        )
+    return spend, budget, stopped
+
+
+def handle_training_job_event(
+    detail: TrainingJobStateChange,
+    envelope_time: datetime,
+    *,
+    store: ResultStore,
+    s3: ObjectReader,
+    sagemaker: TrainingJobStopper,
+    artifacts_bucket: str,
+    default_budget_usd: float | None = None,
+) -> JobEventOutcome:
+    """Apply one training-job state change (idempotent and order-safe); see the module docstring."""
+    status = job_status_of(detail)
+    run_id = _run_id_of(detail, store)
+    job_name = detail.training_job_name
+    if run_id is None:
+        return JobEventOutcome(
+            run_id=None, job_name=job_name, status=status, applied=False, ignored_reason="not a gpuscout job"
+        )
+    event_time = detail.last_modified_time or envelope_time
+    fields: dict[str, Any] = {"secondary_status_transitions": _transition_dicts(detail)}
+    if detail.failure_reason:
+        fields["failure_reason"] = detail.failure_reason
+    if detail.billable_time_in_seconds is not None:
+        fields["billable_seconds"] = detail.billable_time_in_seconds
+    if detail.training_start_time and detail.training_end_time:
+        fields["training_seconds"] = int((detail.training_end_time - detail.training_start_time).total_seconds())
+    elif detail.training_time_in_seconds is not None:
+        fields["training_seconds"] = detail.training_time_in_seconds
+    benchmark: BenchmarkResult | None = None
+    terminal = status in TERMINAL_JOB_STATUSES
+    if terminal:
+        benchmark = read_benchmark(s3, artifacts_bucket, run_id, job_name)
+        if benchmark is not None:
+            fields["benchmark"] = benchmark.model_dump(mode="json")
+    applied = store.apply_job_event(run_id, job_name, status, event_time, **fields)
+    job = store.get_job(run_id, job_name)
+    outcome = JobEventOutcome(
+        run_id=run_id,
+        job_name=job_name,
+        status=status,
+        applied=applied,
+        ignored_reason=None if applied else "stale, duplicate or unknown job",
+        instance_type=job.instance_type if job else None,
+        tokens_per_s=benchmark.throughput.tokens_per_s if applied and benchmark and benchmark.throughput else None,
+    )
+    if applied and status in LIVE_JOB_STATUSES:
+        run = store.get_run(run_id)
+        if run.status in {RunStatus.PLANNED, RunStatus.PREPARING}:
+            store.update_run(run_id, status=RunStatus.RUNNING)
+    if applied and terminal:
+        spend, budget, stopped = enforce_budget(store, sagemaker, run_id, default_budget_usd=default_budget_usd)
+        outcome.measured_spend_usd = spend
+        outcome.budget_usd = budget
+        outcome.stopped_jobs = stopped
+    return outcome

@@ -1,0 +1,245 @@
+"""JobSpec -> SageMaker CreateTrainingJob / CreateProcessingJob request dicts (the Cloud contract).
+
+The state machine passes these requests to SageMaker unchanged, so every top-level field it references is always
+present. Paths (docs/internals.md):
+
+- processed data   ``s3://<data>/processed/<sha256(source, tokenizer, sequence_length, max_documents)>/``
+- job output       ``s3://<artifacts>/output/<run_id>/`` (SageMaker adds ``<job_name>/output/output.tar.gz``,
+                   the tarred ``SM_OUTPUT_DATA_DIR`` that holds ``benchmark.json``)
+- checkpoints      ``s3://<artifacts>/checkpoints/<run_id>/<job_name>/`` <-> ``/opt/ml/checkpoints``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gpuscout.jobspec import JOB_NAME_RE, JobSpec
+from gpuscout.metric_lines import METRIC_DEFINITIONS
+
+CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
+PROCESSING_INPUT_DIR = "/opt/ml/processing/input/raw"
+PROCESSING_OUTPUT_DIR = "/opt/ml/processing/output"
+# The training image carries the repository's training/ folder here (training/Dockerfile).
+DATA_PREPARATION_SCRIPT = "/opt/program/data_preparation.py"
+DATASET_MANIFEST = "dataset.json"
+DEFAULT_VOLUME_SIZE_GB = 100
+PROCESSING_VOLUME_SIZE_GB = 50
+PROCESSING_MAX_RUNTIME_SECONDS = 4 * 3600
+# Spot: how long SageMaker may wait for capacity / resume after interruptions on top of the runtime itself.
+SPOT_MIN_EXTRA_WAIT_SECONDS = 3600
+MAX_WAIT_LIMIT_SECONDS = 28 * 24 * 3600  # SageMaker's upper bound for MaxWaitTimeInSeconds
+MANAGED_TAG = {"Key": "gpuscout:managed", "Value": "true"}
+RUN_ID_TAG = "gpuscout:run-id"
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """The account-specific parts of every request (from the Lambda environment, see gpuscout.settings)."""
+
+    role_arn: str
+    training_image_uri: str
+    data_bucket: str
+    artifacts_bucket: str
+    processing_instance_type: str = "ml.m5.xlarge"
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What the data-preparation step turns into a processed dataset; its hash names the cache folder.
+
+    The cache key covers (source, tokenizer, sequence_length, max_documents) and the other options that change the
+    prepared bytes (tokenizer path / vocabulary size, text field, minimum length, validation split).
+    """
+
+    source: str  # s3://bucket/prefix or bundled:<name>
+    tokenizer: str  # qwen | bpe | hf
+    sequence_length: int
+    max_documents: int | None = None
+    tokenizer_path: str | None = None
+    vocab_size: int | None = None
+    text_field: str = "text"
+    min_characters: int = 20
+    validation_fraction: float = 0.05
+
+    @property
+    def cache_key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+    def processed_prefix(self) -> str:
+        """Key prefix (no leading slash, trailing slash) in the data bucket."""
+        return f"processed/{self.cache_key}/"
+
+    def dataset_manifest_key(self) -> str:
+        return self.processed_prefix() + DATASET_MANIFEST
+
+
+def processed_data_uri(settings: RequestSettings, data: DataSource) -> str:
+    return f"s3://{settings.data_bucket}/{data.processed_prefix()}"
+
+
+def output_uri(settings: RequestSettings, run_id: str) -> str:
+    return f"s3://{settings.artifacts_bucket}/output/{run_id}/"
+
+
+def output_tar_key(run_id: str, job_name: str) -> str:
+    """Where SageMaker puts the tarred SM_OUTPUT_DATA_DIR (with benchmark.json) in the artifacts bucket."""
+    return f"output/{run_id}/{job_name}/output/output.tar.gz"
+
+
+def checkpoint_uri(settings: RequestSettings, run_id: str, job_name: str) -> str:
+    return f"s3://{settings.artifacts_bucket}/checkpoints/{run_id}/{job_name}/"
+
+
+def _tags(run_id: str) -> list[dict[str, str]]:
+    return [{"Key": RUN_ID_TAG, "Value": run_id}, dict(MANAGED_TAG)]
+
+
+def max_wait_seconds(max_runtime_seconds: int, requested_seconds: int | None = None) -> int:
+    """MaxWaitTimeInSeconds for a spot job: the manifest's max_wait_hours when given, else runtime + max(runtime,
+    1 h); never less than runtime + 1 s (a spot job must be allowed to wait longer than it runs)."""
+    wanted = requested_seconds or max_runtime_seconds + max(max_runtime_seconds, SPOT_MIN_EXTRA_WAIT_SECONDS)
+    return min(max(wanted, max_runtime_seconds + 1), MAX_WAIT_LIMIT_SECONDS)
+
+
+def training_job_request(
+    spec: JobSpec,
+    settings: RequestSettings,
+    data: DataSource,
+    *,
+    enable_network_isolation: bool,
+    volume_size_gb: int = DEFAULT_VOLUME_SIZE_GB,
+    environment: dict[str, str] | None = None,
+    spot_max_wait_seconds: int | None = None,
+) -> dict[str, Any]:
+    """The full CreateTrainingJob request of one job."""
+    stopping: dict[str, int] = {"MaxRuntimeInSeconds": spec.max_runtime_seconds}
+    if spec.spot:
+        stopping["MaxWaitTimeInSeconds"] = max_wait_seconds(spec.max_runtime_seconds, spot_max_wait_seconds)
+    env = {
+        "GPUSCOUT_RUN_ID": spec.run_id,
+        "GPUSCOUT_JOB_NAME": spec.job_name,
+        "GPUSCOUT_CHECKPOINT_DIR": CHECKPOINT_LOCAL_PATH,
+        **(environment or {}),
+    }
+    return {
+        "TrainingJobName": spec.job_name,
+        "AlgorithmSpecification": {
+            "TrainingImage": settings.training_image_uri,
+            "TrainingInputMode": "File",
+            "MetricDefinitions": [dict(d) for d in METRIC_DEFINITIONS],
+        },
+        "RoleArn": settings.role_arn,
+        "HyperParameters": dict(spec.hyperparameters),
+        "InputDataConfig": [
+            {
+                "ChannelName": "train",
+                "DataSource": {
+                    "S3DataSource": {
+                        "S3DataType": "S3Prefix",
+                        "S3Uri": processed_data_uri(settings, data),
+                        "S3DataDistributionType": "FullyReplicated",
+                    }
+                },
+                "InputMode": "File",
+            }
+        ],
+        "OutputDataConfig": {"S3OutputPath": output_uri(settings, spec.run_id)},
+        "ResourceConfig": {
+            "InstanceType": spec.instance_type,
+            "InstanceCount": spec.instance_count,
+            "VolumeSizeInGB": volume_size_gb,
+        },
+        "StoppingCondition": stopping,
+        "CheckpointConfig": {
+            "S3Uri": checkpoint_uri(settings, spec.run_id, spec.job_name),
+            "LocalPath": CHECKPOINT_LOCAL_PATH,
+        },
+        "EnableManagedSpotTraining": spec.spot,
+        "EnableNetworkIsolation": enable_network_isolation,
+        "Environment": env,
+        "Tags": _tags(spec.run_id),
+    }
+
+
+def processing_job_name(run_id: str, data: DataSource) -> str:
+    """A unique, valid ProcessingJobName: ``gs-prep-<cache key>-<run digest>`` (63 characters at most)."""
+    run_digest = hashlib.sha256(run_id.encode()).hexdigest()[:10]
+    name = f"gs-prep-{data.cache_key[:16]}-{run_digest}"
+    if not JOB_NAME_RE.match(name):  # pragma: no cover - the pieces are hex digits by construction
+        raise ValueError(f"invalid processing job name {name!r}")
+    return name
+
+
+def processing_job_request(run_id: str, settings: RequestSettings, data: DataSource) -> dict[str, Any]:
+    """The CreateProcessingJob request that runs training/data_preparation.py on a CPU instance."""
+    arguments = [
+        "--input",
+        PROCESSING_INPUT_DIR if data.source.startswith("s3://") else data.source,
+        "--output",
+        PROCESSING_OUTPUT_DIR,
+        "--tokenizer",
+        data.tokenizer,
+        "--sequence-length",
+        str(data.sequence_length),
+        "--text-field",
+        data.text_field,
+        "--min-characters",
+        str(data.min_characters),
+        "--validation-fraction",
+        str(data.validation_fraction),
+    ]
+    if data.max_documents is not None:
+        arguments += ["--max-documents", str(data.max_documents)]
+    if data.tokenizer_path is not None:
+        arguments += ["--tokenizer-path", data.tokenizer_path]
+    if data.vocab_size is not None:
+        arguments += ["--vocab-size", str(data.vocab_size)]
+    inputs: list[dict[str, Any]] = []
+    if data.source.startswith("s3://"):
+        inputs.append(
+            {
+                "InputName": "raw",
+                "S3Input": {
+                    "S3Uri": data.source,
+                    "LocalPath": PROCESSING_INPUT_DIR,
+                    "S3DataType": "S3Prefix",
+                    "S3InputMode": "File",
+                    "S3DataDistributionType": "FullyReplicated",
+                },
+            }
+        )
+    return {
+        "ProcessingJobName": processing_job_name(run_id, data),
+        "ProcessingResources": {
+            "ClusterConfig": {
+                "InstanceCount": 1,
+                "InstanceType": settings.processing_instance_type,
+                "VolumeSizeInGB": PROCESSING_VOLUME_SIZE_GB,
+            }
+        },
+        "AppSpecification": {
+            "ImageUri": settings.training_image_uri,
+            "ContainerEntrypoint": ["python3", DATA_PREPARATION_SCRIPT],
+            "ContainerArguments": arguments,
+        },
+        "RoleArn": settings.role_arn,
+        "ProcessingInputs": inputs,
+        "ProcessingOutputConfig": {
+            "Outputs": [
+                {
+                    "OutputName": "processed",
+                    "S3Output": {
+                        "S3Uri": processed_data_uri(settings, data),
+                        "LocalPath": PROCESSING_OUTPUT_DIR,
+                        "S3UploadMode": "EndOfJob",
+                    },
+                }
+            ]
+        },
+        "StoppingCondition": {"MaxRuntimeInSeconds": PROCESSING_MAX_RUNTIME_SECONDS},
+        "Environment": {"GPUSCOUT_RUN_ID": run_id, "GPUSCOUT_DATA_CACHE_KEY": data.cache_key},
+        "Tags": _tags(run_id),
+    }

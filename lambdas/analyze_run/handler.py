@@ -1,0 +1,38 @@
+"""Lambda: analyze a finished run (Cloud contract: analyze_run): RESULT row + reports/<run_id>/ in S3."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuscout import control_plane
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics(namespace="gpuscout")
+
+
+class AnalyzeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # the state machine may pass the whole plan output
+
+    run_id: str = Field(min_length=1)
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=AnalyzeRequest)
+def handler(event: AnalyzeRequest, context: LambdaContext) -> dict[str, Any]:
+    services = control_plane.services()
+    logger.append_keys(run_id=event.run_id)
+    result = control_plane.analyze(
+        {"run_id": event.run_id}, store=services.store, s3=services.s3, settings=services.settings
+    )
+    metrics.add_metric(name="RunsAnalyzed", unit=MetricUnit.Count, value=1)
+    logger.info("run analyzed", extra={"report_uri": result["report_uri"]})
+    return result

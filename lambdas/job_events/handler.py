@@ -1,0 +1,53 @@
+"""Lambda: SageMaker "Training Job State Change" events -> JOB rows, benchmark results, budget guard.
+
+Idempotent and order-safe (see gpuscout.events). Emits TokensPerSecond (dimension InstanceType) when a job ends
+with a benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import envelopes, parse
+from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from gpuscout import control_plane
+from gpuscout.events import EventError, TrainingJobStateChange, handle_training_job_event
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics(namespace="gpuscout")
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    detail = parse(event=event, model=TrainingJobStateChange, envelope=envelopes.EventBridgeEnvelope)
+    if not isinstance(detail, TrainingJobStateChange):
+        raise EventError(f"not a single training job state change: {type(detail).__name__}")
+    envelope = EventBridgeModel.model_validate(event)
+    services = control_plane.services()
+    logger.append_keys(job_name=detail.training_job_name, training_job_status=detail.training_job_status)
+    outcome = handle_training_job_event(
+        detail,
+        envelope.time,
+        store=services.store,
+        s3=services.s3,
+        sagemaker=services.sagemaker,
+        artifacts_bucket=services.settings.artifacts_bucket,
+        default_budget_usd=services.settings.default_budget_usd,
+    )
+    if outcome.tokens_per_s is not None and outcome.instance_type:
+        metrics.add_dimension(name="InstanceType", value=outcome.instance_type)
+        metrics.add_metric(name="TokensPerSecond", unit=MetricUnit.CountPerSecond, value=outcome.tokens_per_s)
+    if outcome.stopped_jobs:
+        logger.warning(
+            "budget guard stopped running jobs",
+            extra={"stopped": outcome.stopped_jobs, "spend_usd": outcome.measured_spend_usd},
+        )
+    logger.info("job event processed", extra=outcome.model_dump(mode="json", exclude={"stopped_jobs"}))
+    return outcome.model_dump(mode="json")

@@ -1,0 +1,53 @@
+"""Lambda: expand a validated manifest into SageMaker requests (Cloud contract: plan_jobs).
+
+Over budget, or for a manifest object that was already planned, it raises PlanRefused and launches nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuscout import control_plane
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics(namespace="gpuscout")
+
+
+class ValidatedManifest(BaseModel):
+    """validate_manifest's output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(min_length=1)
+    bucket: str
+    key: str
+    manifest: dict[str, Any]
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=ValidatedManifest)
+def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
+    services = control_plane.services()
+    logger.append_keys(run_id=event.run_id)
+    result = control_plane.plan_jobs(
+        event.model_dump(), store=services.store, s3=services.s3, settings=services.settings
+    )
+    metrics.add_metric(name="JobsPlanned", unit=MetricUnit.Count, value=len(result["jobs"]))
+    logger.info(
+        "run planned",
+        extra={
+            "jobs": len(result["jobs"]),
+            "predicted_cost_usd": result["predicted_cost_usd"],
+            "prepare_skipped": result["prepare"]["skip"],
+        },
+    )
+    return result

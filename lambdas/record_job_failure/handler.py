@@ -1,0 +1,57 @@
+"""Lambda: record a training job the Map's Catch caught (Cloud contract: record_job_failure).
+
+Classifies the error (QUOTA / CAPACITY / OOM / FAILED) into the JOB row and returns normally, so one missing
+instance type never fails the whole benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuscout import control_plane
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics(namespace="gpuscout")
+
+
+class CaughtError(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    error: str = Field(default="", alias="Error")
+    cause: str = Field(default="", alias="Cause")
+
+
+class JobFailure(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(min_length=1)
+    job_name: str = Field(min_length=1)
+    error: CaughtError
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=JobFailure)
+def handler(event: JobFailure, context: LambdaContext) -> dict[str, Any]:
+    services = control_plane.services()
+    logger.append_keys(run_id=event.run_id, job_name=event.job_name)
+    result = control_plane.record_job_failure(
+        {
+            "run_id": event.run_id,
+            "job_name": event.job_name,
+            "error": {"Error": event.error.error, "Cause": event.error.cause},
+        },
+        store=services.store,
+    )
+    metrics.add_dimension(name="Status", value=result["status"])
+    metrics.add_metric(name="JobFailures", unit=MetricUnit.Count, value=1)
+    logger.warning("job failed", extra={"status": result["status"], "error": event.error.error})
+    return result

@@ -1,0 +1,50 @@
+"""Lambda: validate the submitted manifest (Cloud contract: execution input -> validated manifest).
+
+A bad manifest raises ManifestRejected (after rejected/<name>.error.json and a REJECTED run are written); the state
+machine's Catch ends the execution with that message as its cause.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuscout import control_plane
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics(namespace="gpuscout")
+
+
+class ExecutionInput(BaseModel):
+    """What the S3 "Object Created" rule passes to the state machine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bucket: str = Field(min_length=3)
+    key: str = Field(min_length=1)
+    etag: str = ""
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=ExecutionInput)
+def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
+    services = control_plane.services()
+    logger.append_keys(manifest_key=event.key)
+    try:
+        result = control_plane.validate_manifest(
+            event.model_dump(), store=services.store, s3=services.s3, settings=services.settings
+        )
+    except control_plane.ManifestRejected:
+        metrics.add_metric(name="ManifestsRejected", unit=MetricUnit.Count, value=1)
+        raise
+    metrics.add_metric(name="ManifestsAccepted", unit=MetricUnit.Count, value=1)
+    logger.info("manifest valid", extra={"run_id": result["run_id"]})
+    return result
