@@ -1,0 +1,177 @@
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuscout.catalog import LocalHardware, load_catalog
+from gpuscout.errors import BudgetExceededError, PlanError
+from gpuscout.jobspec import JOB_NAME_RE
+from gpuscout.manifest import validate_manifest_data
+from gpuscout.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan
+
+CATALOG = load_catalog()
+CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
+HP_KEYS = {
+    "run_id", "job_name", "instance_type", "sequence_length", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "max_steps", "learning_rate", "weight_decay", "seed", "precision", "packing",
+    "attention_implementation", "gradient_checkpointing", "torch_compile", "dataloader_num_workers",
+    "deepspeed_stage", "fused_cross_entropy", "fused_adamw", "stop_rule", "ci_tolerance", "min_timed_steps",
+    "eval_interval", "checkpoint_interval", "validation_batches",
+}  # fmt: skip
+
+
+def manifest(**over):
+    data = {
+        "name": "sweep",
+        "model": {"preset": "qwen2.5-1.5b"},
+        "dataset": {"source": "bundled:hebrew-bible"},
+        "sequence_length": 2048,
+        "training": {"max_steps": 50, "precision": "bf16"},
+        "targets": [{"instance_type": "ml.p5.48xlarge"}],
+        "variants": [{"name": "b8-a2", "per_device_batch_size": 8, "gradient_accumulation_steps": 2}],
+        "constraints": {"budget_usd": 100},
+    }
+    data.update(over)
+    return validate_manifest_data(data, "test", CATALOG)
+
+
+def test_prediction_hand_checked():
+    # qwen2.5-1.5b: N_matmul = 28 x 46,792,704 + 1536 x 151,936 = 1,543,569,408;
+    # FLOPs/token = 6 N + 12 x 28 x 12 x 128 x 2048 = 9,261,416,448 + 1,056,964,608 = 10,318,381,056.
+    # tokens/s = 0.38 x 8 x 989.4e12 / 10,318,381,056 = 291,496.9
+    job = plan(manifest(), CATALOG, run_id="r1").jobs[0]
+    p = job.prediction
+    assert p.tokens_per_s == pytest.approx(0.38 * 8 * 989.4e12 / 10_318_381_056, rel=1e-9)
+    assert p.tokens_per_s == pytest.approx(291_496.9, rel=1e-6)
+    assert p.mfu_assumed == pytest.approx(0.38)
+    tokens_per_step = 8 * 2 * 8 * 2048
+    assert p.training_seconds == pytest.approx(50 * tokens_per_step / p.tokens_per_s)
+    assert p.training_seconds == pytest.approx(44.965, abs=1e-3)
+    assert p.overhead_seconds == 360
+    assert p.cost_usd == pytest.approx((44.965 + 360) / 3600 * 98.32, abs=1e-3)
+    assert job.max_runtime_seconds == MIN_RUNTIME_S
+    assert job.precision == "bf16" and job.deepspeed_config is None and job.gpus_per_instance == 8
+
+
+def test_hyperparameters_contract():
+    m = manifest(training={"max_tokens": 10_000_000, "warmup_steps": 3, "precision": "auto"})
+    job = plan(m, CATALOG, run_id="r1").jobs[0]
+    hp = job.hyperparameters
+    assert set(hp) == HP_KEYS | {"model_preset", "warmup_steps"}
+    assert all(isinstance(v, str) for v in hp.values())
+    assert hp["max_steps"] == str(-(-10_000_000 // (8 * 2 * 8 * 2048)))
+    assert hp["packing"] == "true" and hp["deepspeed_stage"] == "0" and hp["warmup_steps"] == "3"
+    auto = plan(manifest(), CATALOG, run_id="r1").jobs[0].hyperparameters
+    assert "warmup_steps" not in auto
+    hf = manifest(model={"hf_id": "Qwen/Qwen2.5-1.5B"}, tokenizer={"kind": "qwen"})
+    assert plan(hf, CATALOG, run_id="r").jobs[0].hyperparameters["model_name_or_path"] == "Qwen/Qwen2.5-1.5B"
+
+
+def test_zero3_spot_and_multi_node():
+    m = manifest(
+        targets=[{"instance_type": "ml.p4d.24xlarge", "instance_count": 2, "spot": True,
+                  "spot_price_per_hour_usd": 12.0}],
+        variants=[{"name": "z3", "deepspeed_stage": 3, "per_device_batch_size": 1, "gradient_accumulation_steps": 1}],
+    )  # fmt: skip
+    job = plan(m, CATALOG, run_id="r").jobs[0]
+    assert job.deepspeed_config == "zero3.json" and job.spot and job.spot_price_per_hour_usd == 12.0
+    p = job.prediction
+    assert p.mfu_assumed == pytest.approx(0.40 * 0.9 * 0.9)
+    assert p.cost_usd == pytest.approx((p.training_seconds + 360) / 3600 * 12.0 * 2)
+
+
+def test_budget_refusal():
+    p = plan(manifest(constraints={"budget_usd": 5}), CATALOG, run_id="r")
+    with pytest.raises(BudgetExceededError, match=r"exceeds the budget of \$5\.00"):
+        p.check_budget()
+    plan(manifest(), CATALOG, run_id="r").check_budget()
+
+
+def test_memory_refusal():
+    m = manifest(model={"preset": "qwen2.5-7b"}, targets=[{"instance_type": "ml.g5.8xlarge"}])
+    with pytest.raises(PlanError, match=r"needs ~\d+\.\d GB per GPU but 24 GB.*deepspeed_stage 3"):
+        plan(m, CATALOG, run_id="r")
+    zero3_7b = manifest(
+        model={"preset": "qwen2.5-7b"},
+        targets=[{"instance_type": "ml.p4d.24xlarge"}],
+        variants=[{"name": "z3", "deepspeed_stage": 3, "per_device_batch_size": 1, "gradient_checkpointing": True}],
+    )
+    assert plan(zero3_7b, CATALOG, run_id="r").jobs  # 7B fits on 8x 40 GB with ZeRO-3
+
+
+def test_local_cpu_prediction_is_measured():
+    m = manifest(
+        model={"preset": "qwen2-tiny"},
+        tokenizer={"kind": "bpe"},
+        sequence_length=256,
+        training={"max_steps": 10},
+        targets=[{"instance_type": "local", "price_per_hour_usd": 0.2}],
+        variants=[{"name": "cpu"}],
+    )
+    job = plan(m, CATALOG, run_id="r", local_hardware=CPU).jobs[0]
+    assert job.precision == "fp32" and job.gpus_per_instance == 0
+    assert job.prediction.mfu_assumed is None and job.prediction.overhead_seconds == 0
+    assert job.prediction.tokens_per_s > 0 and "measured" in job.prediction.method
+    assert job.hyperparameters["per_device_train_batch_size"] == "8"  # local.json default
+
+
+def test_make_run_id():
+    a = make_run_id("My Run!", key="manifests/x.yaml", etag="abc")
+    assert a == make_run_id("My Run!", key="manifests/x.yaml", etag="abc")
+    assert a != make_run_id("My Run!", key="manifests/x.yaml", etag="abd")
+    assert re.fullmatch(r"my-run-[0-9a-f]{12}", a)
+    r1, r2 = make_run_id("demo"), make_run_id("demo")
+    assert r1 != r2 and re.fullmatch(r"demo-\d{8}-\d{6}-[0-9a-f]{6}", r1)
+    assert len(make_run_id("x" * 200)) <= 48
+
+
+slugs = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", fullmatch=True)
+TRAINING_TYPES = [t for t in CATALOG.training_types if t != "local"]
+
+
+@st.composite
+def manifests(draw):
+    targets = draw(
+        st.lists(
+            st.tuples(st.sampled_from([*TRAINING_TYPES, "local"]), st.integers(1, 3), st.booleans()),
+            min_size=1, max_size=6, unique=True,
+        )
+    )  # fmt: skip
+    target_dicts = {}
+    for itype, count, spot in targets:
+        if itype == "local":
+            target_dicts["local"] = {"instance_type": "local", "price_per_hour_usd": 0.5}
+        else:
+            target_dicts[(itype, count, spot)] = {"instance_type": itype, "instance_count": count, "spot": spot}
+    names = draw(st.lists(slugs, min_size=1, max_size=5, unique=True))
+    return {
+        "name": draw(slugs),
+        "model": {"preset": "qwen2-tiny"},
+        "tokenizer": {"kind": "bpe"},
+        "dataset": {"source": "bundled:hebrew-chatterbot"},
+        "sequence_length": 128,
+        "training": {"max_steps": draw(st.integers(1, 1000))},
+        "targets": list(target_dicts.values()),
+        "variants": [{"name": n, "per_device_batch_size": draw(st.integers(1, 8))} for n in names],
+        "repetitions": draw(st.integers(1, 3)),
+        "constraints": {"budget_usd": 1000},
+    }
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(manifests(), st.text(min_size=1, max_size=80))
+def test_job_names_unique_and_valid(data, run_name):
+    m = validate_manifest_data(data, "generated", CATALOG)
+    run_id = make_run_id(run_name)
+    p = plan(m, CATALOG, run_id=run_id, local_hardware=CPU)
+    names = [j.job_name for j in p.jobs]
+    assert len(names) == len(m.targets) * len(m.variants) * m.repetitions
+    assert len(set(names)) == len(names)
+    run_hash = names[0].split("-")[1]
+    for job in p.jobs:
+        assert JOB_NAME_RE.match(job.job_name) and len(job.job_name) <= 63
+        assert job.job_name.startswith(f"gs-{run_hash}-t{job.target_index}v")
+        assert f"r{job.repetition}" in job.job_name
+        assert MIN_RUNTIME_S <= job.max_runtime_seconds <= MAX_RUNTIME_S
+        assert job.prediction.cost_usd >= 0
