@@ -32,6 +32,7 @@ from gpuscout.store.sqlite import SqliteStore
 
 BUDGET_EXIT_CODE = 3
 INTERRUPTED_EXIT_CODE = 130
+PIPED_WIDTH = 160
 
 console = Console()
 err_console = Console(stderr=True)
@@ -44,7 +45,7 @@ def exit_code_for(err: GpuscoutError) -> int:
 
 def print_error(err: GpuscoutError) -> None:
     if isinstance(err, ManifestError):
-        err_console.print(f"[bold red]error:[/] {escape(err.source)}: {len(err.problems)} problem(s)")
+        err_console.print(f"[bold red]error:[/] {escape(err.source)}: {len(err.problems)} problem(s)", soft_wrap=True)
         for problem in err.problems:
             err_console.print(f"  [red]-[/] {escape(str(problem))}", soft_wrap=True)
     else:
@@ -120,6 +121,9 @@ def main(
 ) -> None:
     """Benchmark one fine-tuning job across instance types and training settings; recommend the best per dollar."""
     ctx.obj = {"debug": debug}
+    for c in (console, err_console):
+        if not c.is_terminal and "COLUMNS" not in os.environ:
+            c.width = PIPED_WIDTH  # tables piped to a file or a test would otherwise wrap at 80 columns
 
 
 def open_store(db: Path | None) -> ResultStore:

@@ -1,0 +1,301 @@
+"""The gpuscout command line through typer's CliRunner (no training: stored runs are built here)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuscout import cli
+from gpuscout.analysis import analyze_run
+from gpuscout.benchmark import BenchmarkResult
+from gpuscout.catalog import load_catalog
+from gpuscout.manifest import load_manifest
+from gpuscout.paths import MANIFESTS_DIR
+from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+QUICKSTART = MANIFESTS_DIR / "quickstart.yaml"
+RUN_ID = "quickstart-20250301-120000-abc123"
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "gpuscout.db"
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(cli.app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _benchmark(job_name: str, tokens_per_s: float, batch: int) -> dict[str, object]:
+    result = BenchmarkResult.model_validate(
+        {
+            "status": "completed",
+            "job_name": job_name,
+            "run_id": RUN_ID,
+            "instance_type": "local",
+            "hardware": {"device": "cpu", "gpus_per_node": 0, "nodes": 1, "world_size": 1, "cpu_count": 2},
+            "software": {"python": "3.11.7", "torch": "2.13.0", "transformers": "5.23.0", "gpuscout": "0.1.0"},
+            "config": {
+                "model": "qwen2-tiny",
+                "params_total": 400_000,
+                "params_matmul": 360_000,
+                "num_layers": 2,
+                "num_heads": 4,
+                "head_dim": 16,
+                "sequence_length": 256,
+                "per_device_batch_size": batch,
+                "gradient_accumulation_steps": 16 // batch,
+                "global_batch_size": 16,
+                "precision": "fp32",
+                "packing": True,
+                "attention": "sdpa",
+                "torch_compile": False,
+                "gradient_checkpointing": False,
+                "deepspeed_stage": 0,
+                "dataloader_workers": 0,
+                "learning_rate": 1e-3,
+                "seed": 42,
+            },
+            "dataset": {
+                "sha256": "0" * 64,
+                "documents": 400,
+                "tokens": 500_000,
+                "padding_fraction": 0.0,
+                "tokenizer": "bpe-4096",
+            },
+            "timing": {
+                "warmup_steps": 3,
+                "timed_steps": 27,
+                "total_steps": 30,
+                "step_time_mean_s": 4096 / tokens_per_s,
+                "step_time_p50_s": 4096 / tokens_per_s,
+                "step_time_p90_s": 1.1 * 4096 / tokens_per_s,
+                "wall_time_s": 40.0,
+                "train_time_s": 30 * 4096 / tokens_per_s,
+                "dataloader_wait_fraction": 0.01,
+            },
+            "throughput": {
+                "tokens_per_s": tokens_per_s,
+                "tokens_per_s_ci95": (tokens_per_s * 0.97, tokens_per_s * 1.03),
+                "samples_per_s": tokens_per_s / 256,
+                "tokens_timed": 27 * 4096,
+            },
+            "efficiency": {
+                "flops_per_token": 2.5e6,
+                "hardware_flops_per_token": 2.5e6,
+                "t_eff": 256.0,
+                "mfu": None,
+                "note": "no GPU: MFU is defined against a GPU's dense peak",
+            },
+            "loss": {"train": [{"step": 30, "tokens": 122_880, "elapsed_s": 20.0, "loss": 6.5}]},
+            "stop": {"rule": "fixed", "reason": "max_steps reached", "steps": 30},
+        }
+    )
+    return result.model_dump(mode="json")
+
+
+def _stored_run(db: Path) -> SqliteStore:
+    """A finished local run with two completed jobs and one failed one, analyzed by the real analysis code."""
+    store = SqliteStore(db)
+    catalog = load_catalog()
+    manifest = load_manifest(QUICKSTART, catalog=catalog)
+    run = RunRecord(
+        run_id=RUN_ID,
+        name="quickstart",
+        status=RunStatus.SUCCEEDED,
+        manifest_source=str(QUICKSTART),
+        manifest=manifest.model_dump(mode="json"),
+        predicted_cost_usd=0.001,
+    )
+    store.put_run(run)
+    jobs = []
+    for i, (variant, tps, status) in enumerate(
+        [("b2-a8", 6000.0, JobStatus.COMPLETED), ("b8-a2", 9000.0, JobStatus.COMPLETED), ("b8-a2-nopack", 0, None)]
+    ):
+        name = f"gs-abc123-local-{variant}-r0"
+        job = JobRecord(
+            run_id=RUN_ID,
+            job_name=name,
+            status=status or JobStatus.FAILED,
+            instance_type="local",
+            variant_name=variant,
+            spec={"target_index": 0, "price_per_hour_usd": 0.096, "gpus_per_instance": 0, "variant_index": i},
+            benchmark=_benchmark(name, tps, 2 if variant == "b2-a8" else 8) if status else None,
+            failure_reason=None if status else "ValueError: per_device_train_batch_size must be >= 1",
+        )
+        store.put_job(job)
+        jobs.append(job)
+    analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
+    report_dir = db.parent / "report"
+    report_dir.mkdir()
+    (report_dir / "report.md").write_text("# quickstart report\n\nb8-a2 is cheapest.\n")
+    store.put_result(ResultRecord(run_id=RUN_ID, analysis=analysis.model_dump(mode="json"), report_uri=str(report_dir)))
+    return store
+
+
+def _bad_manifest(tmp_path: Path) -> Path:
+    text = QUICKSTART.read_text()
+    text = text.replace("sequence_length: 256", "sequence_length: 8")  # below the minimum of 16
+    text = text.replace("instance_type: local", "instance_type: ml.p9.huge")  # not in the catalog
+    text = text.replace("  max_steps: 30\n", "  max_steps: 30\n  max_stepz: 31\n")  # typo: unknown field
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_validate_accepts_the_quickstart() -> None:
+    code, out, _ = invoke("validate", str(QUICKSTART))
+    assert code == 0
+    assert "3 job(s)" in out
+
+
+def test_validate_lists_every_problem_with_its_path_and_exits_2(tmp_path: Path) -> None:
+    code, out, err = invoke("validate", str(_bad_manifest(tmp_path)))
+    assert code == 2
+    assert "3 problem(s)" in err
+    assert "sequence_length:" in err
+    assert "targets[0].instance_type:" in err
+    assert "training.max_stepz:" in err
+    assert "Traceback" not in out + err
+
+
+def test_validate_missing_file_is_one_error(tmp_path: Path) -> None:
+    code, _, err = invoke("validate", str(tmp_path / "nope.yaml"))
+    assert code == 2
+    assert "cannot read file" in err
+    assert "Traceback" not in err
+
+
+def test_plan_prints_the_matrix_and_total() -> None:
+    code, out, _ = invoke("plan", str(QUICKSTART))
+    assert code == 0, out
+    for variant in ("b2-a8", "b8-a2", "b8-a2-nopack"):
+        assert variant in out
+    assert "total (3 jobs)" in out
+    assert "within budget" in out
+
+
+def test_plan_over_budget_exits_3(tmp_path: Path) -> None:
+    path = tmp_path / "tight.yaml"
+    path.write_text(QUICKSTART.read_text().replace("budget_usd: 1.0", "budget_usd: 0.000001"))
+    code, out, err = invoke("plan", str(path))
+    assert code == 3
+    assert "exceeds the budget" in err
+    assert "Traceback" not in out + err
+
+
+def test_catalog_lists_instances() -> None:
+    code, out, _ = invoke("catalog")
+    assert code == 0
+    assert "ml.p5.48xlarge" in out
+    assert "local" in out
+
+
+def test_runs_on_an_empty_database(db: Path) -> None:
+    code, out, _ = invoke("runs", "--db", str(db))
+    assert code == 0
+    assert "no runs yet" in out
+
+
+def test_runs_lists_stored_runs(db: Path) -> None:
+    _stored_run(db)
+    code, out, _ = invoke("runs", "--db", str(db))
+    assert code == 0
+    assert RUN_ID in out
+    assert "SUCCEEDED" in out
+
+
+def test_unknown_run_id_is_one_line_and_non_zero(db: Path) -> None:
+    SqliteStore(db)
+    for command in ("results", "report"):
+        code, out, err = invoke(command, "no-such-run", "--db", str(db))
+        assert code != 0
+        assert err.strip().count("\n") == 0
+        assert "no run with id 'no-such-run'" in err
+        assert "Traceback" not in out + err
+
+
+def test_results_table_ranks_and_recommends(db: Path) -> None:
+    _stored_run(db)
+    code, out, _ = invoke("results", RUN_ID, "--db", str(db))
+    assert code == 0, out
+    assert "n/a (CPU)" in out
+    assert "Recommendation" in out
+    assert out.index("b8-a2 ") < out.index("b2-a8")  # faster at the same price ranks first
+
+
+def test_results_json(db: Path) -> None:
+    _stored_run(db)
+    code, out, _ = invoke("results", RUN_ID, "--format", "json", "--db", str(db))
+    assert code == 0, out
+    payload = json.loads(out)
+    assert payload["run_id"] == RUN_ID
+    assert payload["status"] == "SUCCEEDED"
+    by_variant = {j["variant"]: j for j in payload["jobs"]}
+    assert by_variant["b8-a2"]["rank"] == 1
+    assert by_variant["b8-a2"]["tokens_per_s"] == pytest.approx(9000.0)
+    assert by_variant["b8-a2"]["usd_per_million_tokens"] == pytest.approx(0.096 / 3600 / 9000 * 1e6)
+    assert by_variant["b8-a2-nopack"]["rank"] is None
+    assert "per_device_train_batch_size" in by_variant["b8-a2-nopack"]["note"]
+    assert payload["recommendation"]["job_name"] == by_variant["b8-a2"]["job_name"]
+
+
+def test_results_csv(db: Path) -> None:
+    _stored_run(db)
+    code, out, _ = invoke("results", RUN_ID, "-f", "csv", "--db", str(db))
+    assert code == 0, out
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [r["variant"] for r in rows] == ["b8-a2", "b2-a8", "b8-a2-nopack"]
+    assert float(rows[0]["tokens_per_s"]) == pytest.approx(9000.0)
+    assert rows[2]["tokens_per_s"] == ""
+
+
+def test_results_reprice_keeps_the_manifest_price(db: Path) -> None:
+    _stored_run(db)
+    code, out, _ = invoke("results", RUN_ID, "--format", "json", "--reprice", "--db", str(db))
+    assert code == 0, out
+    payload = json.loads(out)
+    assert payload["repriced"] is True
+    best = next(j for j in payload["jobs"] if j["variant"] == "b8-a2")
+    assert best["usd_per_million_tokens"] == pytest.approx(0.096 / 3600 / 9000 * 1e6)
+
+
+def test_report_prints_the_markdown(db: Path) -> None:
+    _stored_run(db)
+    code, out, _ = invoke("report", RUN_ID, "--db", str(db))
+    assert code == 0
+    assert "# quickstart report" in out
+
+
+def test_unexpected_errors_are_one_line_with_a_debug_hint(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object, **__: object) -> object:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(cli, "open_store", broken)
+    code, out, err = invoke("runs", "--db", str(db))
+    assert code == 1
+    assert "RuntimeError: disk on fire" in err
+    assert "--debug" in err
+    assert "Traceback" not in out + err
+    result = runner.invoke(cli.app, ["--debug", "runs", "--db", str(db)])
+    assert isinstance(result.exception, RuntimeError)
+
+
+def test_python_dash_m_gpuscout_works() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuscout", "--help"], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    for command in ("validate", "plan", "local", "runs", "results", "report", "catalog"):
+        assert command in proc.stdout
