@@ -252,6 +252,9 @@ class PriceBook:
             except Exception as err:  # any failure falls back to the table, by design (see docstring)
                 self._note(f"{instance_type}: Price List API lookup failed ({err}); using the catalog table price")
                 continue
+            current = self._prices.get(instance_type)
+            if current is not None and current.on_demand_source == "manifest override":
+                continue  # the user's own price outranks the list price
             self.set_on_demand(instance_type, usd, source="aws-price-list", date=date, region=region)
         return self
 
