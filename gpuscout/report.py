@@ -67,7 +67,7 @@ def _hours_usd(hours: float | None, usd: float | None) -> str:
 
 
 def _loss_target(job: JobAnalysis) -> str:
-    if job.target_loss is None:
+    if job.target_loss is None or job.tokens_per_s is None:
         return "–"
     if job.target_loss_hours is None:
         return f"{job.target_loss_method or 'not projected'}"
@@ -387,7 +387,7 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
 
 
 _CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:2rem auto;max-width:1200px;
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:2rem auto;max-width:1320px;
 padding:0 1rem;color:#1d1d1f;line-height:1.45}
 h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #ddd}
 .meta{color:#555;font-size:.9rem}.note{background:#fff4d6;border-left:4px solid #e0a800;padding:.6rem 1rem}
