@@ -325,12 +325,14 @@ def record_job_failure(failure: dict[str, Any], *, store: ResultStore) -> dict[s
     return {"run_id": run_id, "job_name": job_name, "status": status.value, "applied": applied}
 
 
-def _upload_report(s3: Any, bucket: str, run_id: str, files: dict[str, Path]) -> str:
+def _upload_report(s3: Any, bucket: str, run_id: str, folder: Path) -> str:
+    """Every file the report wrote (pages, JSON, charts), keeping relative paths so the pages' links work."""
     prefix = f"{REPORTS_PREFIX}{run_id}/"
-    for path in files.values():
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        key = prefix + path.relative_to(folder).as_posix()
         content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         try:
-            s3.upload_file(str(path), bucket, prefix + path.name, ExtraArgs={"ContentType": content_type})
+            s3.upload_file(str(path), bucket, key, ExtraArgs={"ContentType": content_type})
         except (ClientError, BotoCoreError) as err:
             raise CloudStepError(f"cannot upload {path.name} to s3://{bucket}/{prefix}: {err}") from err
     return f"s3://{bucket}/{prefix}"
@@ -359,8 +361,9 @@ def analyze(
         prices = PriceBook.from_catalog(catalog).with_manifest_overrides(run.manifest)
     analysis = analyze_jobs(run, jobs, manifest=run.manifest, catalog=catalog, prices=prices)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        files = write_report(analysis, Path(tmp) / run_id)
-        report_uri = _upload_report(s3, settings.data_bucket, run_id, files)
+        out_dir = Path(tmp) / run_id
+        write_report(analysis, out_dir)
+        report_uri = _upload_report(s3, settings.data_bucket, run_id, out_dir)
     store.put_result(
         ResultRecord(
             run_id=run_id,

@@ -1,0 +1,165 @@
+"""Shared moto world for the cloud integration tests: the stack's table and buckets, Lambda environment, helpers.
+
+Handlers are called directly (moto's Lambda cannot run Python without Docker); every AWS call they make goes to
+moto. ``services()`` and ``get_settings()`` are per-cold-start caches, cleared around each test.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import sys
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from gpuscout.control_plane import Services, services
+from gpuscout.settings import get_settings
+from gpuscout.store.dynamodb import table_definition
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+if str(REPO_DIR) not in sys.path:  # the Lambda handlers are imported as lambdas.<name>.handler, like in the bundle
+    sys.path.insert(0, str(REPO_DIR))
+FIXTURES = REPO_DIR / "tests" / "fixtures"
+REGION = "us-east-1"
+TABLE = "gpuscout-results"
+DATA_BUCKET = "gpuscout-data-123456789012"
+ARTIFACTS_BUCKET = "gpuscout-artifacts-123456789012"
+ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-sagemaker"
+IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout-training:3f2c1a"
+
+ENVIRONMENT = {
+    "AWS_DEFAULT_REGION": REGION,
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "TABLE_NAME": TABLE,
+    "DATA_BUCKET": DATA_BUCKET,
+    "ARTIFACTS_BUCKET": ARTIFACTS_BUCKET,
+    "SAGEMAKER_ROLE_ARN": ROLE_ARN,
+    "TRAINING_IMAGE_URI": IMAGE_URI,
+    "PROCESSING_INSTANCE_TYPE": "ml.m5.xlarge",
+    "ALLOWED_INSTANCE_TYPES": "ml.g5.8xlarge,ml.g5.12xlarge,ml.p4d.24xlarge,ml.p5.48xlarge",
+    "DEFAULT_BUDGET_USD": "100",
+    "POWERTOOLS_SERVICE_NAME": "gpuscout",
+    "POWERTOOLS_TRACE_DISABLED": "true",
+    "POWERTOOLS_METRICS_NAMESPACE": "gpuscout",
+}
+
+CLOUD_MANIFEST = """\
+name: cloud-smoke
+model:
+  preset: qwen2-tiny
+tokenizer:
+  kind: bpe
+  vocab_size: 4096
+dataset:
+  source: bundled:hebrew-bible
+  max_documents: 400
+sequence_length: 256
+training:
+  max_steps: 30
+targets:
+  - instance_type: ml.g5.8xlarge
+  - instance_type: ml.p4d.24xlarge
+    spot: true
+variants:
+  - name: b4
+    per_device_batch_size: 4
+  - name: b8
+    per_device_batch_size: 8
+constraints:
+  budget_usd: {budget}
+"""
+
+
+def cloud_manifest(budget: float = 50.0, name: str = "cloud-smoke") -> str:
+    return CLOUD_MANIFEST.format(budget=budget).replace("name: cloud-smoke", f"name: {name}")
+
+
+@dataclass
+class LambdaContext:
+    function_name: str = "gpuscout-test"
+    memory_limit_in_mb: int = 512
+    invoked_function_arn: str = "arn:aws:lambda:us-east-1:123456789012:function:gpuscout-test"
+    aws_request_id: str = "00000000-0000-4000-8000-000000000000"
+
+
+@dataclass
+class Cloud:
+    services: Services
+    s3: Any
+    sagemaker: Any
+    context: LambdaContext
+
+    def submit(self, text: str, name: str = "cloud-smoke") -> dict[str, str]:
+        """Upload a manifest like `gpuscout submit` does; returns the state machine's execution input."""
+        key = f"manifests/{name}.yaml"
+        response = self.s3.put_object(Bucket=DATA_BUCKET, Key=key, Body=text.encode())
+        return {"bucket": DATA_BUCKET, "key": key, "etag": response["ETag"].strip('"')}
+
+    def upload_benchmark(self, run_id: str, job_name: str, benchmark: dict[str, Any]) -> None:
+        """What SageMaker does at the end of a job: tar SM_OUTPUT_DATA_DIR into output.tar.gz."""
+        payload = json.dumps(benchmark).encode()
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            info = tarfile.TarInfo("benchmark.json")
+            info.size = len(payload)
+            archive.addfile(info, io.BytesIO(payload))
+        self.s3.put_object(
+            Bucket=ARTIFACTS_BUCKET, Key=f"output/{run_id}/{job_name}/output/output.tar.gz", Body=buffer.getvalue()
+        )
+
+
+@pytest.fixture
+def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
+    for name, value in ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("NOTIFICATION_TOPIC_ARN", raising=False)
+    get_settings.cache_clear()
+    services.cache_clear()
+    with mock_aws():
+        boto3.client("dynamodb", region_name=REGION).create_table(**table_definition(TABLE))
+        s3 = boto3.client("s3", region_name=REGION)
+        s3.create_bucket(Bucket=DATA_BUCKET)
+        s3.create_bucket(Bucket=ARTIFACTS_BUCKET)
+        yield Cloud(
+            services=services(),
+            s3=s3,
+            sagemaker=boto3.client("sagemaker", region_name=REGION),
+            context=LambdaContext(),
+        )
+    get_settings.cache_clear()
+    services.cache_clear()
+
+
+def load_event(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIXTURES / "events" / f"{name}.json").read_text())
+    return data
+
+
+def job_event(name: str, *, run_id: str, job_name: str, instance_type: str | None = None) -> dict[str, Any]:
+    """A fixture event re-addressed to one of our planned jobs."""
+    event = copy.deepcopy(load_event(name))
+    detail = event["detail"]
+    arn = f"arn:aws:sagemaker:{REGION}:123456789012:training-job/{job_name}"
+    detail["TrainingJobName"] = job_name
+    detail["TrainingJobArn"] = arn
+    detail["Tags"]["gpuscout:run-id"] = run_id
+    if instance_type:
+        detail["ResourceConfig"]["InstanceType"] = instance_type
+    event["resources"] = [arn]
+    return event
+
+
+def benchmark_for(job_name: str, run_id: str, instance_type: str, fixture: str = "p4d-bs8-r0") -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIXTURES / "benchmarks" / f"{fixture}.json").read_text())
+    data.update(job_name=job_name, run_id=run_id, instance_type=instance_type)
+    return data

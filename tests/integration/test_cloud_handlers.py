@@ -1,0 +1,373 @@
+"""The Lambda handlers against moto: validate, plan, job events (+ budget guard), job failures, analyze."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from botocore.stub import Stubber
+from conftest import (
+    ARTIFACTS_BUCKET,
+    DATA_BUCKET,
+    IMAGE_URI,
+    ROLE_ARN,
+    Cloud,
+    benchmark_for,
+    cloud_manifest,
+    job_event,
+    load_event,
+)
+
+from gpuscout.control_plane import ManifestRejected, PlanRefused
+from gpuscout.errors import RunNotFoundError
+from gpuscout.store.base import JobStatus, RunStatus
+from lambdas.analyze_run import handler as analyze_handler
+from lambdas.job_events import handler as job_events_handler
+from lambdas.plan_jobs import handler as plan_handler
+from lambdas.record_job_failure import handler as failure_handler
+from lambdas.validate_manifest import handler as validate_handler
+
+BAD_MANIFEST = """\
+name: Bad Name
+model:
+  preset: qwen2-tiny
+dataset:
+  source: bundled:no-such-data
+sequence_length: 256
+training:
+  max_steps: 30
+targets:
+  - instance_type: ml.g5.8xlarge
+variants:
+  - name: b4
+    per_device_batch_sise: 4
+constraints:
+  budget_usd: 10
+"""
+
+
+def _validate_and_plan(cloud: Cloud, text: str, name: str = "cloud-smoke") -> dict[str, Any]:
+    validated = validate_handler.handler(cloud.submit(text, name), cloud.context)
+    planned: dict[str, Any] = plan_handler.handler(validated, cloud.context)
+    return planned
+
+
+def test_valid_manifest_passes_validation(cloud: Cloud) -> None:
+    execution_input = cloud.submit(cloud_manifest())
+    result = validate_handler.handler(execution_input, cloud.context)
+    assert result["run_id"].startswith("cloud-smoke-")
+    assert (result["bucket"], result["key"]) == (DATA_BUCKET, "manifests/cloud-smoke.yaml")
+    assert result["manifest"]["name"] == "cloud-smoke"
+    assert [t["instance_type"] for t in result["manifest"]["targets"]] == ["ml.g5.8xlarge", "ml.p4d.24xlarge"]
+    with pytest.raises(RunNotFoundError):  # validation alone writes no run
+        cloud.services.store.get_run(result["run_id"])
+
+
+def test_invalid_manifest_is_rejected_with_every_problem(cloud: Cloud) -> None:
+    execution_input = cloud.submit(BAD_MANIFEST, "bad")
+    with pytest.raises(ManifestRejected) as info:
+        validate_handler.handler(execution_input, cloud.context)
+    message = str(info.value)
+    assert "s3://gpuscout-data-123456789012/manifests/bad.yaml is invalid" in message
+    report = json.loads(cloud.s3.get_object(Bucket=DATA_BUCKET, Key="rejected/bad.error.json")["Body"].read())
+    paths = {p["path"] for p in report["problems"]}
+    assert {"name", "dataset.source", "variants[0].per_device_batch_sise"} <= paths
+    for path in ("dataset.source", "variants[0].per_device_batch_sise"):
+        assert path in message
+    [run] = cloud.services.store.list_runs()
+    assert run.status is RunStatus.REJECTED
+    assert run.run_id == report["run_id"]
+    assert {p["path"] for p in run.problems} == paths
+    assert cloud.services.store.list_jobs(run.run_id) == []
+
+
+def test_instance_types_the_stack_does_not_allow_are_rejected(cloud: Cloud) -> None:
+    text = cloud_manifest().replace("ml.g5.8xlarge", "ml.p3.2xlarge")
+    with pytest.raises(ManifestRejected, match=r"targets\[0\]\.instance_type: ml\.p3\.2xlarge is not allowed"):
+        validate_handler.handler(cloud.submit(text), cloud.context)
+
+
+def test_plan_writes_rows_and_returns_complete_requests(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id = planned["run_id"]
+    store = cloud.services.store
+    run = store.get_run(run_id)
+    assert run.status is RunStatus.PLANNED
+    assert run.predicted_cost_usd == pytest.approx(planned["predicted_cost_usd"])
+    jobs = store.list_jobs(run_id)
+    assert len(jobs) == len(planned["jobs"]) == 4  # 2 targets x 2 variants
+    assert {j.status for j in jobs} == {JobStatus.PLANNED}
+    assert sorted(j["job_name"] for j in planned["jobs"]) == [j.job_name for j in jobs]
+
+    assert planned["prepare"]["skip"] is False
+    prep = planned["prepare"]["request"]
+    assert prep["ProcessingResources"]["ClusterConfig"]["InstanceType"] == "ml.m5.xlarge"
+    assert prep["AppSpecification"]["ImageUri"] == IMAGE_URI
+    output = prep["ProcessingOutputConfig"]["Outputs"][0]["S3Output"]["S3Uri"]
+    assert output.startswith(f"s3://{DATA_BUCKET}/processed/")
+
+    for item in planned["jobs"]:
+        request = item["request"]
+        assert request["TrainingJobName"] == item["job_name"]
+        assert request["RoleArn"] == ROLE_ARN
+        assert request["AlgorithmSpecification"]["TrainingImage"] == IMAGE_URI
+        assert request["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == output
+        assert request["OutputDataConfig"]["S3OutputPath"] == f"s3://{ARTIFACTS_BUCKET}/output/{run_id}/"
+        assert {"Key": "gpuscout:run-id", "Value": run_id} in request["Tags"]
+        stopping = request["StoppingCondition"]
+        if request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge":
+            assert request["EnableManagedSpotTraining"] is True
+            assert stopping["MaxWaitTimeInSeconds"] > stopping["MaxRuntimeInSeconds"]
+            assert request["CheckpointConfig"]["S3Uri"] == (
+                f"s3://{ARTIFACTS_BUCKET}/checkpoints/{run_id}/{item['job_name']}/"
+            )
+        else:
+            assert request["EnableManagedSpotTraining"] is False
+            assert "MaxWaitTimeInSeconds" not in stopping
+
+
+def test_prepare_is_skipped_when_the_processed_data_exists(cloud: Cloud) -> None:
+    first = _validate_and_plan(cloud, cloud_manifest(), "first")
+    prefix = first["prepare"]["request"]["ProcessingOutputConfig"]["Outputs"][0]["S3Output"]["S3Uri"]
+    key = prefix.removeprefix(f"s3://{DATA_BUCKET}/") + "dataset.json"
+    cloud.s3.put_object(Bucket=DATA_BUCKET, Key=key, Body=b"{}")
+    second = _validate_and_plan(cloud, cloud_manifest(name="second"), "second")
+    assert second["prepare"]["skip"] is True
+
+
+def test_over_budget_plan_is_refused_and_launches_nothing(cloud: Cloud) -> None:
+    validated = validate_handler.handler(cloud.submit(cloud_manifest(budget=0.01)), cloud.context)
+    with pytest.raises(PlanRefused, match="exceeds the budget"):
+        plan_handler.handler(validated, cloud.context)
+    run = cloud.services.store.get_run(validated["run_id"])
+    assert run.status is RunStatus.REFUSED
+    assert run.predicted_cost_usd is not None and run.predicted_cost_usd > 0.01
+    assert cloud.services.store.list_jobs(run.run_id) == []
+
+
+def test_the_same_object_delivered_twice_is_one_run(cloud: Cloud) -> None:
+    execution_input = cloud.submit(cloud_manifest())
+    first = plan_handler.handler(validate_handler.handler(execution_input, cloud.context), cloud.context)
+    jobs_before = cloud.services.store.list_jobs(first["run_id"])
+    again = validate_handler.handler(dict(execution_input), cloud.context)
+    assert again["run_id"] == first["run_id"]
+    with pytest.raises(PlanRefused, match="already planned"):
+        plan_handler.handler(again, cloud.context)
+    assert len(cloud.services.store.list_runs()) == 1
+    assert cloud.services.store.list_jobs(first["run_id"]) == jobs_before
+    assert cloud.services.store.get_run(first["run_id"]).status is RunStatus.PLANNED
+
+
+def test_two_manifests_at_once_are_two_isolated_runs(cloud: Cloud) -> None:
+    a = _validate_and_plan(cloud, cloud_manifest(name="team-a"), "team-a")
+    b = _validate_and_plan(cloud, cloud_manifest(name="team-b"), "team-b")
+    assert a["run_id"] != b["run_id"]
+    names_a = {j["job_name"] for j in a["jobs"]}
+    names_b = {j["job_name"] for j in b["jobs"]}
+    assert not names_a & names_b  # SageMaker job names are account-global
+    store = cloud.services.store
+    assert {j.job_name for j in store.list_jobs(a["run_id"])} == names_a
+    assert {j.job_name for j in store.list_jobs(b["run_id"])} == names_b
+    job = sorted(names_a)[0]
+    event = job_event("training_inprogress_training", run_id=a["run_id"], job_name=job)
+    job_events_handler.handler(event, cloud.context)
+    assert {j.status for j in store.list_jobs(b["run_id"])} == {JobStatus.PLANNED}
+    assert store.get_run(b["run_id"]).status is RunStatus.PLANNED
+    assert store.get_run(a["run_id"]).status is RunStatus.RUNNING
+
+
+def test_job_events_update_the_row_and_store_the_benchmark(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id = planned["run_id"]
+    job = planned["jobs"][0]["job_name"]
+    store = cloud.services.store
+    events = {
+        name: job_event(name, run_id=run_id, job_name=job)
+        for name in ("training_inprogress_starting", "training_inprogress_training", "training_completed")
+    }
+    out = job_events_handler.handler(events["training_inprogress_starting"], cloud.context)
+    assert out["applied"] is True
+    assert store.get_job(run_id, job).status is JobStatus.STARTING  # type: ignore[union-attr]
+
+    job_events_handler.handler(events["training_inprogress_training"], cloud.context)
+    cloud.upload_benchmark(run_id, job, benchmark_for(job, run_id, "ml.g5.8xlarge"))
+    out = job_events_handler.handler(events["training_completed"], cloud.context)
+    assert out["applied"] is True
+    assert out["tokens_per_s"] == pytest.approx(328841.74358751986)
+    row = store.get_job(run_id, job)
+    assert row is not None
+    assert row.status is JobStatus.COMPLETED
+    assert row.billable_seconds == 705
+    assert row.training_seconds == 705
+    assert [t["Status"] for t in row.secondary_status_transitions] == [
+        "Starting",
+        "Downloading",
+        "Training",
+        "Uploading",
+        "Completed",
+    ]
+    assert row.benchmark is not None and row.benchmark["job_name"] == job
+
+    # Re-delivered and stale events change nothing.
+    assert job_events_handler.handler(events["training_completed"], cloud.context)["applied"] is False
+    assert job_events_handler.handler(events["training_inprogress_training"], cloud.context)["applied"] is False
+    assert store.get_job(run_id, job) == row
+
+
+@pytest.mark.parametrize(
+    ("fixture", "status"),
+    [
+        ("training_failed_oom", JobStatus.OOM),
+        ("training_failed_capacity", JobStatus.CAPACITY),
+        ("training_stopped", JobStatus.STOPPED),
+    ],
+)
+def test_terminal_failures_are_classified(cloud: Cloud, fixture: str, status: JobStatus) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    job_events_handler.handler(job_event(fixture, run_id=run_id, job_name=job), cloud.context)
+    row = cloud.services.store.get_job(run_id, job)
+    assert row is not None
+    assert row.status is status
+    assert row.benchmark is None  # no output.tar.gz was uploaded
+    if status is not JobStatus.STOPPED:
+        assert row.failure_reason == load_event(fixture)["detail"]["FailureReason"]
+
+
+def test_events_of_other_jobs_are_ignored(cloud: Cloud) -> None:
+    event = load_event("training_inprogress_training")
+    del event["detail"]["Tags"]["gpuscout:run-id"]
+    out = job_events_handler.handler(event, cloud.context)
+    assert out["applied"] is False
+    assert out["run_id"] is None
+
+
+@pytest.mark.parametrize(
+    ("error", "cause", "status"),
+    [
+        (
+            "SageMaker.ResourceLimitExceededException",
+            "The account-level service limit 'ml.p4d.24xlarge for "
+            "training job usage' is 0 Instances (ResourceLimitExceeded)",
+            JobStatus.QUOTA,
+        ),
+        (
+            "States.TaskFailed",
+            json.dumps(
+                {
+                    "TrainingJobStatus": "Failed",
+                    "FailureReason": "CapacityError: Unable to provision requested ML compute capacity.",
+                    "LastModifiedTime": 1741860065000,
+                }
+            ),
+            JobStatus.CAPACITY,
+        ),
+        (
+            "States.TaskFailed",
+            json.dumps({"TrainingJobStatus": "Failed", "FailureReason": "InsufficientCapacityError: no capacity"}),
+            JobStatus.CAPACITY,
+        ),
+        ("States.TaskFailed", json.dumps({"FailureReason": "AlgorithmError: exit code 1"}), JobStatus.FAILED),
+    ],
+)
+def test_caught_job_failures_are_classified_and_return_normally(
+    cloud: Cloud, error: str, cause: str, status: JobStatus
+) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id, job = planned["run_id"], planned["jobs"][2]["job_name"]
+    out = failure_handler.handler(
+        {"run_id": run_id, "job_name": job, "error": {"Error": error, "Cause": cause}}, cloud.context
+    )
+    assert out == {"run_id": run_id, "job_name": job, "status": status.value, "applied": True}
+    row = cloud.services.store.get_job(run_id, job)
+    assert row is not None and row.status is status
+    assert row.failure_reason is not None and row.failure_reason.startswith(error)
+
+
+def test_sagemakers_own_failure_event_still_lands_after_the_catch(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    event = job_event("training_failed_oom", run_id=run_id, job_name=job)
+    cause = dict(event["detail"])
+    failure_handler.handler(
+        {"run_id": run_id, "job_name": job, "error": {"Error": "States.TaskFailed", "Cause": json.dumps(cause)}},
+        cloud.context,
+    )
+    assert job_events_handler.handler(event, cloud.context)["applied"] is True
+    row = cloud.services.store.get_job(run_id, job)
+    assert row is not None and (row.status, row.billable_seconds) == (JobStatus.OOM, 230)
+
+
+def test_budget_guard_stops_the_runs_remaining_jobs(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest(budget=50.0))
+    run_id = planned["run_id"]
+    g5 = [j["job_name"] for j in planned["jobs"] if "g5" in j["job_name"]]
+    p4d = [j["job_name"] for j in planned["jobs"] if "p4d" in j["job_name"]]
+    for name in g5:
+        job_events_handler.handler(
+            job_event("training_inprogress_training", run_id=run_id, job_name=name), cloud.context
+        )
+    # One p4d job bills 2 h (about $64 at the on-demand rate): the run crosses its $50 budget.
+    finished = job_event("training_completed", run_id=run_id, job_name=p4d[0])
+    finished["detail"]["BillableTimeInSeconds"] = 7200
+    with Stubber(cloud.services.sagemaker) as stub:
+        for name in sorted(g5):
+            stub.add_response("stop_training_job", {}, {"TrainingJobName": name})
+        out = job_events_handler.handler(finished, cloud.context)
+        stub.assert_no_pending_responses()
+    assert sorted(out["stopped_jobs"]) == sorted(g5)
+    assert out["measured_spend_usd"] > 50.0
+    run = cloud.services.store.get_run(run_id)
+    assert run.status is RunStatus.STOPPED
+    assert run.error is not None and "budget guard" in run.error
+
+
+def test_budget_guard_leaves_a_run_under_budget_alone(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest(budget=50.0))
+    run_id = planned["run_id"]
+    names = [j["job_name"] for j in planned["jobs"]]
+    job_events_handler.handler(
+        job_event("training_inprogress_training", run_id=run_id, job_name=names[1]), cloud.context
+    )
+    with Stubber(cloud.services.sagemaker):  # no stop expected: any call would fail the stub
+        out = job_events_handler.handler(
+            job_event("training_completed", run_id=run_id, job_name=names[0]), cloud.context
+        )
+    assert out["stopped_jobs"] == []
+    assert cloud.services.store.get_run(run_id).status is RunStatus.RUNNING
+
+
+def test_analyze_covers_completed_jobs_when_others_lacked_capacity(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id = planned["run_id"]
+    jobs = {j["job_name"]: j["request"]["ResourceConfig"]["InstanceType"] for j in planned["jobs"]}
+    g5 = sorted(n for n, t in jobs.items() if t == "ml.g5.8xlarge")
+    p4d = sorted(n for n, t in jobs.items() if t == "ml.p4d.24xlarge")
+    for name in g5:
+        cloud.upload_benchmark(run_id, name, benchmark_for(name, run_id, "ml.g5.8xlarge", "g5-12xl-bs4-ckpt-r0"))
+        job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=name), cloud.context)
+    failure_handler.handler(
+        {
+            "run_id": run_id,
+            "job_name": p4d[0],
+            "error": {"Error": "SageMaker.ResourceLimitExceededException", "Cause": "ResourceLimitExceeded"},
+        },
+        cloud.context,
+    )
+    job_events_handler.handler(job_event("training_failed_capacity", run_id=run_id, job_name=p4d[1]), cloud.context)
+
+    out = analyze_handler.handler({"run_id": run_id}, cloud.context)
+    assert out["run_id"] == run_id
+    assert out["report_uri"] == f"s3://{DATA_BUCKET}/reports/{run_id}/"
+    assert out["recommendation"]
+    keys = {o["Key"] for o in cloud.s3.list_objects_v2(Bucket=DATA_BUCKET, Prefix=f"reports/{run_id}/")["Contents"]}
+    assert {f"reports/{run_id}/report.md", f"reports/{run_id}/report.json"} <= keys
+    result = cloud.services.store.get_result(run_id)
+    assert result is not None and result.report_uri == out["report_uri"]
+    analysed = {j["job_name"]: j for j in result.analysis["jobs"]}
+    statuses = {name: j["status"] for name, j in analysed.items()}
+    assert statuses[p4d[0]] == "QUOTA"
+    assert statuses[p4d[1]] == "CAPACITY"
+    assert result.analysis["recommendation"]["job_name"] in g5
+    assert cloud.services.store.get_run(run_id).status is RunStatus.SUCCEEDED
