@@ -482,12 +482,16 @@ def pack(documents: Sequence[Sequence[int]], sequence_length: int, pad_id: int) 
 
 
 def piece_lengths(segment_ids: np.ndarray) -> list[int]:
-    """Lengths of the document pieces (runs of equal non-zero segment id) of every block."""
-    lengths: list[int] = []
-    for row in segment_ids:
-        _, counts = np.unique(row[row > 0], return_counts=True)
-        lengths.extend(int(c) for c in counts)
-    return lengths
+    """Lengths of the document pieces (runs of equal non-zero segment id within a row), row by row."""
+    if segment_ids.size == 0:
+        return []
+    seg = np.asarray(segment_ids)
+    starts = np.ones(seg.shape, dtype=bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    flat_starts = np.flatnonzero(starts.reshape(-1))
+    lengths = np.diff(np.append(flat_starts, seg.size))
+    keep = seg.reshape(-1)[flat_starts] > 0
+    return [int(n) for n in lengths[keep]]
 
 
 def _write_split(

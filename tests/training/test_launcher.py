@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import launcher
+
+
+def _topology(tmp_path: Path, current: str, gpus: str) -> launcher.Topology:
+    (tmp_path / "resourceconfig.json").write_text(
+        json.dumps({"current_host": current, "hosts": ["algo-1", "algo-2"], "network_interface_name": "eth0"})
+    )
+    return launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": gpus})
+
+
+def test_two_hosts_of_eight_gpus_run_torchrun(tmp_path: Path) -> None:
+    topo = _topology(tmp_path, "algo-2", "8")
+    assert topo.node_rank == 1 and topo.world_size == 16
+    cmd = launcher.build_command(topo, ["--max_steps", "5"], python="/usr/bin/python3")
+    assert cmd == [
+        "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--nproc_per_node=8",
+        "--master_addr=algo-1", "--master_port=29500", str(launcher.TRAIN_SCRIPT), "--max_steps", "5",
+    ]  # fmt: skip
+
+
+def test_single_device_runs_train_directly(tmp_path: Path) -> None:
+    for gpus in ("0", "1"):
+        topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": gpus})
+        assert launcher.build_command(topo, [], python="py") == ["py", str(launcher.TRAIN_SCRIPT)]

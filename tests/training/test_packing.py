@@ -1,0 +1,102 @@
+"""Packing masks, the chunked cross-entropy and the optimizer toggles, on a tiny random Qwen2 (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from packing import (
+    IGNORE_INDEX,
+    CausalLMWithLoss,
+    chunked_cross_entropy,
+    make_inputs,
+    plain_cross_entropy,
+    position_ids_from_segments,
+)
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from gpuscout.models import PRESETS
+
+
+def _model(attention: str = "sdpa", vocab: int = 97) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    kwargs = dict(PRESETS["qwen2-tiny"].with_vocab(vocab).to_qwen2_config_kwargs())
+    config = Qwen2Config(**kwargs, use_cache=False)  # type: ignore[arg-type]
+    config._attn_implementation = attention
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_positions_restart_per_document() -> None:
+    seg = torch.tensor([[1, 1, 1, 2, 2, 3, 0, 0]])
+    assert position_ids_from_segments(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_block_equals_documents_run_separately(attention: str) -> None:
+    model = _model(attention)
+    docs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12, 5)]
+    ids = torch.cat([*docs, torch.zeros(4, dtype=torch.long)])[None, :]
+    seg = torch.cat([torch.full((len(d),), i + 1) for i, d in enumerate(docs)] + [torch.zeros(4)]).long()[None, :]
+    inputs = make_inputs(ids, seg, packing=True, attention=attention, dtype=torch.float32)
+    with torch.no_grad():
+        packed = model(
+            input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask
+        ).logits[0]
+        start = 0
+        for doc in docs:
+            alone = model(input_ids=doc[None, :]).logits[0]
+            torch.testing.assert_close(packed[start : start + len(doc)], alone, atol=1e-5, rtol=1e-5)
+            start += len(doc)
+        # without the document mask the second document would see the first: the logits differ
+        leaky = model(input_ids=ids).logits[0]
+        assert not torch.allclose(leaky[7:19], packed[7:19], atol=1e-3)
+    # the first token of every document is no prediction target of the previous document
+    assert inputs.labels[0, [0, 7, 19, 24, 25, 26, 27]].tolist() == [IGNORE_INDEX] * 7
+
+
+def test_chunked_cross_entropy_equals_plain_loss_and_gradients() -> None:
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 301, bias=False)
+    hidden = torch.randn(3, 20, 16, requires_grad=True)
+    labels = torch.randint(0, 301, (3, 20))
+    labels[0, 5:9] = IGNORE_INDEX
+    plain = plain_cross_entropy(head(hidden), labels)
+    g_plain = torch.autograd.grad(plain, [hidden, head.weight])
+    chunked = chunked_cross_entropy(hidden, head, labels, chunk_tokens=7)
+    g_chunked = torch.autograd.grad(chunked, [hidden, head.weight])
+    torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=1e-6)
+    for a, b in zip(g_chunked, g_plain, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_model_losses_agree_with_transformers() -> None:
+    model = _model()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    seg = torch.ones_like(ids)
+    inputs = make_inputs(ids, seg, packing=False, attention="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(input_ids=ids, labels=ids).loss
+        plain = CausalLMWithLoss(model, loss="plain")(
+            inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels
+        )
+        chunked = CausalLMWithLoss(model, loss="chunked")(
+            inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels
+        )
+    torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_adamw_toggle_gives_equal_numerics_on_cpu() -> None:
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    inputs = make_inputs(ids, torch.ones_like(ids), packing=True, attention="sdpa", dtype=torch.float32)
+    results = []
+    for foreach in (False, True):  # train.py: fused_adamw=false -> for-loop AdamW, true -> foreach on CPU
+        model = CausalLMWithLoss(_model().train())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach)
+        for _ in range(3):
+            loss = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

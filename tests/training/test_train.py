@@ -1,0 +1,176 @@
+"""train.py end to end under the SageMaker folder contract (subprocesses, tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import data_preparation as dp
+import jsonschema
+import pytest
+import train
+
+from gpuscout.benchmark import BenchmarkResult
+from gpuscout.errors import TrainingError
+from gpuscout.metric_lines import METRIC_DEFINITIONS
+from gpuscout.paths import REPO_DIR, TRAINING_DIR
+
+CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
+HPS = {
+    "run_id": "r-test",
+    "job_name": "gs-test-tiny",
+    "instance_type": "local",
+    "model_preset": "qwen2-tiny",
+    "per_device_train_batch_size": "4",
+    "gradient_accumulation_steps": "1",
+    "max_steps": "20",
+    "learning_rate": "0.003",
+    "seed": "7",
+    "precision": "auto",
+    "packing": "true",
+    "eval_interval": "10",
+    "checkpoint_interval": "5",
+    "validation_batches": "2",
+    "sagemaker_program": "train.py",  # SageMaker adds these; train.py ignores them
+}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "train"
+    dp.prepare(
+        dp.PrepareConfig(
+            input=str(CORPUS), output=str(out), tokenizer="bpe", vocab_size=400, sequence_length=64,
+            validation_fraction=0.2, quiet=True,
+        )
+    )  # fmt: skip
+    return out
+
+
+def _run(root: Path, dataset: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One job in the SageMaker folder layout under ``root`` (as gpuscout local mirrors it)."""
+    config = root / "opt/ml/input/config"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "hyperparameters.json").write_text(json.dumps(HPS))
+    env = {
+        **os.environ,
+        "SM_INPUT_CONFIG_DIR": str(config),
+        "SM_CHANNEL_TRAIN": str(dataset),
+        "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"),
+        "SM_MODEL_DIR": str(root / "opt/ml/model"),
+        "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, str(TRAINING_DIR / "train.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _result(root: Path) -> BenchmarkResult:
+    return BenchmarkResult.model_validate_json((root / "opt/ml/output/data/benchmark.json").read_text())
+
+
+@pytest.mark.slow
+def test_tiny_model_trains_and_resumes_after_a_hard_exit(dataset: Path, tmp_path: Path) -> None:
+    full = _run(tmp_path / "full", dataset)
+    assert full.returncode == 0, full.stderr[-3000:]
+    result = _result(tmp_path / "full")
+    raw = json.loads((tmp_path / "full/opt/ml/output/data/benchmark.json").read_text())
+    jsonschema.validate(raw, BenchmarkResult.model_json_schema())
+    assert result.status == "completed"
+    assert result.loss is not None and result.timing is not None and result.throughput is not None
+    losses = [p.loss for p in result.loss.train]
+    assert [p.step for p in result.loss.train] == list(range(1, 21))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5  # it learns
+    assert [p.step for p in result.loss.validation] == [10, 20]
+    assert result.timing.warmup_steps == 3 and result.timing.timed_steps == 17
+    assert result.throughput.tokens_per_s > 0
+    low, high = result.throughput.tokens_per_s_ci95
+    assert low <= high
+    assert result.efficiency is not None and result.efficiency.mfu is None
+    assert result.efficiency.note == "n/a on CPU: no dense tensor-core peak"
+    assert result.efficiency.t_eff == pytest.approx(dp.load_summary(dataset).t_eff)
+    assert result.config.global_batch_size == 4 and result.hardware.device == "cpu"
+    assert result.dataset.sha256 == dp.load_summary(dataset).sha256
+    # every step's metric line is parsed by the SageMaker MetricDefinitions regexes
+    lines = [ln for ln in full.stdout.splitlines() if ln.startswith("gpuscout_metric") and " loss=" in ln]
+    assert len(lines) == 20
+    loss_re = next(d["Regex"] for d in METRIC_DEFINITIONS if d["Name"] == "train:loss")
+    parsed = [float(re.search(loss_re, ln).group(1)) for ln in lines]  # type: ignore[union-attr]
+    assert parsed == pytest.approx(losses, rel=1e-6)
+    summary_re = next(d["Regex"] for d in METRIC_DEFINITIONS if d["Name"] == "summary:tokens_per_s")
+    assert any(re.search(summary_re, ln) for ln in full.stdout.splitlines())
+
+    # The same job, killed hard right after step 10 (its checkpoint is written), then started again.
+    killed = _run(tmp_path / "spot", dataset, {"GPUSCOUT_EXIT_AFTER_STEP": "10"})
+    assert killed.returncode == 3, killed.stderr[-3000:]
+    assert not (tmp_path / "spot/opt/ml/output/data/benchmark.json").exists()
+    resumed = _run(tmp_path / "spot", dataset)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    again = _result(tmp_path / "spot")
+    assert again.stop is not None and again.stop.resumed_from_step == 10 and again.stop.steps == 20
+    assert again.loss is not None
+    assert [p.step for p in again.loss.train] == list(range(1, 21))
+    assert [p.loss for p in again.loss.train] == pytest.approx(losses, abs=1e-5)
+    assert again.loss.final_validation_loss == pytest.approx(result.loss.final_validation_loss, abs=1e-5)
+
+
+def test_hyperparameters_from_sagemaker_and_cli(tmp_path: Path) -> None:
+    (tmp_path / "hyperparameters.json").write_text(json.dumps({**HPS, "attention_implementation": '"eager"'}))
+    env = {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_HPS": json.dumps({"max_steps": "30"})}
+    hp = train.parse_hyperparameters(["--warmup_steps", "", "--fused-adamw=true"], env)
+    assert hp.max_steps == 30 and hp.warmup_steps is None and hp.fused_adamw is True
+    assert hp.attention_implementation == "eager" and hp.packing is True and hp.learning_rate == 0.003
+    with pytest.raises(TrainingError, match=r"unknown hyperparameter.*learnig_rate"):
+        train.parse_hyperparameters(["--learnig_rate", "1"], env)
+    with pytest.raises(TrainingError, match="not true or false"):
+        train.parse_hyperparameters(["--packing", "maybe"], env)
+    with pytest.raises(TrainingError, match="exactly one of model_preset"):
+        train.parse_hyperparameters(["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], env)
+
+
+def test_deepspeed_on_cpu_fails_with_a_clear_benchmark_json(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SM_INPUT_CONFIG_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(dataset))
+    monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(tmp_path / "output/data"))
+    monkeypatch.setenv("GPUSCOUT_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.delenv("SM_HPS", raising=False)
+    code = train.main(["--model_preset", "qwen2-tiny", "--deepspeed_stage", "2", "--job_name", "gs-ds"])
+    assert code == 1
+    failed = BenchmarkResult.model_validate_json((tmp_path / "output/data/benchmark.json").read_text())
+    assert failed.status == "failed" and failed.job_name == "gs-ds"
+    assert failed.failure_reason is not None and "DeepSpeed ZeRO needs CUDA" in failed.failure_reason
+    assert (tmp_path / "output/failure").read_text().startswith("DeepSpeed ZeRO needs CUDA")
+
+
+def test_hub_model_offline_fails_clearly(dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hp = train.Hyperparameters(model_name_or_path="Qwen/Qwen2.5-0.5B")
+    with pytest.raises(TrainingError, match="HF_HUB_OFFLINE=1"):
+        train.build_model(hp, dp.load_summary(dataset), tmp_path)
+
+
+def test_deepspeed_configs_fill_every_auto() -> None:
+    hp = train.Hyperparameters(model_preset="qwen2-tiny", per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    for stage in (2, 3):
+        hp.deepspeed_stage = stage
+        config = train.deepspeed_config(hp, "bf16", world_size=16, hidden_size=896)
+        assert "auto" not in json.dumps(config)
+        assert "optimizer" not in config  # torch AdamW from train.py, so no DeepSpeed op build
+        assert config["train_batch_size"] == 2 * 4 * 16
+        assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+        assert config["zero_optimization"]["stage"] == stage

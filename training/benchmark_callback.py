@@ -1,0 +1,196 @@
+"""Step timing, throughput statistics, the steady-state stop rule and GPU sampling for train.py.
+
+Timing method (docs/metrics.md): the training loop synchronizes the device (``torch.cuda.synchronize``) before
+reading ``time.perf_counter`` at the start and the end of every optimizer step, so a step's time covers its data
+wait, forward, backward and optimizer update of all micro-batches. The first ``warmup_steps`` steps (compile,
+allocator growth, cuDNN autotune) are excluded from every throughput figure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# two-sided 95 % Student-t quantiles t(0.975, df) for df = 1..30
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """t(0.975, df); beyond the table the Cornish-Fisher expansion around z = 1.95996 (error < 1e-4)."""
+    if df < 1:
+        raise ValueError("degrees of freedom must be positive")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959963984540054
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def default_warmup_steps(max_steps: int) -> int:
+    """max(3, ceil(10 % of max_steps)), but always leaving at least one timed step."""
+    return max(0, min(max(3, math.ceil(0.1 * max_steps)), max_steps - 1))
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float, float]:
+    """Mean and the 95 % t-interval of the mean: (mean, low, high). One value gives a zero-width interval."""
+    if not values:
+        raise ValueError("no values")
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, mean, mean
+    half = t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    seconds: float
+    tokens: int  # non-padding tokens of all ranks
+    samples: int  # sequences of all ranks
+    dataloader_wait_s: float
+    loss: float
+    timed: bool = True  # False for warmup steps (also the first steps after resuming from a checkpoint)
+
+
+@dataclass
+class StepStats:
+    """Per-step records and the statistics over the timed (post-warmup) steps."""
+
+    warmup_steps: int
+    records: list[StepRecord] = field(default_factory=list)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def is_warmup(self, steps_in_this_process: int) -> bool:
+        """Warmup is counted per process start: a resumed run warms up again before its steps are timed."""
+        return steps_in_this_process <= self.warmup_steps
+
+    @property
+    def timed(self) -> list[StepRecord]:
+        return [r for r in self.records if r.timed]
+
+    def tokens_per_s_series(self) -> list[float]:
+        return [r.tokens / r.seconds for r in self.timed if r.seconds > 0]
+
+    def steady_state_reached(self, *, ci_tolerance: float, min_timed_steps: int) -> tuple[bool, str]:
+        """Steady state: after ``min_timed_steps`` timed steps, the 95 % CI half-width of the mean per-step
+        tokens/s is within ``ci_tolerance`` (a fraction: 0.02 = +-2 %) of that mean."""
+        series = self.tokens_per_s_series()
+        if len(series) < max(2, min_timed_steps):
+            return False, ""
+        mean, low, high = mean_ci95(series)
+        half = (high - low) / 2
+        if mean > 0 and half / mean <= ci_tolerance:
+            return True, (
+                f"throughput CI within +-{100 * half / mean:.2f} % (tolerance +-{100 * ci_tolerance:.2f} %) "
+                f"after {len(series)} timed steps"
+            )
+        return False, ""
+
+    def summary(self) -> dict[str, Any]:
+        timed = self.timed
+        if not timed:
+            raise ValueError("no timed steps: max_steps must exceed warmup_steps")
+        times = [r.seconds for r in timed]
+        seconds = sum(times)
+        tokens = sum(r.tokens for r in timed)
+        samples = sum(r.samples for r in timed)
+        series = self.tokens_per_s_series()
+        _, low, high = mean_ci95(series)
+        return {
+            "timed_steps": len(timed),
+            "step_time_mean_s": statistics.fmean(times),
+            "step_time_p50_s": percentile(times, 50),
+            "step_time_p90_s": percentile(times, 90),
+            "tokens_per_s": tokens / seconds,  # total tokens / total time over the timed steps
+            "tokens_per_s_ci95": (low, high),  # t-interval of the mean of the per-step rates
+            "samples_per_s": samples / seconds,
+            "tokens_timed": tokens,
+            "train_time_s": sum(r.seconds for r in self.records),
+            "dataloader_wait_fraction": min(1.0, sum(r.dataloader_wait_s for r in timed) / seconds),
+        }
+
+
+class GpuSampler:
+    """Samples GPU utilization (%) and power (W) of the local GPUs with NVML in a background thread."""
+
+    def __init__(self, device_indices: list[int], interval_s: float = 0.5) -> None:
+        self._interval = interval_s
+        self._util: list[float] = []
+        self._power: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+        self._handles: list[Any] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in device_indices]
+        except Exception:  # NVML missing or no driver: the figures stay None
+            self._nvml = None
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None and bool(self._handles)
+
+    def driver_version(self) -> str | None:
+        if not self.available:
+            return None
+        version = self._nvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            for handle in self._handles:
+                try:
+                    self._util.append(float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+                    self._power.append(self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
+                except Exception:  # a transient NVML error loses one sample, not the run
+                    continue
+
+    def start(self) -> None:
+        if self.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> tuple[float | None, float | None]:
+        """Stops sampling; returns (mean utilization %, mean power W per GPU)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=2)
+        util = statistics.fmean(self._util) if self._util else None
+        power = statistics.fmean(self._power) if self._power else None
+        return util, power
+
+
+class Stopwatch:
+    """perf_counter seconds after synchronizing the device, so queued GPU work is counted where it belongs."""
+
+    def __init__(self, synchronize: Any) -> None:
+        self._sync = synchronize
+
+    def now(self) -> float:
+        self._sync()
+        return time.perf_counter()

@@ -1,0 +1,173 @@
+"""Packed batches without cross-document attention, and a cross-entropy that never builds full-vocab logits.
+
+A packed block holds several document pieces, numbered by ``segment_ids`` (1, 2, ... ; 0 = padding, written by
+data_preparation.py). With ``packing=True`` every token attends only to earlier tokens of its own piece (a
+block-diagonal causal mask), positions restart at 0 for every piece, and the first token of a piece is not a
+prediction target of the previous piece's last token. With ``packing=False`` the block is one causal sequence
+(documents see each other; the classic "concatenate and chunk" recipe) and only padding is masked.
+The model must run with ``use_cache=False``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: Any  # 4D bool/float tensor, 2D padding mask, flex BlockMask, or None
+    labels: torch.Tensor
+    tokens: int  # non-padding tokens in the batch
+    target_tokens: int  # tokens that are prediction targets (labels after the shift != IGNORE_INDEX)
+
+
+def position_ids_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 at every document piece (and count on through padding)."""
+    b, length = segment_ids.shape
+    index = torch.arange(length, device=segment_ids.device).expand(b, length)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index))
+    start_index = torch.cummax(start_index, dim=1).values
+    return index - start_index
+
+
+def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool, True where query i may attend key j: same piece and j <= i (padding sees padding)."""
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None, :, :]
+
+
+def _flex_block_mask(segment_ids: torch.Tensor) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = segment_ids
+
+    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (seg[b, q] == seg[b, kv]) & (kv <= q)
+
+    b, length = seg.shape
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=length, KV_LEN=length, device=str(seg.device))
+
+
+def make_inputs(
+    input_ids: torch.Tensor, segment_ids: torch.Tensor, *, packing: bool, attention: str, dtype: torch.dtype
+) -> ModelInputs:
+    """Model inputs for one micro-batch of blocks (tensors already on the training device)."""
+    input_ids = input_ids.long()
+    real = segment_ids > 0
+    labels = torch.where(real, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    if packing:
+        position_ids = position_ids_from_segments(segment_ids)
+        labels = torch.where(position_ids == 0, torch.full_like(labels, IGNORE_INDEX), labels)
+        mask: Any
+        if attention == "flex":
+            mask = _flex_block_mask(segment_ids)
+        else:
+            mask = document_causal_mask(segment_ids)
+            if attention == "eager":  # eager attention adds the mask to the scores
+                zero = torch.zeros((), dtype=dtype, device=mask.device)
+                mask = torch.where(mask, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device))
+    else:
+        b, length = input_ids.shape
+        position_ids = torch.arange(length, device=input_ids.device).expand(b, length)
+        mask = real.long()
+    target_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return ModelInputs(input_ids, position_ids, mask, labels, int(real.sum()), target_tokens)
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *, chunk_tokens: int = 4096
+) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``head(hidden)`` against ``labels`` (shifted inside, like HF).
+
+    Only the target tokens are projected, ``chunk_tokens`` at a time, and each chunk's logits are recomputed in
+    the backward pass instead of being stored, so peak memory holds one [chunk, vocab] block instead of the
+    batch's [B, L, vocab] logits. Numerically the same loss as a cross-entropy over the full logits.
+    ``head`` is called as a module so DeepSpeed ZeRO-3 gathers its weight.
+    """
+    h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+    t = labels[:, 1:].reshape(-1)
+    keep = t != IGNORE_INDEX
+    h, t = h[keep], t[keep]
+    count = t.numel()
+    if count == 0:
+        return hidden.sum() * 0.0
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, count, chunk_tokens):
+        part = checkpoint(
+            _chunk_loss_sum,
+            h[start : start + chunk_tokens],
+            head,
+            t[start : start + chunk_tokens],
+            use_reentrant=False,
+        )
+        total = total + part
+    return total / count
+
+
+def plain_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Reference loss: the full logits, shifted, mean over targets (what transformers computes)."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1, :].reshape(-1, logits.shape[-1]).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+    )
+
+
+class CausalLMWithLoss(torch.nn.Module):
+    """A *ForCausalLM model whose forward returns the mean next-token loss of a packed micro-batch.
+
+    ``loss``: "plain" (full logits, as transformers computes them), "chunked" (chunked_cross_entropy) or
+    "liger" (Liger kernel's fused linear cross-entropy; CUDA only). DDP / DeepSpeed wrap this module.
+    """
+
+    def __init__(self, lm: torch.nn.Module, *, loss: str = "plain") -> None:
+        super().__init__()
+        self.lm = lm
+        self.loss_kind = loss
+        self._liger: Any = None
+        if loss == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            self._liger = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        elif loss not in ("plain", "chunked"):
+            raise ValueError(f"unknown loss {loss!r}")
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, labels: torch.Tensor
+    ) -> torch.Tensor:
+        lm: Any = self.lm
+        hidden = lm.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        head = lm.get_output_embeddings()
+        if self.loss_kind == "plain":
+            return plain_cross_entropy(head(hidden), labels)
+        if self._liger is not None:
+            h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+            return self._liger(head.weight, h, labels[:, 1:].reshape(-1))
+        return chunked_cross_entropy(hidden, head, labels)
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
