@@ -80,6 +80,8 @@ def build_command(topology: Topology, train_args: Sequence[str], python: str = s
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["train"]:  # SageMaker starts training containers as `docker run IMAGE train`
+        args = args[1:]
     try:
         topology = read_topology()
     except TrainingError as err:

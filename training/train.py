@@ -33,6 +33,7 @@ from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, def
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from packing import CausalLMWithLoss, make_inputs
 
+import gpuscout
 from gpuscout import flops
 from gpuscout.benchmark import (
     BenchmarkResult,
@@ -285,7 +286,7 @@ def software_info() -> Software:
         torch=torch.__version__,
         transformers=transformers.__version__,
         deepspeed=_version("deepspeed"),
-        gpuscout=_version("gpuscout") or "unknown",
+        gpuscout=_version("gpuscout") or gpuscout.__version__,
         image_digest=os.environ.get("GPUSCOUT_IMAGE_DIGEST") or None,
     )
 

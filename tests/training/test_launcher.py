@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import launcher
+import pytest
 
 
 def _topology(tmp_path: Path, current: str, gpus: str) -> launcher.Topology:
@@ -21,6 +22,15 @@ def test_two_hosts_of_eight_gpus_run_torchrun(tmp_path: Path) -> None:
         "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--nproc_per_node=8",
         "--master_addr=algo-1", "--master_port=29500", str(launcher.TRAIN_SCRIPT), "--max_steps", "5",
     ]  # fmt: skip
+
+
+def test_sagemaker_train_argument_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    monkeypatch.setenv("SM_INPUT_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("SM_NUM_GPUS", "0")
+    monkeypatch.setattr(launcher.os, "execv", lambda path, cmd: seen.append(cmd))
+    assert launcher.main(["train", "--max_steps", "3"]) == 0
+    assert seen[0][-3:] == [str(launcher.TRAIN_SCRIPT), "--max_steps", "3"]
 
 
 def test_single_device_runs_train_directly(tmp_path: Path) -> None:
