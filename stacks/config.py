@@ -1,0 +1,188 @@
+"""The stack's settings: cdk.json context, validated once at synth so a typo fails with a clear message."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Collection, Mapping
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+CONTEXT_KEYS = (
+    "allowed_instance_types",
+    "map_max_concurrency",
+    "default_budget_usd",
+    "notification_email",
+    "removal_policy",
+    "processing_instance_type",
+    "vpc",
+    "checkpoint_expiry_days",
+    "execution_timeout_hours",
+    "log_retention_days",
+)
+
+_INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
+_EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
+# CloudWatch Logs accepts only these retention periods (days -> aws_logs.RetentionDays member name).
+LOG_RETENTION_DAYS = {
+    1: "ONE_DAY",
+    3: "THREE_DAYS",
+    5: "FIVE_DAYS",
+    7: "ONE_WEEK",
+    14: "TWO_WEEKS",
+    30: "ONE_MONTH",
+    60: "TWO_MONTHS",
+    90: "THREE_MONTHS",
+    120: "FOUR_MONTHS",
+    150: "FIVE_MONTHS",
+    180: "SIX_MONTHS",
+    365: "ONE_YEAR",
+    400: "THIRTEEN_MONTHS",
+    545: "EIGHTEEN_MONTHS",
+    731: "TWO_YEARS",
+    1096: "THREE_YEARS",
+    1827: "FIVE_YEARS",
+    2192: "SIX_YEARS",
+    2557: "SEVEN_YEARS",
+    2922: "EIGHT_YEARS",
+    3288: "NINE_YEARS",
+    3653: "TEN_YEARS",
+}
+
+
+class ConfigError(ValueError):
+    """cdk.json context (or a -c override) is invalid; the message names every bad key."""
+
+
+class RemovalMode(StrEnum):
+    RETAIN = "retain"
+    DESTROY = "destroy"
+
+
+class VpcSettings(BaseModel):
+    """Run SageMaker jobs inside these private subnets with these security groups (VpcConfig)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    subnet_ids: tuple[str, ...] = Field(min_length=1, max_length=16)
+    security_group_ids: tuple[str, ...] = Field(min_length=1, max_length=5)
+
+    @field_validator("subnet_ids")
+    @classmethod
+    def _subnets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in v if not re.fullmatch(r"subnet-[0-9a-f]{8,17}", s)]
+        if bad:
+            raise ValueError(f"not subnet ids (expected subnet-<hex>): {bad}")
+        return v
+
+    @field_validator("security_group_ids")
+    @classmethod
+    def _security_groups(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in v if not re.fullmatch(r"sg-[0-9a-f]{8,17}", s)]
+        if bad:
+            raise ValueError(f"not security group ids (expected sg-<hex>): {bad}")
+        return v
+
+
+class StackConfig(BaseModel):
+    """Everything the stack reads from context. Defaults live here; cdk.json states them explicitly too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allowed_instance_types: tuple[str, ...] = Field(min_length=1)
+    map_max_concurrency: int = Field(default=4, ge=1, le=40)
+    default_budget_usd: float = Field(default=100.0, gt=0, le=1_000_000)
+    notification_email: str | None = None
+    removal_policy: RemovalMode = RemovalMode.RETAIN
+    processing_instance_type: str = "ml.m5.xlarge"
+    vpc: VpcSettings | None = None
+    checkpoint_expiry_days: int = Field(default=14, ge=1, le=3650)
+    execution_timeout_hours: int = Field(default=72, ge=1, le=24 * 365)
+    log_retention_days: int = 90
+
+    @field_validator("allowed_instance_types")
+    @classmethod
+    def _instance_types(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [t for t in v if not _INSTANCE_TYPE_RE.match(t)]
+        if bad:
+            raise ValueError(f"not SageMaker instance types (expected ml.<family>.<size>): {bad}")
+        if len(set(v)) != len(v):
+            raise ValueError("instance types listed more than once")
+        return v
+
+    @field_validator("processing_instance_type")
+    @classmethod
+    def _processing_type(cls, v: str) -> str:
+        if not _INSTANCE_TYPE_RE.match(v):
+            raise ValueError(f"{v!r} is not a SageMaker instance type (expected ml.<family>.<size>)")
+        return v
+
+    @field_validator("notification_email", mode="before")
+    @classmethod
+    def _email(cls, v: object) -> object:
+        if v in (None, ""):
+            return None
+        if not isinstance(v, str) or not _EMAIL_RE.match(v):
+            raise ValueError(f"{v!r} is not an e-mail address")
+        return v
+
+    @field_validator("log_retention_days")
+    @classmethod
+    def _retention(cls, v: int) -> int:
+        if v not in LOG_RETENTION_DAYS:
+            raise ValueError(f"CloudWatch Logs accepts only {list(LOG_RETENTION_DAYS)} days, not {v}")
+        return v
+
+    def check_catalog(self, *, training_types: Collection[str], known_types: Collection[str]) -> None:
+        """Every allowed type must be a catalogued training instance (facts and prices exist for it)."""
+        problems = [
+            f"  - context 'allowed_instance_types': {t!r} is not a training instance in configs/instances/"
+            for t in self.allowed_instance_types
+            if t not in training_types
+        ]
+        if self.processing_instance_type not in known_types:
+            problems.append(
+                f"  - context 'processing_instance_type': {self.processing_instance_type!r} is not catalogued"
+            )
+        if problems:
+            raise ConfigError("gpuscout settings do not match the instance catalog:\n" + "\n".join(problems))
+
+    @property
+    def allowed_instance_types_csv(self) -> str:
+        return ",".join(self.allowed_instance_types)
+
+
+def _decode(value: Any) -> Any:
+    """`cdk -c key=value` passes strings; JSON-decode them so lists, numbers and objects work from the CLI too."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def load_config(context: Mapping[str, Any]) -> StackConfig:
+    """Validate the stack's context keys (other CDK context keys are ignored); raise ConfigError naming each problem."""
+    unknown = [k for k in context if re.fullmatch(r"[a-z][a-z0-9_]*", k) and k not in CONTEXT_KEYS]
+    if unknown:
+        hints = [
+            f"  - context '{k}' is not a gpuscout setting"
+            + "".join(f" (did you mean '{m}'?)" for m in difflib.get_close_matches(k, CONTEXT_KEYS, n=1))
+            for k in unknown
+        ]
+        raise ConfigError("unknown keys in cdk.json context (or -c overrides):\n" + "\n".join(hints))
+    raw = {key: _decode(context[key]) for key in CONTEXT_KEYS if key in context and context[key] is not None}
+    if isinstance(raw.get("allowed_instance_types"), str):
+        raw["allowed_instance_types"] = [t.strip() for t in raw["allowed_instance_types"].split(",") if t.strip()]
+    try:
+        return StackConfig.model_validate(raw)
+    except ValidationError as err:
+        problems = "\n".join(
+            f"  - context '{'.'.join(str(p) for p in e['loc']) or '<root>'}': {e['msg']}"
+            for e in err.errors(include_url=False)
+        )
+        raise ConfigError(f"invalid gpuscout settings in cdk.json context (or -c overrides):\n{problems}") from err

@@ -1,0 +1,98 @@
+"""EventBridge: a manifest upload starts a run; SageMaker job-state changes of our jobs reach job_events.
+
+Both targets get an encrypted, TLS-only SQS dead-letter queue and a bounded retry policy, so an event that
+cannot be delivered is kept (and alarmed on, see monitoring.py) instead of silently dropped.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_sqs as sqs
+from aws_cdk import aws_stepfunctions as sfn
+from constructs import Construct
+
+from stacks.roles import JOB_NAME_PREFIX
+from stacks.storage import MANIFESTS_PREFIX
+
+TRAINING_STATE_CHANGE = "SageMaker Training Job State Change"
+
+
+class EventRules(Construct):
+    """`manifest_uploaded` and `job_state_changed` rules, with `dead_letter_queues` (one per target)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        data_bucket: s3.IBucket,
+        state_machine: sfn.IStateMachine,
+        job_events_function: lambda_.IFunction,
+        removal_policy: RemovalPolicy,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.manifest_dead_letters = self._queue("ManifestDeadLetters", removal_policy)
+        self.job_event_dead_letters = self._queue("JobEventDeadLetters", removal_policy)
+        self.dead_letter_queues = (self.manifest_dead_letters, self.job_event_dead_letters)
+
+        self.manifest_uploaded = events.Rule(
+            self,
+            "ManifestUploaded",
+            description="A manifest written under manifests/ starts a benchmark run",
+            event_pattern=events.EventPattern(
+                source=["aws.s3"],
+                detail_type=["Object Created"],
+                detail={
+                    "bucket": {"name": [data_bucket.bucket_name]},
+                    "object": {"key": [{"prefix": MANIFESTS_PREFIX}]},
+                },
+            ),
+        )
+        self.manifest_uploaded.add_target(
+            targets.SfnStateMachine(
+                state_machine,
+                input=events.RuleTargetInput.from_object(
+                    {
+                        "bucket": events.EventField.from_path("$.detail.bucket.name"),
+                        "key": events.EventField.from_path("$.detail.object.key"),
+                        "etag": events.EventField.from_path("$.detail.object.etag"),
+                    }
+                ),
+                dead_letter_queue=self.manifest_dead_letters,
+                retry_attempts=8,
+                max_event_age=Duration.hours(2),
+            )
+        )
+
+        self.job_state_changed = events.Rule(
+            self,
+            "JobStateChanged",
+            description="State changes of gpuscout's SageMaker training jobs (names start with gs-)",
+            event_pattern=events.EventPattern(
+                source=["aws.sagemaker"],
+                detail_type=[TRAINING_STATE_CHANGE],
+                detail={"TrainingJobName": [{"prefix": JOB_NAME_PREFIX}]},
+            ),
+        )
+        self.job_state_changed.add_target(
+            targets.LambdaFunction(
+                job_events_function,
+                dead_letter_queue=self.job_event_dead_letters,
+                retry_attempts=8,
+                max_event_age=Duration.hours(6),
+            )
+        )
+
+    def _queue(self, construct_id: str, removal_policy: RemovalPolicy) -> sqs.Queue:
+        return sqs.Queue(
+            self,
+            construct_id,
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+            retention_period=Duration.days(14),
+            removal_policy=removal_policy,
+        )

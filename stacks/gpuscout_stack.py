@@ -1,0 +1,324 @@
+"""The gpuscout stack: composes the constructs and makes every grant between them.
+
+Every cdk-nag finding that remains after the fixes is acknowledged here, at the construct it concerns, with the
+reason it cannot be narrowed (docs/architecture.md, "Security model", lists them too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_cdk import Acknowledgment, CfnElement, Duration, RemovalPolicy, Stack, Validations
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
+from constructs import Construct, IConstruct
+
+from stacks.config import LOG_RETENTION_DAYS, RemovalMode, StackConfig
+from stacks.events import EventRules
+from stacks.functions import FUNCTION_NAMES, Functions
+from stacks.monitoring import Monitoring
+from stacks.notifications import Notifications
+from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
+from stacks.roles import METRIC_NAMESPACE, TRAINING_JOBS_ARN, Roles
+from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, REJECTED_PREFIX, REPORTS_PREFIX, Storage
+from stacks.training_image import TrainingImage
+from stacks.workflow import BenchmarkWorkflow
+
+SERVICE_NAME = "gpuscout"
+
+
+def acknowledge(scope: IConstruct, rule_id: str, reason: str) -> None:
+    """One cdk-nag acknowledgment, on the construct it concerns."""
+    Validations.of(scope).acknowledge(Acknowledgment(id=f"AwsSolutions::{rule_id}", reason=reason))
+
+
+class GpuscoutStack(Stack):
+    def __init__(self, scope: Construct, construct_id: str, *, config: StackConfig, **kwargs: Any) -> None:
+        super().__init__(scope, construct_id, description="gpuscout: GPU instance benchmarks on SageMaker", **kwargs)
+        self.config = config
+        removal = RemovalPolicy.DESTROY if config.removal_policy is RemovalMode.DESTROY else RemovalPolicy.RETAIN
+        retention: logs.RetentionDays = getattr(logs.RetentionDays, LOG_RETENTION_DAYS[config.log_retention_days])
+
+        self.storage = Storage(
+            self, "Storage", removal_policy=removal, checkpoint_expiry_days=config.checkpoint_expiry_days
+        )
+        self.results = ResultsTable(self, "Results", removal_policy=removal)
+        self.image = TrainingImage(self, "TrainingImage")
+        self.notifications = Notifications(
+            self, "Notifications", email=config.notification_email, removal_policy=removal
+        )
+        self.roles = Roles(
+            self,
+            "Roles",
+            data_bucket=self.storage.data,
+            artifacts_bucket=self.storage.artifacts,
+            image_repository=self.image.repository,
+            lambda_names=FUNCTION_NAMES,
+            use_vpc=config.vpc is not None,
+        )
+        environment = {
+            "TABLE_NAME": self.results.table.table_name,
+            "DATA_BUCKET": self.storage.data.bucket_name,
+            "ARTIFACTS_BUCKET": self.storage.artifacts.bucket_name,
+            "SAGEMAKER_ROLE_ARN": self.roles.sagemaker.role_arn,
+            "TRAINING_IMAGE_URI": self.image.image_uri,
+            "PROCESSING_INSTANCE_TYPE": config.processing_instance_type,
+            "ALLOWED_INSTANCE_TYPES": config.allowed_instance_types_csv,
+            "DEFAULT_BUDGET_USD": f"{config.default_budget_usd:g}",
+            "NOTIFICATION_TOPIC_ARN": self.notifications.topic.topic_arn,
+            "POWERTOOLS_SERVICE_NAME": SERVICE_NAME,
+            "POWERTOOLS_METRICS_NAMESPACE": METRIC_NAMESPACE,
+            "MPLBACKEND": "Agg",
+            "MPLCONFIGDIR": "/tmp/matplotlib",  # Lambda's only writable folder
+        }
+        self.functions = Functions(
+            self,
+            "Functions",
+            roles=self.roles.lambdas,
+            environment=environment,
+            log_retention=retention,
+            removal_policy=removal,
+        )
+        self.workflow = BenchmarkWorkflow(
+            self,
+            "Workflow",
+            functions=self.functions.functions,
+            role=self.roles.state_machine,
+            map_max_concurrency=config.map_max_concurrency,
+            vpc=config.vpc,
+            timeout=Duration.hours(config.execution_timeout_hours),
+            log_retention=retention,
+            removal_policy=removal,
+        )
+        self.events = EventRules(
+            self,
+            "Events",
+            data_bucket=self.storage.data,
+            state_machine=self.workflow.state_machine,
+            job_events_function=self.functions.functions["job_events"],
+            removal_policy=removal,
+        )
+        self.monitoring = Monitoring(
+            self,
+            "Monitoring",
+            state_machine=self.workflow.state_machine,
+            functions=self.functions.functions,
+            dead_letter_queues=[*self.events.dead_letter_queues, self.functions.dead_letter_queue],
+            topic=self.notifications.topic,
+            instance_types=config.allowed_instance_types,
+        )
+        self._grant()
+        self._acknowledge()
+
+    # ------------------------------------------------------------------ grants
+    def _grant(self) -> None:
+        data, artifacts = self.storage.data, self.storage.artifacts
+        table = self.results.table
+        lambdas = self.roles.lambdas
+        table_statement = iam.PolicyStatement(
+            sid="ResultsTable",
+            actions=["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Query"],
+            resources=[
+                table.table_arn,
+                f"{table.table_arn}/index/{RUNS_INDEX}",
+                f"{table.table_arn}/index/{JOB_INDEX}",
+            ],
+        )
+        for role in lambdas.values():
+            role.add_to_policy(table_statement)
+
+        lambdas["validate_manifest"].add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadManifests", actions=["s3:GetObject"], resources=[data.arn_for_objects(f"{MANIFESTS_PREFIX}*")]
+            )
+        )
+        lambdas["validate_manifest"].add_to_policy(
+            iam.PolicyStatement(
+                sid="WriteRejections", actions=["s3:PutObject"], resources=[data.arn_for_objects(f"{REJECTED_PREFIX}*")]
+            )
+        )
+        # plan_jobs checks whether processed data exists (HEAD needs ListBucket to tell 404 from 403).
+        lambdas["plan_jobs"].add_to_policy(
+            iam.PolicyStatement(
+                sid="FindProcessedData",
+                actions=["s3:GetObject"],
+                resources=[data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
+            )
+        )
+        lambdas["plan_jobs"].add_to_policy(
+            iam.PolicyStatement(sid="TellMissingFromForbidden", actions=["s3:ListBucket"], resources=[data.bucket_arn])
+        )
+        # job_events reads benchmark.json from job output and stops jobs when measured spend crosses the budget.
+        lambdas["job_events"].add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
+            )
+        )
+        lambdas["job_events"].add_to_policy(
+            iam.PolicyStatement(
+                sid="BudgetGuard",
+                actions=["sagemaker:StopTrainingJob", "sagemaker:DescribeTrainingJob"],
+                resources=[TRAINING_JOBS_ARN],
+            )
+        )
+        lambdas["job_events"].add_to_policy(
+            iam.PolicyStatement(
+                sid="ThroughputMetrics",
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
+            )
+        )
+        lambdas["analyze_run"].add_to_policy(
+            iam.PolicyStatement(
+                sid="WriteReports", actions=["s3:PutObject"], resources=[data.arn_for_objects(f"{REPORTS_PREFIX}*")]
+            )
+        )
+        lambdas["analyze_run"].add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
+            )
+        )
+        for name in ("plan_jobs", "analyze_run"):
+            lambdas[name].add_to_policy(
+                iam.PolicyStatement(sid="PriceList", actions=["pricing:GetProducts"], resources=["*"])
+            )
+        self.notifications.topic.grant_publish(lambdas["analyze_run"])
+        self.notifications.key.grant(lambdas["analyze_run"], "kms:Decrypt", "kms:GenerateDataKey*")
+
+    # --------------------------------------------------------- acknowledgments
+    def _acknowledge(self) -> None:
+        data, artifacts = self.storage.data, self.storage.artifacts
+        data_ref = f"<{self.get_logical_id(_cfn(data))}.Arn>"
+        artifacts_ref = f"<{self.get_logical_id(_cfn(artifacts))}.Arn>"
+        account_arn = "arn:<AWS::Partition>:{service}:<AWS::Region>:<AWS::AccountId>"
+        training_jobs = account_arn.format(service="sagemaker") + ":training-job/gs-*"
+        processing_jobs = account_arn.format(service="sagemaker") + ":processing-job/gs-*"
+        xray = "X-Ray PutTraceSegments/PutTelemetryRecords support no resource-level permissions (tracing is on)"
+        job_names = "SageMaker job names are generated per run; gs-* limits the grant to gpuscout's own jobs"
+
+        acknowledge(
+            self.storage.access_logs,
+            "AwsSolutions-S1",
+            "This is the server access log target bucket; logging it into itself would loop.",
+        )
+        for queue in self.events.dead_letter_queues:
+            acknowledge(
+                queue, "AwsSolutions-SQS3", "This queue is itself the dead-letter queue of an EventBridge target."
+            )
+        for function in self.functions.functions.values():
+            acknowledge(
+                function,
+                "AwsSolutions-L1",
+                "Pinned to Python 3.12: the dependency layer is built for CPython 3.12 wheels and the tests run the "
+                "same pins; move runtime and layer together (stacks/functions.py PYTHON_VERSION).",
+            )
+
+        sagemaker_policy = self.roles.sagemaker_policy
+        for prefix in ("raw", "processed"):
+            acknowledge(
+                sagemaker_policy,
+                f"AwsSolutions-IAM5[Resource::{data_ref}/{prefix}/*]",
+                f"Jobs read dataset objects under {prefix}/ of the data bucket; object keys are content hashes "
+                "known only at run time, so the grant is scoped to the prefix.",
+            )
+        acknowledge(
+            sagemaker_policy,
+            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/*]",
+            "The artifacts bucket exists only for job output and checkpoints, both written by the jobs under "
+            "per-run keys chosen at run time.",
+        )
+        for group in ("TrainingJobs", "ProcessingJobs"):
+            acknowledge(
+                sagemaker_policy,
+                f"AwsSolutions-IAM5[Resource::{account_arn.format(service='logs')}:log-group:/aws/sagemaker/{group}:*]",
+                f"SageMaker writes job logs to the fixed log group /aws/sagemaker/{group} with one stream per job "
+                "host, named at run time; the grant is limited to that group.",
+            )
+        acknowledge(
+            sagemaker_policy,
+            "AwsSolutions-IAM5[Resource::*]",
+            "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
+            "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
+            "cloudwatch:namespace condition to SageMaker's job namespaces and gpuscout's.",
+        )
+
+        lambdas = self.roles.lambdas
+        for name, role in lambdas.items():
+            extra = {
+                "plan_jobs": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
+                "analyze_run": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
+                "job_events": "; cloudwatch:PutMetricData has none either and is limited by a cloudwatch:namespace "
+                "condition to the gpuscout namespace",
+            }.get(name, "")
+            acknowledge(role, "AwsSolutions-IAM5[Resource::*]", xray + extra + ".")
+        acknowledge(
+            lambdas["validate_manifest"],
+            f"AwsSolutions-IAM5[Resource::{data_ref}/manifests/*]",
+            "Reads the manifest that triggered the run; any key under manifests/ may start one.",
+        )
+        acknowledge(
+            lambdas["validate_manifest"],
+            f"AwsSolutions-IAM5[Resource::{data_ref}/rejected/*]",
+            "Writes rejected/<manifest name>.error.json for whichever manifest was rejected.",
+        )
+        acknowledge(
+            lambdas["plan_jobs"],
+            f"AwsSolutions-IAM5[Resource::{data_ref}/processed/*]",
+            "Checks whether processed/<content hash>/dataset.json exists to skip data preparation; the hash is "
+            "computed at run time.",
+        )
+        for name in ("job_events", "analyze_run"):
+            acknowledge(
+                lambdas[name],
+                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/output/*]",
+                "Reads output/<run_id>/<job_name>/output/output.tar.gz (benchmark.json) of jobs named at run time.",
+            )
+        acknowledge(
+            lambdas["job_events"],
+            f"AwsSolutions-IAM5[Resource::{training_jobs}]",
+            f"Budget guard stops running training jobs of a run. {job_names}.",
+        )
+        acknowledge(
+            lambdas["analyze_run"],
+            f"AwsSolutions-IAM5[Resource::{data_ref}/reports/*]",
+            "Writes reports/<run_id>/ (report.md, .html, .json, charts) for a run_id generated at run time.",
+        )
+        acknowledge(
+            lambdas["analyze_run"],
+            "AwsSolutions-IAM5[Action::kms:GenerateDataKey*]",
+            "Publishing to the KMS-encrypted topic needs GenerateDataKey (CDK's grant uses the documented "
+            "GenerateDataKey* family), on the topic key only.",
+        )
+
+        state_machine_role = self.roles.state_machine
+        acknowledge(
+            state_machine_role,
+            "AwsSolutions-IAM5[Resource::*]",
+            f"{xray}; the CloudWatch Logs delivery APIs Step Functions logging needs (logs:CreateLogDelivery, "
+            "GetLogDelivery, UpdateLogDelivery, DeleteLogDelivery, ListLogDeliveries, PutResourcePolicy, "
+            "DescribeResourcePolicies, DescribeLogGroups) do not support resource-level permissions.",
+        )
+        acknowledge(
+            state_machine_role,
+            f"AwsSolutions-IAM5[Resource::{training_jobs}]",
+            f"Creates, describes and stops the benchmark's training jobs (.sync). {job_names}.",
+        )
+        acknowledge(
+            state_machine_role,
+            f"AwsSolutions-IAM5[Resource::{processing_jobs}]",
+            f"Creates, describes and stops the data-preparation processing job (.sync). {job_names}.",
+        )
+        for name in ("validate_manifest", "plan_jobs", "record_job_failure", "analyze_run"):
+            function = self.functions.functions[name]
+            acknowledge(
+                state_machine_role,
+                f"AwsSolutions-IAM5[Resource::<{self.get_logical_id(_cfn(function))}.Arn>:*]",
+                f"Invoke permission on versions and aliases of {name} only (CDK's LambdaInvoke grant).",
+            )
+
+
+def _cfn(construct: IConstruct) -> CfnElement:
+    child = construct.node.default_child
+    assert isinstance(child, CfnElement)
+    return child

@@ -1,0 +1,137 @@
+"""CloudWatch dashboard and alarms: runs, jobs, throughput per instance type, Lambda errors, dead letters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from aws_cdk import Duration
+from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_cloudwatch_actions as actions
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sqs as sqs
+from aws_cdk import aws_stepfunctions as sfn
+from constructs import Construct
+
+from stacks.roles import METRIC_NAMESPACE
+
+# Emitted by lambdas/job_events with Powertools Metrics (namespace "gpuscout", dimension InstanceType).
+THROUGHPUT_METRIC = "TokensPerSecond"
+JOB_STATUS_METRIC = "TrainingJobStatus"
+JOB_STATUSES = ("InProgress", "Completed", "Failed", "Stopped")
+INSTANCE_TYPE_DIMENSION = "InstanceType"
+
+
+class Monitoring(Construct):
+    """`dashboard`, `failed_executions_alarm`, `dead_letter_alarms`, `lambda_error_alarms` (all -> topic)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        state_machine: sfn.StateMachine,
+        functions: Mapping[str, lambda_.Function],
+        dead_letter_queues: Sequence[sqs.IQueue],
+        topic: sns.ITopic,
+        instance_types: Sequence[str],
+    ) -> None:
+        super().__init__(scope, construct_id)
+        notify = actions.SnsAction(topic)
+        five_minutes = Duration.minutes(5)
+
+        self.failed_executions_alarm = state_machine.metric_failed(period=five_minutes).create_alarm(
+            self,
+            "FailedExecutions",
+            alarm_description="A benchmark execution failed (rejected manifest, refused plan or an error)",
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        self.failed_executions_alarm.add_alarm_action(notify)
+        self.dead_letter_alarms = []
+        for index, queue in enumerate(dead_letter_queues):
+            alarm = queue.metric_approximate_number_of_messages_visible(period=five_minutes).create_alarm(
+                self,
+                f"DeadLetters{index}",
+                alarm_description=f"Undeliverable events or failed async invocations wait in {queue.node.path}",
+                threshold=0,
+                evaluation_periods=1,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            )
+            alarm.add_alarm_action(notify)
+            self.dead_letter_alarms.append(alarm)
+        self.lambda_error_alarms = []
+        for name, function in functions.items():
+            alarm = function.metric_errors(period=five_minutes).create_alarm(
+                self,
+                f"Errors-{name}",
+                alarm_description=f"Lambda function {name} raised an unexpected error",
+                threshold=1,
+                evaluation_periods=1,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            )
+            alarm.add_alarm_action(notify)
+            self.lambda_error_alarms.append(alarm)
+
+        hour = Duration.hours(1)
+        self.dashboard = cloudwatch.Dashboard(self, "Dashboard", default_interval=Duration.days(7))
+        self.dashboard.add_widgets(
+            cloudwatch.GraphWidget(
+                title="Benchmark executions",
+                left=[
+                    state_machine.metric_started(period=hour, label="started"),
+                    state_machine.metric_succeeded(period=hour, label="succeeded"),
+                    state_machine.metric_failed(period=hour, label="failed"),
+                    state_machine.metric_timed_out(period=hour, label="timed out"),
+                ],
+                width=12,
+            ),
+            cloudwatch.GraphWidget(
+                title="Training job state changes",
+                left=[
+                    cloudwatch.Metric(
+                        namespace=METRIC_NAMESPACE,
+                        metric_name=JOB_STATUS_METRIC,
+                        dimensions_map={"Status": status},
+                        statistic=cloudwatch.Stats.SUM,
+                        period=hour,
+                        label=status,
+                    )
+                    for status in JOB_STATUSES
+                ],
+                width=12,
+            ),
+        )
+        self.dashboard.add_widgets(
+            cloudwatch.GraphWidget(
+                title="Training throughput (tokens/s) per instance type",
+                left=[
+                    cloudwatch.Metric(
+                        namespace=METRIC_NAMESPACE,
+                        metric_name=THROUGHPUT_METRIC,
+                        dimensions_map={INSTANCE_TYPE_DIMENSION: instance_type},
+                        statistic=cloudwatch.Stats.AVERAGE,
+                        period=hour,
+                        label=instance_type,
+                    )
+                    for instance_type in instance_types
+                ],
+                width=12,
+            ),
+            cloudwatch.GraphWidget(
+                title="Lambda errors",
+                left=[function.metric_errors(period=hour, label=name) for name, function in functions.items()],
+                width=12,
+            ),
+        )
+        self.dashboard.add_widgets(
+            cloudwatch.AlarmStatusWidget(
+                title="Alarms",
+                alarms=[self.failed_executions_alarm, *self.dead_letter_alarms, *self.lambda_error_alarms],
+                width=24,
+            )
+        )

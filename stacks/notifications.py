@@ -1,0 +1,32 @@
+"""The SNS topic for alarms and finished runs, encrypted with a customer-managed key CloudWatch may use."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sns_subscriptions as subscriptions
+from constructs import Construct
+
+
+class Notifications(Construct):
+    """`topic` (+ `key`); an e-mail subscription when an address is configured."""
+
+    def __init__(
+        self, scope: Construct, construct_id: str, *, email: str | None, removal_policy: RemovalPolicy
+    ) -> None:
+        super().__init__(scope, construct_id)
+        # SNS's AWS managed key cannot be used by CloudWatch alarms, so the topic gets its own key.
+        self.key = kms.Key(
+            self,
+            "Key",
+            description="gpuscout notifications topic",
+            enable_key_rotation=True,
+            pending_window=Duration.days(7),
+            removal_policy=removal_policy,
+        )
+        self.key.grant(iam.ServicePrincipal("cloudwatch.amazonaws.com"), "kms:Decrypt", "kms:GenerateDataKey*")
+        self.topic = sns.Topic(self, "Topic", display_name="gpuscout", master_key=self.key, enforce_ssl=True)
+        if email:
+            self.topic.add_subscription(subscriptions.EmailSubscription(email))

@@ -1,0 +1,200 @@
+"""IAM roles: the SageMaker execution role, one role per Lambda function and the state machine's role.
+
+Each role gets only what its principal calls, scoped to this stack's resources and to job names starting with
+``gs-``. Data-plane grants to the Lambda roles (table, bucket prefixes) are made by the stack, which sees every
+resource; this file defines the roles and the statements that follow from the SageMaker/Step Functions contracts.
+Every wildcard that remains is acknowledged in gpuscout_stack.py with the reason, and listed in
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aws_cdk import Aws
+from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from stacks.storage import PROCESSED_PREFIX, RAW_PREFIX
+
+JOB_NAME_PREFIX = "gs-"
+SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
+SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
+# Namespaces the SageMaker role may write metrics to: SageMaker's own (MetricDefinitions) and gpuscout's.
+METRIC_NAMESPACE = "gpuscout"
+SAGEMAKER_METRIC_NAMESPACES = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs", METRIC_NAMESPACE)
+# The managed EventBridge rules Step Functions creates to learn that a .sync SageMaker job finished.
+SYNC_RULES = (
+    "StepFunctionsGetEventsForSageMakerTrainingJobsRule",
+    "StepFunctionsGetEventsForSageMakerProcessingJobsRule",
+)
+
+
+def sagemaker_arn(resource_type: str, name_pattern: str = f"{JOB_NAME_PREFIX}*") -> str:
+    """arn:aws:sagemaker:<region>:<account>:<type>/<pattern> of this account and region."""
+    return f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:{resource_type}/{name_pattern}"
+
+
+TRAINING_JOBS_ARN = sagemaker_arn("training-job")
+PROCESSING_JOBS_ARN = sagemaker_arn("processing-job")
+
+
+class Roles(Construct):
+    """`sagemaker` (jobs), `lambdas[name]` (one per function), `state_machine`."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        data_bucket: s3.IBucket,
+        artifacts_bucket: s3.IBucket,
+        image_repository: ecr.IRepository,
+        lambda_names: Sequence[str],
+        use_vpc: bool,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.sagemaker = self._sagemaker_role(data_bucket, artifacts_bucket, image_repository, use_vpc=use_vpc)
+        self.lambdas: dict[str, iam.Role] = {
+            name: iam.Role(
+                self,
+                f"Lambda-{name}",
+                assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
+                description=f"gpuscout Lambda function {name}",
+            )
+            for name in lambda_names
+        }
+        self.state_machine = self._state_machine_role()
+
+    def _sagemaker_role(
+        self, data: s3.IBucket, artifacts: s3.IBucket, repository: ecr.IRepository, *, use_vpc: bool
+    ) -> iam.Role:
+        role = iam.Role(
+            self,
+            "SageMakerExecution",
+            # Only the state machine may hand this role to SageMaker (iam:PassRole, see _state_machine_role).
+            assumed_by=iam.ServicePrincipal(SAGEMAKER_SERVICE),
+            description="gpuscout SageMaker training and processing jobs",
+        )
+        statements = [
+            # Processing reads raw datasets and writes processed shards; training reads processed shards.
+            iam.PolicyStatement(
+                sid="ReadDatasets",
+                actions=["s3:GetObject"],
+                resources=[data.arn_for_objects(f"{RAW_PREFIX}*"), data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
+            ),
+            iam.PolicyStatement(
+                sid="ListDatasets",
+                actions=["s3:ListBucket"],
+                resources=[data.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
+            ),
+            iam.PolicyStatement(
+                sid="WriteProcessedDatasets",
+                actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                resources=[data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
+            ),
+            # Job output and checkpoints: the artifacts bucket exists for these only.
+            iam.PolicyStatement(
+                sid="JobArtifacts",
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                resources=[artifacts.arn_for_objects("*")],
+            ),
+            iam.PolicyStatement(sid="ListJobArtifacts", actions=["s3:ListBucket"], resources=[artifacts.bucket_arn]),
+            iam.PolicyStatement(
+                sid="PullTrainingImage",
+                actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+                resources=[repository.repository_arn],
+            ),
+            iam.PolicyStatement(sid="EcrLogin", actions=["ecr:GetAuthorizationToken"], resources=["*"]),
+            iam.PolicyStatement(
+                sid="JobLogs",
+                actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                resources=[
+                    f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{group}:*"
+                    for group in SAGEMAKER_LOG_GROUPS
+                ],
+            ),
+            iam.PolicyStatement(
+                sid="JobMetrics",
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringEquals": {"cloudwatch:namespace": list(SAGEMAKER_METRIC_NAMESPACES)}},
+            ),
+        ]
+        if use_vpc:
+            statements.append(
+                # What SageMaker needs to attach jobs to the configured subnets (VpcConfig).
+                iam.PolicyStatement(
+                    sid="VpcNetworkInterfaces",
+                    actions=[
+                        "ec2:CreateNetworkInterface",
+                        "ec2:CreateNetworkInterfacePermission",
+                        "ec2:DeleteNetworkInterface",
+                        "ec2:DeleteNetworkInterfacePermission",
+                        "ec2:DescribeNetworkInterfaces",
+                        "ec2:DescribeVpcs",
+                        "ec2:DescribeDhcpOptions",
+                        "ec2:DescribeSubnets",
+                        "ec2:DescribeSecurityGroups",
+                    ],
+                    resources=["*"],
+                )
+            )
+        self.sagemaker_policy = iam.Policy(self, "SageMakerExecutionPolicy", roles=[role], statements=statements)
+        return role
+
+    def _state_machine_role(self) -> iam.Role:
+        role = iam.Role(
+            self,
+            "StateMachine",
+            # Confused-deputy guard (documented for Step Functions): only this account's state machines.
+            assumed_by=iam.ServicePrincipal("states.amazonaws.com").with_conditions(
+                {"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}}
+            ),
+            description="gpuscout benchmark state machine",
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="PassSageMakerRoleToSageMakerOnly",
+                actions=["iam:PassRole"],
+                resources=[self.sagemaker.role_arn],
+                conditions={"StringEquals": {"iam:PassedToService": SAGEMAKER_SERVICE}},
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="RunTrainingJobs",
+                actions=[
+                    "sagemaker:CreateTrainingJob",
+                    "sagemaker:DescribeTrainingJob",
+                    "sagemaker:StopTrainingJob",
+                    "sagemaker:AddTags",
+                    "sagemaker:ListTags",
+                ],
+                resources=[TRAINING_JOBS_ARN],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="RunProcessingJobs",
+                actions=[
+                    "sagemaker:CreateProcessingJob",
+                    "sagemaker:DescribeProcessingJob",
+                    "sagemaker:StopProcessingJob",
+                    "sagemaker:AddTags",
+                    "sagemaker:ListTags",
+                ],
+                resources=[PROCESSING_JOBS_ARN],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="SyncIntegrationRules",
+                actions=["events:PutTargets", "events:PutRule", "events:DescribeRule"],
+                resources=[f"arn:{Aws.PARTITION}:events:{Aws.REGION}:{Aws.ACCOUNT_ID}:rule/{r}" for r in SYNC_RULES],
+            )
+        )
+        return role

@@ -1,0 +1,220 @@
+"""The benchmark state machine: Validate -> Plan -> [Prepare data] -> Map(train) -> Analyze.
+
+SageMaker jobs run through Step Functions' optimized `.sync` integrations, so no Lambda ever polls. The two
+SageMaker states are raw ASL (CustomState) that copy each top-level field of the request plan_jobs built
+(docs/internals.md, Cloud contract): the requests stay plain dicts owned by gpuscout.sagemaker_requests.
+The run's SNS notification is sent by analyze_run itself (NOTIFICATION_TOPIC_ARN), with the run summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_stepfunctions as sfn
+from aws_cdk import aws_stepfunctions_tasks as tasks
+from constructs import Construct
+
+from stacks.config import VpcSettings
+
+TRAINING_REQUEST_FIELDS = (
+    "TrainingJobName",
+    "AlgorithmSpecification",
+    "RoleArn",
+    "HyperParameters",
+    "InputDataConfig",
+    "OutputDataConfig",
+    "ResourceConfig",
+    "StoppingCondition",
+    "CheckpointConfig",
+    "EnableManagedSpotTraining",
+    "EnableNetworkIsolation",
+    "Environment",
+    "Tags",
+)
+PROCESSING_REQUEST_FIELDS = (
+    "ProcessingJobName",
+    "ProcessingResources",
+    "AppSpecification",
+    "RoleArn",
+    "ProcessingInputs",
+    "ProcessingOutputConfig",
+    "StoppingCondition",
+    "Environment",
+    "Tags",
+)
+TRAINING_RESOURCE = "arn:aws:states:::sagemaker:createTrainingJob.sync"
+PROCESSING_RESOURCE = "arn:aws:states:::sagemaker:createProcessingJob.sync"
+# Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors) arrive
+# as SageMaker.AmazonSageMakerException; an account quota hit (e.g. instances per type) as
+# SageMaker.ResourceLimitExceededException. Quotas free up as sibling jobs finish, so that one waits longer.
+SAGEMAKER_RETRY = [
+    {
+        "ErrorEquals": ["SageMaker.AmazonSageMakerException"],
+        "IntervalSeconds": 5,
+        "MaxAttempts": 6,
+        "BackoffRate": 2.0,
+        "MaxDelaySeconds": 120,
+        "JitterStrategy": "FULL",
+    },
+    {
+        "ErrorEquals": ["SageMaker.ResourceLimitExceededException"],
+        "IntervalSeconds": 60,
+        "MaxAttempts": 4,
+        "BackoffRate": 2.0,
+    },
+]
+MANIFEST_REJECTED = "ManifestRejected"
+PLAN_REFUSED = "PlanRefused"
+
+
+def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
+    """{"X.$": "<prefix>.X"} for every field: pass the Lambda-built request through unchanged."""
+    return {f"{field}.$": f"{prefix}.{field}" for field in fields}
+
+
+def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
+    parameters: dict[str, Any] = _copy_fields(TRAINING_REQUEST_FIELDS, "$.request")
+    if vpc is not None:
+        parameters["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
+    return {
+        "Type": "Task",
+        "Comment": "One benchmark job; waits for the job to end (.sync)",
+        "Resource": TRAINING_RESOURCE,
+        "Parameters": parameters,
+        "Retry": SAGEMAKER_RETRY,
+        "ResultPath": None,  # the Map keeps no per-job output; job_events and the table hold the results
+        "OutputPath": "$.job_name",
+    }
+
+
+def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
+    parameters: dict[str, Any] = _copy_fields(PROCESSING_REQUEST_FIELDS, "$.prepare.request")
+    if vpc is not None:
+        parameters["NetworkConfig"] = {
+            "VpcConfig": {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
+        }
+    return {
+        "Type": "Task",
+        "Comment": "Clean, tokenize and pack the dataset once on a CPU instance (.sync)",
+        "Resource": PROCESSING_RESOURCE,
+        "Parameters": parameters,
+        "Retry": SAGEMAKER_RETRY,
+        "ResultPath": None,
+    }
+
+
+class BenchmarkWorkflow(Construct):
+    """`state_machine` and its `log_group`."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        functions: Mapping[str, lambda_.IFunction],
+        role: iam.IRole,
+        map_max_concurrency: int,
+        vpc: VpcSettings | None,
+        timeout: Duration,
+        log_retention: logs.RetentionDays,
+        removal_policy: RemovalPolicy,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        validate = tasks.LambdaInvoke(
+            self,
+            "Validate manifest",
+            lambda_function=functions["validate_manifest"],
+            payload_response_only=True,
+            comment="Parse the manifest; a bad one is written to rejected/ and ends the run",
+        )
+        validate.add_catch(
+            sfn.Fail(self, "Manifest rejected", error=MANIFEST_REJECTED, cause_path="$.error.Cause"),
+            errors=[MANIFEST_REJECTED],
+            result_path="$.error",
+        )
+        plan = tasks.LambdaInvoke(
+            self,
+            "Plan jobs",
+            lambda_function=functions["plan_jobs"],
+            payload_response_only=True,
+            comment="Job requests, predicted cost; refuses a run over budget",
+        )
+        plan.add_catch(
+            sfn.Fail(self, "Plan refused", error=PLAN_REFUSED, cause_path="$.error.Cause"),
+            errors=[PLAN_REFUSED],
+            result_path="$.error",
+        )
+        prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
+        prepare.add_catch(
+            sfn.Fail(self, "Data preparation failed", error="DataPreparationFailed", cause_path="$.error.Cause"),
+            errors=["States.ALL"],
+            result_path="$.error",
+        )
+
+        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc))
+        record_failure = tasks.LambdaInvoke(
+            self,
+            "Record job failure",
+            lambda_function=functions["record_job_failure"],
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "job_name": sfn.JsonPath.string_at("$.job_name"),
+                    "error": sfn.JsonPath.object_at("$.error"),
+                }
+            ),
+            payload_response_only=True,
+            result_path=sfn.JsonPath.DISCARD,
+            output_path="$.job_name",
+            comment="Capacity, quota or job failure: recorded, the benchmark goes on",
+        )
+        train.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+        jobs = sfn.Map(
+            self,
+            "Run jobs",
+            items_path="$.jobs",
+            item_selector={
+                "run_id": sfn.JsonPath.string_at("$.run_id"),
+                "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
+                "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
+            },
+            max_concurrency=map_max_concurrency,
+            result_path=sfn.JsonPath.DISCARD,
+        )
+        jobs.item_processor(train)
+
+        analyze = tasks.LambdaInvoke(
+            self,
+            "Analyze run",
+            lambda_function=functions["analyze_run"],
+            payload=sfn.TaskInput.from_object({"run_id": sfn.JsonPath.string_at("$.run_id")}),
+            payload_response_only=True,
+            comment="Costs, ranking, recommendation, report",
+        )
+        prepare_needed = (
+            sfn.Choice(self, "Processed data cached?")
+            .when(sfn.Condition.boolean_equals("$.prepare.skip", True), jobs)
+            .otherwise(prepare.next(jobs))
+        )
+        definition = validate.next(plan).next(prepare_needed)
+        jobs.next(analyze).next(sfn.Succeed(self, "Done"))
+
+        self.log_group = logs.LogGroup(self, "Logs", retention=log_retention, removal_policy=removal_policy)
+        self.state_machine = sfn.StateMachine(
+            self,
+            "StateMachine",
+            definition_body=sfn.DefinitionBody.from_chainable(definition),
+            state_machine_type=sfn.StateMachineType.STANDARD,
+            role=role,
+            timeout=timeout,
+            tracing_enabled=True,
+            # Execution data (bucket/key, parsed manifest, job requests, errors) holds no credentials and is
+            # what one needs to debug a run; it stays in this log group for the configured retention.
+            logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
+            comment="gpuscout benchmark: validate, plan, prepare data, train on every target, analyze",
+        )
