@@ -327,32 +327,48 @@ class Manifest(_Strict):
 # Safe loading
 
 
-class _ManifestLoader(yaml.SafeLoader):
-    """SafeLoader that refuses anchors/aliases, duplicate, non-string and control-character keys, deep nesting."""
+_YAML_BASE: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available
 
-    _depth = 0
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
+def _mark(event: yaml.Event) -> yaml.Mark | None:
+    """libyaml's marks are their own type; convert so ConstructorError formats line and column."""
+    mark: Any = event.start_mark
+    if mark is None or isinstance(mark, yaml.Mark):
+        return mark
+    return yaml.Mark("", 0, mark.line, mark.column, None, 0)
+
+
+def _scan_yaml_events(text: str) -> None:
+    """Refuse anchors/aliases and deep nesting from the event stream, before anything is composed or expanded."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_YAML_BASE):
         if isinstance(event, AliasEvent) or getattr(event, "anchor", None) is not None:
             raise yaml.constructor.ConstructorError(
-                None, None, "YAML anchors and aliases (&name, *name) are not allowed in a manifest", event.start_mark
+                None, None, "YAML anchors and aliases (&name, *name) are not allowed in a manifest", _mark(event)
             )
-        self._depth += 1
-        try:
-            if self._depth > MAX_NESTING:
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_NESTING:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"nesting deeper than {MAX_NESTING} levels", event.start_mark
+                    None, None, f"nesting deeper than {MAX_NESTING} levels", _mark(event)
                 )
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+class _ManifestLoader(_YAML_BASE):  # type: ignore[valid-type,misc]
+    """Safe loader that refuses duplicate, merge, non-string and control-character keys (anchors, aliases and
+    nesting are refused earlier by :func:`_scan_yaml_events`)."""
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         if not isinstance(node, yaml.MappingNode):
             raise yaml.constructor.ConstructorError(None, None, "expected a mapping", node.start_mark)
         seen: set[str] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.constructor.ConstructorError(
+                    None, None, "YAML merge keys (<<) are not allowed in a manifest", key_node.start_mark
+                )
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
                 raise yaml.constructor.ConstructorError(
                     None,
@@ -445,6 +461,7 @@ def _parse_document(text: str, source: str) -> Any:
         except (ValueError, RecursionError) as err:
             raise ManifestError(source, [Problem("", f"invalid JSON: {err}")]) from err
     try:
+        _scan_yaml_events(text)
         return yaml.load(text, Loader=_ManifestLoader)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
