@@ -194,7 +194,7 @@ class GpuscoutStack(Stack):
         account_arn = "arn:<AWS::Partition>:{service}:<AWS::Region>:<AWS::AccountId>"
         training_jobs = account_arn.format(service="sagemaker") + ":training-job/gs-*"
         processing_jobs = account_arn.format(service="sagemaker") + ":processing-job/gs-*"
-        xray = "X-Ray PutTraceSegments/PutTelemetryRecords support no resource-level permissions (tracing is on)"
+        xray = "X-Ray trace and sampling APIs (Put*/GetSampling*) support no resource-level permissions (tracing is on)"
         job_names = "SageMaker job names are generated per run; gs-* limits the grant to gpuscout's own jobs"
 
         acknowledge(

@@ -1,0 +1,161 @@
+"""IAM: least privilege per role, no '*' resource where the API offers resource-level permissions, PassRole."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.infra.conftest import Synthesized, as_list, policy_statements
+
+# Actions whose APIs offer no resource-level permissions (Service Authorization Reference), and so may use "*".
+NO_RESOURCE_LEVEL = {
+    "xray:PutTraceSegments",
+    "xray:PutTelemetryRecords",
+    "xray:GetSamplingRules",
+    "xray:GetSamplingTargets",
+    "ecr:GetAuthorizationToken",
+    "cloudwatch:PutMetricData",
+    "pricing:GetProducts",
+    "logs:CreateLogDelivery",
+    "logs:GetLogDelivery",
+    "logs:UpdateLogDelivery",
+    "logs:DeleteLogDelivery",
+    "logs:ListLogDeliveries",
+    "logs:PutResourcePolicy",
+    "logs:DescribeResourcePolicies",
+    "logs:DescribeLogGroups",
+}
+
+
+def _all_roles(synthesized: Synthesized) -> dict[str, Any]:
+    roles = synthesized.stack.roles
+    return {"sagemaker": roles.sagemaker, "state_machine": roles.state_machine, **roles.lambdas}
+
+
+def test_star_resources_only_for_actions_without_resource_level_permissions(synthesized: Synthesized) -> None:
+    for policy in synthesized.resources("AWS::IAM::Policy").values():
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            if "*" in as_list(statement["Resource"]):
+                actions = set(as_list(statement["Action"]))
+                assert actions <= NO_RESOURCE_LEVEL, (policy["Properties"]["PolicyName"], actions)
+
+
+def test_cloudwatch_put_metric_data_is_namespace_conditioned(synthesized: Synthesized) -> None:
+    for policy in synthesized.resources("AWS::IAM::Policy").values():
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            if "cloudwatch:PutMetricData" in as_list(statement["Action"]):
+                namespaces = as_list(statement["Condition"]["StringEquals"]["cloudwatch:namespace"])
+                assert "gpuscout" in namespaces
+                assert set(namespaces) <= {"gpuscout", "/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs"}
+
+
+def test_no_managed_policies_and_no_admin_actions(synthesized: Synthesized) -> None:
+    for role in synthesized.resources("AWS::IAM::Role").values():
+        assert "ManagedPolicyArns" not in role["Properties"]
+    for policy in synthesized.resources("AWS::IAM::Policy").values():
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            for action in as_list(statement["Action"]):
+                assert action != "*" and not action.endswith(":*"), action
+
+
+def test_pass_role_only_on_the_sagemaker_role_only_to_sagemaker(synthesized: Synthesized) -> None:
+    sagemaker_role = synthesized.logical_id(synthesized.stack.roles.sagemaker)
+    passes = []
+    for policy in synthesized.resources("AWS::IAM::Policy").values():
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            if "iam:PassRole" in as_list(statement["Action"]):
+                passes.append((policy, statement))
+    assert len(passes) == 1
+    policy, statement = passes[0]
+    assert policy["Properties"]["Roles"] == [{"Ref": synthesized.logical_id(synthesized.stack.roles.state_machine)}]
+    assert statement["Resource"] == {"Fn::GetAtt": [sagemaker_role, "Arn"]}
+    assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}
+
+
+def test_state_machine_role_runs_only_gs_jobs(synthesized: Synthesized) -> None:
+    statements = policy_statements(synthesized, synthesized.stack.roles.state_machine)
+    sagemaker = [s for s in statements if any(a.startswith("sagemaker:") for a in as_list(s["Action"]))]
+    assert {a for s in sagemaker for a in as_list(s["Action"])} >= {
+        "sagemaker:CreateTrainingJob",
+        "sagemaker:DescribeTrainingJob",
+        "sagemaker:StopTrainingJob",
+        "sagemaker:CreateProcessingJob",
+        "sagemaker:DescribeProcessingJob",
+        "sagemaker:StopProcessingJob",
+        "sagemaker:AddTags",
+    }
+    for statement in sagemaker:
+        rendered = json.dumps(statement["Resource"])
+        assert ":training-job/gs-*" in rendered or ":processing-job/gs-*" in rendered
+    (rules,) = [s for s in statements if "events:PutRule" in as_list(s["Action"])]
+    rendered = json.dumps(rules["Resource"])
+    assert "rule/StepFunctionsGetEventsForSageMakerTrainingJobsRule" in rendered
+    assert "rule/StepFunctionsGetEventsForSageMakerProcessingJobsRule" in rendered
+
+
+def test_state_machine_role_trusts_states_of_this_account_only(synthesized: Synthesized) -> None:
+    role = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.roles.state_machine)]
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"Service": "states.amazonaws.com"}
+    assert trust["Condition"] == {"StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}}
+
+
+def test_sagemaker_role_is_scoped_to_stack_resources(synthesized: Synthesized) -> None:
+    statements = {s["Sid"]: s for s in policy_statements(synthesized, synthesized.stack.roles.sagemaker)}
+    data = synthesized.logical_id(synthesized.stack.storage.data)
+    artifacts = synthesized.logical_id(synthesized.stack.storage.artifacts)
+    read = json.dumps(statements["ReadDatasets"]["Resource"])
+    assert data in read and "/raw/*" in read and "/processed/*" in read and artifacts not in read
+    assert statements["ListDatasets"]["Condition"] == {"StringLike": {"s3:prefix": ["raw/*", "processed/*"]}}
+    assert "/processed/*" in json.dumps(statements["WriteProcessedDatasets"]["Resource"])
+    assert artifacts in json.dumps(statements["JobArtifacts"]["Resource"])
+    pull = statements["PullTrainingImage"]
+    assert "ecr:BatchGetImage" in pull["Action"] and "*" not in as_list(pull["Resource"])
+    logs = json.dumps(statements["JobLogs"]["Resource"])
+    assert "log-group:/aws/sagemaker/TrainingJobs:*" in logs and "log-group:/aws/sagemaker/ProcessingJobs:*" in logs
+    assert "VpcNetworkInterfaces" not in statements  # only with the vpc context set
+    # nothing here grants access to the manifests, reports or the table
+    everything = json.dumps(list(statements.values()))
+    assert "manifests/" not in everything and "reports/" not in everything and "dynamodb" not in everything
+
+
+def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synthesized) -> None:
+    functions = synthesized.stack.functions.functions
+    role_refs = {
+        json.dumps(synthesized.template_json["Resources"][synthesized.logical_id(f)]["Properties"]["Role"])
+        for f in functions.values()
+    }
+    assert len(role_refs) == len(functions)
+
+    def actions_of(name: str) -> dict[str, str]:
+        role = synthesized.stack.roles.lambdas[name]
+        return {
+            action: json.dumps(statement["Resource"])
+            for statement in policy_statements(synthesized, role)
+            for action in as_list(statement["Action"])
+        }
+
+    for name in functions:
+        actions = actions_of(name)
+        assert {"dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Query"} <= set(actions)
+        assert "dynamodb:Scan" not in actions and "dynamodb:DeleteItem" not in actions
+        assert "/index/gsi1" in actions["dynamodb:Query"] and "/index/gsi2" in actions["dynamodb:Query"]
+        assert "logs:PutLogEvents" in actions
+        assert "sagemaker:CreateTrainingJob" not in actions
+    assert "/manifests/*" in actions_of("validate_manifest")["s3:GetObject"]
+    assert "/rejected/*" in actions_of("validate_manifest")["s3:PutObject"]
+    assert "/processed/*" in actions_of("plan_jobs")["s3:GetObject"]
+    assert "/reports/*" in actions_of("analyze_run")["s3:PutObject"]
+    assert "sns:Publish" in actions_of("analyze_run")
+    assert ":training-job/gs-*" in actions_of("job_events")["sagemaker:StopTrainingJob"]
+    assert "s3:PutObject" not in actions_of("job_events")
+    assert set(actions_of("record_job_failure")) <= {
+        "dynamodb:GetItem",
+        "dynamodb:PutItem",
+        "dynamodb:UpdateItem",
+        "dynamodb:Query",
+        "logs:CreateLogStream",
+        "logs:PutLogEvents",
+        "xray:PutTraceSegments",
+        "xray:PutTelemetryRecords",
+    }
