@@ -409,11 +409,12 @@ def _encode_batch(texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in encoded]
 
 
-def tokenize(config: PrepareConfig, tokenizer_dir: Path, documents: Sequence[str], label: str) -> list[list[int]]:
-    """Token ids of every document, EOS appended, in input order."""
-    from transformers import PreTrainedTokenizerFast
-
-    eos = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).eos_token_id
+def tokenize(
+    config: PrepareConfig, tokenizer: Any, tokenizer_dir: Path, documents: Sequence[str], label: str
+) -> list[list[int]]:
+    """Token ids of every document, EOS appended, in input order. Workers load the saved ``tokenizer_dir``."""
+    global _WORKER_TOKENIZER  # noqa: PLW0603 - the in-process path uses the tokenizer at hand
+    eos = tokenizer.eos_token_id
     batch = max(1, min(64, -(-len(documents) // (config.workers * 4))))  # several batches per worker
     batches = [list(documents[i : i + batch]) for i in range(0, len(documents), batch)]
     out: list[list[int]] = []
@@ -438,7 +439,7 @@ def tokenize(config: PrepareConfig, tokenizer_dir: Path, documents: Sequence[str
         with ctx.Pool(config.workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
             consume(pool.imap(_encode_batch, batches))
     else:
-        _init_worker(str(tokenizer_dir))
+        _WORKER_TOKENIZER = tokenizer
         consume(map(_encode_batch, batches))
     seconds = time.perf_counter() - started
     log(
@@ -573,8 +574,8 @@ def prepare(config: PrepareConfig) -> DatasetSummary:
     tokenizer_dir = out / "tokenizer"
     tokenizer.save_pretrained(str(tokenizer_dir))
     started = time.perf_counter()
-    train_tokens = tokenize(config, tokenizer_dir, train_docs, "train")
-    val_tokens = tokenize(config, tokenizer_dir, val_docs, "validation") if val_docs else []
+    train_tokens = tokenize(config, tokenizer, tokenizer_dir, train_docs, "train")
+    val_tokens = tokenize(config, tokenizer, tokenizer_dir, val_docs, "validation") if val_docs else []
     tokenize_seconds = time.perf_counter() - started
 
     digest = hashlib.sha256()
