@@ -53,6 +53,7 @@ STDERR_TAIL_LINES = 20
 FAILURE_REASON_MAX_CHARS = 1500
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda oom", "cannot allocate memory")
 TERMINATE_GRACE_S = 10.0
+SMALL_CORPUS_DOCUMENTS = 2000
 
 
 # -- planning ---------------------------------------------------------------------------------------------------
@@ -178,6 +179,14 @@ def data_preparation_command(manifest: Any, output: Path, *, workers: int) -> li
     return command
 
 
+def prep_workers(max_documents: int | None) -> int:
+    """Tokenizer processes for data preparation: one for small capped corpora (starting a process pool costs more
+    than it saves on a few hundred documents), else up to four."""
+    if max_documents is not None and max_documents <= SMALL_CORPUS_DOCUMENTS:
+        return 1
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def prepare_data(manifest: Any, cache_dir: Path, console: Console) -> Path:
     """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
     key = data_cache_key(manifest)
@@ -188,7 +197,7 @@ def prepare_data(manifest: Any, cache_dir: Path, console: Console) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = cache_dir / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    workers = max(1, min(4, os.cpu_count() or 1))
+    workers = prep_workers(manifest.dataset.max_documents)
     command = data_preparation_command(manifest, staging, workers=workers)
     log_path = cache_dir / f"{key}.prepare.log"
     console.print(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
@@ -538,7 +547,7 @@ def _tps_text(row: Mapping[str, Any]) -> str:
     low, high = row.get("tokens_per_s_ci95_low"), row.get("tokens_per_s_ci95_high")
     if low is None or high is None:
         return f"{tps:,.0f}"
-    return f"{tps:,.0f} ± {max(high - tps, tps - low):,.0f}"
+    return f"{tps:,.0f} ± {(high - low) / 2:,.0f}"
 
 
 def _usd_text(value: float | None) -> str:
@@ -586,24 +595,30 @@ def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
 
 
 def _analyze_and_report(
-    run: RunRecord, store: ResultStore, manifest: Any, catalog: Catalog, report_dir: Path
+    run: RunRecord, store: ResultStore, manifest: Any, catalog: Catalog, *, report_dir: Path, console: Console
 ) -> dict[str, Any]:
+    """Analyze the run and store the result; then write the report. A report that cannot be written is a warning
+    (the analysis is stored either way and ``gpuscout results`` shows it)."""
     from gpuscout.analysis import analyze_run
     from gpuscout.report import write_report
 
     jobs = store.list_jobs(run.run_id)
     analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
-    written = write_report(analysis, report_dir)
     dumped = analysis.model_dump(mode="json")
-    store.put_result(
-        ResultRecord(
-            run_id=run.run_id,
-            analysis=dumped,
-            report_uri=str(report_dir),
-            price_snapshot=analysis.price_snapshot.model_dump(mode="json"),
-        )
+    result = ResultRecord(
+        run_id=run.run_id, analysis=dumped, price_snapshot=analysis.price_snapshot.model_dump(mode="json")
     )
-    (report_dir / "files.json").write_text(json.dumps({k: str(v) for k, v in written.items()}, indent=2) + "\n")
+    store.put_result(result)
+    try:
+        write_report(analysis, report_dir)
+    except Exception as err:  # the measured results are stored; a broken chart must not hide them
+        console.print(
+            f"[yellow]warning:[/] the report could not be written ({type(err).__name__}: {escape(str(err))}); "
+            "the results are stored, see `gpuscout results`",
+            soft_wrap=True,
+        )
+        return dumped
+    store.put_result(result.model_copy(update={"report_uri": str(report_dir)}))
     return dumped
 
 
@@ -703,7 +718,7 @@ def run_local(
     if completed:
         store.update_run(run_id, status=RunStatus.ANALYZING)
         try:
-            analysis = _analyze_and_report(store.get_run(run_id), store, manifest, catalog, run_dir / "report")
+            analysis = _analyze_and_report(store.get_run(run_id), store, manifest, catalog, run_dir / "report", console)
         except Exception as err:
             store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
             raise
@@ -718,7 +733,8 @@ def run_local(
     text = recommendation_text(analysis)
     if text:
         console.print(text)
-    where = f"report: {run_dir / 'report' / 'report.md'}" if analysis else f"jobs: {run_dir / 'jobs'}"
+    report_md = run_dir / "report" / "report.md"
+    where = f"report: {report_md}" if report_md.is_file() else f"jobs: {run_dir / 'jobs'}"
     console.print(f"run {run_id} {final.status.value}; {where}", soft_wrap=True)
     console.print(f"next: gpuscout results {run_id}   gpuscout report {run_id}", soft_wrap=True)
     return final
