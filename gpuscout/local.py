@@ -718,7 +718,9 @@ def run_local(
     if completed:
         store.update_run(run_id, status=RunStatus.ANALYZING)
         try:
-            analysis = _analyze_and_report(store.get_run(run_id), store, manifest, catalog, run_dir / "report", console)
+            analysis = _analyze_and_report(
+                store.get_run(run_id), store, manifest, catalog, report_dir=run_dir / "report", console=console
+            )
         except Exception as err:
             store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
             raise
