@@ -13,29 +13,22 @@ Pipeline (each stage O(n) or O(n log n) in the number of jobs):
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout import costs
-from gpuscout.benchmark import BenchmarkResult
-from gpuscout.costs import LossTarget, TimeBreakdown
+from gpuscout.costs import TimeBreakdown
 from gpuscout.pricing import PriceBook, PriceSnapshot
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
 OBJECTIVES: tuple[str, ...] = ("cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget")
 LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
-
-
-class LossSample(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: float
-    elapsed_s: float
-    loss: float
 
 
 class JobAnalysis(BaseModel):
@@ -101,7 +94,7 @@ class JobAnalysis(BaseModel):
     time_breakdown: TimeBreakdown | None = None  # mean over repetitions, per instance
     overhead_seconds: float | None = None
     overhead_usd: float | None = None
-    loss_curve: list[LossSample] = Field(default_factory=list)
+    loss_curve: list[tuple[float, float, float]] = Field(default_factory=list)  # (tokens, elapsed s, train loss)
     # decision
     excluded_reason: str | None = None
     rank: int | None = None
@@ -227,31 +220,99 @@ def _mean(values: Sequence[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-def _measure_group(jobs: list[JobRecord], target_loss: float | None) -> JobAnalysis:
+@dataclass(frozen=True, slots=True)
+class _Rep:
+    """What analysis reads from one completed benchmark.json (BenchmarkResult field names)."""
+
+    tokens_per_s: float
+    ci95: tuple[float, float] | None
+    device: str
+    world_size: int
+    gpu_sku: str | None
+    mfu: float | None
+    hfu: float | None
+    step_p50: float | None
+    step_p90: float | None
+    wall_time_s: float | None
+    train_time_s: float | None
+    startup_time_s: float
+    peak_memory_gb: float | None
+    final_train_loss: float | None
+    dataset_tokens: int
+    curve: list[tuple[float, float, float]]
+
+
+_LOSS_POINT = operator.itemgetter("tokens", "elapsed_s", "loss")  # LossPoint dict -> (tokens, s, loss)
+
+
+def _opt(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
+    """The fields analysis uses from a benchmark.json dict, or why it cannot be used.
+
+    The store holds ``BenchmarkResult.model_dump`` output, already validated when it was written; reading the dict
+    directly (instead of re-validating the whole model) keeps analyze_run fast for thousands of jobs.
+    """
+    try:
+        if bench.get("status") != "completed":
+            return f"failed: {bench.get('failure_reason') or 'benchmark.json reports a failure'}"
+        throughput = bench.get("throughput")
+        if not throughput or float(throughput["tokens_per_s"]) <= 0:
+            return "failed: benchmark.json reports no throughput"
+        hardware, timing = bench["hardware"], bench.get("timing") or {}
+        efficiency, memory = bench.get("efficiency") or {}, bench.get("memory") or {}
+        loss = bench.get("loss") or {}
+        ci = throughput.get("tokens_per_s_ci95")
+        return _Rep(
+            tokens_per_s=float(throughput["tokens_per_s"]),
+            ci95=(float(ci[0]), float(ci[1])) if ci else None,
+            device=str(hardware["device"]),
+            world_size=int(hardware["world_size"]),
+            gpu_sku=hardware.get("gpu_sku"),
+            mfu=_opt(efficiency.get("mfu")),
+            hfu=_opt(efficiency.get("hfu")),
+            step_p50=_opt(timing.get("step_time_p50_s")),
+            step_p90=_opt(timing.get("step_time_p90_s")),
+            wall_time_s=_opt(timing.get("wall_time_s")),
+            train_time_s=_opt(timing.get("train_time_s")),
+            startup_time_s=float(timing.get("startup_time_s") or 0.0),
+            peak_memory_gb=_opt(memory.get("peak_allocated_gb")),
+            final_train_loss=_opt(loss.get("final_train_loss")),
+            dataset_tokens=int(bench["dataset"]["tokens"]),
+            curve=list(map(_LOSS_POINT, loss.get("train") or [])),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        return f"unreadable benchmark.json ({type(err).__name__}: {err})"
+
+
+def _measure_group(
+    jobs: list[JobRecord],
+    target_loss: float | None,
+    loss_requests: list[tuple[int, costs.LossRequest]],
+    out: list[JobAnalysis],
+) -> JobAnalysis:
+    """One target x variant's JobAnalysis; time to target loss is only requested (fits run batched)."""
     jobs = sorted(jobs, key=lambda j: (j.repetition, j.job_name))
     first = jobs[0]
-    completed: list[tuple[JobRecord, BenchmarkResult]] = []
+    completed: list[tuple[JobRecord, _Rep]] = []
     failures: list[str] = []
     for job in jobs:
         if job.status is JobStatus.COMPLETED and job.benchmark is not None:
-            try:
-                result = BenchmarkResult.model_validate(job.benchmark)
-            except ValidationError as err:
-                failures.append(f"unreadable benchmark.json ({err.error_count()} problems)")
-                continue
-            if result.status == "completed" and result.throughput is not None and result.throughput.tokens_per_s > 0:
-                completed.append((job, result))
+            rep = _read_rep(job.benchmark)
+            if isinstance(rep, str):
+                failures.append(rep)
             else:
-                failures.append(f"failed: {result.failure_reason or 'benchmark.json reports no throughput'}")
+                completed.append((job, rep))
         elif job.status is JobStatus.COMPLETED:
             failures.append("completed without a benchmark.json")
         else:
             failures.append(_failure_text(job))
 
     # billed time: every repetition that ran, failed ones included
-    billed_seconds: float | None = None
-    billed_source = None
     billed_by_job: list[float] = []
+    billed_source = None
     for job in jobs:
         if job.billable_seconds is not None:
             billed_by_job.append(float(job.billable_seconds))
@@ -259,85 +320,74 @@ def _measure_group(jobs: list[JobRecord], target_loss: float | None) -> JobAnaly
         elif job.benchmark and (job.benchmark.get("timing") or {}).get("wall_time_s") is not None:
             billed_by_job.append(float(job.benchmark["timing"]["wall_time_s"]))
             billed_source = billed_source or "wall time of the training script (local run)"
-    if billed_by_job:
-        billed_seconds = math.fsum(billed_by_job)
 
     spec = first.spec
     gpus_per_instance = int(spec.get("gpus_per_instance", 0) or 0)
-    analysis = JobAnalysis(
-        job_name=first.job_name,
-        job_names=[j.job_name for j in jobs],
-        target_index=spec.get("target_index"),
-        instance_type=first.instance_type,
-        instance_count=first.instance_count,
-        gpus=gpus_per_instance * first.instance_count,
-        variant_name=first.variant_name,
-        spot=first.spot,
-        repetitions=len(completed),
-        repetitions_planned=len(jobs),
-        status="completed" if completed else _worst_status(jobs),
-        failure=None if completed else "; ".join(sorted(set(failures))),
-        billed_seconds=billed_seconds,
-        billed_source=billed_source,
-        target_loss=target_loss,
-    )
+    fields: dict[str, Any] = {
+        "job_name": first.job_name,
+        "job_names": [j.job_name for j in jobs],
+        "target_index": spec.get("target_index"),
+        "instance_type": first.instance_type,
+        "instance_count": first.instance_count,
+        "gpus": gpus_per_instance * first.instance_count,
+        "variant_name": first.variant_name,
+        "spot": first.spot,
+        "repetitions": len(completed),
+        "repetitions_planned": len(jobs),
+        "status": "completed" if completed else _worst_status(jobs),
+        "failure": None if completed else "; ".join(sorted(set(failures))),
+        "billed_seconds": math.fsum(billed_by_job) if billed_by_job else None,
+        "billed_source": billed_source,
+        "target_loss": target_loss,
+    }
     if not completed:
-        return analysis
+        return JobAnalysis(**fields)
 
-    results = [r for _, r in completed]
-    tps = [r.throughput.tokens_per_s for r in results if r.throughput is not None]
+    reps = [r for _, r in completed]
+    tps = [r.tokens_per_s for r in reps]
     mean_tps, ci = costs.mean_ci95(tps)
     if ci is not None:
         ci_method = f"t-interval over {len(tps)} repetitions"
     else:
-        ci = results[0].throughput.tokens_per_s_ci95 if results[0].throughput is not None else None
-        ci_method = "within-run interval over timed steps (1 repetition)"
-    hw = results[0].hardware
-    world = hw.world_size or analysis.gpus or 1
-    timings = [r.timing for r in results if r.timing is not None]
-    peak = [r.memory.peak_allocated_gb for r in results if r.memory.peak_allocated_gb is not None]
-    final_losses = [r.loss.final_train_loss for r in results if r.loss and r.loss.final_train_loss is not None]
-    dataset_tokens = results[0].dataset.tokens
-
+        ci, ci_method = reps[0].ci95, "within-run interval over timed steps (1 repetition)"
+    world = reps[0].world_size or fields["gpus"] or 1
+    peak = [r.peak_memory_gb for r in reps if r.peak_memory_gb is not None]
     breakdowns = [
         costs.time_breakdown(
             job.secondary_status_transitions,
-            startup_s=result.timing.startup_time_s if result.timing else 0.0,
-            wall_time_s=result.timing.wall_time_s if result.timing else None,
-            train_time_s=result.timing.train_time_s if result.timing else None,
+            startup_s=rep.startup_time_s,
+            wall_time_s=rep.wall_time_s,
+            train_time_s=rep.train_time_s,
         )
-        for job, result in completed
+        for job, rep in completed
     ]
     breakdown = TimeBreakdown(
         **{phase: math.fsum(getattr(b, phase) for b in breakdowns) / len(breakdowns) for phase in costs.PHASES},
         source=breakdowns[0].source,
     )
-
-    update: dict[str, Any] = {
-        "gpus": world if hw.device == "cuda" else analysis.gpus,
-        "gpu_sku": hw.gpu_sku,
-        "tokens_per_s": mean_tps,
-        "tokens_per_s_ci95": ci,
-        "ci_method": ci_method,
-        "tokens_per_s_per_gpu": mean_tps / world,
-        "mfu": _mean([r.efficiency.mfu for r in results if r.efficiency and r.efficiency.mfu is not None]),
-        "hfu": _mean([r.efficiency.hfu for r in results if r.efficiency and r.efficiency.hfu is not None]),
-        "step_time_p50_s": _mean([t.step_time_p50_s for t in timings]),
-        "step_time_p90_s": _mean([t.step_time_p90_s for t in timings]),
-        "peak_memory_gb": max(peak) if peak else None,
-        "final_train_loss": _mean(final_losses),
-        "dataset_tokens": dataset_tokens,
-        "epoch_seconds": costs.epoch_seconds(dataset_tokens, mean_tps) if dataset_tokens > 0 else None,
-        "time_breakdown": breakdown,
-        "overhead_seconds": breakdown.overhead_seconds,
-    }
-    curve = results[0].loss.train if results[0].loss else []
-    update["loss_curve"] = [
-        LossSample(tokens=p.tokens, elapsed_s=p.elapsed_s, loss=p.loss) for p in _downsample(curve, LOSS_CURVE_POINTS)
-    ]
+    dataset_tokens = reps[0].dataset_tokens
+    fields.update(
+        gpus=world if reps[0].device == "cuda" else fields["gpus"],
+        gpu_sku=reps[0].gpu_sku,
+        tokens_per_s=mean_tps,
+        tokens_per_s_ci95=ci,
+        ci_method=ci_method,
+        tokens_per_s_per_gpu=mean_tps / world,
+        mfu=_mean([r.mfu for r in reps if r.mfu is not None]),
+        hfu=_mean([r.hfu for r in reps if r.hfu is not None]),
+        step_time_p50_s=_mean([r.step_p50 for r in reps if r.step_p50 is not None]),
+        step_time_p90_s=_mean([r.step_p90 for r in reps if r.step_p90 is not None]),
+        peak_memory_gb=max(peak) if peak else None,
+        final_train_loss=_mean([r.final_train_loss for r in reps if r.final_train_loss is not None]),
+        dataset_tokens=dataset_tokens,
+        epoch_seconds=costs.epoch_seconds(dataset_tokens, mean_tps) if dataset_tokens > 0 else None,
+        time_breakdown=breakdown,
+        overhead_seconds=breakdown.overhead_seconds,
+        loss_curve=_downsample(reps[0].curve, LOSS_CURVE_POINTS),  # first repetition, for the charts
+    )
     if target_loss is not None:
-        update.update(_target_loss(results, target_loss, mean_tps))
-    return analysis.model_copy(update=update)
+        loss_requests.append((len(out), ([r.curve for r in reps], target_loss, tps)))
+    return JobAnalysis(**fields)
 
 
 def _worst_status(jobs: Sequence[JobRecord]) -> str:
@@ -350,31 +400,27 @@ def _worst_status(jobs: Sequence[JobRecord]) -> str:
     return sorted(s.value for s in statuses)[0]
 
 
-def _target_loss(results: Sequence[BenchmarkResult], target: float, mean_tps: float) -> dict[str, Any]:
-    outcomes: list[LossTarget] = []
-    for r in results:
-        curve = [(p.tokens, p.elapsed_s, p.loss) for p in (r.loss.train if r.loss else [])]
-        rep_tps = r.throughput.tokens_per_s if r.throughput else mean_tps
-        outcomes.append(costs.time_to_target_loss(curve, target, rep_tps))
-    usable = [o for o in outcomes if o.tokens is not None and o.seconds is not None]
-    if len(usable) < len(outcomes):
-        reason = next(o for o in outcomes if o.tokens is None)
-        return {"target_loss_method": reason.method, "target_loss_detail": reason.detail}
-    methods = sorted({o.method for o in usable})
-    return {
-        "target_loss_method": methods[0] if len(methods) == 1 else " / ".join(methods),
-        "target_loss_detail": usable[0].detail + (f" (mean of {len(usable)} repetitions)" if len(usable) > 1 else ""),
-        "target_loss_tokens": math.fsum(o.tokens for o in usable if o.tokens is not None) / len(usable),
-        "target_loss_seconds": math.fsum(o.seconds for o in usable if o.seconds is not None) / len(usable),
-    }
-
-
 def measure(jobs: Sequence[JobRecord], target_loss: float | None = None) -> list[JobAnalysis]:
     """Stage 1: one JobAnalysis per target x variant, price-independent fields only."""
     groups: dict[tuple[Any, ...], list[JobRecord]] = {}
     for job in jobs:
         groups.setdefault(_group_key(job), []).append(job)
-    measured = [_measure_group(group, target_loss) for group in groups.values()]
+    measured: list[JobAnalysis] = []
+    loss_requests: list[tuple[int, costs.LossRequest]] = []
+    for group in groups.values():
+        measured.append(_measure_group(group, target_loss, loss_requests, measured))
+    outcomes = costs.times_to_target_loss([request for _, request in loss_requests])
+    for (index, (curves, _, _)), outcome in zip(loss_requests, outcomes, strict=True):
+        reps = len(curves)
+        measured[index] = measured[index].model_copy(
+            update={
+                "target_loss_method": outcome.method,
+                "target_loss_detail": outcome.detail
+                + (f" ({reps} repetitions)" if reps > 1 and outcome.tokens is not None else ""),
+                "target_loss_tokens": outcome.tokens,
+                "target_loss_seconds": outcome.seconds,
+            }
+        )
     measured.sort(key=lambda a: (a.instance_type, a.instance_count, a.variant_name, a.spot, a.job_name))
     return measured
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Literal
@@ -139,81 +140,179 @@ class LossTarget(BaseModel):
 
 
 def time_to_target_loss(curve: Sequence[tuple[float, float, float]], target: float, tokens_per_s: float) -> LossTarget:
-    """``curve`` = (cumulative tokens, elapsed training s, train loss) points in step order.
+    """``curve`` = (cumulative tokens, elapsed training s, train loss) points in step order (one repetition)."""
+    return pooled_time_to_target_loss([curve], target, [tokens_per_s])
 
-    Measured when the curve reaches ``target``: the first point at or below it. Otherwise fit, on the points past
-    FIT_FROM_FRACTION of the measured tokens, L(x) = a + b x^-c (x = tokens; b > 0, a >= 0; grid over c, least
-    squares for a, b) and, when that does not fit (optimum at the grid's edge), the
-    log-linear L(x) = a + b ln x; solve for x and refuse answers beyond MAX_EXTRAPOLATION x the measured tokens.
-    Projected seconds = elapsed at the last point + remaining tokens / tokens_per_s.
+
+def pooled_time_to_target_loss(
+    curves: Sequence[Sequence[tuple[float, float, float]]], target: float, tokens_per_s: Sequence[float]
+) -> LossTarget:
+    """Tokens and training seconds to reach ``target`` for repetitions of one job (means over repetitions).
+
+    Measured when every repetition's curve reaches ``target``: its first point at or below it. Otherwise one fit
+    on the pooled points past FIT_FROM_FRACTION of each curve's measured tokens: L(x) = a + b x^-c (x = tokens;
+    b > 0, a >= 0; coarse-to-fine grid over c, least squares for a and b) or, when the power law does not fit
+    (optimum at the grid's edge), the log-linear L(x) = a + b ln x. Solve for x; refuse answers beyond
+    MAX_EXTRAPOLATION x the measured tokens. Projected seconds = elapsed at a curve's last point + remaining
+    tokens / that repetition's tokens_per_s.
     """
-    points = [(float(x), float(s), float(loss)) for x, s, loss in curve if x > 0 and math.isfinite(loss)]
-    if not points:
-        return LossTarget(method="not projected", detail="no loss curve")
-    for x, s, loss in points:
-        if loss <= target:
-            return LossTarget(
-                method="measured", detail=f"loss {loss:.4g} <= {target:g} at {x:,.0f} tokens", tokens=x, seconds=s
+    return times_to_target_loss([(curves, target, tokens_per_s)])[0]
+
+
+LossRequest = tuple[Sequence[Sequence[tuple[float, float, float]]], float, Sequence[float]]
+
+
+def times_to_target_loss(requests: Sequence[LossRequest]) -> list[LossTarget]:
+    """``pooled_time_to_target_loss`` for many jobs at once: per-curve work in numpy, power-law fits batched."""
+    results: list[LossTarget | None] = []
+    pending: list[tuple[int, list[Any], list[float], Any]] = []
+    for curves, target, tokens_per_s in requests:
+        cleaned: list[Any] = []  # (n, 3) arrays: tokens, elapsed s, loss
+        rates: list[float] = []
+        for curve, tps in zip(curves, tokens_per_s, strict=False):
+            arr = np.asarray(curve, dtype=float).reshape(-1, 3)
+            arr = arr[(arr[:, 0] > 0) & np.isfinite(arr[:, 2])]
+            if arr.shape[0]:
+                cleaned.append(arr)
+                rates.append(tps)
+        if not cleaned:
+            results.append(LossTarget(method="not projected", detail="no loss curve"))
+            continue
+        hits = []
+        for arr in cleaned:
+            below = np.flatnonzero(arr[:, 2] <= target)
+            if below.size == 0:
+                break
+            hits.append(arr[below[0]])
+        if len(hits) == len(cleaned):
+            tokens = math.fsum(float(h[0]) for h in hits) / len(hits)
+            results.append(
+                LossTarget(
+                    method="measured",
+                    detail=f"loss {max(float(h[2]) for h in hits):.4g} <= {target:g} at {tokens:,.0f} tokens",
+                    tokens=tokens,
+                    seconds=math.fsum(float(h[1]) for h in hits) / len(hits),
+                )
             )
-    if len(points) < 4:
-        return LossTarget(method="not projected", detail=f"only {len(points)} loss points, need 4 to fit")
-    x_last, s_last, _ = points[-1]
-    tail = [p for p in points if p[0] >= FIT_FROM_FRACTION * x_last]  # skip the early transient
-    if len(tail) < 4:
-        tail = points[-4:]
-    fit = _fit_power_law(tail) or _fit_log_linear(tail)
+            continue
+        tail = np.concatenate([a[a[:, 0] >= FIT_FROM_FRACTION * a[-1, 0]] for a in cleaned])  # skip the transient
+        if tail.shape[0] < 4:
+            results.append(
+                LossTarget(method="not projected", detail=f"only {tail.shape[0]} loss points, need 4 to fit")
+            )
+            continue
+        pending.append((len(results), cleaned, rates, tail[np.argsort(tail[:, 0], kind="stable")]))
+        results.append(None)
+    fits = fit_power_laws([tail for *_, tail in pending])
+    for (index, cleaned, rates, tail), power_law in zip(pending, fits, strict=True):
+        fit = power_law.solve if power_law is not None else _fit_log_linear(tail)
+        results[index] = _projected(fit, requests[index][1], cleaned, rates)
+    return [r for r in results if r is not None]
+
+
+def _projected(fit: Any, target: float, cleaned: list[Any], rates: list[float]) -> LossTarget:
     if fit is None:
         return LossTarget(method="not projected", detail="the loss is not falling; no curve fits")
     method, needed, formula = fit(target)
     if needed is None:
         return LossTarget(method="not projected", detail=f"{formula}: never reaches {target:g}")
-    if needed > MAX_EXTRAPOLATION * x_last:
+    x_measured = min(float(c[-1, 0]) for c in cleaned)
+    if needed > MAX_EXTRAPOLATION * x_measured:
         return LossTarget(
             method="not projected",
-            detail=f"{formula} needs {needed:,.3g} tokens, > {MAX_EXTRAPOLATION:g}x the {x_last:,.0f} measured",
+            detail=f"{formula} needs {needed:,.3g} tokens, > {MAX_EXTRAPOLATION:g}x the {x_measured:,.0f} measured",
         )
-    needed = max(needed, x_last)
-    seconds = s_last + (needed - x_last) / tokens_per_s
-    return LossTarget(method=method, detail=formula, tokens=needed, seconds=seconds)
+    per_rep = [
+        float(c[-1, 1]) + (max(needed, float(c[-1, 0])) - float(c[-1, 0])) / tps
+        for c, tps in zip(cleaned, rates, strict=True)
+    ]
+    return LossTarget(method=method, detail=formula, tokens=needed, seconds=math.fsum(per_rep) / len(per_rep))
 
 
-_C_GRID = np.geomspace(0.02, 3.0, 400)
+_C_MIN, _C_MAX, _C_POINTS = 0.02, 3.0, 32
+_UNIT = np.linspace(0.0, 1.0, _C_POINTS)
+_C_GRID = _C_MIN * (_C_MAX / _C_MIN) ** _UNIT  # geometric grid of exponents c
+MAX_FIT_POINTS = 40  # pooled points beyond this are thinned evenly
+_FIT_CHUNK = 256  # curves fitted together: (chunk, grid, points) float64 arrays of ~4 MB
 
 
-def _fit_power_law(points: Sequence[tuple[float, float, float]]) -> Any:
-    x = np.array([p[0] for p in points])
-    y = np.array([p[2] for p in points])
-    scale = x[-1]
-    u = x / scale  # tokens in units of the last measured point: keeps x^-c well conditioned
-    basis = u[None, :] ** -_C_GRID[:, None]  # (grid, n)
-    bm = basis.mean(axis=1)
-    ym = y.mean()
-    cov = ((basis - bm[:, None]) * (y - ym)[None, :]).sum(axis=1)
-    var = ((basis - bm[:, None]) ** 2).sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        b = np.where(var > 0, cov / var, np.nan)
-    a = ym - b * bm
-    residual = ((y[None, :] - a[:, None] - b[:, None] * basis) ** 2).sum(axis=1)
-    residual = np.where((b > 0) & (a >= 0), residual, np.inf)  # falls with tokens, towards a loss >= 0
-    best = int(np.argmin(residual))
-    if not math.isfinite(float(residual[best])):
-        return None
-    a_b, b_b, c_b = float(a[best]), float(b[best]), float(_C_GRID[best])
-    if c_b in (float(_C_GRID[0]), float(_C_GRID[-1])):
-        return None  # optimum on the grid's edge: the power law does not describe this curve
+@dataclass(frozen=True, slots=True)
+class PowerLaw:
+    """L(x) = a + b (x / scale)^-c, x = cumulative tokens."""
 
-    def solve(target: float) -> tuple[LossMethod, float | None, str]:
-        formula = f"power-law fit L = {a_b:.4g} + {b_b:.4g} (tokens/{scale:,.0f})^-{c_b:.3g}"
-        if target <= a_b:
+    a: float
+    b: float
+    c: float
+    scale: float
+
+    def solve(self, target: float) -> tuple[LossMethod, float | None, str]:
+        formula = f"power-law fit L = {self.a:.4g} + {self.b:.4g} (tokens/{self.scale:,.0f})^-{self.c:.3g}"
+        if target <= self.a:
             return "power-law fit", None, formula
-        return "power-law fit", scale * ((target - a_b) / b_b) ** (-1.0 / c_b), formula
-
-    return solve
+        return "power-law fit", self.scale * ((target - self.a) / self.b) ** (-1.0 / self.c), formula
 
 
-def _fit_log_linear(points: Sequence[tuple[float, float, float]]) -> Any:
-    lx = np.log(np.array([p[0] for p in points]))
-    y = np.array([p[2] for p in points])
+def _batched_sse(cs: Any, log_u: Any, y: Any, w: Any) -> tuple[Any, Any, Any]:
+    """Least-squares a, b of y = a + b u^-c for each curve g and exponent cs[g, k]; residual inf if b <= 0 or a < 0.
+
+    Normal equations from weighted sums (w masks padding): b = (n Sxy - Sx Sy) / (n Sxx - Sx^2),
+    a = (Sy - b Sx) / n, SSE = Syy - a Sy - b Sxy, with x = u^-c = exp(-c ln u).
+    """
+    basis = np.exp(-cs[:, :, None] * log_u[:, None, :]) * w[:, None, :]  # (G, C, N)
+    n = w.sum(axis=1)[:, None]
+    sx = basis.sum(axis=2)
+    sxx = np.einsum("gcn,gcn->gc", basis, basis)
+    sxy = np.einsum("gcn,gn->gc", basis, y)
+    sy = (y * w).sum(axis=1)[:, None]
+    syy = (y * y * w).sum(axis=1)[:, None]
+    denominator = n * sxx - sx * sx
+    with np.errstate(divide="ignore", invalid="ignore"):
+        b = np.where(denominator > 1e-12 * n * sxx, (n * sxy - sx * sy) / denominator, np.nan)
+    a = (sy - b * sx) / n
+    residual = syy - a * sy - b * sxy
+    return a, b, np.where((b > 0) & (a >= 0), residual, np.inf)  # falls with tokens, towards a loss >= 0
+
+
+def fit_power_laws(tails: Sequence[Any]) -> list[PowerLaw | None]:
+    """Fit L = a + b x^-c to each list/array of (tokens, s, loss) rows; None where the best c is on the grid's edge."""
+    out: list[PowerLaw | None] = []
+    for start in range(0, len(tails), _FIT_CHUNK):
+        chunk = tails[start : start + _FIT_CHUNK]
+        g = len(chunk)
+        log_u = np.zeros((g, MAX_FIT_POINTS))
+        y = np.zeros((g, MAX_FIT_POINTS))
+        w = np.zeros((g, MAX_FIT_POINTS))
+        scales = np.empty(g)
+        for i, tail in enumerate(chunk):
+            points = np.asarray(tail, dtype=float).reshape(-1, 3)
+            if points.shape[0] > MAX_FIT_POINTS:  # thin evenly
+                points = points[np.linspace(0, points.shape[0] - 1, MAX_FIT_POINTS).round().astype(int)]
+            n = points.shape[0]
+            scales[i] = points[:, 0].max()  # tokens in units of the last measured point: keeps x^-c well conditioned
+            log_u[i, :n] = np.log(points[:, 0] / scales[i])
+            y[i, :n] = points[:, 2]
+            w[i, :n] = 1.0
+        rows = np.arange(g)
+        _, _, residual = _batched_sse(np.broadcast_to(_C_GRID, (g, _C_POINTS)), log_u, y, w)
+        best = residual.argmin(axis=1)
+        valid = np.isfinite(residual[rows, best]) & (best > 0) & (best < _C_POINTS - 1)
+        # refine once between the best coarse point's neighbours (c to ~1 %)
+        lo = _C_GRID[np.clip(best - 1, 0, _C_POINTS - 1)]
+        hi = _C_GRID[np.clip(best + 1, 0, _C_POINTS - 1)]
+        cs = lo[:, None] * (hi / lo)[:, None] ** _UNIT[None, :]
+        a, b, residual = _batched_sse(cs, log_u, y, w)
+        best = residual.argmin(axis=1)
+        for i in range(g):
+            k = int(best[i])
+            ok = bool(valid[i]) and math.isfinite(float(residual[i, k]))
+            out.append(PowerLaw(float(a[i, k]), float(b[i, k]), float(cs[i, k]), float(scales[i])) if ok else None)
+    return out
+
+
+def _fit_log_linear(points: Any) -> Any:
+    rows = np.asarray(points, dtype=float).reshape(-1, 3)
+    lx = np.log(rows[:, 0])
+    y = rows[:, 2]
     var = float(((lx - lx.mean()) ** 2).sum())
     if var <= 0:
         return None

@@ -197,10 +197,10 @@ def _chart_loss(analysis: RunAnalysis, *, dollars: bool) -> Figure | None:
         if dollars and rate is None:
             continue
         xs = [
-            p.elapsed_s / 3600 * (rate or 0.0) * job.instance_count if dollars else p.elapsed_s / 60
-            for p in job.loss_curve
+            elapsed / 3600 * (rate or 0.0) * job.instance_count if dollars else elapsed / 60
+            for _, elapsed, _ in job.loss_curve
         ]
-        ax.plot(xs, [p.loss for p in job.loss_curve], label=job.label, linewidth=1.4)
+        ax.plot(xs, [loss for _, _, loss in job.loss_curve], label=job.label, linewidth=1.4)
     if analysis.constraints.target_loss is not None:
         ax.axhline(analysis.constraints.target_loss, color="black", linestyle="--", linewidth=1, label="target loss")
     ax.set_xscale("log")
