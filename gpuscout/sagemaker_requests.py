@@ -23,7 +23,7 @@ CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 PROCESSING_INPUT_DIR = "/opt/ml/processing/input/raw"
 PROCESSING_OUTPUT_DIR = "/opt/ml/processing/output"
 # The training image carries the repository's training/ folder here (training/Dockerfile).
-DATA_PREPARATION_SCRIPT = "/opt/program/data_preparation.py"
+DATA_PREPARATION_SCRIPT = "/opt/ml/code/training/data_preparation.py"  # where training/Dockerfile copies it
 DATASET_MANIFEST = "dataset.json"
 DEFAULT_VOLUME_SIZE_GB = 100
 PROCESSING_VOLUME_SIZE_GB = 50
