@@ -87,7 +87,9 @@ def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Resource": TRAINING_RESOURCE,
         "Parameters": parameters,
         "Retry": SAGEMAKER_RETRY,
-        "ResultPath": None,  # the Map keeps no per-job output; job_events and the table hold the results
+        # The DescribeTrainingJob result is dropped by OutputPath: the Map keeps only job names, the table
+        # (via job_events) holds the results. (CustomState drops a None ResultPath, so no "ResultPath": null.)
+        "ResultPath": "$.job",
         "OutputPath": "$.job_name",
     }
 
@@ -104,7 +106,7 @@ def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Resource": PROCESSING_RESOURCE,
         "Parameters": parameters,
         "Retry": SAGEMAKER_RETRY,
-        "ResultPath": None,
+        "ResultPath": "$.prepare.job",  # keeps run_id and jobs for the Map
     }
 
 

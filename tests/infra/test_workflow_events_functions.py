@@ -1,0 +1,228 @@
+"""State machine definition, EventBridge rules, Lambda functions, dashboard and alarms."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from stacks.workflow import PROCESSING_REQUEST_FIELDS, TRAINING_REQUEST_FIELDS
+from tests.infra.conftest import Synthesized, state_machine_definition
+
+CONTRACT_ENV = {
+    "TABLE_NAME",
+    "DATA_BUCKET",
+    "ARTIFACTS_BUCKET",
+    "SAGEMAKER_ROLE_ARN",
+    "TRAINING_IMAGE_URI",
+    "PROCESSING_INSTANCE_TYPE",
+    "ALLOWED_INSTANCE_TYPES",
+    "DEFAULT_BUDGET_USD",
+    "POWERTOOLS_SERVICE_NAME",
+    "NOTIFICATION_TOPIC_ARN",
+}
+
+
+@pytest.fixture(scope="module")
+def asl(synthesized: Synthesized) -> dict[str, Any]:
+    return state_machine_definition(synthesized)
+
+
+def test_states_in_order(asl: dict[str, Any]) -> None:
+    states = asl["States"]
+    assert asl["StartAt"] == "Validate manifest"
+    assert states["Validate manifest"]["Next"] == "Plan jobs"
+    assert states["Plan jobs"]["Next"] == "Processed data cached?"
+    choice = states["Processed data cached?"]
+    assert choice["Type"] == "Choice"
+    assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Run jobs"}]
+    assert choice["Default"] == "Prepare data"
+    assert states["Prepare data"]["Next"] == "Run jobs"
+    assert states["Run jobs"]["Next"] == "Analyze run"
+    assert states["Analyze run"]["Next"] == "Done"
+    assert states["Done"]["Type"] == "Succeed"
+    assert asl["TimeoutSeconds"] == 72 * 3600
+
+
+def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> None:
+    states = asl["States"]
+    for task, error, fail in (
+        ("Validate manifest", "ManifestRejected", "Manifest rejected"),
+        ("Plan jobs", "PlanRefused", "Plan refused"),
+    ):
+        assert states[task]["Catch"] == [{"ErrorEquals": [error], "ResultPath": "$.error", "Next": fail}]
+        assert states[fail] == {"Type": "Fail", "Error": error, "CausePath": "$.error.Cause"}
+        assert states[task]["Resource"].startswith("<Functions")
+
+
+def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str, Any]) -> None:
+    prepare = asl["States"]["Prepare data"]
+    assert prepare["Resource"] == "arn:aws:states:::sagemaker:createProcessingJob.sync"
+    assert prepare["Parameters"] == {f"{f}.$": f"$.prepare.request.{f}" for f in PROCESSING_REQUEST_FIELDS}
+    assert prepare["ResultPath"] == "$.prepare.job"  # keeps $.run_id and $.jobs for the Map
+
+
+def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any], synthesized: Synthesized) -> None:
+    jobs = asl["States"]["Run jobs"]
+    assert jobs["Type"] == "Map"
+    assert jobs["ItemsPath"] == "$.jobs"
+    assert jobs["MaxConcurrency"] == synthesized.stack.config.map_max_concurrency == 4
+    assert jobs["ResultPath"] is None
+    assert jobs["ItemSelector"] == {
+        "run_id.$": "$.run_id",
+        "job_name.$": "$$.Map.Item.Value.job_name",
+        "request.$": "$$.Map.Item.Value.request",
+    }
+    processor = jobs["ItemProcessor"]
+    assert processor["StartAt"] == "Train"
+    train = processor["States"]["Train"]
+    assert train["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
+    assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS}
+    assert train["ResultPath"] == "$.job" and train["OutputPath"] == "$.job_name"
+    assert "EnableNetworkIsolation.$" in train["Parameters"]
+    retries = {tuple(r["ErrorEquals"]): r for r in train["Retry"]}
+    throttled = retries[("SageMaker.AmazonSageMakerException",)]
+    assert throttled["BackoffRate"] == 2 and throttled["MaxAttempts"] >= 3 and throttled["JitterStrategy"] == "FULL"
+    quota = retries[("SageMaker.ResourceLimitExceededException",)]
+    assert quota["IntervalSeconds"] >= 60 and quota["BackoffRate"] == 2
+    assert train["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Record job failure"}]
+    record = processor["States"]["Record job failure"]
+    assert record["End"] is True
+    assert record["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name", "error.$": "$.error"}
+    assert record["ResultPath"] is None
+    assert asl["States"]["Analyze run"]["Parameters"] == {"run_id.$": "$.run_id"}
+
+
+def test_state_machine_logs_all_with_tracing(synthesized: Synthesized) -> None:
+    props = synthesized.one("AWS::StepFunctions::StateMachine")["Properties"]
+    assert props["StateMachineType"] == "STANDARD"
+    assert props["TracingConfiguration"] == {"Enabled": True}
+    logging = props["LoggingConfiguration"]
+    assert logging["Level"] == "ALL" and logging["IncludeExecutionData"] is True
+    group = synthesized.logical_id(synthesized.stack.workflow.log_group)
+    assert logging["Destinations"] == [{"CloudWatchLogsLogGroup": {"LogGroupArn": {"Fn::GetAtt": [group, "Arn"]}}}]
+
+
+def test_manifest_upload_starts_the_state_machine(synthesized: Synthesized) -> None:
+    rule = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.events.manifest_uploaded)]
+    pattern = rule["Properties"]["EventPattern"]
+    data = synthesized.logical_id(synthesized.stack.storage.data)
+    assert pattern == {
+        "source": ["aws.s3"],
+        "detail-type": ["Object Created"],
+        "detail": {"bucket": {"name": [{"Ref": data}]}, "object": {"key": [{"prefix": "manifests/"}]}},
+    }
+    (target,) = rule["Properties"]["Targets"]
+    machine = next(iter(synthesized.resources("AWS::StepFunctions::StateMachine")))
+    assert target["Arn"] == {"Ref": machine}
+    transformer = target["InputTransformer"]
+    paths = transformer["InputPathsMap"]
+    template = transformer["InputTemplate"]
+    for name in paths:
+        template = template.replace(f"<{name}>", f'"{paths[name]}"')
+    assert json.loads(template) == {
+        "bucket": "$.detail.bucket.name",
+        "key": "$.detail.object.key",
+        "etag": "$.detail.object.etag",
+    }
+    dlq = synthesized.logical_id(synthesized.stack.events.manifest_dead_letters)
+    assert target["DeadLetterConfig"] == {"Arn": {"Fn::GetAtt": [dlq, "Arn"]}}
+    assert target["RetryPolicy"]["MaximumRetryAttempts"] == 8
+
+
+def test_job_state_changes_of_gs_jobs_reach_job_events(synthesized: Synthesized) -> None:
+    rule = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.events.job_state_changed)]
+    assert rule["Properties"]["EventPattern"] == {
+        "source": ["aws.sagemaker"],
+        "detail-type": ["SageMaker Training Job State Change"],
+        "detail": {"TrainingJobName": [{"prefix": "gs-"}]},
+    }
+    (target,) = rule["Properties"]["Targets"]
+    function = synthesized.logical_id(synthesized.stack.functions.functions["job_events"])
+    assert target["Arn"] == {"Fn::GetAtt": [function, "Arn"]}
+    dlq = synthesized.logical_id(synthesized.stack.events.job_event_dead_letters)
+    assert target["DeadLetterConfig"] == {"Arn": {"Fn::GetAtt": [dlq, "Arn"]}}
+    assert target["RetryPolicy"]["MaximumRetryAttempts"] == 8
+
+
+def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None:
+    functions = synthesized.stack.functions.functions
+    layer = synthesized.logical_id(synthesized.stack.functions.layer)
+    assert set(functions) == {"validate_manifest", "plan_jobs", "record_job_failure", "job_events", "analyze_run"}
+    for name, function in functions.items():
+        props = synthesized.template_json["Resources"][synthesized.logical_id(function)]["Properties"]
+        assert props["Runtime"] == "python3.12"
+        assert props["Architectures"] == ["arm64"]
+        assert props["Handler"] == f"lambdas.{name}.handler.handler"
+        assert props["TracingConfig"] == {"Mode": "Active"}
+        assert props["Layers"] == [{"Ref": layer}]
+        env = props["Environment"]["Variables"]
+        assert set(env) >= CONTRACT_ENV
+        assert env["ALLOWED_INSTANCE_TYPES"] == ",".join(synthesized.stack.config.allowed_instance_types)
+        assert env["PROCESSING_INSTANCE_TYPE"] == "ml.m5.xlarge"
+        assert env["DEFAULT_BUDGET_USD"] == "100"
+        assert env["POWERTOOLS_SERVICE_NAME"] == "gpuscout"
+        assert env["POWERTOOLS_METRICS_NAMESPACE"] == "gpuscout"
+        assert env["SAGEMAKER_ROLE_ARN"] == {
+            "Fn::GetAtt": [synthesized.logical_id(synthesized.stack.roles.sagemaker), "Arn"]
+        }
+        log_group = synthesized.logical_id(synthesized.stack.functions.log_groups[name])
+        assert props["LoggingConfig"]["LogGroup"] == {"Ref": log_group}
+    job_events = synthesized.template_json["Resources"][synthesized.logical_id(functions["job_events"])]
+    dlq = synthesized.logical_id(synthesized.stack.functions.dead_letter_queue)
+    assert job_events["Properties"]["DeadLetterConfig"] == {"TargetArn": {"Fn::GetAtt": [dlq, "Arn"]}}
+    synthesized.template.has_resource_properties("AWS::Lambda::EventInvokeConfig", {"MaximumRetryAttempts": 2})
+
+
+def test_log_groups_have_retention(synthesized: Synthesized) -> None:
+    groups = synthesized.resources("AWS::Logs::LogGroup")
+    assert len(groups) == 6  # five functions + the state machine
+    assert {g["Properties"]["RetentionInDays"] for g in groups.values()} == {90}
+
+
+def test_function_bundles_hold_sources_and_the_layer_holds_dependencies(synthesized: Synthesized) -> None:
+    assets = json.loads((synthesized.outdir / f"{synthesized.stack.stack_name}.assets.json").read_text())["files"]
+    folders = [
+        synthesized.outdir / a["source"]["path"] for a in assets.values() if a["source"].get("packaging") == "zip"
+    ]
+    bundles = [f for f in folders if (f / "lambdas").is_dir()]
+    (layer,) = [f for f in folders if (f / "python").is_dir()]
+    assert len(bundles) == 5
+    for bundle in bundles:
+        assert (bundle / "gpuscout" / "__init__.py").is_file()
+        assert (bundle / "configs" / "instances").is_dir()
+        (handler,) = list((bundle / "lambdas").glob("*/handler.py"))
+        assert handler.parent.name in synthesized.stack.functions.functions
+        assert not list(bundle.rglob("__pycache__"))
+    for package in ("pydantic", "pydantic_core", "yaml", "aws_lambda_powertools", "matplotlib", "numpy"):
+        assert (layer / "python" / package).is_dir(), package
+    assert list((layer / "python" / "pydantic_core").glob("*aarch64*.so")), "layer must hold arm64 wheels"
+
+
+def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
+    dashboard = synthesized.one("AWS::CloudWatch::Dashboard")
+    body = json.dumps(dashboard["Properties"]["DashboardBody"])
+    for needle in (
+        "ExecutionsStarted",
+        "ExecutionsSucceeded",
+        "ExecutionsFailed",
+        "TokensPerSecond",
+        "InstanceType",
+        "TrainingJobStatus",
+        "Errors",
+    ):
+        assert needle in body, needle
+    for instance_type in synthesized.stack.config.allowed_instance_types:
+        assert instance_type in body
+    alarms = synthesized.resources("AWS::CloudWatch::Alarm").values()
+    topic = synthesized.logical_id(synthesized.stack.notifications.topic)
+    metrics = {a["Properties"]["MetricName"] for a in alarms}
+    assert {"ExecutionsFailed", "ApproximateNumberOfMessagesVisible", "Errors"} <= metrics
+    dlq_alarms = [a for a in alarms if a["Properties"]["MetricName"] == "ApproximateNumberOfMessagesVisible"]
+    assert len(dlq_alarms) == 3
+    for alarm in dlq_alarms:
+        assert alarm["Properties"]["Threshold"] == 0
+        assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanThreshold"
+    for alarm in alarms:
+        assert alarm["Properties"]["AlarmActions"] == [{"Ref": topic}]
