@@ -277,7 +277,7 @@ def _chart_time_breakdown(analysis: RunAnalysis) -> Figure | None:
         ax.barh(range(len(jobs)), widths, left=lefts, color=colour, label=phase.replace("_", " "))
         lefts = [a + b for a, b in zip(lefts, widths, strict=True)]
     ax.set_yticks(range(len(jobs)), [j.label for j in jobs], fontsize=9)
-    ax.set_xlabel("minutes per benchmark job (mean over repetitions)")
+    ax.set_xlabel("time per benchmark job (minutes, mean over repetitions)")
     fig.legend(fontsize=8, loc="outside lower center", ncols=6)
     _finish(fig, ax, "Where the benchmark time went: overheads against training", left_out)
     return fig

@@ -1,0 +1,162 @@
+"""write_report: Markdown, self-contained HTML, JSON and PNG charts from the fixture run and from edge cases."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuscout import report
+from gpuscout.analysis import RunAnalysis, analyze_run
+from gpuscout.store.base import JobRecord, RunRecord
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
+NOTE = "Example from fixture data, not a measurement."
+
+
+def _fixture_run() -> tuple[RunRecord, list[JobRecord], dict[str, Any]]:
+    data = json.loads((FIXTURES / "example_run.json").read_text())
+    jobs = []
+    for item in data["jobs"]:
+        record = dict(item["record"])
+        if item["benchmark_file"]:
+            record["benchmark"] = json.loads((FIXTURES / item["benchmark_file"]).read_text())
+        jobs.append(JobRecord.model_validate(record))
+    return RunRecord.model_validate(data["run"]), jobs, data["catalog_prices"]
+
+
+@pytest.fixture(scope="module")
+def analysis() -> RunAnalysis:
+    run, jobs, catalog = _fixture_run()
+    return analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+
+
+@pytest.fixture(scope="module")
+def written(analysis: RunAnalysis, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return report.write_report(analysis, tmp_path_factory.mktemp("report"), note=NOTE)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_every_file_is_written(written: dict[str, Any]) -> None:
+    assert {k for k in written} == {"md", "html", "json", "charts"}
+    names = sorted(p.name for p in written["charts"])
+    assert names == sorted(
+        [
+            "tokens_per_s.png",
+            "cost_per_million_tokens.png",
+            "loss_vs_time.png",
+            "loss_vs_cost.png",
+            "pareto.png",
+            "time_breakdown.png",
+        ]
+    )
+    for chart in written["charts"]:
+        width, height = _png_size(chart)
+        assert width >= 1000 and height >= 250  # 10 in x 110 dpi wide
+
+
+def test_html_is_self_contained(written: dict[str, Any], analysis: RunAnalysis) -> None:
+    page = written["html"].read_text()
+    sources = re.findall(r"src='([^']*)'", page)
+    assert len(sources) == len(written["charts"])
+    assert all(s.startswith("data:image/png;base64,") for s in sources)
+    # nothing is fetched from elsewhere: no stylesheets, scripts, links or CSS urls (source URLs appear as text)
+    assert not re.search(r"<link|<script|href=|url\(", page)
+    assert NOTE in page
+    assert "ml.g5.12xlarge / bs4-ckpt (spot)" in page
+    assert "out of GPU memory" in page
+
+
+def test_markdown_has_every_section(written: dict[str, Any], analysis: RunAnalysis) -> None:
+    md = written["md"].read_text()
+    for heading in (
+        "## Recommendation",
+        "## Ranked results",
+        "## Excluded",
+        "## Charts",
+        "## How the numbers were obtained",
+        "## Prices used (snapshot)",
+        "## Assumptions",
+    ):
+        assert heading in md
+    assert analysis.recommendation.summary in md
+    assert f"> **{NOTE}**" in md
+    assert "![Pareto front](pareto.png)" in md
+    assert "misses the deadline" in md
+    # every ranked row is in the table, best first
+    ranked_rows = [line for line in md.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert [int(r.split("|")[1]) for r in ranked_rows] == list(range(1, len(ranked_rows) + 1))
+    assert "| 1 | ml.g5.12xlarge / bs4-ckpt (spot) |" in md
+
+
+def test_json_round_trips(written: dict[str, Any], analysis: RunAnalysis) -> None:
+    again = RunAnalysis.model_validate_json(written["json"].read_text())
+    assert again == analysis
+
+
+def test_many_jobs_stay_readable(analysis: RunAnalysis) -> None:
+    ranked = [j for j in analysis.jobs if j.rank is not None]
+    many = [
+        j.model_copy(update={"job_name": f"{j.job_name}-{i}", "variant_name": f"v{i}", "rank": i + 1})
+        for i, j in enumerate(ranked * 10)
+    ]
+    big = analysis.model_copy(update={"jobs": many})
+    fig = report._chart_tokens_per_s(big)
+    assert fig is not None
+    ax = fig.axes[0]
+    assert len(ax.get_yticklabels()) == report.MAX_BARS
+    assert f"best {report.MAX_BARS} shown; {len(many) - report.MAX_BARS} more in the table" in ax.get_title()
+    assert fig.get_figheight() >= 0.36 * report.MAX_BARS  # a bar height per label, not squeezed
+    assert ax.get_xlabel().startswith("training throughput (non-padding tokens/s")
+
+
+def test_charts_label_axes_with_units(analysis: RunAnalysis) -> None:
+    for name, (_, make) in report.CHARTS.items():
+        fig = make(analysis)
+        assert fig is not None, name
+        ax = fig.axes[0]
+        assert ax.get_xlabel(), name
+        assert ax.get_title(), name
+        # every x axis states its unit in brackets; y axes too where they carry numbers
+        assert re.search(r"\((non-padding tokens/s|USD|minutes|cost per|training cost)", ax.get_xlabel()), name
+        if name.startswith("loss"):
+            assert ax.get_ylabel() == "train loss (cross-entropy, nats/token)"
+        if name == "pareto.png":
+            assert ax.get_ylabel().startswith("throughput (tokens/s")
+
+
+def test_report_without_results(tmp_path: Path) -> None:
+    run, jobs, catalog = _fixture_run()
+    failed = [j for j in jobs if j.status.value in ("OOM", "CAPACITY")]
+    empty = analyze_run(run, failed, manifest=run.manifest, catalog=catalog)
+    out = report.write_report(empty, tmp_path)
+    assert out["charts"] == []  # nothing measured, nothing to draw
+    assert "No recommendation" in out["md"].read_text()
+    assert "<img" not in out["html"].read_text()
+
+
+def test_text_is_escaped(analysis: RunAnalysis, tmp_path: Path) -> None:
+    hostile = analysis.model_copy(
+        update={"jobs": [analysis.jobs[0].model_copy(update={"variant_name": "<script>alert(1)</script>|x"})]}
+    )
+    out = report.write_report(hostile, tmp_path)
+    assert "<script>" not in out["html"].read_text()
+    assert "&lt;script&gt;" in out["html"].read_text()
+    assert "\\|x" in out["md"].read_text()  # a pipe would break the Markdown table
+
+
+def test_unwritable_folder_is_a_report_error(analysis: RunAnalysis, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(report.ReportError, match="cannot write the report"):
+        report.write_report(analysis, blocker / "sub")
