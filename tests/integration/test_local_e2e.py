@@ -1,0 +1,140 @@
+"""`gpuscout local` end to end on a very small manifest: real data preparation, real train.py subprocesses.
+
+Two variants train for a few steps. A third one is broken after planning (its micro batch set to 0, which
+train.py rejects at start-up) to show that a job failing inside train.py is recorded with its reason while the
+others still run and get ranked. (The manifest and planner refuse such settings up front, so the test edits the
+planned job, as a corrupted or hand-edited job spec would.)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from gpuscout import cli, local
+from gpuscout.catalog import Catalog
+from gpuscout.local import prepare_data, run_local
+from gpuscout.manifest import load_manifest
+from gpuscout.store.base import JobStatus, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+MANIFEST = """
+name: e2e-tiny
+model:
+  preset: qwen2-tiny
+tokenizer:
+  kind: bpe
+  vocab_size: 512
+dataset:
+  source: bundled:hebrew-bible
+  max_documents: 12
+sequence_length: 64
+training:
+  max_steps: 6
+  learning_rate: 1.0e-3
+  validation_batches: 1
+targets:
+  - instance_type: local
+    price_per_hour_usd: 0.096
+variants:
+  - name: b2-a2
+    per_device_batch_size: 2
+    gradient_accumulation_steps: 2
+    dataloader_workers: 0
+  - name: b4-a1
+    per_device_batch_size: 4
+    gradient_accumulation_steps: 1
+    dataloader_workers: 0
+  - name: broken
+    per_device_batch_size: 4
+    gradient_accumulation_steps: 1
+    dataloader_workers: 0
+constraints:
+  budget_usd: 1.0
+"""
+
+
+REAL_PLAN_MANIFEST = local.plan_manifest
+
+
+def _plan_with_a_broken_job(manifest_path: Path | str, catalog: Catalog | None = None) -> tuple[Any, Any]:
+    manifest, plan = REAL_PLAN_MANIFEST(manifest_path, catalog)
+    jobs = [
+        job.model_copy(update={"hyperparameters": {**job.hyperparameters, "per_device_train_batch_size": "0"}})
+        if job.variant_name == "broken"
+        else job
+        for job in plan.jobs
+    ]
+    return manifest, plan.model_copy(update={"jobs": jobs})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "plan_manifest", _plan_with_a_broken_job)
+    manifest_path = tmp_path / "e2e.yaml"
+    manifest_path.write_text(MANIFEST)
+    db = tmp_path / "gpuscout.db"
+    store = SqliteStore(db)
+    runs_dir = tmp_path / "runs"
+    out = io.StringIO()
+    console = Console(file=out, width=160)
+
+    run = run_local(manifest_path, store=store, runs_dir=runs_dir, console=console)
+
+    printed = out.getvalue()
+    assert run.status is RunStatus.SUCCEEDED, printed
+    run_dir = runs_dir / run.run_id
+    assert (run_dir / "manifest.yaml").read_text() == MANIFEST
+    jobs = {j.variant_name: j for j in store.list_jobs(run.run_id)}
+    assert set(jobs) == {"b2-a2", "b4-a1", "broken"}
+
+    for variant in ("b2-a2", "b4-a1"):
+        job = jobs[variant]
+        assert job.status is JobStatus.COMPLETED, job.failure_reason
+        assert job.benchmark is not None
+        assert job.benchmark["throughput"]["tokens_per_s"] > 0
+        assert job.benchmark["stop"]["steps"] == 6
+        opt_ml = run_dir / "jobs" / job.job_name / "opt" / "ml"
+        hps = json.loads((opt_ml / "input" / "config" / "hyperparameters.json").read_text())
+        assert hps["max_steps"] == "6"
+        assert (opt_ml / "input" / "data" / "train" / "dataset.json").is_file()
+        assert (opt_ml / "output" / "data" / "benchmark.json").is_file()
+        assert "gpuscout_metric step=" in (run_dir / "jobs" / job.job_name / "train.log").read_text()
+
+    failed = jobs["broken"]
+    assert failed.status is JobStatus.FAILED
+    assert failed.failure_reason is not None
+    assert "per_device_train_batch_size must be at least 1" in failed.failure_reason
+
+    result = store.get_result(run.run_id)
+    assert result is not None
+    ranked = {a["variant_name"]: a for a in result.analysis["jobs"]}
+    assert sorted(ranked[v]["rank"] for v in ("b2-a2", "b4-a1")) == [1, 2]
+    assert ranked["broken"]["rank"] is None
+    assert result.analysis["recommendation"]["job_name"] in {jobs["b2-a2"].job_name, jobs["b4-a1"].job_name}
+    assert "n/a (CPU)" in printed
+    assert "Recommendation" in printed
+
+    # Read back through the CLI, as a user would afterwards.
+    runner = CliRunner()
+    listed = runner.invoke(cli.app, ["runs", "--db", str(db)])
+    assert listed.exit_code == 0
+    assert run.run_id in listed.stdout
+    shown = runner.invoke(cli.app, ["results", run.run_id, "--format", "json", "--db", str(db)])
+    assert shown.exit_code == 0, shown.stdout
+    payload = json.loads(shown.stdout)
+    assert {j["variant"] for j in payload["jobs"]} == {"b2-a2", "b4-a1", "broken"}
+    assert all(j["usd_per_million_tokens"] > 0 for j in payload["jobs"] if j["rank"] is not None)
+
+    # A second run of the same data reuses the prepared data instead of preparing it again.
+    again = io.StringIO()
+    cached = prepare_data(load_manifest(manifest_path), runs_dir / ".cache" / "data", Console(file=again))
+    assert (cached / "dataset.json").is_file()
+    assert "reusing prepared data" in again.getvalue()
