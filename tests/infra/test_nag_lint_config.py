@@ -1,0 +1,99 @@
+"""cdk-nag (no unacknowledged finding, every acknowledgment explained), cfn-lint, and the config model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aws_cdk as cdk
+import pytest
+from cfnlint.api import ManualArgs, lint
+
+from stacks.config import ConfigError, load_config
+from tests.infra.conftest import Synthesized
+
+GENERIC_REASONS = {"needed", "required", "ok", "fine", "by design", "n/a", "todo", "false positive"}
+
+
+def _acknowledgments(synthesized: Synthesized) -> dict[str, dict[str, str]]:
+    found: dict[str, dict[str, str]] = {}
+    for construct in synthesized.stack.node.find_all():
+        for entry in construct.node.metadata:
+            if entry.type == cdk.Validations.ACKNOWLEDGED_RULES_METADATA_KEY:
+                found.setdefault(construct.node.path, {}).update(entry.data)
+    return found
+
+
+def test_cdk_nag_reports_no_finding(synthesized: Synthesized) -> None:
+    report = json.loads((synthesized.outdir / "validation-report.json").read_text())
+    (aws_solutions,) = [r for r in report["pluginReports"] if r["pluginName"] == "AwsSolutions"]
+    assert aws_solutions["conclusion"] == "success"
+    assert aws_solutions["violations"] == []
+
+
+def test_every_acknowledgment_has_a_specific_reason(synthesized: Synthesized) -> None:
+    acknowledgments = _acknowledgments(synthesized)
+    assert acknowledgments, "expected the stack's cdk-nag acknowledgments in construct metadata"
+    rule_ids = [rule for rules in acknowledgments.values() for rule in rules]
+    assert all(rule.startswith("AwsSolutions::AwsSolutions-") for rule in rule_ids)
+    for path, rules in acknowledgments.items():
+        for rule, reason in rules.items():
+            assert len(reason) >= 40 and reason.strip().lower().rstrip(".") not in GENERIC_REASONS, (path, rule)
+    # bulk wildcards are never acknowledged: each IAM5 acknowledgment names one resource or action
+    assert all("[" in r for r in rule_ids if "IAM5" in r)
+    star_resources = [(p, r) for p, rules in acknowledgments.items() for r in rules if r.endswith("[Resource::*]")]
+    for path, rule in star_resources:
+        reason = acknowledgments[path][rule]
+        assert "no resource-level permissions" in reason or "do not support resource-level" in reason, path
+
+
+def test_cfn_lint_reports_no_error(synthesized: Synthesized) -> None:
+    template = (synthesized.outdir / f"{synthesized.stack.stack_name}.template.json").read_text()
+    matches = lint(template, config=ManualArgs(regions=["us-east-1"]))
+    errors = [f"{m.rule.id} {m.message} ({'/'.join(map(str, m.path))})" for m in matches if m.rule.id.startswith("E")]
+    assert errors == []
+
+
+def _context(**overrides: Any) -> dict[str, Any]:
+    return {"allowed_instance_types": ["ml.g5.8xlarge"], **overrides}
+
+
+def test_config_defaults_and_cli_strings() -> None:
+    config = load_config(
+        _context(
+            map_max_concurrency="8", vpc='{"subnet_ids": ["subnet-0123abcd"], "security_group_ids": ["sg-0123abcd"]}'
+        )
+    )
+    assert config.map_max_concurrency == 8
+    assert config.vpc is not None and config.vpc.subnet_ids == ("subnet-0123abcd",)
+    assert config.removal_policy == "retain" and config.processing_instance_type == "ml.m5.xlarge"
+    assert load_config({"allowed_instance_types": "ml.g5.8xlarge, ml.p5.48xlarge"}).allowed_instance_types == (
+        "ml.g5.8xlarge",
+        "ml.p5.48xlarge",
+    )
+    # CDK's own context keys are not ours to judge
+    assert load_config(_context(**{"@aws-cdk/core:newStyleStackSynthesis": True, "aws:cdk:enable-path-metadata": True}))
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        (_context(map_max_concurrency=0), "map_max_concurrency"),
+        (_context(allowed_instance_types=["g5.8xlarge"]), "allowed_instance_types"),
+        (_context(removal_policy="delete"), "removal_policy"),
+        (_context(notification_email="not-an-address"), "notification_email"),
+        (_context(vpc={"subnet_ids": ["subnet-1"], "security_group_ids": ["sg-0123abcd"]}), "vpc.subnet_ids"),
+        (_context(log_retention_days=10), "log_retention_days"),
+        (_context(map_max_concurency=4), "did you mean 'map_max_concurrency'"),
+        ({}, "allowed_instance_types"),
+    ],
+)
+def test_config_errors_name_the_key(context: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(context)
+
+
+def test_config_must_match_the_catalog() -> None:
+    config = load_config(_context(allowed_instance_types=["ml.g5.8xlarge", "ml.zz.nano"]))
+    with pytest.raises(ConfigError, match=r"ml\.zz\.nano"):
+        config.check_catalog(training_types=["ml.g5.8xlarge"], known_types=["ml.g5.8xlarge", "ml.m5.xlarge"])
