@@ -59,7 +59,7 @@ def _tps(job: JobAnalysis) -> str:
     if job.tokens_per_s_ci95 is None:
         return _num(job.tokens_per_s)
     low, high = job.tokens_per_s_ci95
-    return f"{job.tokens_per_s:,.0f} ({low:,.0f}–{high:,.0f})"
+    return f"{job.tokens_per_s:,.0f} ± {max(high - job.tokens_per_s, job.tokens_per_s - low):,.0f}"
 
 
 def _hours_usd(hours: float | None, usd: float | None) -> str:
@@ -87,7 +87,7 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
         "rank",
         "instance / variant",
         "reps",
-        "tokens/s (95 % CI)",
+        "tokens/s ± 95 % CI",
         "tokens/s per GPU",
         "MFU",
         "$/1M tokens on-demand",
@@ -348,11 +348,11 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
         "excluded_header": ["instance / variant", "reason"],
         "excluded_rows": [[j.label, j.excluded_reason or ""] for j in analysis.jobs if j.excluded_reason],
         "method_rows": [
-            [j.label, j.ci_method or "–", j.target_loss_detail or "–", j.workload_basis or "–", j.price_source or "–"]
+            [j.label, j.ci_method or "–", j.target_loss_detail or "–", j.workload_basis or "–"]
             for j in analysis.jobs
             if j.tokens_per_s is not None
         ],
-        "method_header": ["instance / variant", "95 % CI", "time to target loss", "workload", "price"],
+        "method_header": ["instance / variant", "95 % CI", "time to target loss", "workload"],
     }
 
 
