@@ -240,7 +240,14 @@ class GpuscoutStack(Stack):
             "AwsSolutions-IAM5[Resource::*]",
             "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
             "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
-            "cloudwatch:namespace condition to SageMaker's job namespaces and gpuscout's.",
+            "cloudwatch:namespace condition to SageMaker's job namespaces and gpuscout's."
+            + (
+                " With the vpc setting, SageMaker's EC2 network-interface calls (Create/Delete/Describe "
+                "NetworkInterfaces, DescribeVpcs/Subnets/SecurityGroups/DhcpOptions) act on interfaces it creates "
+                "at run time, so they cannot be scoped to known ARNs."
+                if self.config.vpc is not None
+                else ""
+            ),
         )
 
         lambdas = self.roles.lambdas

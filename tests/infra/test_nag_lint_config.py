@@ -97,3 +97,42 @@ def test_config_must_match_the_catalog() -> None:
     config = load_config(_context(allowed_instance_types=["ml.g5.8xlarge", "ml.zz.nano"]))
     with pytest.raises(ConfigError, match=r"ml\.zz\.nano"):
         config.check_catalog(training_types=["ml.g5.8xlarge"], known_types=["ml.g5.8xlarge", "ml.m5.xlarge"])
+
+
+@pytest.mark.slow
+def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import app as cdk_app
+
+    outdir = tmp_path_factory.mktemp("cdk.out.variant")
+    context = cdk_app.cdk_json_context() | {
+        "removal_policy": "destroy",
+        "notification_email": "ops@example.com",
+        "vpc": {"subnet_ids": ["subnet-0123abcd"], "security_group_ids": ["sg-0123abcd"]},
+    }
+    app, stack = cdk_app.build_app(cdk.App(outdir=str(outdir), context=context))
+    app.synth()  # cdk-nag would fail it on any unacknowledged finding
+    template = json.loads((outdir / f"{stack.stack_name}.template.json").read_text())
+    resources = template["Resources"].values()
+    (machine,) = [r for r in resources if r["Type"] == "AWS::StepFunctions::StateMachine"]
+    definition = json.dumps(machine["Properties"]["DefinitionString"])
+    assert (
+        '\\"VpcConfig\\":{\\"Subnets\\":[\\"subnet-0123abcd\\"],\\"SecurityGroupIds\\":[\\"sg-0123abcd\\"]}'
+        in definition
+    )
+    assert '\\"NetworkConfig\\":{\\"VpcConfig\\"' in definition
+    (subscription,) = [r for r in resources if r["Type"] == "AWS::SNS::Subscription"]
+    assert subscription["Properties"]["Endpoint"] == "ops@example.com"
+    assert any(r["Type"] == "Custom::S3AutoDeleteObjects" for r in resources)
+    assert all(
+        r.get("DeletionPolicy") == "Delete"
+        for r in resources
+        if r["Type"] in {"AWS::S3::Bucket", "AWS::DynamoDB::Table"}
+    )
+    actions = {
+        a
+        for r in resources
+        if r["Type"] == "AWS::IAM::Policy"
+        for s in r["Properties"]["PolicyDocument"]["Statement"]
+        for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
+    }
+    assert "ec2:CreateNetworkInterface" in actions
