@@ -646,6 +646,7 @@ def run_local(
     console = console or Console()
     catalog = catalog or load_catalog()
     manifest_path = Path(manifest_path)
+    runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
     manifest, the_plan = plan_manifest(manifest_path, catalog)
     specs: list[JobSpec] = list(the_plan.jobs)
     run_id: str = the_plan.run_id
