@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_cdk import Acknowledgment, CfnElement, Duration, RemovalPolicy, Stack, Validations
+from aws_cdk import Acknowledgment, CfnElement, CfnOutput, Duration, RemovalPolicy, Stack, Validations
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct, IConstruct
@@ -109,6 +109,15 @@ class GpuscoutStack(Stack):
         )
         self._grant()
         self._acknowledge()
+        # What a client needs to submit manifests and read results (`aws cloudformation describe-stacks`).
+        for name, value in {
+            "DataBucketName": self.storage.data.bucket_name,
+            "ArtifactsBucketName": self.storage.artifacts.bucket_name,
+            "ResultsTableName": self.results.table.table_name,
+            "StateMachineArn": self.workflow.state_machine.state_machine_arn,
+            "NotificationTopicArn": self.notifications.topic.topic_arn,
+        }.items():
+            CfnOutput(self, name, value=value)
 
     # ------------------------------------------------------------------ grants
     def _grant(self) -> None:

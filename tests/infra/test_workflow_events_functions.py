@@ -226,3 +226,15 @@ def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
         assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanThreshold"
     for alarm in alarms:
         assert alarm["Properties"]["AlarmActions"] == [{"Ref": topic}]
+
+
+def test_stack_outputs_for_clients(synthesized: Synthesized) -> None:
+    outputs = synthesized.template_json["Outputs"]
+    assert {
+        "DataBucketName",
+        "ArtifactsBucketName",
+        "ResultsTableName",
+        "StateMachineArn",
+        "NotificationTopicArn",
+    } <= set(outputs)
+    assert outputs["DataBucketName"]["Value"] == {"Ref": synthesized.logical_id(synthesized.stack.storage.data)}
