@@ -76,7 +76,10 @@ SKUS: dict[str, GpuSku] = {
             precisions=("bf16", "fp16", "fp32"),
             name_patterns=(r"A10G",),
             memory_range_gb=(20, 30),
-            source="AWS/NVIDIA A10G (GA102, 80 SMs at 1.71 GHz boost): 70 TFLOPS dense FP16/BF16 tensor, 35 TFLOPS FP32",
+            source=(
+                "NVIDIA does not publish an A10G datasheet; 70 TFLOPS dense BF16/FP16 tensor and 35 TFLOPS FP32 as "
+                "compiled in Baseten's 'NVIDIA A10 vs A10G' comparison (the A10 is 125 TFLOPS)"
+            ),
         ),
         GpuSku(
             sku="V100-SXM2-16GB",
@@ -97,9 +100,7 @@ def detect_sku(device_name: str, memory_gb: float | None = None) -> GpuSku | Non
 
     ``memory_gb`` (total device memory) disambiguates parts that share a name (A100 40 GB vs 80 GB).
     """
-    candidates = [
-        s for s in SKUS.values() if any(re.search(p, device_name, re.IGNORECASE) for p in s.name_patterns)
-    ]
+    candidates = [s for s in SKUS.values() if any(re.search(p, device_name, re.IGNORECASE) for p in s.name_patterns)]
     if memory_gb is not None and len(candidates) > 1:
         by_memory = [s for s in candidates if s.memory_range_gb[0] <= memory_gb <= s.memory_range_gb[1]]
         candidates = by_memory or candidates
