@@ -1,0 +1,168 @@
+"""The local runner's mechanics with stand-in train.py scripts (fast: no torch in the child process)."""
+
+from __future__ import annotations
+
+import io
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from rich.progress import Progress
+
+from gpuscout import local, paths
+from gpuscout.catalog import load_catalog
+from gpuscout.errors import BudgetExceededError
+from gpuscout.jobspec import JobSpec, Prediction
+from gpuscout.local import JobFolders, JobOutcome, JobProgress, run_job, run_local
+from gpuscout.store.base import JobStatus, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
+
+
+def _spec(**update: Any) -> JobSpec:
+    spec = JobSpec(
+        job_name="gs-test-local-v0-r0",
+        run_id="run-test",
+        target_index=0,
+        variant_name="v0",
+        repetition=0,
+        instance_type="local",
+        instance_count=1,
+        gpus_per_instance=0,
+        spot=False,
+        price_per_hour_usd=0.096,
+        precision="fp32",
+        max_runtime_seconds=600,
+        hyperparameters={"max_steps": "3", "job_name": "gs-test-local-v0-r0"},
+        prediction=Prediction(
+            tokens_per_s=1000, mfu_assumed=None, training_seconds=1, overhead_seconds=0, cost_usd=0, method="test"
+        ),
+    )
+    return spec.model_copy(update=update)
+
+
+def _fake_training_dir(tmp_path: Path, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    training = tmp_path / "training"
+    training.mkdir()
+    (training / "train.py").write_text(textwrap.dedent(body))
+    monkeypatch.setattr(paths, "TRAINING_DIR", training)
+
+
+def _run(tmp_path: Path, spec: JobSpec) -> tuple[JobOutcome, JobFolders]:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "dataset.json").write_text("{}")
+    folders = JobFolders.create(tmp_path / "job", spec, data)
+    with Progress(console=Console(file=io.StringIO())) as progress:
+        task = progress.add_task("job", total=3)
+        outcome = run_job(spec, folders, progress=progress, task=task, label="job 1/1", poll_interval_s=0.05)
+    return outcome, folders
+
+
+def test_the_job_sees_a_sagemaker_like_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_training_dir(
+        tmp_path,
+        """
+        import json, os, sys
+        from pathlib import Path
+        keys = ["SM_CHANNEL_TRAIN", "SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_HPS", "SM_NUM_GPUS", "SM_HOSTS",
+                "SM_CURRENT_HOST", "GPUSCOUT_CHECKPOINT_DIR", "SM_INPUT_CONFIG_DIR"]
+        print(json.dumps({k: os.environ[k] for k in keys}))
+        print("gpuscout_metric step=3 loss=4.5 tokens_per_s=1234.5")
+        sys.exit(3)
+        """,
+        monkeypatch,
+    )
+    outcome, folders = _run(tmp_path, _spec())
+    env = json.loads(folders.stdout_log.read_text().splitlines()[0])
+    assert Path(env["SM_CHANNEL_TRAIN"]) == folders.train_channel
+    assert (Path(env["SM_CHANNEL_TRAIN"]) / "dataset.json").is_file()
+    assert Path(env["SM_OUTPUT_DATA_DIR"]) == folders.output_data
+    assert Path(env["GPUSCOUT_CHECKPOINT_DIR"]).is_dir()
+    assert json.loads(env["SM_HPS"])["max_steps"] == "3"
+    assert json.loads((Path(env["SM_INPUT_CONFIG_DIR"]) / "hyperparameters.json").read_text())["max_steps"] == "3"
+    assert (env["SM_NUM_GPUS"], json.loads(env["SM_HOSTS"]), env["SM_CURRENT_HOST"]) == ("0", ["algo-1"], "algo-1")
+    assert outcome.status is JobStatus.FAILED
+    assert outcome.failure_reason is not None
+    assert "exited with code 3" in outcome.failure_reason
+
+
+def test_a_crash_is_recorded_with_the_end_of_stderr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_training_dir(tmp_path, "raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB')\n", monkeypatch)
+    outcome, _ = _run(tmp_path, _spec())
+    assert outcome.status is JobStatus.OOM
+    assert outcome.failure_reason is not None
+    assert "RuntimeError: CUDA out of memory" in outcome.failure_reason
+    assert outcome.benchmark is None
+
+
+def test_a_job_past_its_runtime_limit_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_training_dir(tmp_path, "import time\nprint('started', flush=True)\ntime.sleep(60)\n", monkeypatch)
+    outcome, folders = _run(tmp_path, _spec(max_runtime_seconds=1))
+    assert outcome.status is JobStatus.STOPPED
+    assert outcome.failure_reason is not None
+    assert "MaxRuntimeExceeded" in outcome.failure_reason
+    assert outcome.wall_seconds < 30
+    assert "started" in folders.stdout_log.read_text()
+
+
+def test_progress_follows_metric_lines() -> None:
+    progress = JobProgress()
+    for line in (
+        "[train] loading\n",
+        "gpuscout_metric step=4 loss=5.25 tokens_per_s=1500.5 step_time_s=0.1\n",
+        "gpuscout_summary tokens_per_s=1400 final_loss=5.0\n",
+    ):
+        progress.update(line)
+    assert (progress.step, progress.loss, progress.tokens_per_s) == (4, 5.25, 1500.5)
+    assert progress.summary["final_loss"] == 5.0
+    assert progress.describe(20) == "step 4/20  loss 5.2500  1,500 tok/s"
+
+
+def test_over_budget_is_refused_and_recorded(tmp_path: Path) -> None:
+    manifest = tmp_path / "tight.yaml"
+    manifest.write_text(QUICKSTART.read_text().replace("budget_usd: 1.0", "budget_usd: 0.000001"))
+    store = SqliteStore(tmp_path / "g.db")
+    with pytest.raises(BudgetExceededError):
+        run_local(manifest, store=store, runs_dir=tmp_path / "runs", console=Console(file=io.StringIO()))
+    [run] = store.list_runs()
+    assert run.status is RunStatus.REFUSED
+    assert run.error is not None
+    assert "exceeds the budget" in run.error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
+    calls: list[str] = []
+
+    def fake_run_job(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
+        calls.append(spec.job_name)
+        if len(calls) == 1:
+            return JobOutcome(JobStatus.FAILED, None, "RuntimeError: boom", 1.0)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "run_job", fake_run_job)
+    store = SqliteStore(tmp_path / "g.db")
+    out = io.StringIO()
+    run = run_local(
+        QUICKSTART, store=store, runs_dir=tmp_path / "runs", console=Console(file=out), catalog=load_catalog()
+    )
+    assert run.status is RunStatus.STOPPED
+    jobs = store.list_jobs(run.run_id)
+    assert len(jobs) == 3
+    by_name = {j.job_name: j for j in jobs}
+    assert by_name[calls[0]].status is JobStatus.FAILED
+    assert by_name[calls[0]].failure_reason == "RuntimeError: boom"
+    assert by_name[calls[1]].status is JobStatus.STOPPED
+    assert by_name[calls[1]].failure_reason == "interrupted (Ctrl-C)"
+    [never] = [j for j in jobs if j.job_name not in calls]
+    assert never.status is JobStatus.STOPPED
+    assert never.failure_reason == "not started: run interrupted (Ctrl-C)"
+    assert "interrupted" in out.getvalue()
