@@ -350,8 +350,10 @@ def report(
     if open_html:
         if not html.is_file():
             raise GpuscoutError(f"{html} does not exist")
-        webbrowser.open(html.resolve().as_uri())
-        console.print(f"opened {html}")
+        if webbrowser.open(html.resolve().as_uri()):
+            console.print(f"opened {html}")
+        else:
+            console.print(f"no browser available here; open {html.resolve()}", soft_wrap=True)
         return
     if not markdown.is_file():
         raise GpuscoutError(f"{markdown} does not exist (was the run folder moved or deleted?)")
