@@ -709,8 +709,8 @@ def run_local(
             if job is not None and job.status in (JobStatus.PLANNED, JobStatus.TRAINING):
                 reason = "interrupted (Ctrl-C)" if spec is current else "not started: run interrupted (Ctrl-C)"
                 store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
-    except GpuscoutError as err:
-        store.update_run(run_id, status=RunStatus.FAILED, error=str(err))
+    except Exception as err:  # data preparation failed, or the run folder could not be written
+        store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(err).__name__}: {err}")
         raise
 
     jobs = store.list_jobs(run_id)

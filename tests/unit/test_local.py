@@ -14,7 +14,7 @@ from rich.progress import Progress
 
 from gpuscout import local, paths
 from gpuscout.catalog import load_catalog
-from gpuscout.errors import BudgetExceededError
+from gpuscout.errors import BudgetExceededError, DataPreparationError
 from gpuscout.jobspec import JobSpec, Prediction
 from gpuscout.local import JobFolders, JobOutcome, JobProgress, run_job, run_local
 from gpuscout.store.base import JobStatus, RunStatus
@@ -166,3 +166,17 @@ def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkey
     assert never.status is JobStatus.STOPPED
     assert never.failure_reason == "not started: run interrupted (Ctrl-C)"
     assert "interrupted" in out.getvalue()
+
+
+def test_failed_data_preparation_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_args: object, **_kw: object) -> Path:
+        raise DataPreparationError("data preparation failed (exit 1): no documents left after cleaning")
+
+    monkeypatch.setattr(local, "prepare_data", broken)
+    store = SqliteStore(tmp_path / "g.db")
+    with pytest.raises(DataPreparationError):
+        run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", console=Console(file=io.StringIO()))
+    [run] = store.list_runs()
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None
+    assert "no documents left" in run.error
