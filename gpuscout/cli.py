@@ -121,9 +121,10 @@ def main(
 ) -> None:
     """Benchmark one fine-tuning job across instance types and training settings; recommend the best per dollar."""
     ctx.obj = {"debug": debug}
+    columns = os.environ.get("COLUMNS", "")
     for c in (console, err_console):
-        if not c.is_terminal and "COLUMNS" not in os.environ:
-            c.width = PIPED_WIDTH  # tables piped to a file or a test would otherwise wrap at 80 columns
+        if not c.is_terminal:  # piped to a file or a test: COLUMNS if stated, else wide enough for the tables
+            c.width = int(columns) if columns.isdigit() else PIPED_WIDTH
 
 
 def open_store(db: Path | None) -> ResultStore:

@@ -123,7 +123,7 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert "Recommendation" in printed
 
     # Read back through the CLI, as a user would afterwards.
-    runner = CliRunner()
+    runner = CliRunner(env={"COLUMNS": "200"})  # xdist workers set COLUMNS=80
     listed = runner.invoke(cli.app, ["runs", "--db", str(db)])
     assert listed.exit_code == 0
     assert run.run_id in listed.stdout

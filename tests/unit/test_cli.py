@@ -24,7 +24,7 @@ from gpuscout.store.sqlite import SqliteStore
 QUICKSTART = MANIFESTS_DIR / "quickstart.yaml"
 RUN_ID = "quickstart-20250301-120000-abc123"
 
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "200"})  # xdist workers set COLUMNS=80; tables must not be cut
 
 
 @pytest.fixture
