@@ -38,15 +38,24 @@ def default_warmup_steps(max_steps: int) -> int:
     return max(0, min(max(3, math.ceil(0.1 * max_steps)), max_steps - 1))
 
 
-def mean_ci95(values: list[float]) -> tuple[float, float, float]:
-    """Mean and the 95 % t-interval of the mean: (mean, low, high). One value gives a zero-width interval."""
-    if not values:
-        raise ValueError("no values")
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, mean, mean
-    half = t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+def ratio_ci95(numerators: list[float], denominators: list[float]) -> tuple[float, float, float]:
+    """Ratio estimator R = sum(x) / sum(t) and its 95 % interval (delta method): (R, low, high).
+
+    Throughput is total tokens / total time, so its interval must be centred on that same estimate; the
+    standard error is sqrt(sum((x_i - R t_i)^2) / (n - 1) / n) / mean(t), with the t quantile for n - 1 df.
+    """
+    if len(numerators) != len(denominators) or not numerators:
+        raise ValueError("need equally many, and at least one, numerators and denominators")
+    total_t = sum(denominators)
+    if total_t <= 0:
+        raise ValueError("total time must be positive")
+    n = len(numerators)
+    ratio = sum(numerators) / total_t
+    if n < 2:
+        return ratio, ratio, ratio
+    residual_var = sum((x - ratio * t) ** 2 for x, t in zip(numerators, denominators, strict=True)) / (n - 1)
+    half = t_quantile_975(n - 1) * math.sqrt(residual_var / n) / (total_t / n)
+    return ratio, ratio - half, ratio + half
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -89,21 +98,23 @@ class StepStats:
     def timed(self) -> list[StepRecord]:
         return [r for r in self.records if r.timed]
 
-    def tokens_per_s_series(self) -> list[float]:
-        return [r.tokens / r.seconds for r in self.timed if r.seconds > 0]
+    def tokens_per_s_ci95(self) -> tuple[float, float, float]:
+        """Throughput over the timed steps (total tokens / total time) and its 95 % interval."""
+        timed = [r for r in self.timed if r.seconds > 0]
+        return ratio_ci95([float(r.tokens) for r in timed], [r.seconds for r in timed])
 
     def steady_state_reached(self, *, ci_tolerance: float, min_timed_steps: int) -> tuple[bool, str]:
-        """Steady state: after ``min_timed_steps`` timed steps, the 95 % CI half-width of the mean per-step
-        tokens/s is within ``ci_tolerance`` (a fraction: 0.02 = +-2 %) of that mean."""
-        series = self.tokens_per_s_series()
-        if len(series) < max(2, min_timed_steps):
+        """Steady state: after ``min_timed_steps`` timed steps, the 95 % CI half-width of tokens/s (total tokens /
+        total time, see ratio_ci95) is within ``ci_tolerance`` (a fraction: 0.02 = +-2 %) of that estimate."""
+        timed_count = sum(1 for r in self.timed if r.seconds > 0)
+        if timed_count < max(2, min_timed_steps):
             return False, ""
-        mean, low, high = mean_ci95(series)
+        mean, low, high = self.tokens_per_s_ci95()
         half = (high - low) / 2
         if mean > 0 and half / mean <= ci_tolerance:
             return True, (
                 f"throughput CI within +-{100 * half / mean:.2f} % (tolerance +-{100 * ci_tolerance:.2f} %) "
-                f"after {len(series)} timed steps"
+                f"after {timed_count} timed steps"
             )
         return False, ""
 
@@ -115,15 +126,14 @@ class StepStats:
         seconds = sum(times)
         tokens = sum(r.tokens for r in timed)
         samples = sum(r.samples for r in timed)
-        series = self.tokens_per_s_series()
-        _, low, high = mean_ci95(series)
+        rate, low, high = self.tokens_per_s_ci95()
         return {
             "timed_steps": len(timed),
             "step_time_mean_s": statistics.fmean(times),
             "step_time_p50_s": percentile(times, 50),
             "step_time_p90_s": percentile(times, 90),
-            "tokens_per_s": tokens / seconds,  # total tokens / total time over the timed steps
-            "tokens_per_s_ci95": (low, high),  # t-interval of the mean of the per-step rates
+            "tokens_per_s": rate,  # total tokens / total time over the timed steps
+            "tokens_per_s_ci95": (low, high),  # delta-method interval around that same estimate
             "samples_per_s": samples / seconds,
             "tokens_timed": tokens,
             "train_time_s": sum(r.seconds for r in self.records),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from benchmark_callback import StepRecord, StepStats, default_warmup_steps, mean_ci95, percentile, t_quantile_975
+from benchmark_callback import StepRecord, StepStats, default_warmup_steps, percentile, ratio_ci95, t_quantile_975
 
 from gpuscout import flops
 from gpuscout.metric_lines import METRIC_DEFINITIONS, format_metric_line, parse_metric_line
@@ -30,8 +30,9 @@ def test_t_quantiles_and_ci() -> None:
     assert t_quantile_975(1) == pytest.approx(12.706)
     assert t_quantile_975(40) == pytest.approx(2.0211, abs=1e-3)
     assert t_quantile_975(1000) == pytest.approx(1.9623, abs=1e-3)
-    mean, _low, high = mean_ci95([10.0, 12.0, 14.0])
-    # sd = 2, se = 2 / sqrt(3), t(0.975, 2) = 4.303
+    # Equal step times: the ratio estimator is the plain mean. R = 36 / 3 = 12; residuals -2, 0, 2;
+    # s = sqrt(8 / 2) = 2, se = 2 / sqrt(3) / mean(t) = 2 / sqrt(3); half-width = t(0.975, 2) = 4.303 x se.
+    mean, _low, high = ratio_ci95([10.0, 12.0, 14.0], [1.0, 1.0, 1.0])
     assert mean == 12.0 and high - mean == pytest.approx(4.303 * 2 / 3**0.5)
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
 
@@ -49,6 +50,18 @@ def test_steady_state_stops_on_a_steady_series_only() -> None:
     assert "within +-" in why
     noisy = _stats([1000.0 * (1 + 0.5 * (-1) ** i) for i in range(30)])
     assert noisy.steady_state_reached(ci_tolerance=0.01, min_timed_steps=10) == (False, "")
+
+
+def test_throughput_interval_is_centred_on_the_reported_throughput() -> None:
+    # Given noisy step times (one slow step), total tokens / total time is far from the mean of per-step rates;
+    # the interval must still contain the reported figure (it is built around that same estimator).
+    stats = StepStats(warmup_steps=0)
+    for i, seconds in enumerate([1.0, 1.0, 1.0, 5.0, 1.0, 1.0], start=1):
+        stats.add(StepRecord(i, seconds, 1000, 4, 0.0, 1.0))
+    s = stats.summary()
+    assert s["tokens_per_s"] == pytest.approx(6000 / 10)
+    low, high = s["tokens_per_s_ci95"]
+    assert low < s["tokens_per_s"] < high
 
 
 def test_summary_excludes_warmup() -> None:
