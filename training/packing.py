@@ -25,8 +25,19 @@ class ModelInputs:
     position_ids: torch.Tensor
     attention_mask: Any  # 4D bool/float tensor, 2D padding mask, flex BlockMask, or None
     labels: torch.Tensor
-    tokens: int  # non-padding tokens in the batch
-    target_tokens: int  # tokens that are prediction targets (labels after the shift != IGNORE_INDEX)
+    segment_ids: torch.Tensor
+
+    # The counts are computed on access only: on a GPU each one is a device-to-host copy that stalls the host,
+    # and the training loop counts tokens on the CPU copy of the batch instead (train.token_counts).
+    @property
+    def tokens(self) -> int:
+        """Non-padding tokens in the batch."""
+        return int((self.segment_ids > 0).sum())
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens that are prediction targets (labels after the shift != IGNORE_INDEX)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def position_ids_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,11 @@ def _flex_block_mask(segment_ids: torch.Tensor) -> Any:
         return (seg[b, q] == seg[b, kv]) & (kv <= q)
 
     b, length = seg.shape
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=length, KV_LEN=length, device=str(seg.device))
+    # On CUDA the mask is built by a compiled kernel block by block; eager creation materializes the full
+    # [B, L, L] mask (and its int64 intermediates, about 1 GB at B=8, L=4096) for every micro-batch.
+    return create_block_mask(
+        mask_mod, B=b, H=None, Q_LEN=length, KV_LEN=length, device=str(seg.device), _compile=seg.is_cuda
+    )
 
 
 def make_inputs(
@@ -82,8 +97,7 @@ def make_inputs(
         b, length = input_ids.shape
         position_ids = torch.arange(length, device=input_ids.device).expand(b, length)
         mask = real.long()
-    target_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    return ModelInputs(input_ids, position_ids, mask, labels, int(real.sum()), target_tokens)
+    return ModelInputs(input_ids, position_ids, mask, labels, segment_ids)
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor) -> torch.Tensor:

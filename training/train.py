@@ -81,6 +81,7 @@ class Hyperparameters:
     gradient_checkpointing: bool = False
     torch_compile: bool = False
     dataloader_num_workers: int = 0
+    pin_memory: bool = True  # page-locked host batches + non_blocking copies (CUDA only)
     deepspeed_stage: int = 0
     fused_cross_entropy: bool = False
     fused_adamw: bool = False
@@ -701,12 +702,15 @@ class Benchmark:
         first_step = self.progress.step + 1
         stats = StepStats(warmup_steps=warmup, records=list(self.progress.records))
 
+        pinned = hp.pin_memory and dist.device.type == "cuda"
+        if pinned:  # with pageable memory a non_blocking host-to-device copy is synchronous
+            self.optimizations.append("pinned_memory")
         loader = torch.utils.data.DataLoader(
             Blocks(train_ids, train_seg),
             batch_sampler=StepBatches(len(train_ids), hp, dist, first_step),
             num_workers=hp.dataloader_num_workers,
             collate_fn=collate,
-            pin_memory=dist.device.type == "cuda",
+            pin_memory=pinned,
             persistent_workers=False,
         )
         autocast: Any = (

