@@ -1,0 +1,416 @@
+"""`gpuscout submit` / `status` and the cloud client layer against moto (CloudFormation outputs, S3, DynamoDB,
+Step Functions) and botocore's Stubber; CLI through typer's CliRunner."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import typer
+from botocore.stub import Stubber
+from moto import mock_aws
+from typer.testing import CliRunner
+
+from gpuscout.cli import _GuardedGroup
+from gpuscout.cloud import (
+    AlreadySubmittedError,
+    CloudError,
+    CloudStack,
+    CredentialsError,
+    StackNotFoundError,
+    execution_console_url,
+)
+from gpuscout.cloud_cli import register
+from gpuscout.errors import GpuscoutError, ManifestError
+from gpuscout.paths import MANIFESTS_DIR
+from gpuscout.planner import make_run_id
+from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
+from gpuscout.store.dynamodb import DynamoDbStore, table_definition
+
+REGION = "us-east-1"
+DATA_BUCKET = "gpuscout-data-test"
+ARTIFACTS_BUCKET = "gpuscout-artifacts-test"
+TABLE = "gpuscout-results-test"
+VALID = MANIFESTS_DIR / "p4d-to-p5en.yaml"
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+def make_app() -> typer.Typer:
+    """A gpuscout-like app with the cloud commands (the real one's error handling: one message, an exit code)."""
+    app = typer.Typer(cls=_GuardedGroup, add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def main() -> None:
+        """gpuscout (test app)."""
+
+    register(app)
+    return app
+
+
+APP = make_app()
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(APP, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@dataclass
+class Deployed:
+    s3: Any
+    sfn: Any
+    store: DynamoDbStore
+    state_machine_arn: str
+
+    def start_execution_for(self, key: str, body: bytes) -> str:
+        """What the stack's EventBridge rule does on Object Created (input: bucket, key, etag)."""
+        execution_input = {"bucket": DATA_BUCKET, "key": key, "etag": hashlib.md5(body).hexdigest()}
+        response = self.sfn.start_execution(stateMachineArn=self.state_machine_arn, input=json.dumps(execution_input))
+        return str(response["executionArn"])
+
+
+def _template(outputs: dict[str, str]) -> str:
+    return json.dumps(
+        {
+            "Resources": {"Data": {"Type": "AWS::S3::Bucket", "Properties": {"BucketName": DATA_BUCKET}}},
+            "Outputs": {name: {"Value": value} for name, value in outputs.items()},
+        }
+    )
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("GPUSCOUT_STACK_NAME", raising=False)
+
+
+@pytest.fixture
+def deployed(aws_env: None) -> Iterator[Deployed]:
+    """The stack's resources and a CloudFormation stack `Gpuscout` whose outputs name them."""
+    with mock_aws():
+        s3 = boto3.client("s3", region_name=REGION)
+        s3.create_bucket(Bucket=ARTIFACTS_BUCKET)
+        dynamodb = boto3.client("dynamodb", region_name=REGION)
+        dynamodb.create_table(**table_definition(TABLE))
+        sfn = boto3.client("stepfunctions", region_name=REGION)
+        definition = {"StartAt": "Validate", "States": {"Validate": {"Type": "Pass", "End": True}}}
+        arn = sfn.create_state_machine(
+            name="GpuscoutStateMachine",
+            definition=json.dumps(definition),
+            roleArn="arn:aws:iam::123456789012:role/gpuscout-sfn",
+        )["stateMachineArn"]
+        boto3.client("cloudformation", region_name=REGION).create_stack(
+            StackName="Gpuscout",
+            TemplateBody=_template(
+                {
+                    "DataBucketName": DATA_BUCKET,
+                    "ArtifactsBucketName": ARTIFACTS_BUCKET,
+                    "ResultsTableName": TABLE,
+                    "StateMachineArn": arn,
+                }
+            ),
+        )
+        yield Deployed(s3=s3, sfn=sfn, store=DynamoDbStore(TABLE, client=dynamodb), state_machine_arn=arn)
+
+
+def _manifest(tmp_path: Path, text: str | None = None, name: str = "bench.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text if text is not None else VALID.read_text())
+    return path
+
+
+def _keys(s3: Any, prefix: str = "") -> list[str]:
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=DATA_BUCKET, Prefix=prefix).get("Contents", [])]
+
+
+# -- submit ------------------------------------------------------------------------------------------------------
+
+
+def test_submit_uploads_and_prints_the_run_id_the_control_plane_computes(deployed: Deployed, tmp_path: Path) -> None:
+    path = _manifest(tmp_path)
+    key = "manifests/qwen7b-p4d-to-p5en.yaml"
+    execution_arn = deployed.start_execution_for(key, path.read_bytes())  # EventBridge's doing, here up front
+
+    code, out, err = invoke("submit", str(path), "--wait", "0")
+
+    assert code == 0, err
+    stored = deployed.s3.get_object(Bucket=DATA_BUCKET, Key=key)
+    assert stored["Body"].read() == path.read_bytes()
+    run_id = make_run_id("qwen7b-p4d-to-p5en", key=key, etag=stored["ETag"].strip('"'))
+    assert f"run id:    {run_id}" in out
+    assert f"s3://{DATA_BUCKET}/{key} (5 job(s))" in out
+    assert execution_console_url(REGION, execution_arn) in out
+    assert "#/v2/executions/details/arn:aws:states:us-east-1:123456789012:execution:" in out
+    assert f"gpuscout status {run_id}" in out
+
+
+def test_submit_waits_for_the_execution_and_matches_key_and_etag(deployed: Deployed, tmp_path: Path) -> None:
+    path = _manifest(tmp_path)
+    body = path.read_bytes()
+    other = deployed.sfn.start_execution(  # another manifest's run: not ours
+        stateMachineArn=deployed.state_machine_arn,
+        input=json.dumps({"bucket": DATA_BUCKET, "key": "manifests/other.yaml", "etag": "0" * 32}),
+    )["executionArn"]
+    sleeps: list[float] = []
+    started: list[str] = []
+
+    def sleep(seconds: float) -> None:  # the S3 event arrives while submit waits
+        sleeps.append(seconds)
+        if not started:
+            started.append(deployed.start_execution_for("manifests/qwen7b-p4d-to-p5en.yaml", body))
+
+    ticks = iter(range(100))
+    stack = CloudStack(sleep=sleep, clock=lambda: float(next(ticks)))
+    submission = stack.submit(path, wait_seconds=10)
+
+    assert submission.execution_arn == started[0] != other
+    assert submission.console_url == execution_console_url(REGION, started[0])
+    assert sleeps == [2.0]
+    assert submission.run_id == make_run_id(submission.manifest_name, key=submission.key, etag=submission.etag)
+
+
+def test_submit_without_an_execution_yet_links_the_state_machine(deployed: Deployed, tmp_path: Path) -> None:
+    code, out, err = invoke("submit", str(_manifest(tmp_path)), "--wait", "0")
+    assert code == 0, err
+    assert "execution: not started after 0 s; the state machine:" in out
+    assert f"#/statemachines/view/{deployed.state_machine_arn}" in out
+
+
+def test_an_invalid_manifest_never_leaves_the_machine(deployed: Deployed, tmp_path: Path) -> None:
+    bad = (
+        VALID.read_text().replace("name: qwen7b-p4d-to-p5en", "name: Bad Name").replace("max_steps: 60", "max_stp: 60")
+    )
+    code, _, err = invoke("submit", str(_manifest(tmp_path, bad)), "--wait", "0")
+    assert code == 2
+    assert "name" in err and "training.max_stp" in err
+    assert _keys(deployed.s3) == []
+
+
+def test_a_local_target_is_refused_before_upload(deployed: Deployed, tmp_path: Path) -> None:
+    text = VALID.read_text().replace(
+        "  - instance_type: ml.p4d.24xlarge\n", "  - instance_type: local\n    price_per_hour_usd: 2.0\n", 1
+    )
+    with pytest.raises(ManifestError) as info:
+        CloudStack().submit(_manifest(tmp_path, text), wait_seconds=0)
+    assert [p.path for p in info.value.problems] == ["targets[0].instance_type"]
+    assert _keys(deployed.s3) == []
+
+
+def test_a_json_manifest_keeps_its_suffix(deployed: Deployed, tmp_path: Path) -> None:
+    import yaml
+
+    text = json.dumps(yaml.safe_load(VALID.read_text()))
+    submission = CloudStack().submit(_manifest(tmp_path, text, "bench.json"), wait_seconds=0)
+    assert submission.key == "manifests/qwen7b-p4d-to-p5en.json"
+    assert _keys(deployed.s3, "manifests/") == [submission.key]
+
+
+def test_the_same_manifest_twice_is_refused_with_the_existing_run(deployed: Deployed, tmp_path: Path) -> None:
+    path = _manifest(tmp_path)
+    first = CloudStack().submit(path, wait_seconds=0)
+    deployed.store.put_run(
+        RunRecord(
+            run_id=first.run_id,
+            name=first.manifest_name,
+            status=RunStatus.RUNNING,
+            manifest_source=first.manifest_uri,
+        )
+    )
+    with pytest.raises(AlreadySubmittedError, match=f"already submitted as run {first.run_id} \\(RUNNING\\)"):
+        CloudStack().submit(path, wait_seconds=0)
+
+
+# -- stack discovery and AWS errors ------------------------------------------------------------------------------
+
+
+def test_no_stack_says_how_to_deploy(deployed: Deployed, tmp_path: Path) -> None:
+    code, _, err = invoke("submit", str(_manifest(tmp_path)), "--stack-name", "Elsewhere", "--wait", "0")
+    assert code == 1
+    assert "no CloudFormation stack named 'Elsewhere' in us-east-1" in err
+    assert "npx cdk deploy" in err and "--stack-name" in err
+
+
+def test_stack_name_from_the_environment(deployed: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSCOUT_STACK_NAME", "Other")
+    code, _, err = invoke("status", "some-run")
+    assert code == 1 and "no CloudFormation stack named 'Other'" in err
+
+
+def test_a_stack_without_the_outputs_is_not_ours(aws_env: None) -> None:
+    with mock_aws():
+        boto3.client("cloudformation", region_name=REGION).create_stack(
+            StackName="Gpuscout", TemplateBody=_template({"DataBucketName": DATA_BUCKET})
+        )
+        with pytest.raises(StackNotFoundError) as info:
+            _ = CloudStack().outputs
+    message = str(info.value)
+    assert "ArtifactsBucketName, ResultsTableName, StateMachineArn" in message
+    assert "npx cdk deploy" in message
+
+
+def test_no_credentials_is_a_clear_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", raising=False)
+    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", raising=False)
+    monkeypatch.delenv("AWS_WEB_IDENTITY_TOKEN_FILE", raising=False)
+    code, _, err = invoke("status", "some-run")
+    assert code == 1
+    assert "no usable AWS credentials" in err and "aws configure" in err
+
+
+class _StubbedSession:
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def client(self, service: str) -> Any:
+        assert service == "cloudformation"
+        return self._client
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "expected"),
+    [
+        ("ExpiredToken", CredentialsError, "AWS rejected the credentials (ExpiredToken)"),
+        ("AccessDenied", CloudError, "access denied (nope); use credentials allowed to use the stack"),
+        ("Throttling", CloudError, "Throttling: nope"),
+    ],
+)
+def test_aws_errors_become_cloud_errors(code: str, error: type[Exception], expected: str) -> None:
+    client = boto3.client("cloudformation", region_name=REGION, aws_access_key_id="a", aws_secret_access_key="b")
+    with Stubber(client) as stubber:
+        stubber.add_client_error("describe_stacks", service_error_code=code, service_message="nope")
+        with pytest.raises(error) as info:
+            _ = CloudStack(session=_StubbedSession(client)).outputs  # type: ignore[arg-type]
+    assert expected in str(info.value)
+    assert isinstance(info.value.__cause__, Exception)  # chained
+
+
+# -- status, results, reports ------------------------------------------------------------------------------------
+
+
+def _seed_run(store: DynamoDbStore, run_id: str = "bench-0123456789ab") -> str:
+    store.put_run(
+        RunRecord(
+            run_id=run_id,
+            name="bench",
+            status=RunStatus.RUNNING,
+            manifest_source=f"s3://{DATA_BUCKET}/manifests/bench.yaml",
+            predicted_cost_usd=12.5,
+        )
+    )
+    for name, instance_type, count, status, reason in (
+        ("gs-abc123-t0v0r0-p4d-24xlarge-b4", "ml.p4d.24xlarge", 1, JobStatus.COMPLETED, None),
+        ("gs-abc123-t1v0r0-p5-48xlarge-b4", "ml.p5.48xlarge", 1, JobStatus.CAPACITY, "InsufficientInstanceCapacity"),
+        ("gs-abc123-t2v0r0-p5e-48xlarge-b4", "ml.p5e.48xlarge", 2, JobStatus.TRAINING, None),
+    ):
+        completed = status is JobStatus.COMPLETED
+        store.put_job(
+            JobRecord(
+                run_id=run_id,
+                job_name=name,
+                status=status,
+                instance_type=instance_type,
+                instance_count=count,
+                variant_name="b4",
+                spot=instance_type == "ml.p5.48xlarge",
+                spec={},
+                failure_reason=reason,
+                billable_seconds=812 if completed else None,
+                benchmark={"throughput": {"tokens_per_s": 41234.5}} if completed else None,
+            )
+        )
+    return run_id
+
+
+def test_status_table(deployed: Deployed) -> None:
+    run_id = _seed_run(deployed.store)
+    code, out, err = invoke("status", run_id)
+    assert code == 0, err
+    assert f"run {run_id} (bench): RUNNING" in out
+    assert "predicted cost $12.50" in out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("│ gs-")}
+    assert "COMPLETED" in lines["gs-abc123-t0v0r0-p4d-24xlarge-b4"]
+    assert "41,234" in lines["gs-abc123-t0v0r0-p4d-24xlarge-b4"] and "812" in lines["gs-abc123-t0v0r0-p4d-24xlarge-b4"]
+    assert "CAPACITY" in lines["gs-abc123-t1v0r0-p5-48xlarge-b4"]
+    assert "InsufficientInstanceCapacity" in lines["gs-abc123-t1v0r0-p5-48xlarge-b4"]
+    assert "ml.p5e.48xlarge x2" in lines["gs-abc123-t2v0r0-p5e-48xlarge-b4"]
+
+
+def test_status_json(deployed: Deployed) -> None:
+    run_id = _seed_run(deployed.store)
+    code, out, err = invoke("status", run_id, "--format", "json")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["run_id"] == run_id and payload["status"] == "RUNNING"
+    assert payload["job_counts"] == {"COMPLETED": 1, "CAPACITY": 1, "TRAINING": 1}
+    by_name = {job["job_name"]: job for job in payload["jobs"]}
+    assert by_name["gs-abc123-t0v0r0-p4d-24xlarge-b4"]["tokens_per_s"] == 41234.5
+    assert by_name["gs-abc123-t1v0r0-p5-48xlarge-b4"]["spot"] is True
+
+
+def test_status_of_a_rejected_run_lists_its_problems(deployed: Deployed) -> None:
+    deployed.store.put_run(
+        RunRecord(
+            run_id="bad-0123456789ab",
+            name="bad",
+            status=RunStatus.REJECTED,
+            manifest_source=f"s3://{DATA_BUCKET}/manifests/bad.yaml",
+            error="s3://.../bad.yaml: 1 problem(s)",
+            problems=[{"path": "variants[0].per_device_batch_sise", "message": "unknown field"}],
+        )
+    )
+    code, out, _ = invoke("status", "bad-0123456789ab")
+    assert code == 0
+    assert "REJECTED" in out and "variants[0].per_device_batch_sise: unknown field" in out
+
+
+def test_status_of_an_unknown_run(deployed: Deployed) -> None:
+    code, _, err = invoke("status", "nope-000000000000")
+    assert code == 1
+    assert "no run with id 'nope-000000000000'" in err
+
+
+def test_results_and_report_from_dynamodb_and_s3(deployed: Deployed, tmp_path: Path) -> None:
+    run_id = _seed_run(deployed.store)
+    stack = CloudStack()
+    with pytest.raises(GpuscoutError, match="has no report yet \\(status RUNNING\\)"):
+        stack.report_markdown(run_id)
+    prefix = f"reports/{run_id}/"
+    for name, body in (("report.md", b"# bench\n"), ("report.html", b"<html></html>"), ("charts/cost.png", b"png")):
+        deployed.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + name, Body=body)
+    deployed.store.put_result(
+        ResultRecord(
+            run_id=run_id, analysis={"recommendation": {"summary": "p4d"}}, report_uri=f"s3://{DATA_BUCKET}/{prefix}"
+        )
+    )
+
+    run, jobs, result = stack.result(run_id)
+    assert run.run_id == run_id and len(jobs) == 3
+    assert result is not None and result.analysis["recommendation"]["summary"] == "p4d"
+    assert stack.report_markdown(run_id) == "# bench\n"
+    folder = stack.download_report(run_id, tmp_path / "reports")
+    assert folder == tmp_path / "reports" / run_id
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        "charts/cost.png",
+        "report.html",
+        "report.md",
+    ]
