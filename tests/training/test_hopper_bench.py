@@ -1,0 +1,113 @@
+"""benchmarks/hopper.py end to end in --quick mode (tiny model, CPU), and the baseline's pieces of the plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from gpuscout.paths import REPO_DIR
+
+BENCH = REPO_DIR / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_mode_runs_end_to_end_and_writes_the_table(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "hopper.py"), "--quick", "--steps", "5", "--out", str(tmp_path / "results"),
+         "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work")],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert elapsed < 60, f"--quick took {elapsed:.0f} s"
+    [json_file] = (tmp_path / "results").glob("hopper-cpu-*.json")
+    md = json_file.with_suffix(".md").read_text()
+    payload = json.loads(json_file.read_text())
+    assert payload["kind"] == "smoke-test" and "not a performance result" in md
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert set(rows) == {"hf-trainer-baseline", "optimized", "no-fused-ce"}
+    for row in rows.values():
+        assert row["status"] == "completed", row
+        assert row["tokens_per_s"] > 0 and row["steps"] == 5
+        assert row["mfu"] is None  # no dense peak on a CPU
+    assert rows["hf-trainer-baseline"]["ratio_to_baseline"] == 1.0
+    assert rows["optimized"]["ratio_to_baseline"] == pytest.approx(
+        rows["optimized"]["tokens_per_s"] / rows["hf-trainer-baseline"]["tokens_per_s"]
+    )
+    # same initial weights, same validation targets, same data: the losses are of the same magnitude
+    base_val = rows["hf-trainer-baseline"]["final_validation_loss"]
+    assert abs(rows["optimized"]["final_validation_loss"] - base_val) < 0.5
+    # chunked CE vs full logits: the same numbers
+    assert rows["optimized"]["final_validation_loss"] == pytest.approx(
+        rows["no-fused-ce"]["final_validation_loss"], abs=1e-3
+    )
+    assert "| qwen2-tiny | optimized |" in md and "torch 2" in md
+
+
+def test_documents_are_the_pieces_of_the_blocks() -> None:
+    baseline = _load("hf_trainer_baseline")
+    ids = np.arange(16, dtype=np.int32).reshape(2, 8)
+    seg = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 2, 2, 2, 0, 0, 0]], dtype=np.int32)
+    pieces = baseline.documents(ids, seg)
+    assert [p.tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    collator = baseline.PadToLength(6, pad_token_id=99)
+    batch = collator([{"input_ids": [5, 6, 7]}, {"input_ids": list(range(9))}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 99, 99, 99], [0, 1, 2, 3, 4, 5]]
+    assert batch["labels"].tolist()[0] == [5, 6, 7, -100, -100, -100]  # padding (= EOS id in Qwen) is no target
+    assert list(collator.counts) == [9]
+
+
+def test_baseline_model_has_train_py_weights_and_default_attention() -> None:
+    import train
+    from data_preparation import DatasetSummary
+
+    baseline = _load("hf_trainer_baseline")
+    summary = DatasetSummary(
+        format="gpuscout-packed-v1", script_version="1", source="x", sequence_length=32,
+        tokenizer={"vocab_size": 300, "eos_token_id": 0, "pad_token_id": 0, "id": "t"}, documents=1,
+        documents_read=1, dropped={}, tokens=1, padding_fraction=0.0, t_eff=1.0, sha256="", seed=0,
+        validation_fraction=0.0, splits={},
+    )  # fmt: skip
+    hp = train.Hyperparameters(model_preset="qwen2-tiny", seed=5)
+    ours, _, _ = train.build_model(hp, summary, Path("."))
+    theirs, _ = baseline.build_model("qwen2-tiny", summary, seed=5)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert theirs.config._attn_implementation == "sdpa"  # the transformers default where SDPA exists
+
+
+def test_variants_ablate_each_optimization_at_the_same_global_batch() -> None:
+    hopper = _load("hopper")
+    rows = hopper.variants("qwen2.5-1.5b", 4, quick=False)
+    optimized = rows[0].hyperparameters
+    assert rows[0].name == "optimized" and optimized["attention_implementation"] == "flex"
+    assert optimized["per_device_train_batch_size"] == 2 and optimized["gradient_accumulation_steps"] == 2
+    for row in rows:
+        hp = row.hyperparameters
+        assert hp["per_device_train_batch_size"] * hp["gradient_accumulation_steps"] == 4
+    flipped = {row.name: {k for k, v in row.hyperparameters.items() if optimized[k] != v} for row in rows[1:]}
+    assert flipped["sdpa-mask"] == {"attention_implementation"}
+    assert flipped["no-fused-ce"] == {"fused_cross_entropy"}
+    assert flipped["no-compile"] == {"torch_compile"}
+    assert flipped["no-fused-adamw"] == {"fused_adamw"}
+    assert flipped["no-pinned-memory"] == {"pin_memory"}
