@@ -1,0 +1,295 @@
+"""The synthesized state machine, executed by moto's Step Functions interpreter against moto SageMaker.
+
+The ASL is the one `cdk synth` puts in the template (the stack synthesized once per session by the infra tests'
+fixture). Three substitutions make it runnable here, and only these:
+
+- Lambda Tasks -> Pass states. moto cannot run Python Lambdas without Docker, so each Lambda Task becomes a Pass
+  state. For "Validate manifest", "Plan jobs" and "Analyze run" its ``Result`` is the real output of the real
+  handler (lambdas/<name>/handler.py), called directly in the test with the input that state receives: the
+  execution input for Validate, Validate's output for Plan, ``{"run_id"}`` (the state's Parameters) for Analyze.
+  "Record job failure" is reached only through the Map's Catch, which never fires here (moto SageMaker accepts
+  every request); its Pass state carries a fixed Result and the test asserts it was never entered. Each state
+  keeps its Next/End, Parameters, ResultPath and OutputPath, so the data flow between states is the synthesized
+  one; Retry and Catch are dropped (a Pass state may not have them), so this test covers the success path. The
+  execution history is then checked: each Pass state was entered with the input its handler got. Analyze's
+  handler runs before the execution (a Pass Result is fixed when the state machine is created); moto emits no
+  SageMaker state-change events, so the table holds the same rows before and after the execution, and the
+  analysis (no job completed) is the one the real Analyze step would compute.
+- ``.sync`` -> request-response. moto runs SageMaker tasks only without ``.sync`` (it forwards the call to moto
+  SageMaker, which creates the job as already Completed). ResultPath and OutputPath are untouched.
+- ``"RoleArn.$"`` -> ``"RoleArn"``. moto's ASL lexer has ``"RoleArn.$"`` as a keyword token (of the Credentials
+  block), so inside a Task's Parameters it binds the literal string ``"$.request.RoleArn"`` to a key named
+  ``RoleArn.$`` instead of evaluating the path. The SageMaker tasks' ``"RoleArn.$": "$.request.RoleArn"`` becomes
+  ``"RoleArn": <the role ARN>``, the value that path holds in every request plan_jobs built (the test checks they
+  all carry the same one). Every other field is still copied from the request by its JSONPath.
+
+One serialization detail: moto's ASL lexer rejects JSON numbers with a negative exponent (``5e-05``, how Python
+writes the manifest's learning rate inside the Pass Results), which Step Functions accepts. Such numbers are written
+in positional notation (``0.00005``, the same value) when the definition is sent to moto.
+
+moto's Map (ItemSelector with ``$$.Map.Item.Value``, MaxConcurrency, ResultPath null), Choice and Retry fields
+(JitterStrategy, MaxDelaySeconds) run as synthesized; nothing else is rewritten.
+
+Asserted: the execution SUCCEEDED; one processing job, and one training job per target x variant x repetition,
+exist in moto SageMaker with the image, instance type and count, hyperparameters, input channels, output path,
+stopping condition (MaxWaitTimeInSeconds for spot), checkpoint config and tags of the plan; the parameters each
+SageMaker task sent (TaskScheduled events) equal the request plan_jobs built, field for field.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+import boto3
+import pytest
+from conftest import ARTIFACTS_BUCKET, DATA_BUCKET, IMAGE_URI, REGION, ROLE_ARN, Cloud, cloud_manifest
+from moto import mock_aws
+
+from gpuscout.store.base import RunStatus
+from lambdas.analyze_run import handler as analyze_handler
+from lambdas.plan_jobs import handler as plan_handler
+from lambdas.validate_manifest import handler as validate_handler
+from tests.infra.conftest import Synthesized, state_machine_definition, synthesized  # noqa: F401 - fixture
+
+SFN_ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-state-machine"
+# Pass states accept these fields of a Task; the rest (Resource, Retry, Catch, timeouts) exist only on Tasks.
+PASS_FIELDS = ("Comment", "Next", "End", "InputPath", "Parameters", "ResultPath", "OutputPath")
+REPETITIONS = 2
+
+
+def _walk_states(definition: dict[str, Any], visit: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
+    """Replace every state (nested Map processors included) by ``visit(name, state)``."""
+    states = definition["States"]
+    for name in list(states):
+        state = states[name]
+        processor = state.get("ItemProcessor") or state.get("Iterator")
+        if processor:
+            _walk_states(processor, visit)
+        states[name] = visit(name, state)
+
+
+def runnable_in_moto(
+    definition: dict[str, Any], results: dict[str, Any], role_arn: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The substitutions of the module docstring. ``results`` maps a Lambda Task's resource placeholder
+    ('<LogicalId.Arn>') to the handler output its Pass state returns; ``role_arn`` is the value of the requests'
+    RoleArn. Returns the new ASL and state name -> placeholder."""
+    rewritten = copy.deepcopy(definition)
+    lambda_states: dict[str, str] = {}
+
+    def visit(name: str, state: dict[str, Any]) -> dict[str, Any]:
+        if state.get("Type") != "Task":
+            return state
+        resource = str(state["Resource"])
+        if resource in results:
+            lambda_states[name] = resource
+            passed = {key: state[key] for key in PASS_FIELDS if key in state}
+            return {"Type": "Pass", **passed, "Result": results[resource]}
+        if resource.startswith("arn:aws:states:::sagemaker:") and resource.endswith(".sync"):
+            parameters = dict(state["Parameters"])
+            assert parameters.pop("RoleArn.$").endswith("request.RoleArn")
+            return {
+                **state,
+                "Resource": resource.removesuffix(".sync"),
+                "Parameters": {**parameters, "RoleArn": role_arn},
+            }
+        raise AssertionError(f"state {name!r}: no moto substitution for resource {resource}")
+
+    _walk_states(rewritten, visit)
+    assert "<" not in json.dumps(rewritten), "an unresolved CloudFormation reference is left in the definition"
+    return rewritten, lambda_states
+
+
+def asl_json(definition: dict[str, Any]) -> str:
+    """JSON text of the definition with negative-exponent floats in positional notation (see the module docstring)."""
+    positional: dict[str, str] = {}
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        if isinstance(value, float) and "e-" in repr(value):
+            marker = f"__gpuscout_float_{len(positional)}__"
+            positional[marker] = format(Decimal(repr(value)), "f")
+            return marker
+        return value
+
+    text = json.dumps(swap(definition))
+    for marker, number in positional.items():
+        text = text.replace(f'"{marker}"', number)
+    assert json.loads(text) == definition
+    return text
+
+
+def _wait_for(sfn: Any, execution_arn: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        described: dict[str, Any] = sfn.describe_execution(executionArn=execution_arn)
+        if described["status"] != "RUNNING" or time.monotonic() > deadline:
+            return described
+        time.sleep(0.1)
+
+
+def _history(sfn: Any, execution_arn: str) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    kwargs: dict[str, Any] = {"executionArn": execution_arn, "maxResults": 1000}
+    while True:
+        page = sfn.get_execution_history(**kwargs)
+        events += page["events"]
+        if not page.get("nextToken"):
+            return events
+        kwargs["nextToken"] = page["nextToken"]
+
+
+def _entered_inputs(events: list[dict[str, Any]], state_name: str) -> list[dict[str, Any]]:
+    return [
+        json.loads(e["stateEnteredEventDetails"]["input"])
+        for e in events
+        if "stateEnteredEventDetails" in e and e["stateEnteredEventDetails"]["name"] == state_name
+    ]
+
+
+def _scheduled(events: list[dict[str, Any]], resource: str) -> list[dict[str, Any]]:
+    return [
+        json.loads(e["taskScheduledEventDetails"]["parameters"])
+        for e in events
+        if e.get("taskScheduledEventDetails", {}).get("resource") == resource
+    ]
+
+
+def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, synthesized: Synthesized) -> None:  # noqa: F811
+    manifest = cloud_manifest(budget=80.0).replace("constraints:", f"repetitions: {REPETITIONS}\nconstraints:")
+    execution_input = cloud.submit(manifest)
+
+    validated = validate_handler.handler(dict(execution_input), cloud.context)
+    planned = plan_handler.handler(copy.deepcopy(validated), cloud.context)
+    run_id = planned["run_id"]
+    assert planned["prepare"]["skip"] is False  # nothing processed yet: the Prepare data branch runs
+    analyzed = analyze_handler.handler({"run_id": run_id}, cloud.context)
+
+    functions = synthesized.stack.functions.functions
+    placeholder = {name: f"<{synthesized.logical_id(fn)}.Arn>" for name, fn in functions.items()}
+    results = {
+        placeholder["validate_manifest"]: validated,
+        placeholder["plan_jobs"]: planned,
+        placeholder["analyze_run"]: analyzed,
+        # Reached only through the Map's Catch; moto SageMaker accepts every request, so it is never entered here.
+        placeholder["record_job_failure"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
+    }
+    role_arns = {planned["prepare"]["request"]["RoleArn"]} | {job["request"]["RoleArn"] for job in planned["jobs"]}
+    assert role_arns == {ROLE_ARN}
+    definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
+    assert sorted(lambda_states) == ["Analyze run", "Plan jobs", "Record job failure", "Validate manifest"]
+
+    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
+        sfn = boto3.client("stepfunctions", region_name=REGION)
+        machine_arn = sfn.create_state_machine(
+            name="gpuscout-test", definition=asl_json(definition), roleArn=SFN_ROLE_ARN
+        )["stateMachineArn"]
+        execution_arn = sfn.start_execution(stateMachineArn=machine_arn, input=json.dumps(execution_input))[
+            "executionArn"
+        ]
+        described = _wait_for(sfn, execution_arn)
+        events = _history(sfn, execution_arn)
+
+    assert described["status"] == "SUCCEEDED", json.dumps(events[-2:], default=str)[-3000:]
+    assert json.loads(described["output"]) == analyzed
+
+    # Each Pass state got exactly what its handler was called with.
+    assert _entered_inputs(events, "Validate manifest") == [execution_input]
+    assert _entered_inputs(events, "Plan jobs") == [validated]
+    [analyze_input] = _entered_inputs(events, "Analyze run")
+    assert analyze_input["run_id"] == run_id
+    assert _entered_inputs(events, "Record job failure") == []
+
+    # Data preparation: one processing job, sent exactly as planned.
+    prepare_request = planned["prepare"]["request"]
+    assert _scheduled(events, "createProcessingJob") == [prepare_request]
+    processing = cloud.sagemaker.describe_processing_job(ProcessingJobName=prepare_request["ProcessingJobName"])
+    assert processing["ProcessingJobName"].startswith("gs-")
+    assert processing["RoleArn"] == ROLE_ARN
+    assert processing["AppSpecification"]["ImageUri"] == IMAGE_URI
+    assert processing["StoppingCondition"] == prepare_request["StoppingCondition"]
+
+    # Training: one job per target x variant x repetition, each sent exactly as planned.
+    manifest_data = validated["manifest"]
+    targets, variants = manifest_data["targets"], manifest_data["variants"]
+    jobs = planned["jobs"]
+    assert len(jobs) == len(targets) * len(variants) * REPETITIONS == 8
+    requests = {job["job_name"]: job["request"] for job in jobs}
+    sent = {params["TrainingJobName"]: params for params in _scheduled(events, "createTrainingJob")}
+    assert sent == requests
+    listed = cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]
+    assert sorted(s["TrainingJobName"] for s in listed) == sorted(requests)
+
+    combos = set()
+    for job in jobs:
+        request = job["request"]
+        described_job = cloud.sagemaker.describe_training_job(TrainingJobName=job["job_name"])
+        spec = next(
+            (t, v, r)
+            for t in range(len(targets))
+            for v in range(len(variants))
+            for r in range(REPETITIONS)
+            if f"-t{t}v{v}r{r}-" in job["job_name"]
+        )
+        combos.add(spec)
+        target, variant = targets[spec[0]], variants[spec[1]]
+
+        assert described_job["AlgorithmSpecification"]["TrainingImage"] == IMAGE_URI
+        assert described_job["RoleArn"] == ROLE_ARN
+        assert described_job["ResourceConfig"]["InstanceType"] == target["instance_type"]
+        assert described_job["ResourceConfig"]["InstanceCount"] == target["instance_count"]
+        assert described_job["HyperParameters"] == request["HyperParameters"]
+        assert described_job["HyperParameters"]["per_device_train_batch_size"] == str(variant["per_device_batch_size"])
+        assert described_job["InputDataConfig"] == request["InputDataConfig"]
+        channel_uris = [c["DataSource"]["S3DataSource"]["S3Uri"] for c in described_job["InputDataConfig"]]
+        assert channel_uris and all(uri.startswith(f"s3://{DATA_BUCKET}/processed/") for uri in channel_uris)
+        output_path = described_job["OutputDataConfig"]["S3OutputPath"]
+        assert output_path == request["OutputDataConfig"]["S3OutputPath"]
+        assert output_path == f"s3://{ARTIFACTS_BUCKET}/output/{run_id}/"
+        stopping = described_job["StoppingCondition"]
+        assert stopping == request["StoppingCondition"]
+        assert stopping["MaxRuntimeInSeconds"] > 0
+        spot = bool(target.get("spot"))
+        assert described_job["EnableManagedSpotTraining"] is spot
+        if spot:
+            assert stopping["MaxWaitTimeInSeconds"] > stopping["MaxRuntimeInSeconds"]
+        else:
+            assert "MaxWaitTimeInSeconds" not in stopping
+        checkpoint = described_job["CheckpointConfig"]
+        assert checkpoint == request["CheckpointConfig"]
+        assert checkpoint["S3Uri"] == f"s3://{ARTIFACTS_BUCKET}/checkpoints/{run_id}/{job['job_name']}/"
+        tags = {
+            t["Key"]: t["Value"] for t in cloud.sagemaker.list_tags(ResourceArn=described_job["TrainingJobArn"])["Tags"]
+        }
+        assert tags["gpuscout:run-id"] == run_id and tags["gpuscout:managed"] == "true"
+    assert len(combos) == len(jobs)  # every (target, variant, repetition) exactly once
+
+    run = cloud.services.store.get_run(run_id)
+    assert run.status is RunStatus.FAILED  # Analyze ran; moto emitted no job events, so no job completed
+
+
+@pytest.mark.parametrize("resource", ["arn:aws:states:::sagemaker:createTrainingJob.sync", "arn:aws:lambda:x"])
+def test_the_rewrite_touches_only_lambda_and_sync_tasks(resource: str) -> None:
+    parameters = {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn.$": "$.request.RoleArn"}
+    state = {"Type": "Task", "Resource": resource, "Parameters": parameters, "End": True}
+    definition = {"StartAt": "A", "States": {"A": state}}
+    if resource.startswith("arn:aws:lambda"):
+        with pytest.raises(AssertionError, match="no moto substitution"):
+            runnable_in_moto(definition, {}, ROLE_ARN)
+        return
+    rewritten, lambda_states = runnable_in_moto(definition, {}, ROLE_ARN)
+    assert rewritten["States"]["A"] == {
+        "Type": "Task",
+        "Resource": "arn:aws:states:::sagemaker:createTrainingJob",
+        "Parameters": {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn": ROLE_ARN},
+        "End": True,
+    }
+    assert lambda_states == {}
