@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - started
-    val = validation_loss(model, val_pieces, collator, args.batch, device)
+    peak_memory_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else None  # training only, not validation
+    val = validation_loss(model, val_pieces, collator, 1, device)  # one row at a time: full logits are large
 
     timed = timer.steps[warmup:]
     seconds = sum(s for s, _, _ in timed)
@@ -270,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hardware_flops_per_token": hardware_flops,
         "mfu": flops.mfu(tokens_per_s, model_flops, 1, peak) if peak else None,
         "hfu": flops.mfu(tokens_per_s, hardware_flops, 1, peak) if peak else None,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        "peak_memory_gb": peak_memory_gb,
         "loss_curve": losses,
         "final_train_loss": sum(tail) / len(tail) if tail else None,
         "final_validation_loss": val,

@@ -406,6 +406,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = parse_args(argv)
     env = environment()
     env["command"] = ["benchmarks/hopper.py", *(sys.argv[1:] if argv is None else argv)]
+    if env["gpu"] and not env["liger-kernel"]:
+        print(
+            "[hopper] warning: liger-kernel is not installed (pip install liger-kernel==0.8.5): fused_cross_entropy "
+            "falls back to the chunked cross-entropy and the table will say liger-kernel None",
+            flush=True,
+        )
     summary = prepare_data(setup)
     summary["_dir"] = str(setup.data_dir)
     blocks = blocks_per_step(summary, setup.blocks_per_step)
