@@ -234,6 +234,24 @@ def test_the_same_manifest_twice_is_refused_with_the_existing_run(deployed: Depl
         CloudStack().submit(path, wait_seconds=0)
 
 
+def test_cli_defaults_match_the_client_and_the_cdk_app() -> None:
+    import re
+    import subprocess
+    import sys
+
+    from gpuscout import cloud, cloud_cli
+
+    assert cloud_cli.DEFAULT_STACK_NAME == cloud.DEFAULT_STACK_NAME
+    assert cloud_cli.DEFAULT_EXECUTION_WAIT_S == cloud.DEFAULT_EXECUTION_WAIT_S
+    app_source = (Path(__file__).resolve().parents[2] / "app.py").read_text()
+    assert re.search(r'^STACK_NAME = "(\w+)"', app_source, re.M)[1] == cloud.DEFAULT_STACK_NAME  # type: ignore[index]
+    light = "import sys, gpuscout.cloud_cli; print('boto3' in sys.modules, 'gpuscout.cloud' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, check=True).stdout.split() == [
+        "False",
+        "False",
+    ]
+
+
 # -- stack discovery and AWS errors ------------------------------------------------------------------------------
 
 
