@@ -26,6 +26,7 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from gpuscout import __version__
+from gpuscout.cloud_cli import register as register_cloud_commands
 from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError
 from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
@@ -103,6 +104,13 @@ DbOption = Annotated[
     ),
 ]
 ManifestArg = Annotated[Path, typer.Argument(help="Manifest file (YAML or JSON).", dir_okay=False)]
+CloudStackOption = Annotated[
+    str | None,
+    typer.Option(
+        "--stack-name",
+        help="Read cloud runs from this deployed stack (its DynamoDB table and S3 reports) instead of --db.",
+    ),
+]
 
 
 def _version(value: bool) -> None:
@@ -127,7 +135,11 @@ def main(
             c.width = int(columns) if columns.isdigit() else PIPED_WIDTH
 
 
-def open_store(db: Path | None) -> ResultStore:
+def open_store(db: Path | None, stack_name: str | None = None) -> ResultStore:
+    if stack_name:
+        from gpuscout.cloud import CloudStack
+
+        return CloudStack(stack_name).store
     return SqliteStore(db)
 
 
@@ -238,9 +250,10 @@ def local(
 def runs(
     db: DbOption = None,
     limit: Annotated[int, typer.Option(help="Show at most this many runs.", min=1)] = 50,
+    stack_name: CloudStackOption = None,
 ) -> None:
     """List runs, newest first."""
-    store = open_store(db)
+    store = open_store(db, stack_name)
     records = store.list_runs(limit=limit)
     if not records:
         console.print("no runs yet; try `gpuscout local configs/manifests/quickstart.yaml`")
@@ -276,11 +289,12 @@ def results(
         bool, typer.Option("--reprice", help="Recompute costs with today's prices instead of the stored snapshot.")
     ] = False,
     db: DbOption = None,
+    stack_name: CloudStackOption = None,
 ) -> None:
     """Show a run's ranked results: tokens/s, MFU, $ per 1M tokens, status, and the recommendation."""
     from gpuscout.local import ranked_table, recommendation_text, result_rows
 
-    store = open_store(db)
+    store = open_store(db, stack_name)
     run = store.get_run(run_id)
     jobs = store.list_jobs(run_id)
     result = store.get_result(run_id)
@@ -337,16 +351,25 @@ def report(
     run_id: Annotated[str, typer.Argument(help="Run id (see `gpuscout runs`).")],
     open_html: Annotated[bool, typer.Option("--open", help="Open report.html in a browser.")] = False,
     db: DbOption = None,
+    stack_name: CloudStackOption = None,
+    download_dir: Annotated[
+        Path, typer.Option("--download-dir", help="Where a cloud run's report is downloaded.", file_okay=False)
+    ] = Path("runs") / "cloud",
 ) -> None:
     """Print a run's report.md (and where the HTML, JSON and charts are), or open the HTML report."""
-    store = open_store(db)
+    store = open_store(db, stack_name)
     run = store.get_run(run_id)
     result = store.get_result(run_id)
     if result is None or not result.report_uri:
         raise GpuscoutError(f"run {run_id} has no report (status {run.status.value}); reports are written at the end")
     if result.report_uri.startswith("s3://"):
-        raise GpuscoutError(f"the report of run {run_id} is in S3 ({result.report_uri}); download it from there")
-    folder = Path(result.report_uri)
+        if not stack_name:
+            raise GpuscoutError(f"the report of run {run_id} is in S3 ({result.report_uri}); pass --stack-name")
+        from gpuscout.cloud import CloudStack
+
+        folder = CloudStack(stack_name).download_report(run_id, download_dir)
+    else:
+        folder = Path(result.report_uri)
     markdown, html = folder / "report.md", folder / "report.html"
     if open_html:
         if not html.is_file():
@@ -375,3 +398,6 @@ def _status_markup(status: str) -> str:
         "QUOTA": "yellow",
     }.get(status)
     return f"[{colour}]{status}[/]" if colour else status
+
+
+register_cloud_commands(app)  # submit, status (gpuscout/cloud_cli.py)

@@ -17,6 +17,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 from typer.testing import CliRunner
 
+from gpuscout import cli
 from gpuscout.cli import _GuardedGroup
 from gpuscout.cloud import (
     AlreadySubmittedError,
@@ -432,3 +433,22 @@ def test_results_and_report_from_dynamodb_and_s3(deployed: Deployed, tmp_path: P
         "report.html",
         "report.md",
     ]
+
+
+def test_runs_results_and_report_of_a_cloud_run_through_the_main_cli(deployed: Deployed, tmp_path: Path) -> None:
+    real = CliRunner(env={"COLUMNS": "200"})
+    run_id = _seed_run(deployed.store)
+    prefix = f"reports/{run_id}/"
+    deployed.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + "report.md", Body=b"# bench report\n")
+    deployed.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + "report.html", Body=b"<html/>")
+    deployed.store.put_result(ResultRecord(run_id=run_id, analysis={}, report_uri=f"s3://{DATA_BUCKET}/{prefix}"))
+
+    listed = real.invoke(cli.app, ["runs", "--stack-name", "Gpuscout"])
+    assert listed.exit_code == 0 and run_id in listed.stdout
+    results = real.invoke(cli.app, ["results", run_id, "--stack-name", "Gpuscout", "--format", "json"])
+    assert results.exit_code == 0 and json.loads(results.stdout)["run_id"] == run_id
+    report = real.invoke(cli.app, ["report", run_id, "--stack-name", "Gpuscout", "--download-dir", str(tmp_path)])
+    assert report.exit_code == 0 and "# bench report" in report.stdout
+    assert (tmp_path / run_id / "report.html").is_file()
+    status = real.invoke(cli.app, ["status", run_id])
+    assert status.exit_code == 0 and "RUNNING" in status.stdout
