@@ -83,6 +83,7 @@ class GpuscoutStack(Stack):
             self,
             "Workflow",
             functions=self.functions.functions,
+            table=self.results.table,
             role=self.roles.state_machine,
             map_max_concurrency=config.map_max_concurrency,
             vpc=config.vpc,

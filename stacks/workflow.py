@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
@@ -68,6 +69,8 @@ SAGEMAKER_RETRY = [
         "BackoffRate": 2.0,
     },
 ]
+# Run statuses after which no further training job may start (the budget guard in job_events sets STOPPED).
+RUN_STATUSES_THAT_STOP_LAUNCHES = ("STOPPED", "FAILED")
 MANIFEST_REJECTED = "ManifestRejected"
 PLAN_REFUSED = "PlanRefused"
 
@@ -119,6 +122,7 @@ class BenchmarkWorkflow(Construct):
         construct_id: str,
         *,
         functions: Mapping[str, lambda_.IFunction],
+        table: dynamodb.ITable,
         role: iam.IRole,
         map_max_concurrency: int,
         vpc: VpcSettings | None,
@@ -176,6 +180,44 @@ class BenchmarkWorkflow(Construct):
             comment="Capacity, quota or job failure: recorded, the benchmark goes on",
         )
         train.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+
+        # Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
+        # crosses the budget; each Map iteration reads the run's status right before launching, so jobs that
+        # have not started yet are skipped instead of launched.
+        check_run = tasks.DynamoGetItem(
+            self,
+            "Read run status",
+            table=table,
+            key={
+                "pk": tasks.DynamoAttributeValue.from_string(
+                    sfn.JsonPath.format("RUN#{}", sfn.JsonPath.string_at("$.run_id"))
+                ),
+                "sk": tasks.DynamoAttributeValue.from_string("RUN"),
+            },
+            # "status" is a DynamoDB reserved word: project it through an expression attribute name.
+            expression_attribute_names={"#status": "status"},
+            projection_expression=[tasks.DynamoProjectionExpression().with_attribute("#status")],
+            consistent_read=True,
+            result_selector={"status": sfn.JsonPath.string_at("$.Item.status.S")},
+            result_path="$.run",
+            comment="A run stopped by the budget guard launches no further job",
+        )
+        skipped = sfn.Pass(
+            self,
+            "Skip job (run stopped)",
+            comment="The run was stopped (budget) before this job started: nothing is launched",
+            output_path="$.job_name",
+        )
+        launch_or_skip = (
+            sfn.Choice(self, "Run still going?")
+            .when(
+                sfn.Condition.or_(
+                    *(sfn.Condition.string_equals("$.run.status", s) for s in RUN_STATUSES_THAT_STOP_LAUNCHES)
+                ),
+                skipped,
+            )
+            .otherwise(train)
+        )
         jobs = sfn.Map(
             self,
             "Run jobs",
@@ -188,7 +230,7 @@ class BenchmarkWorkflow(Construct):
             max_concurrency=map_max_concurrency,
             result_path=sfn.JsonPath.DISCARD,
         )
-        jobs.item_processor(train)
+        jobs.item_processor(check_run.next(launch_or_skip))
 
         analyze = tasks.LambdaInvoke(
             self,

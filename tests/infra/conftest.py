@@ -50,10 +50,19 @@ def synthesized(tmp_path_factory: pytest.TempPathFactory) -> Synthesized:
 
 
 def state_machine_definition(synthesized: Synthesized) -> dict[str, Any]:
-    """The state machine's ASL with CloudFormation references replaced by '<LogicalId.Attr>' placeholders."""
+    """The state machine's ASL with CloudFormation references replaced by placeholders: '<LogicalId.Attr>' for
+    Fn::GetAtt, '<LogicalId>' for Ref."""
     machine = synthesized.one("AWS::StepFunctions::StateMachine")
     parts = machine["Properties"]["DefinitionString"]["Fn::Join"][1]
-    text = "".join(p if isinstance(p, str) else "<{}.{}>".format(*p["Fn::GetAtt"]) for p in parts)
+
+    def placeholder(part: str | dict[str, Any]) -> str:
+        if isinstance(part, str):
+            return part
+        if "Ref" in part:
+            return f"<{part['Ref']}>"
+        return "<{}.{}>".format(*part["Fn::GetAtt"])
+
+    text = "".join(placeholder(p) for p in parts)
     definition: dict[str, Any] = json.loads(text)
     return definition
 

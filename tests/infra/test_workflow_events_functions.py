@@ -75,7 +75,7 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
         "request.$": "$$.Map.Item.Value.request",
     }
     processor = jobs["ItemProcessor"]
-    assert processor["StartAt"] == "Train"
+    assert processor["StartAt"] == "Read run status"
     train = processor["States"]["Train"]
     assert train["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
     assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS}
@@ -92,6 +92,26 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     assert record["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name", "error.$": "$.error"}
     assert record["ResultPath"] is None
     assert asl["States"]["Analyze run"]["Parameters"] == {"run_id.$": "$.run_id"}
+
+
+def test_map_launches_nothing_once_the_budget_guard_stopped_the_run(asl: dict[str, Any]) -> None:
+    # Given job_events marks a run STOPPED when measured spend crosses the budget,
+    # then every Map iteration reads the run row right before launching and skips the launch.
+    states = asl["States"]["Run jobs"]["ItemProcessor"]["States"]
+    read = states["Read run status"]
+    assert read["Resource"] == "arn:<AWS::Partition>:states:::dynamodb:getItem"
+    assert read["Parameters"]["Key"] == {"pk": {"S.$": "States.Format('RUN#{}', $.run_id)"}, "sk": {"S": "RUN"}}
+    assert read["Parameters"]["ConsistentRead"] is True
+    # "status" is reserved in DynamoDB expressions: it must go through an attribute name.
+    assert read["Parameters"]["ProjectionExpression"] == "#status"
+    assert read["Parameters"]["ExpressionAttributeNames"] == {"#status": "status"}
+    assert read["ResultSelector"] == {"status.$": "$.Item.status.S"} and read["ResultPath"] == "$.run"
+    assert read["Next"] == "Run still going?"
+    choice = states["Run still going?"]
+    stopped = {c["StringEquals"] for c in choice["Choices"][0]["Or"]}
+    assert stopped == {"STOPPED", "FAILED"}
+    assert choice["Choices"][0]["Next"] == "Skip job (run stopped)" and choice["Default"] == "Train"
+    assert states["Skip job (run stopped)"]["Type"] == "Pass" and states["Skip job (run stopped)"]["End"] is True
 
 
 def test_state_machine_logs_all_with_tracing(synthesized: Synthesized) -> None:

@@ -1,7 +1,7 @@
 """The synthesized state machine, executed by moto's Step Functions interpreter against moto SageMaker.
 
 The ASL is the one `cdk synth` puts in the template (the stack synthesized once per session by the infra tests'
-fixture). Three substitutions make it runnable here, and only these:
+fixture). Four substitutions make it runnable here, and only these:
 
 - Lambda Tasks -> Pass states. moto cannot run Python Lambdas without Docker, so each Lambda Task becomes a Pass
   state. For "Validate manifest", "Plan jobs" and "Analyze run" its ``Result`` is the real output of the real
@@ -13,8 +13,11 @@ fixture). Three substitutions make it runnable here, and only these:
   one; Retry and Catch are dropped (a Pass state may not have them), so this test covers the success path. The
   execution history is then checked: each Pass state was entered with the input its handler got. Analyze's
   handler runs before the execution (a Pass Result is fixed when the state machine is created); moto emits no
-  SageMaker state-change events, so the table holds the same rows before and after the execution, and the
-  analysis (no job completed) is the one the real Analyze step would compute.
+  SageMaker state-change events, so the analysis (no job completed) is the one the real Analyze step would
+  compute. Analyze marks the run row FAILED, so the test puts the row's status back to what Plan left
+  (PLANNED) before the execution: that is what the Map's "Read run status" step would find.
+- The results table's ``Ref`` -> the moto table's name, and the ``${AWS::Partition}`` of the DynamoDB task's
+  resource ARN -> ``aws`` (CloudFormation resolves both at deploy time).
 - ``.sync`` -> request-response. moto runs SageMaker tasks only without ``.sync`` (it forwards the call to moto
   SageMaker, which creates the job as already Completed). ResultPath and OutputPath are untouched.
 - ``"RoleArn.$"`` -> ``"RoleArn"``. moto's ASL lexer has ``"RoleArn.$"`` as a keyword token (of the Credentials
@@ -33,7 +36,8 @@ moto's Map (ItemSelector with ``$$.Map.Item.Value``, MaxConcurrency, ResultPath 
 Asserted: the execution SUCCEEDED; one processing job, and one training job per target x variant x repetition,
 exist in moto SageMaker with the image, instance type and count, hyperparameters, input channels, output path,
 stopping condition (MaxWaitTimeInSeconds for spot), checkpoint config and tags of the plan; the parameters each
-SageMaker task sent (TaskScheduled events) equal the request plan_jobs built, field for field.
+SageMaker task sent (TaskScheduled events) equal the request plan_jobs built, field for field; every Map
+iteration read the run's status first. With the run STOPPED (what the budget guard does), no training job starts.
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ import copy
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 import boto3
 import pytest
-from conftest import ARTIFACTS_BUCKET, DATA_BUCKET, IMAGE_URI, REGION, ROLE_ARN, Cloud, cloud_manifest
+from conftest import ARTIFACTS_BUCKET, DATA_BUCKET, IMAGE_URI, REGION, ROLE_ARN, TABLE, Cloud, cloud_manifest
 from moto import mock_aws
 
 from gpuscout.store.base import RunStatus
@@ -74,11 +79,12 @@ def _walk_states(definition: dict[str, Any], visit: Callable[[str, dict[str, Any
 
 
 def runnable_in_moto(
-    definition: dict[str, Any], results: dict[str, Any], role_arn: str
+    definition: dict[str, Any], results: dict[str, Any], role_arn: str, table_name: str = TABLE
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The substitutions of the module docstring. ``results`` maps a Lambda Task's resource placeholder
     ('<LogicalId.Arn>') to the handler output its Pass state returns; ``role_arn`` is the value of the requests'
-    RoleArn. Returns the new ASL and state name -> placeholder."""
+    RoleArn; ``table_name`` replaces the results table's Ref in DynamoDB tasks (whose resource ARN's partition
+    pseudo-parameter becomes ``aws``). Returns the new ASL and state name -> placeholder."""
     rewritten = copy.deepcopy(definition)
     lambda_states: dict[str, str] = {}
 
@@ -97,6 +103,13 @@ def runnable_in_moto(
                 **state,
                 "Resource": resource.removesuffix(".sync"),
                 "Parameters": {**parameters, "RoleArn": role_arn},
+            }
+        if resource == "arn:<AWS::Partition>:states:::dynamodb:getItem":
+            assert str(state["Parameters"]["TableName"]).startswith("<ResultsTable")
+            return {
+                **state,
+                "Resource": "arn:aws:states:::dynamodb:getItem",
+                "Parameters": {**state["Parameters"], "TableName": table_name},
             }
         raise AssertionError(f"state {name!r}: no moto substitution for resource {resource}")
 
@@ -163,15 +176,31 @@ def _scheduled(events: list[dict[str, Any]], resource: str) -> list[dict[str, An
     ]
 
 
-def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, synthesized: Synthesized) -> None:  # noqa: F811
+@dataclass
+class Executed:
+    execution_input: dict[str, Any]
+    validated: dict[str, Any]
+    planned: dict[str, Any]
+    analyzed: dict[str, Any]
+    status_after_analyze: RunStatus
+    described: dict[str, Any]
+    events: list[dict[str, Any]]
+
+
+def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: bool = False) -> Executed:  # noqa: F811
+    """Submit a manifest, compute the Lambda outputs with the real handlers, run the rewritten ASL in moto."""
     manifest = cloud_manifest(budget=80.0).replace("constraints:", f"repetitions: {REPETITIONS}\nconstraints:")
     execution_input = cloud.submit(manifest)
 
     validated = validate_handler.handler(dict(execution_input), cloud.context)
     planned = plan_handler.handler(copy.deepcopy(validated), cloud.context)
     run_id = planned["run_id"]
+    status_when_planned = cloud.services.store.get_run(run_id).status
     assert planned["prepare"]["skip"] is False  # nothing processed yet: the Prepare data branch runs
     analyzed = analyze_handler.handler({"run_id": run_id}, cloud.context)
+    status_after_analyze = cloud.services.store.get_run(run_id).status
+    # Analyze's output was computed ahead for its Pass state; put the run row back as the Map would find it.
+    cloud.services.store.update_run(run_id, status=status_when_planned)
 
     functions = synthesized.stack.functions.functions
     placeholder = {name: f"<{synthesized.logical_id(fn)}.Arn>" for name, fn in functions.items()}
@@ -186,6 +215,9 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
     assert role_arns == {ROLE_ARN}
     definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
     assert sorted(lambda_states) == ["Analyze run", "Plan jobs", "Record job failure", "Validate manifest"]
+    if stop_run_before_start:
+        # What job_events' budget guard does when measured spend crosses the budget.
+        cloud.services.store.update_run(run_id, status=RunStatus.STOPPED, error="budget reached")
 
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         sfn = boto3.client("stepfunctions", region_name=REGION)
@@ -197,6 +229,13 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
         ]
         described = _wait_for(sfn, execution_arn)
         events = _history(sfn, execution_arn)
+    return Executed(execution_input, validated, planned, analyzed, status_after_analyze, described, events)
+
+
+def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, synthesized: Synthesized) -> None:  # noqa: F811
+    run = _execute(cloud, synthesized)
+    execution_input, validated, planned, analyzed = run.execution_input, run.validated, run.planned, run.analyzed
+    described, events, run_id = run.described, run.events, run.planned["run_id"]
 
     assert described["status"] == "SUCCEEDED", json.dumps(events[-2:], default=str)[-3000:]
     assert json.loads(described["output"]) == analyzed
@@ -207,6 +246,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
     [analyze_input] = _entered_inputs(events, "Analyze run")
     assert analyze_input["run_id"] == run_id
     assert _entered_inputs(events, "Record job failure") == []
+    assert _entered_inputs(events, "Skip job (run stopped)") == []
 
     # Data preparation: one processing job, sent exactly as planned.
     prepare_request = planned["prepare"]["request"]
@@ -272,8 +312,11 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
         assert tags["gpuscout:run-id"] == run_id and tags["gpuscout:managed"] == "true"
     assert len(combos) == len(jobs)  # every (target, variant, repetition) exactly once
 
-    run = cloud.services.store.get_run(run_id)
-    assert run.status is RunStatus.FAILED  # Analyze ran; moto emitted no job events, so no job completed
+    # Analyze ran (ahead, see _execute); moto emits no job events, so no job completed and the run FAILED.
+    assert run.status_after_analyze is RunStatus.FAILED
+    # Every iteration read the run row before launching and found it live.
+    reads = _entered_inputs(events, "Run still going?")
+    assert len(reads) == len(jobs) and all(r["run"] == {"status": "PLANNED"} for r in reads)
 
 
 @pytest.mark.parametrize("resource", ["arn:aws:states:::sagemaker:createTrainingJob.sync", "arn:aws:lambda:x"])
@@ -293,3 +336,15 @@ def test_the_rewrite_touches_only_lambda_and_sync_tasks(resource: str) -> None:
         "End": True,
     }
     assert lambda_states == {}
+
+
+def test_a_run_stopped_by_the_budget_guard_launches_no_further_job(cloud: Cloud, synthesized: Synthesized) -> None:  # noqa: F811
+    # Given the budget guard marked the run STOPPED before the Map started its jobs,
+    run = _execute(cloud, synthesized, stop_run_before_start=True)
+    # then every iteration read the run row, took the skip branch, and no training job was created.
+    assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-2:], default=str)[-3000:]
+    skipped = _entered_inputs(run.events, "Skip job (run stopped)")
+    assert sorted(item["job_name"] for item in skipped) == sorted(job["job_name"] for job in run.planned["jobs"])
+    assert all(item["run"] == {"status": "STOPPED"} for item in skipped)
+    assert _scheduled(run.events, "createTrainingJob") == []
+    assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
