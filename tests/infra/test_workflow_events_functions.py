@@ -54,6 +54,15 @@ def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> No
         assert states[task]["Catch"] == [{"ErrorEquals": [error], "ResultPath": "$.error", "Next": fail}]
         assert states[fail] == {"Type": "Fail", "Error": error, "CausePath": "$.error.Cause"}
         assert states[task]["Resource"].startswith("<Functions")
+    # A failed data preparation ends the run before any training job is launched.
+    assert states["Prepare data"]["Catch"] == [
+        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Data preparation failed"}
+    ]
+    assert states["Data preparation failed"] == {
+        "Type": "Fail",
+        "Error": "DataPreparationFailed",
+        "CausePath": "$.error.Cause",
+    }
 
 
 def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str, Any]) -> None:

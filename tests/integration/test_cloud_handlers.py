@@ -125,6 +125,15 @@ def test_plan_writes_rows_and_returns_complete_requests(cloud: Cloud) -> None:
         else:
             assert request["EnableManagedSpotTraining"] is False
             assert "MaxWaitTimeInSeconds" not in stopping
+        assert request["EnableNetworkIsolation"] is False  # the manifest did not ask for it
+
+
+def test_network_isolation_when_the_manifest_asks(cloud: Cloud) -> None:
+    # Given a manifest with network_isolation: true, every training job runs without outbound network access.
+    manifest = cloud_manifest().replace("constraints:", "network_isolation: true\nconstraints:")
+    planned = _validate_and_plan(cloud, manifest)
+    assert planned["jobs"]
+    assert all(item["request"]["EnableNetworkIsolation"] is True for item in planned["jobs"])
 
 
 def test_prepare_is_skipped_when_the_processed_data_exists(cloud: Cloud) -> None:
