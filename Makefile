@@ -41,6 +41,7 @@ format:
 
 types:
 	$(BIN)/mypy
+	MYPYPATH=training $(BIN)/mypy training/*.py benchmarks/*.py app.py
 
 ## Lint + types + tests.
 check: install lint types test
