@@ -27,13 +27,13 @@ from typer.exceptions import TyperException
 
 from gpuscout import __version__
 from gpuscout.cloud_cli import register as register_cloud_commands
+from gpuscout.console_style import fit_piped_width, status_markup
 from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError
 from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
 BUDGET_EXIT_CODE = 3
 INTERRUPTED_EXIT_CODE = 130
-PIPED_WIDTH = 160
 
 console = Console()
 err_console = Console(stderr=True)
@@ -129,10 +129,8 @@ def main(
 ) -> None:
     """Benchmark one fine-tuning job across instance types and training settings; recommend the best per dollar."""
     ctx.obj = {"debug": debug}
-    columns = os.environ.get("COLUMNS", "")
     for c in (console, err_console):
-        if not c.is_terminal:  # piped to a file or a test: COLUMNS if stated, else wide enough for the tables
-            c.width = int(columns) if columns.isdigit() else PIPED_WIDTH
+        fit_piped_width(c)
 
 
 def open_store(db: Path | None, stack_name: str | None = None) -> ResultStore:
@@ -266,7 +264,7 @@ def runs(
         table.add_row(
             run.run_id,
             run.name,
-            _status_markup(run.status.value),
+            status_markup(run.status.value),
             run.created_at.strftime("%Y-%m-%d %H:%M:%S"),
             str(len(jobs)),
             _num(run.predicted_cost_usd, "{:.4f}"),
@@ -323,7 +321,7 @@ def results(
             writer.writerow({k: _csv_value(v) for k, v in row.items()})
         sys.stdout.write(buffer.getvalue())
         return
-    console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {_status_markup(run.status.value)}")
+    console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {status_markup(run.status.value)}")
     if run.error:
         console.print(f"  {escape(run.error)}")
     console.print(ranked_table(rows, title="Ranked results" + (" (repriced with current prices)" if reprice else "")))
@@ -383,21 +381,6 @@ def report(
         raise GpuscoutError(f"{markdown} does not exist (was the run folder moved or deleted?)")
     sys.stdout.write(markdown.read_text(encoding="utf-8").rstrip("\n") + "\n\n")
     console.print(f"report: {markdown}  html: {html}  folder: {folder}", soft_wrap=True)
-
-
-def _status_markup(status: str) -> str:
-    colour = {
-        "SUCCEEDED": "green",
-        "COMPLETED": "green",
-        "FAILED": "red",
-        "OOM": "red",
-        "REJECTED": "red",
-        "REFUSED": "yellow",
-        "STOPPED": "yellow",
-        "CAPACITY": "yellow",
-        "QUOTA": "yellow",
-    }.get(status)
-    return f"[{colour}]{status}[/]" if colour else status
 
 
 register_cloud_commands(app)  # submit, status (gpuscout/cloud_cli.py)

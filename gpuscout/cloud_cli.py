@@ -9,7 +9,6 @@ costs the other commands nothing at start-up.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -20,12 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gpuscout.console_style import fit_piped_width, status_markup
 from gpuscout.store.base import JobRecord, RunRecord
 
 # The same values as gpuscout.cloud's (tests check); repeated so that importing this module stays light.
 DEFAULT_STACK_NAME = "Gpuscout"
 DEFAULT_EXECUTION_WAIT_S = 15.0
-PIPED_WIDTH = 160  # like gpuscout.cli: tables piped to a file or a test would otherwise wrap at 80 columns
 
 StackNameOption = Annotated[
     str,
@@ -36,20 +35,6 @@ StackNameOption = Annotated[
     ),
 ]
 
-_STATUS_COLOURS = {
-    "SUCCEEDED": "green",
-    "COMPLETED": "green",
-    "FAILED": "red",
-    "OOM": "red",
-    "REJECTED": "red",
-    "REFUSED": "yellow",
-    "STOPPED": "yellow",
-    "CAPACITY": "yellow",
-    "QUOTA": "yellow",
-    "TRAINING": "cyan",
-    "RUNNING": "cyan",
-}
-
 
 class StatusFormat(StrEnum):
     TABLE = "table"
@@ -57,15 +42,7 @@ class StatusFormat(StrEnum):
 
 
 def _console() -> Console:
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = PIPED_WIDTH
-    return console
-
-
-def _status(value: str) -> str:
-    colour = _STATUS_COLOURS.get(value)
-    return f"[{colour}]{value}[/]" if colour else value
+    return fit_piped_width(Console())
 
 
 def _tokens_per_s(job: JobRecord) -> float | None:
@@ -109,8 +86,8 @@ def status_payload(run: RunRecord, jobs: list[JobRecord]) -> dict[str, Any]:
     }
 
 
-def _print_status(console: Console, run: RunRecord, jobs: list[JobRecord]) -> None:
-    console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {_status(run.status.value)}")
+def _printstatus_markup(console: Console, run: RunRecord, jobs: list[JobRecord]) -> None:
+    console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {status_markup(run.status.value)}")
     predicted = f"${run.predicted_cost_usd:,.2f}" if run.predicted_cost_usd is not None else "-"
     console.print(
         f"  manifest {escape(run.manifest_source)}  created {run.created_at:%Y-%m-%d %H:%M:%S} UTC  "
@@ -145,7 +122,7 @@ def _print_status(console: Console, run: RunRecord, jobs: list[JobRecord]) -> No
             escape(job.variant_name),
             str(job.repetition),
             "yes" if job.spot else "no",
-            _status(job.status.value),
+            status_markup(job.status.value),
             "-" if job.billable_seconds is None else str(job.billable_seconds),
             "-" if tokens is None else f"{tokens:,.0f}",
             escape(job.failure_reason or ""),
@@ -194,7 +171,7 @@ def status(
     if fmt is StatusFormat.JSON:
         sys.stdout.write(json.dumps(status_payload(run, jobs), indent=2, default=str) + "\n")
         return
-    _print_status(_console(), run, jobs)
+    _printstatus_markup(_console(), run, jobs)
 
 
 def register(app: typer.Typer) -> None:

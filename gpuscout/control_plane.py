@@ -267,19 +267,7 @@ def plan_jobs(
             enable_network_isolation=manifest.network_isolation,
             spot_max_wait_seconds=max_wait,
         )
-        store.put_job(
-            JobRecord(
-                run_id=run_id,
-                job_name=spec.job_name,
-                status=JobStatus.PLANNED,
-                instance_type=spec.instance_type,
-                instance_count=spec.instance_count,
-                variant_name=spec.variant_name,
-                repetition=spec.repetition,
-                spot=spec.spot,
-                spec=spec.model_dump(mode="json"),
-            )
-        )
+        store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
         jobs_out.append({"job_name": spec.job_name, "request": request})
     store.put_run(run)  # last: a run row means every job row exists
     return {

@@ -744,16 +744,9 @@ def run_local(
 
 
 def _job_record(spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None) -> JobRecord:
-    return JobRecord(
-        run_id=spec.run_id,
-        job_name=spec.job_name,
-        status=status,
-        instance_type=spec.instance_type,
-        instance_count=spec.instance_count,
-        variant_name=spec.variant_name,
-        repetition=spec.repetition,
-        spot=spec.spot,
-        spec=spec.model_dump(mode="json"),
+    return JobRecord.from_spec(
+        spec,
+        status,
         benchmark=outcome.benchmark if outcome else None,
         failure_reason=outcome.failure_reason if outcome else None,
         training_seconds=round(outcome.wall_seconds) if outcome else None,

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from gpuscout.jobspec import JobSpec
 
 
 class RunStatus(StrEnum):
@@ -103,6 +106,22 @@ class JobRecord(BaseModel):
     last_event_time: datetime | None = None  # event time of the last applied state change
     status_rank: int = 0
     updated_at: datetime = Field(default_factory=utcnow)
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, status: JobStatus, **fields: Any) -> JobRecord:
+        """The row of a planned job: keys and spec from the JobSpec, anything else from ``fields``."""
+        return cls(
+            run_id=spec.run_id,
+            job_name=spec.job_name,
+            status=status,
+            instance_type=spec.instance_type,
+            instance_count=spec.instance_count,
+            variant_name=spec.variant_name,
+            repetition=spec.repetition,
+            spot=spec.spot,
+            spec=spec.model_dump(mode="json"),
+            **fields,
+        )
 
 
 class ResultRecord(BaseModel):
