@@ -159,73 +159,122 @@ def pooled_time_to_target_loss(
     return times_to_target_loss([(curves, target, tokens_per_s)])[0]
 
 
-LossRequest = tuple[Sequence[Sequence[tuple[float, float, float]]], float, Sequence[float]]
+# (curves of the repetitions, target loss, tokens/s of each repetition); a curve is a sequence of (cumulative tokens,
+# elapsed training s, train loss) points or a (points, 3) float array, which is used without a copy
+LossRequest = tuple[Sequence[Any], float, Sequence[float]]
 
 
 def times_to_target_loss(requests: Sequence[LossRequest]) -> list[LossTarget]:
-    """``pooled_time_to_target_loss`` for many jobs at once: per-curve work in numpy, power-law fits batched."""
-    results: list[LossTarget | None] = []
-    pending: list[tuple[int, list[Any], list[float], Any]] = []
+    """``pooled_time_to_target_loss`` for many jobs at once, vectorized over every point of every curve.
+
+    All curves are flattened into one (points, 3) array; cleaning, the first point at the target, each curve's last
+    point and the fit's tail are array operations, and the power-law fits run batched (``_fit_power_law_rows``).
+    Only the per-job bookkeeping (a few floats each) is a Python loop.
+    """
+    curve_first: list[int] = []  # index of each request's first curve
+    curve_rate: list[float] = []  # tokens/s of each curve's repetition
+    curve_target: list[float] = []
+    lengths: list[int] = []
+    arrays: list[Any] = []
     for curves, target, tokens_per_s in requests:
-        cleaned: list[Any] = []  # (n, 3) arrays: tokens, elapsed s, loss
-        rates: list[float] = []
+        curve_first.append(len(arrays))
         for curve, tps in zip(curves, tokens_per_s, strict=False):
-            arr = np.asarray(curve, dtype=float).reshape(-1, 3)
-            arr = arr[(arr[:, 0] > 0) & np.isfinite(arr[:, 2])]
-            if arr.shape[0]:
-                cleaned.append(arr)
-                rates.append(tps)
+            array = np.asarray(curve, dtype=float).reshape(-1, 3)  # no copy when it is one already
+            arrays.append(array)
+            curve_rate.append(tps)
+            curve_target.append(target)
+            lengths.append(array.shape[0])
+    curve_first.append(len(arrays))
+    n_curves, n_points = len(arrays), sum(lengths)
+    # one extra row of zeros stands in for "no such point" (index n_points) in the per-curve lookups below
+    points = np.concatenate([*arrays, np.zeros((1, 3))])
+    x, s, loss = points[:, 0], points[:, 1], points[:, 2]
+    curve_of = np.repeat(np.arange(n_curves), lengths)
+    kept = np.flatnonzero((x[:n_points] > 0) & np.isfinite(loss[:n_points]))  # cleaned points, in (curve, step) order
+    kept_curve = curve_of[kept]
+    kept_count = np.bincount(kept_curve, minlength=n_curves).tolist()
+    # each curve's last cleaned point, and its first cleaned point at or below the target (n_points: none)
+    last = np.full(n_curves, n_points, dtype=np.intp)
+    ends = np.flatnonzero(np.append(kept_curve[1:] != kept_curve[:-1], True)) if kept.size else kept
+    last[kept_curve[ends]] = kept[ends]
+    below = kept[loss[kept] <= np.asarray(curve_target, dtype=float)[kept_curve]]
+    first_hit = np.full(n_curves, n_points, dtype=np.intp)
+    if below.size:
+        below_curve = curve_of[below]
+        starts = np.flatnonzero(np.append(True, below_curve[1:] != below_curve[:-1]))
+        first_hit[below_curve[starts]] = below[starts]
+    hit_x, hit_s, hit_loss = x[first_hit].tolist(), s[first_hit].tolist(), loss[first_hit].tolist()
+    hit_ok = (first_hit < n_points).tolist()
+    last_x, last_s = x[last].tolist(), s[last].tolist()
+    # the fit's tail: cleaned points past FIT_FROM_FRACTION of their curve's tokens (skips the transient), sorted by
+    # request, then tokens; stable, so equal token counts keep their curve order
+    tail = kept[x[kept] >= FIT_FROM_FRACTION * x[last[kept_curve]]]
+    tail_request = np.repeat(np.arange(len(requests)), np.diff(curve_first))[curve_of[tail]]
+    tail = tail[np.lexsort((x[tail], tail_request))]
+    tail_count = np.bincount(tail_request, minlength=len(requests)).tolist()
+    tail_start = np.concatenate(([0], np.cumsum(tail_count))).tolist()
+
+    results: list[LossTarget | None] = []
+    pending: list[tuple[int, list[int]]] = []
+    for r, (_, target, _) in enumerate(requests):
+        cleaned = [c for c in range(curve_first[r], curve_first[r + 1]) if kept_count[c]]
         if not cleaned:
             results.append(LossTarget(method="not projected", detail="no loss curve"))
-            continue
-        hits = []
-        for arr in cleaned:
-            below = np.flatnonzero(arr[:, 2] <= target)
-            if below.size == 0:
-                break
-            hits.append(arr[below[0]])
-        if len(hits) == len(cleaned):
-            tokens = math.fsum(float(h[0]) for h in hits) / len(hits)
+        elif all(hit_ok[c] for c in cleaned):
+            tokens = math.fsum(hit_x[c] for c in cleaned) / len(cleaned)
             results.append(
                 LossTarget(
                     method="measured",
-                    detail=f"loss {max(float(h[2]) for h in hits):.4g} <= {target:g} at {tokens:,.0f} tokens",
+                    detail=f"loss {max(hit_loss[c] for c in cleaned):.4g} <= {target:g} at {tokens:,.0f} tokens",
                     tokens=tokens,
-                    seconds=math.fsum(float(h[1]) for h in hits) / len(hits),
+                    seconds=math.fsum(hit_s[c] for c in cleaned) / len(cleaned),
                 )
             )
-            continue
-        tail = np.concatenate([a[a[:, 0] >= FIT_FROM_FRACTION * a[-1, 0]] for a in cleaned])  # skip the transient
-        if tail.shape[0] < 4:
+        elif tail_count[r] < 4:
             results.append(
-                LossTarget(method="not projected", detail=f"only {tail.shape[0]} loss points, need 4 to fit")
+                LossTarget(method="not projected", detail=f"only {tail_count[r]} loss points, need 4 to fit")
             )
-            continue
-        pending.append((len(results), cleaned, rates, tail[np.argsort(tail[:, 0], kind="stable")]))
-        results.append(None)
-    fits = fit_power_laws([tail for *_, tail in pending])
-    for (index, cleaned, rates, tail), power_law in zip(pending, fits, strict=True):
-        fit = power_law.solve if power_law is not None else _fit_log_linear(tail)
-        results[index] = _projected(fit, requests[index][1], cleaned, rates)
+        else:
+            pending.append((r, cleaned))
+            results.append(None)
+
+    # one row per pending request: its tail thinned to MAX_FIT_POINTS, padded with its last (largest) point
+    rows: list[int] = []
+    for r, _ in pending:
+        n, first = tail_count[r], tail_start[r]
+        picked = [first + i for i in _thinned(n)] if n > MAX_FIT_POINTS else list(range(first, first + n))
+        rows += picked + [picked[-1]] * (MAX_FIT_POINTS - len(picked))
+    weight = np.zeros((len(pending), MAX_FIT_POINTS))
+    for i, (r, _) in enumerate(pending):
+        weight[i, : min(tail_count[r], MAX_FIT_POINTS)] = 1.0
+    gathered = tail[np.asarray(rows, dtype=np.intp)].reshape(len(pending), MAX_FIT_POINTS)
+    fit_x = x[gathered]
+    fits = _fit_power_law_rows(fit_x, np.where(weight > 0, loss[gathered], 0.0), weight, fit_x[:, -1])
+    for (r, cleaned), power_law in zip(pending, fits, strict=True):
+        if power_law is not None:
+            fit = power_law.solve
+        else:
+            rows_r = tail[tail_start[r] : tail_start[r] + tail_count[r]]
+            fit = _fit_log_linear(np.column_stack((x[rows_r], s[rows_r], loss[rows_r])))
+        ends_r = [(last_x[c], last_s[c], curve_rate[c]) for c in cleaned]
+        results[r] = _projected(fit, requests[r][1], ends_r)
     return [r for r in results if r is not None]
 
 
-def _projected(fit: Any, target: float, cleaned: list[Any], rates: list[float]) -> LossTarget:
+def _projected(fit: Any, target: float, ends: list[tuple[float, float, float]]) -> LossTarget:
+    """``ends``: (tokens, elapsed s) of each repetition's last point and its tokens/s."""
     if fit is None:
         return LossTarget(method="not projected", detail="the loss is not falling; no curve fits")
     method, needed, formula = fit(target)
     if needed is None:
         return LossTarget(method="not projected", detail=f"{formula}: never reaches {target:g}")
-    x_measured = min(float(c[-1, 0]) for c in cleaned)
+    x_measured = min(x for x, _, _ in ends)
     if needed > MAX_EXTRAPOLATION * x_measured:
         return LossTarget(
             method="not projected",
             detail=f"{formula} needs {needed:,.3g} tokens, > {MAX_EXTRAPOLATION:g}x the {x_measured:,.0f} measured",
         )
-    per_rep = [
-        float(c[-1, 1]) + (max(needed, float(c[-1, 0])) - float(c[-1, 0])) / tps
-        for c, tps in zip(cleaned, rates, strict=True)
-    ]
+    per_rep = [elapsed + (max(needed, x) - x) / tps for x, elapsed, tps in ends]
     return LossTarget(method=method, detail=formula, tokens=needed, seconds=math.fsum(per_rep) / len(per_rep))
 
 
@@ -273,39 +322,57 @@ def _batched_sse(cs: Any, log_u: Any, y: Any, w: Any) -> tuple[Any, Any, Any]:
     return a, b, np.where((b > 0) & (a >= 0), residual, np.inf)  # falls with tokens, towards a loss >= 0
 
 
+@lru_cache(maxsize=64)
+def _thinned(n: int) -> tuple[int, ...]:
+    """Indices of MAX_FIT_POINTS rows spread evenly over n (n > MAX_FIT_POINTS)."""
+    return tuple(int(i) for i in np.linspace(0, n - 1, MAX_FIT_POINTS).round().astype(int))
+
+
 def fit_power_laws(tails: Sequence[Any]) -> list[PowerLaw | None]:
     """Fit L = a + b x^-c to each list/array of (tokens, s, loss) rows; None where the best c is on the grid's edge."""
+    if not tails:
+        return []
+    x = np.zeros((len(tails), MAX_FIT_POINTS))
+    y = np.zeros((len(tails), MAX_FIT_POINTS))
+    w = np.zeros((len(tails), MAX_FIT_POINTS))
+    for i, tail in enumerate(tails):
+        points = np.asarray(tail, dtype=float).reshape(-1, 3)
+        if points.shape[0] > MAX_FIT_POINTS:  # thin evenly
+            points = points[list(_thinned(points.shape[0]))]
+        n = points.shape[0]
+        x[i, :n], y[i, :n], w[i, :n] = points[:, 0], points[:, 2], 1.0
+        x[i, n:] = points[:, 0].max()  # padding: log(x / scale) = 0, weight 0
+    return _fit_power_law_rows(x, y, w, x.max(axis=1))
+
+
+def _fit_power_law_rows(x: Any, y: Any, w: Any, scales: Any) -> list[PowerLaw | None]:
+    """Power-law fits of (G, MAX_FIT_POINTS) arrays of tokens, loss and weight (0 = padding), _FIT_CHUNK rows at once.
+
+    ``scales`` (G,): each row's largest token count; tokens are fitted in its units (x / scale in (0, 1]), which
+    keeps x^-c well conditioned. Padding must have x = scale and y = 0, so that it adds exactly nothing.
+    """
     out: list[PowerLaw | None] = []
-    for start in range(0, len(tails), _FIT_CHUNK):
-        chunk = tails[start : start + _FIT_CHUNK]
-        g = len(chunk)
-        log_u = np.zeros((g, MAX_FIT_POINTS))
-        y = np.zeros((g, MAX_FIT_POINTS))
-        w = np.zeros((g, MAX_FIT_POINTS))
-        scales = np.empty(g)
-        for i, tail in enumerate(chunk):
-            points = np.asarray(tail, dtype=float).reshape(-1, 3)
-            if points.shape[0] > MAX_FIT_POINTS:  # thin evenly
-                points = points[np.linspace(0, points.shape[0] - 1, MAX_FIT_POINTS).round().astype(int)]
-            n = points.shape[0]
-            scales[i] = points[:, 0].max()  # tokens in units of the last measured point: keeps x^-c well conditioned
-            log_u[i, :n] = np.log(points[:, 0] / scales[i])
-            y[i, :n] = points[:, 2]
-            w[i, :n] = 1.0
+    for start in range(0, x.shape[0], _FIT_CHUNK):
+        stop = start + _FIT_CHUNK
+        scale = scales[start:stop]
+        log_u = np.log(x[start:stop] / scale[:, None])
+        yc, wc = y[start:stop], w[start:stop]
+        g = log_u.shape[0]
         rows = np.arange(g)
-        _, _, residual = _batched_sse(np.broadcast_to(_C_GRID, (g, _C_POINTS)), log_u, y, w)
+        _, _, residual = _batched_sse(np.broadcast_to(_C_GRID, (g, _C_POINTS)), log_u, yc, wc)
         best = residual.argmin(axis=1)
         valid = np.isfinite(residual[rows, best]) & (best > 0) & (best < _C_POINTS - 1)
         # refine once between the best coarse point's neighbours (c to ~1 %)
         lo = _C_GRID[np.clip(best - 1, 0, _C_POINTS - 1)]
         hi = _C_GRID[np.clip(best + 1, 0, _C_POINTS - 1)]
         cs = lo[:, None] * (hi / lo)[:, None] ** _UNIT[None, :]
-        a, b, residual = _batched_sse(cs, log_u, y, w)
+        a, b, residual = _batched_sse(cs, log_u, yc, wc)
         best = residual.argmin(axis=1)
-        for i in range(g):
-            k = int(best[i])
-            ok = bool(valid[i]) and math.isfinite(float(residual[i, k]))
-            out.append(PowerLaw(float(a[i, k]), float(b[i, k]), float(cs[i, k]), float(scales[i])) if ok else None)
+        ok = (valid & np.isfinite(residual[rows, best])).tolist()
+        fitted = zip(
+            a[rows, best].tolist(), b[rows, best].tolist(), cs[rows, best].tolist(), scale.tolist(), ok, strict=True
+        )
+        out += [PowerLaw(ai, bi, ci, si) if good else None for ai, bi, ci, si, good in fitted]
     return out
 
 
@@ -394,6 +461,18 @@ def time_breakdown(
     moved from training to startup. Without transitions (local runs): startup from benchmark.json, training =
     train_time_s, and the rest of wall_time_s is counted as startup too.
     """
+    spans, source = phase_seconds(transitions, startup_s=startup_s, wall_time_s=wall_time_s, train_time_s=train_time_s)
+    return TimeBreakdown(**spans, source=source)
+
+
+def phase_seconds(
+    transitions: Iterable[Mapping[str, Any]],
+    *,
+    startup_s: float = 0.0,
+    wall_time_s: float | None = None,
+    train_time_s: float | None = None,
+) -> tuple[dict[str, float], str]:
+    """``time_breakdown``'s seconds per phase (PHASES) and their source, as a plain dict (no model to build)."""
     spans: dict[str, float] = dict.fromkeys(PHASES, 0.0)
     items = list(transitions)
     if items:
@@ -409,7 +488,8 @@ def time_breakdown(
         moved = min(startup_s, spans["training"])
         spans["training"] -= moved
         spans["startup"] += moved
-        return TimeBreakdown(**spans, source="SageMaker SecondaryStatusTransitions")
+        return spans, "SageMaker SecondaryStatusTransitions"
     training = train_time_s or 0.0
     rest = max(0.0, (wall_time_s or 0.0) - training)
-    return TimeBreakdown(startup=max(startup_s, rest), training=training, source="benchmark.json timing (local)")
+    spans["startup"], spans["training"] = max(startup_s, rest), training
+    return spans, "benchmark.json timing (local)"
