@@ -35,13 +35,14 @@ import torch
 
 from gpuscout import flops
 from gpuscout.hardware import detect_sku
+from gpuscout.intervals import ratio_ci95
 from gpuscout.models import PRESETS, Architecture
 from gpuscout.paths import TRAINING_DIR
 
 if str(TRAINING_DIR) not in sys.path:
     sys.path.insert(0, str(TRAINING_DIR))
 
-from benchmark_callback import default_warmup_steps, percentile, ratio_ci95
+from benchmark_callback import default_warmup_steps, percentile
 from data_preparation import DatasetSummary, load_split, load_summary
 
 IGNORE_INDEX = -100

@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuscout import costs
+from gpuscout import costs, intervals
 from gpuscout.costs import TimeBreakdown
 from gpuscout.pricing import PriceBook, PriceSnapshot
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -355,7 +355,7 @@ def _measure_group(
 
     reps = [r for _, r in completed]
     tps = [r.tokens_per_s for r in reps]
-    mean_tps, ci = costs.mean_ci95(tps)
+    mean_tps, ci = intervals.mean_ci95(tps)
     if ci is not None:
         ci_method = f"t-interval over {len(tps)} repetitions"
     else:

@@ -15,47 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# two-sided 95 % Student-t quantiles t(0.975, df) for df = 1..30
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
-
-def t_quantile_975(df: int) -> float:
-    """t(0.975, df); beyond the table the Cornish-Fisher expansion around z = 1.95996 (error < 1e-4)."""
-    if df < 1:
-        raise ValueError("degrees of freedom must be positive")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959963984540054
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+from gpuscout.intervals import ratio_ci95  # the project's one implementation of the t statistics
 
 
 def default_warmup_steps(max_steps: int) -> int:
     """max(3, ceil(10 % of max_steps)), but always leaving at least one timed step."""
     return max(0, min(max(3, math.ceil(0.1 * max_steps)), max_steps - 1))
-
-
-def ratio_ci95(numerators: list[float], denominators: list[float]) -> tuple[float, float, float]:
-    """Ratio estimator R = sum(x) / sum(t) and its 95 % interval (delta method): (R, low, high).
-
-    Throughput is total tokens / total time, so its interval must be centred on that same estimate; the
-    standard error is sqrt(sum((x_i - R t_i)^2) / (n - 1) / n) / mean(t), with the t quantile for n - 1 df.
-    """
-    if len(numerators) != len(denominators) or not numerators:
-        raise ValueError("need equally many, and at least one, numerators and denominators")
-    total_t = sum(denominators)
-    if total_t <= 0:
-        raise ValueError("total time must be positive")
-    n = len(numerators)
-    ratio = sum(numerators) / total_t
-    if n < 2:
-        return ratio, ratio, ratio
-    residual_var = sum((x - ratio * t) ** 2 for x, t in zip(numerators, denominators, strict=True)) / (n - 1)
-    half = t_quantile_975(n - 1) * math.sqrt(residual_var / n) / (total_t / n)
-    return ratio, ratio - half, ratio + half
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from benchmark_callback import StepRecord, StepStats, default_warmup_steps, percentile, ratio_ci95, t_quantile_975
+from benchmark_callback import StepRecord, StepStats, default_warmup_steps, percentile
 
 from gpuscout import flops
 from gpuscout.metric_lines import METRIC_DEFINITIONS, format_metric_line, parse_metric_line
@@ -26,14 +26,14 @@ def test_warmup_default() -> None:
     assert default_warmup_steps(3) == 2  # always one timed step
 
 
-def test_t_quantiles_and_ci() -> None:
-    assert t_quantile_975(1) == pytest.approx(12.706)
-    assert t_quantile_975(40) == pytest.approx(2.0211, abs=1e-3)
-    assert t_quantile_975(1000) == pytest.approx(1.9623, abs=1e-3)
+def test_throughput_interval_uses_the_t_quantile() -> None:
     # Equal step times: the ratio estimator is the plain mean. R = 36 / 3 = 12; residuals -2, 0, 2;
-    # s = sqrt(8 / 2) = 2, se = 2 / sqrt(3) / mean(t) = 2 / sqrt(3); half-width = t(0.975, 2) = 4.303 x se.
-    mean, _low, high = ratio_ci95([10.0, 12.0, 14.0], [1.0, 1.0, 1.0])
-    assert mean == 12.0 and high - mean == pytest.approx(4.303 * 2 / 3**0.5)
+    # s = sqrt(8 / 2) = 2, se = 2 / sqrt(3) / mean(t) = 2 / sqrt(3); half-width = t(0.975, 2) = 4.302653 x se.
+    stats = StepStats(warmup_steps=0)
+    for i, tokens in enumerate([10, 12, 14], start=1):
+        stats.add(StepRecord(i, 1.0, tokens, 4, 0.0, 1.0))
+    mean, _low, high = stats.tokens_per_s_ci95()
+    assert mean == 12.0 and high - mean == pytest.approx(4.302653 * 2 / 3**0.5)
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
 
 

@@ -10,56 +10,6 @@ import pytest
 from gpuscout import costs
 
 
-# -- Student t ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("p", "df", "expected"),
-    [
-        # two-sided 95 % critical values from any t table (e.g. NIST/SEMATECH e-Handbook table 1.3.6.7.2)
-        (0.975, 1, 12.7062),
-        (0.975, 2, 4.3027),
-        (0.975, 4, 2.7764),
-        (0.975, 10, 2.2281),
-        (0.975, 30, 2.0423),
-        (0.975, 120, 1.9799),
-        (0.95, 5, 2.0150),
-        (0.995, 3, 5.8409),
-    ],
-)
-def test_t_quantile_matches_tables(p: float, df: int, expected: float) -> None:
-    assert costs.student_t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
-
-
-def test_t_quantile_is_symmetric_and_tends_to_the_normal() -> None:
-    assert costs.student_t_quantile(0.025, 7) == pytest.approx(-costs.student_t_quantile(0.975, 7))
-    assert costs.student_t_quantile(0.975, 1e6) == pytest.approx(1.95996, abs=1e-4)  # z_0.975
-    assert costs.student_t_cdf(0.0, 3) == pytest.approx(0.5)
-    # df = 1 is Cauchy: F(1) = 1/2 + atan(1)/pi = 0.75
-    assert costs.student_t_cdf(1.0, 1) == pytest.approx(0.75)
-
-
-def test_t_quantile_rejects_nonsense() -> None:
-    with pytest.raises(ValueError):
-        costs.student_t_quantile(1.0, 3)
-    with pytest.raises(ValueError):
-        costs.student_t_cdf(1.0, 0)
-
-
-def test_mean_ci95_of_three_repetitions() -> None:
-    # mean = 110, sample sd = sqrt((100 + 0 + 100) / 2) = 10, half width = t(0.975, 2) x 10 / sqrt(3)
-    # = 4.302653 x 5.773503 = 24.8414
-    mean, ci = costs.mean_ci95([100.0, 110.0, 120.0])
-    assert mean == 110.0
-    assert ci is not None
-    assert ci[0] == pytest.approx(110 - 24.8414, abs=1e-3)
-    assert ci[1] == pytest.approx(110 + 24.8414, abs=1e-3)
-
-
-def test_mean_ci95_needs_two_values_for_an_interval() -> None:
-    assert costs.mean_ci95([42.0]) == (42.0, None)
-    with pytest.raises(ValueError):
-        costs.mean_ci95([])
-
-
 # -- money and time -------------------------------------------------------------------------------------------
 def test_cost_per_million_tokens_on_demand() -> None:
     # $36/h = $0.01/s; at 10,000 tokens/s a token costs 1e-6 $ -> $1.00 per 1M tokens
