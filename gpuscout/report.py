@@ -142,9 +142,10 @@ def _chart_tokens_per_s(analysis: RunAnalysis) -> Figure | None:
     jobs = jobs[::-1]  # best at the top
     fig, ax = _bar_figure(len(jobs))
     values = [j.tokens_per_s or 0.0 for j in jobs]
+    # a point estimate outside its own interval draws no whisker on that side (matplotlib rejects negative xerr)
     errors = [
-        [v - (j.tokens_per_s_ci95 or (v, v))[0] for v, j in zip(values, jobs, strict=True)],
-        [(j.tokens_per_s_ci95 or (v, v))[1] - v for v, j in zip(values, jobs, strict=True)],
+        [max(0.0, v - (j.tokens_per_s_ci95 or (v, v))[0]) for v, j in zip(values, jobs, strict=True)],
+        [max(0.0, (j.tokens_per_s_ci95 or (v, v))[1] - v) for v, j in zip(values, jobs, strict=True)],
     ]
     ax.barh(range(len(jobs)), values, xerr=errors, color=ON_DEMAND_COLOUR, capsize=3, error_kw={"elinewidth": 1})
     ax.set_yticks(range(len(jobs)), [j.label for j in jobs], fontsize=9)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matplotlib.container import ErrorbarContainer
 
 from gpuscout import report
 from gpuscout.analysis import RunAnalysis, analyze_run
@@ -160,3 +161,25 @@ def test_unwritable_folder_is_a_report_error(analysis: RunAnalysis, tmp_path: Pa
     blocker.write_text("not a folder")
     with pytest.raises(report.ReportError, match="cannot write the report"):
         report.write_report(analysis, blocker / "sub")
+
+
+def test_estimate_outside_its_interval_does_not_crash(analysis: RunAnalysis, tmp_path: Path) -> None:
+    # An estimator once put the point outside its own interval; matplotlib then raised "'xerr' must not contain
+    # negative values". The whisker on the wrong side is clamped to zero and the report is written.
+    ranked = [j for j in analysis.jobs if j.tokens_per_s is not None][:2]
+    above, below = (
+        ranked[0].model_copy(update={"tokens_per_s": 1000.0, "tokens_per_s_ci95": (1100.0, 1200.0)}),
+        ranked[1].model_copy(update={"tokens_per_s": 1000.0, "tokens_per_s_ci95": (800.0, 900.0)}),
+    )
+    odd = analysis.model_copy(update={"jobs": [above, below]})
+    fig = report._chart_tokens_per_s(odd)
+    assert fig is not None
+    (whiskers,) = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    lows, highs = [], []
+    for segment in whiskers.lines[2][0].get_segments():  # one horizontal whisker per bar: (x_low, x_high)
+        lows.append(float(segment[0][0]))
+        highs.append(float(segment[1][0]))
+    # bottom bar = last job ("below": 800-900 under 1000): whisker 800..1000; top bar ("above"): 1000..1200
+    assert (lows, highs) == ([800.0, 1000.0], [1000.0, 1200.0])
+    out = report.write_report(odd, tmp_path)
+    assert tmp_path / "tokens_per_s.png" in out["charts"]
