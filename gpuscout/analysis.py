@@ -559,8 +559,8 @@ def analyze_run(
     """Analyze one run's jobs: metrics, costs, exclusions, ranking and a recommendation.
 
     ``manifest`` is a gpuscout.manifest.Manifest or its dict (default: the one stored on the run). ``prices``
-    defaults to the catalog table with the manifest's price overrides; the cloud passes a PriceBook refreshed
-    from the AWS Price List API.
+    defaults to the catalog table with the manifest's price overrides; a caller may pass a book refreshed from the
+    AWS Price List API (``PriceBook.refresh_from_aws``). docs/costs.md has every formula.
     """
     from gpuscout.recommend import decide
 
