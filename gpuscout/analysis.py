@@ -463,7 +463,9 @@ def price_job(job: JobAnalysis, prices: PriceBook, spec: Mapping[str, Any] | Non
         "usd_per_hour": on_demand,
         "spot_usd_per_hour": spot,
         "price_source": f"{price.on_demand_source}; spot: {price.spot_source}",
-        "billed_usd": costs.usd_for_seconds(job.billed_seconds, billed_rate, n)
+        # Billed at the on-demand rate: for managed spot jobs SageMaker's BillableTimeInSeconds already carries
+        # the spot saving (saving = 1 - billable / training time), and local runs are never spot.
+        "billed_usd": costs.usd_for_seconds(job.billed_seconds, on_demand, n)
         if job.billed_seconds is not None
         else None,
     }

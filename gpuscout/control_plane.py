@@ -28,7 +28,7 @@ from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, P
 from gpuscout.events import classify_failure, parse_event_timestamp
 from gpuscout.manifest import Manifest, parse_manifest, validate_manifest_data
 from gpuscout.planner import make_run_id, plan
-from gpuscout.pricing import PriceBook
+from gpuscout.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.sagemaker_requests import (
     DataSource,
     RequestSettings,
@@ -74,6 +74,7 @@ class Services:
     store: DynamoDbStore
     s3: Any
     sagemaker: Any
+    pricing: Any  # AWS Price List API client (its endpoint is in us-east-1)
 
 
 @lru_cache(maxsize=1)
@@ -84,6 +85,7 @@ def services() -> Services:
         store=DynamoDbStore(settings.table_name, client=boto3.client("dynamodb")),
         s3=boto3.client("s3"),
         sagemaker=boto3.client("sagemaker"),
+        pricing=boto3.client("pricing", region_name=PRICE_LIST_REGION),
     )
 
 
@@ -334,6 +336,7 @@ def analyze(
     settings: LambdaSettings,
     catalog: Catalog | None = None,
     prices: PriceBook | None = None,
+    pricing_client: Any = None,
     work_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Analyze step: RunAnalysis + report files in ``reports/<run_id>/`` of the data bucket + RESULT row. The state
@@ -347,6 +350,10 @@ def analyze(
     catalog = catalog or load_catalog()
     if prices is None:
         prices = PriceBook.from_catalog(catalog).with_manifest_overrides(run.manifest)
+        if pricing_client is not None:
+            # Today's SageMaker Training list prices for the run's region; any failure keeps the catalog table's
+            # price and says so in the analysis notes. Manifest overrides still win.
+            prices.refresh_from_aws({j.instance_type for j in jobs}, settings.region, client=pricing_client)
     analysis = analyze_jobs(run, jobs, manifest=run.manifest, catalog=catalog, prices=prices)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         out_dir = Path(tmp) / run_id

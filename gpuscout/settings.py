@@ -32,6 +32,7 @@ class LambdaSettings(BaseModel):
     default_budget_usd: float = Field(alias="DEFAULT_BUDGET_USD", default=100.0, gt=0)
     service_name: str = Field(alias="POWERTOOLS_SERVICE_NAME", default="gpuscout")
     notification_topic_arn: str | None = Field(alias="NOTIFICATION_TOPIC_ARN", default=None)
+    region: str = Field(alias="AWS_REGION", default="us-east-1")  # set by the Lambda runtime
 
     @field_validator("allowed_instance_types", mode="before")
     @classmethod

@@ -31,7 +31,11 @@ def handler(event: AnalyzeRequest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
     logger.append_keys(run_id=event.run_id)
     result = control_plane.analyze(
-        {"run_id": event.run_id}, store=services.store, s3=services.s3, settings=services.settings
+        {"run_id": event.run_id},
+        store=services.store,
+        s3=services.s3,
+        settings=services.settings,
+        pricing_client=services.pricing,
     )
     metrics.add_metric(name="RunsAnalyzed", unit=MetricUnit.Count, value=1)
     logger.info("run analyzed", extra={"report_uri": result["report_uri"]})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import boto3
 import pytest
 from botocore.stub import Stubber
 from conftest import (
@@ -19,14 +20,17 @@ from conftest import (
     load_event,
 )
 
+from gpuscout import control_plane
 from gpuscout.control_plane import ManifestRejected, PlanRefused
 from gpuscout.errors import RunNotFoundError
+from gpuscout.pricing import PRICE_LIST_REGION
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
+from tests.unit.test_pricing import _expected_params, _product
 
 BAD_MANIFEST = """\
 name: Bad Name
@@ -380,3 +384,43 @@ def test_analyze_covers_completed_jobs_when_others_lacked_capacity(cloud: Cloud)
     assert statuses[p4d[1]] == "CAPACITY"
     assert result.analysis["recommendation"]["job_name"] in g5
     assert cloud.services.store.get_run(run_id).status is RunStatus.SUCCEEDED
+
+
+def test_analyze_prices_with_todays_aws_list_price_and_falls_back_per_instance(cloud: Cloud) -> None:
+    # Given a run with completed g5.8xlarge jobs and p4d jobs, and a Price List API that knows g5.8xlarge's price
+    # but is refused for p4d,
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id = planned["run_id"]
+    for item in planned["jobs"]:
+        if item["request"]["ResourceConfig"]["InstanceType"] == "ml.g5.8xlarge":
+            name = item["job_name"]
+            cloud.upload_benchmark(run_id, name, benchmark_for(name, run_id, "ml.g5.8xlarge", "g5-12xl-bs4-ckpt-r0"))
+            job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=name), cloud.context)
+    client = boto3.client("pricing", region_name=PRICE_LIST_REGION)
+    with Stubber(client) as stub:
+        stub.add_response(
+            "get_products",
+            {"FormatVersion": "aws_v1", "PriceList": [_product("ml.g5.8xlarge", "2.9000000000")]},
+            _expected_params("ml.g5.8xlarge"),
+        )
+        stub.add_client_error("get_products", "AccessDeniedException", "not authorized to perform pricing:GetProducts")
+        # when the analyze step runs,
+        control_plane.analyze(
+            {"run_id": run_id},
+            store=cloud.services.store,
+            s3=cloud.s3,
+            settings=cloud.services.settings,
+            pricing_client=client,
+        )
+        stub.assert_no_pending_responses()
+    # then the stored price snapshot has the list price where the API answered and the table price (with the
+    # reason) where it did not, and the costs use them.
+    result = cloud.services.store.get_result(run_id)
+    assert result is not None
+    prices = result.price_snapshot["prices"]
+    assert prices["ml.g5.8xlarge"]["on_demand_usd_per_hour"] == 2.9
+    assert prices["ml.g5.8xlarge"]["on_demand_source"] == "aws-price-list"
+    assert prices["ml.p4d.24xlarge"]["on_demand_source"].startswith("catalog")
+    assert any("ml.p4d.24xlarge" in note and "AccessDenied" in note for note in result.price_snapshot["notes"])
+    g5 = next(j for j in result.analysis["jobs"] if j["instance_type"] == "ml.g5.8xlarge" and j["tokens_per_s"])
+    assert g5["usd_per_million_tokens"] == pytest.approx(2.9 / 3600 / g5["tokens_per_s"] * 1e6)
