@@ -9,9 +9,9 @@ Convention (PaLM, Chowdhery et al. 2022, appendix B), per trained token:
 N_matmul counts the weights of every matrix multiply: q, k, v, o projections, the three MLP matrices of every
 layer, and the lm_head (counted even when tied to the input embedding, because the matmul is done); the input
 embedding lookup, norms and biases are excluded. T_eff is the attention context length averaged over tokens:
-the sequence length without packing, and sum(l_i^2) / sum(l_i) over the document pieces l_i of a packed block
-with document masking (each token attends only within its document). Causal masking is *not* halved, as in
-PaLM, so figures compare with published MFU numbers.
+sum(l_i^2) / sum(l_i) over the document pieces l_i, since each token attends only within its document, whether
+pieces are packed with a document mask or each padded in a row of its own; for one sequence of length T it is T.
+Causal masking is *not* halved, as in PaLM, so figures compare with published MFU numbers.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 A packed block holds several document pieces, numbered by ``segment_ids`` (1, 2, ... ; 0 = padding, written by
 data_preparation.py). With ``packing=True`` every token attends only to earlier tokens of its own piece (a
 block-diagonal causal mask), positions restart at 0 for every piece, and the first token of a piece is not a
-prediction target of the previous piece's last token. With ``packing=False`` the block is one causal sequence
-(documents see each other; the classic "concatenate and chunk" recipe) and only padding is masked.
-The model must run with ``use_cache=False``.
+prediction target of the previous piece's last token. With ``packing=False`` the data is first unpacked
+(``unpack_blocks``): every document piece gets a row of its own, padded to the sequence length, the way a plain
+HF Trainer set-up feeds documents; make_inputs then masks the padding only. The model must run with
+``use_cache=False``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -38,6 +40,27 @@ class ModelInputs:
     def target_tokens(self) -> int:
         """Tokens that are prediction targets (labels after the shift != IGNORE_INDEX)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def unpack_blocks(ids: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One row per document piece of the packed blocks, in block order, left-aligned and padded to the block
+    length (segment id 1 for the piece, 0 for padding; padding ids are 0 and never targets)."""
+    length = seg.shape[1]
+    starts = np.ones(seg.shape, dtype=bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    row_of, col_of = np.nonzero(starts)  # row-major: pieces in block order
+    ends = np.empty_like(col_of)
+    ends[:-1] = np.where(row_of[1:] == row_of[:-1], col_of[1:], length)
+    if len(ends):
+        ends[-1] = length
+    keep = seg[row_of, col_of] > 0
+    row_of, col_of, ends = row_of[keep], col_of[keep], ends[keep]
+    out_ids = np.zeros((len(row_of), length), dtype=ids.dtype)
+    out_seg = np.zeros((len(row_of), length), dtype=seg.dtype)
+    for k, (r, start, end) in enumerate(zip(row_of, col_of, ends, strict=True)):
+        out_ids[k, : end - start] = ids[r, start:end]
+        out_seg[k, : end - start] = 1
+    return out_ids, out_seg
 
 
 def position_ids_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:

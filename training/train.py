@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
-from packing import CausalLMWithLoss, make_inputs
+from packing import CausalLMWithLoss, make_inputs, unpack_blocks
 
 import gpuscout
 from gpuscout import flops
@@ -634,10 +634,13 @@ class Benchmark:
         self.sequence_length = hp.sequence_length or self.summary.sequence_length
         train_ids, train_seg = split_blocks(train_ids, train_seg, self.sequence_length)
         val_ids, val_seg = split_blocks(val_ids, val_seg, self.sequence_length)
+        if not hp.packing:  # one padded row per document piece; padding is neither counted nor a target
+            train_ids, train_seg = unpack_blocks(train_ids, train_seg)
+            val_ids, val_seg = unpack_blocks(val_ids, val_seg)
         if len(train_ids) == 0:
             raise TrainingError(f"{self.data_dir}: the train split is empty")
-        lengths = piece_lengths(train_seg)
-        self.t_eff = flops.effective_context(lengths) if hp.packing else float(self.sequence_length)
+        # Each token attends within its own document piece either way (document mask or a row of its own).
+        self.t_eff = flops.effective_context(piece_lengths(train_seg))
 
         with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
             lm, self.arch, self.model_name = build_model(hp, self.summary, Path(work))

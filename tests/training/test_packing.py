@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from packing import (
@@ -11,6 +12,7 @@ from packing import (
     make_inputs,
     plain_cross_entropy,
     position_ids_from_segments,
+    unpack_blocks,
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -100,3 +102,38 @@ def test_fused_adamw_toggle_gives_equal_numerics_on_cpu() -> None:
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_unpacking_gives_each_document_piece_a_padded_row() -> None:
+    ids = np.array([[5, 6, 7, 8, 9, 0, 0], [1, 2, 3, 4, 5, 6, 7]], dtype=np.uint32)
+    seg = np.array([[1, 1, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 4, 4]], dtype=np.uint16)
+    rows, segs = unpack_blocks(ids, seg)
+    assert rows.tolist() == [
+        [5, 6, 0, 0, 0, 0, 0],
+        [7, 8, 9, 0, 0, 0, 0],
+        [1, 2, 3, 4, 5, 0, 0],
+        [6, 7, 0, 0, 0, 0, 0],
+    ]
+    assert segs.tolist() == [[1 if v else 0 for v in row] for row in rows.tolist()]
+    assert rows.dtype == ids.dtype and segs.dtype == seg.dtype
+
+
+def test_no_packing_trains_on_the_same_targets_as_masked_packing() -> None:
+    # Given packed blocks, the unpacked rows (packing=False) hold the same non-padding tokens and prediction
+    # targets, so the mean loss equals the document-masked packed loss: only the padding differs.
+    model = _model()
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 97, (2, 16), generator=gen)
+    seg = torch.tensor([[1] * 5 + [2] * 8 + [0] * 3, [3] * 9 + [4] * 7])
+    packed = make_inputs(ids, seg, packing=True, attention="sdpa", dtype=torch.float32)
+    rows, segs = unpack_blocks(ids.numpy(), seg.numpy())
+    unpacked = make_inputs(
+        torch.from_numpy(rows), torch.from_numpy(segs), packing=False, attention="sdpa", dtype=torch.float32
+    )
+    assert unpacked.tokens == packed.tokens == 29
+    assert unpacked.target_tokens == packed.target_tokens == 29 - 4
+    loss = CausalLMWithLoss(model, loss="plain")
+    with torch.no_grad():
+        a = loss(packed.input_ids, packed.position_ids, packed.attention_mask, packed.labels)
+        b = loss(unpacked.input_ids, unpacked.position_ids, unpacked.attention_mask, unpacked.labels)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
