@@ -43,19 +43,15 @@ if str(TRAINING_DIR) not in sys.path:
     sys.path.insert(0, str(TRAINING_DIR))
 
 from benchmark_callback import default_warmup_steps, percentile
-from data_preparation import DatasetSummary, load_split, load_summary
+from data_preparation import DatasetSummary, load_split, load_summary, piece_spans
 
 IGNORE_INDEX = -100
 
 
 def documents(ids: np.ndarray, seg: np.ndarray) -> list[np.ndarray]:
     """The document pieces of packed blocks, in block order (padding dropped)."""
-    pieces: list[np.ndarray] = []
-    for row_ids, row_seg in zip(ids, seg, strict=True):
-        starts = np.flatnonzero(np.diff(row_seg, prepend=-1) != 0)
-        ends = np.append(starts[1:], len(row_seg))
-        pieces.extend(row_ids[s:e].astype(np.int64) for s, e in zip(starts, ends, strict=True) if row_seg[s] > 0)
-    return pieces
+    rows, starts, ends = piece_spans(seg)
+    return [ids[r, s:e].astype(np.int64) for r, s, e in zip(rows, starts, ends, strict=True)]
 
 
 class Documents(torch.utils.data.Dataset[dict[str, list[int]]]):

@@ -482,17 +482,27 @@ def pack(documents: Sequence[Sequence[int]], sequence_length: int, pad_id: int) 
     return ids.reshape(blocks, sequence_length), seg.reshape(blocks, sequence_length)
 
 
-def piece_lengths(segment_ids: np.ndarray) -> list[int]:
-    """Lengths of the document pieces (runs of equal non-zero segment id within a row), row by row."""
-    if segment_ids.size == 0:
-        return []
+def piece_spans(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, start, end) of every document piece (a run of equal non-zero segment id within a row), in block
+    order; padding runs are left out."""
     seg = np.asarray(segment_ids)
+    if seg.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
     starts = np.ones(seg.shape, dtype=bool)
     starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    flat_starts = np.flatnonzero(starts.reshape(-1))
-    lengths = np.diff(np.append(flat_starts, seg.size))
-    keep = seg.reshape(-1)[flat_starts] > 0
-    return [int(n) for n in lengths[keep]]
+    rows, cols = np.nonzero(starts)  # row-major: pieces in block order
+    ends = np.empty_like(cols)
+    ends[:-1] = np.where(rows[1:] == rows[:-1], cols[1:], seg.shape[1])
+    ends[-1] = seg.shape[1]
+    keep = seg[rows, cols] > 0
+    return rows[keep], cols[keep], ends[keep]
+
+
+def piece_lengths(segment_ids: np.ndarray) -> list[int]:
+    """Lengths of the document pieces, row by row."""
+    _, starts, ends = piece_spans(segment_ids)
+    return [int(n) for n in ends - starts]
 
 
 def _write_split(

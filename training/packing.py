@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from data_preparation import piece_spans
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
@@ -45,19 +46,10 @@ class ModelInputs:
 def unpack_blocks(ids: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One row per document piece of the packed blocks, in block order, left-aligned and padded to the block
     length (segment id 1 for the piece, 0 for padding; padding ids are 0 and never targets)."""
-    length = seg.shape[1]
-    starts = np.ones(seg.shape, dtype=bool)
-    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    row_of, col_of = np.nonzero(starts)  # row-major: pieces in block order
-    ends = np.empty_like(col_of)
-    ends[:-1] = np.where(row_of[1:] == row_of[:-1], col_of[1:], length)
-    if len(ends):
-        ends[-1] = length
-    keep = seg[row_of, col_of] > 0
-    row_of, col_of, ends = row_of[keep], col_of[keep], ends[keep]
-    out_ids = np.zeros((len(row_of), length), dtype=ids.dtype)
-    out_seg = np.zeros((len(row_of), length), dtype=seg.dtype)
-    for k, (r, start, end) in enumerate(zip(row_of, col_of, ends, strict=True)):
+    rows, starts, ends = piece_spans(seg)
+    out_ids = np.zeros((len(rows), seg.shape[1]), dtype=ids.dtype)
+    out_seg = np.zeros((len(rows), seg.shape[1]), dtype=seg.dtype)
+    for k, (r, start, end) in enumerate(zip(rows, starts, ends, strict=True)):
         out_ids[k, : end - start] = ids[r, start:end]
         out_seg[k, : end - start] = 1
     return out_ids, out_seg
