@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from example_run import load_example_run
 
 from gpuscout.analysis import analyze_run
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -23,18 +24,6 @@ from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BENCHMARKS = FIXTURES / "benchmarks"
 EXPECTED = FIXTURES / "analysis"
-
-
-def _example_run() -> tuple[RunRecord, list[JobRecord], dict[str, Any], dict[str, Any]]:
-    data = json.loads((BENCHMARKS / "example_run.json").read_text())
-    jobs = []
-    for item in data["jobs"]:
-        record = dict(item["record"])
-        if item["benchmark_file"]:
-            record["benchmark"] = json.loads((BENCHMARKS / item["benchmark_file"]).read_text())
-        jobs.append(JobRecord.model_validate(record))
-    run = RunRecord.model_validate(data["run"])
-    return run, jobs, data["catalog_prices"], run.manifest
 
 
 def _transitions(rng: random.Random, t0: int) -> list[dict[str, Any]]:
@@ -136,7 +125,8 @@ def _synthetic_jobs() -> tuple[list[JobRecord], dict[str, Any]]:
 
 def _case(name: str) -> tuple[RunRecord, list[JobRecord], dict[str, Any], dict[str, Any]]:
     if name == "example_run":
-        return _example_run()
+        run, jobs, catalog = load_example_run()
+        return run, jobs, catalog, run.manifest
     jobs, catalog = _synthetic_jobs()
     manifest: dict[str, Any] = {
         "synthetic-cheapest": {

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from example_run import load_example_run
 
 from gpuscout.analysis import Constraints, JobAnalysis, analyze_run, price_job, reprice
 from gpuscout.pricing import PriceBook, SpotAssumption
 from gpuscout.recommend import decide, pareto_front
-from gpuscout.store.base import JobRecord, RunRecord
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 SPOT = SpotAssumption(default_discount=0.6, assumption="test: 60 % off", source="test", date="2026-11-01")
@@ -189,24 +189,13 @@ def test_pareto_front() -> None:
 
 
 # -- analyze_run on the fixture run ---------------------------------------------------------------------------
-def load_fixture_run() -> tuple[RunRecord, list[JobRecord], dict[str, Any]]:
-    data = json.loads((FIXTURES / "example_run.json").read_text())
-    jobs = []
-    for item in data["jobs"]:
-        record = dict(item["record"])
-        if item["benchmark_file"]:
-            record["benchmark"] = json.loads((FIXTURES / item["benchmark_file"]).read_text())
-        jobs.append(JobRecord.model_validate(record))
-    return RunRecord.model_validate(data["run"]), jobs, data["catalog_prices"]
-
-
 def _tps(name: str) -> float:
     return float(json.loads((FIXTURES / f"{name}.json").read_text())["throughput"]["tokens_per_s"])
 
 
 @pytest.fixture(scope="module")
 def fixture_analysis() -> Any:
-    run, jobs, catalog = load_fixture_run()
+    run, jobs, catalog = load_example_run()
     return analyze_run(run, jobs, manifest=run.manifest, catalog=catalog, prices=None), run, jobs, catalog
 
 
@@ -299,7 +288,7 @@ def test_reprice_keeps_old_prices_for_types_the_new_book_lacks(fixture_analysis:
 
 
 def test_local_run_bills_wall_time(fixture_analysis: Any) -> None:
-    run, jobs, catalog = load_fixture_run()
+    run, jobs, catalog = load_example_run()
     local = [
         j.model_copy(update={"billable_seconds": None, "secondary_status_transitions": []})
         for j in jobs

@@ -2,37 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
+from example_run import load_example_run
 from matplotlib.container import ErrorbarContainer
 
 from gpuscout import report
 from gpuscout.analysis import RunAnalysis, analyze_run
-from gpuscout.store.base import JobRecord, RunRecord
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 NOTE = "Example from fixture data, not a measurement."
 
 
-def _fixture_run() -> tuple[RunRecord, list[JobRecord], dict[str, Any]]:
-    data = json.loads((FIXTURES / "example_run.json").read_text())
-    jobs = []
-    for item in data["jobs"]:
-        record = dict(item["record"])
-        if item["benchmark_file"]:
-            record["benchmark"] = json.loads((FIXTURES / item["benchmark_file"]).read_text())
-        jobs.append(JobRecord.model_validate(record))
-    return RunRecord.model_validate(data["run"]), jobs, data["catalog_prices"]
-
-
 @pytest.fixture(scope="module")
 def analysis() -> RunAnalysis:
-    run, jobs, catalog = _fixture_run()
+    run, jobs, catalog = load_example_run()
     return analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
 
 
@@ -137,7 +125,7 @@ def test_charts_label_axes_with_units(analysis: RunAnalysis) -> None:
 
 
 def test_report_without_results(tmp_path: Path) -> None:
-    run, jobs, catalog = _fixture_run()
+    run, jobs, catalog = load_example_run()
     failed = [j for j in jobs if j.status.value in ("OOM", "CAPACITY")]
     empty = analyze_run(run, failed, manifest=run.manifest, catalog=catalog)
     out = report.write_report(empty, tmp_path)
