@@ -15,7 +15,7 @@ import random
 import time
 from pathlib import Path
 
-from gpuscout.analysis import analyze_run
+from gpuscout.analysis.analyze import analyze_run
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "benchmarks" / "p4d-bs8-r0.json"

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuscout import flops
-from gpuscout.hardware import detect_sku
-from gpuscout.intervals import ratio_ci95
-from gpuscout.models import PRESETS, Architecture
+from gpuscout.analysis.intervals import ratio_ci95
 from gpuscout.paths import TRAINING_DIR
+from gpuscout.spec import flops
+from gpuscout.spec.hardware import detect_sku
+from gpuscout.spec.models import PRESETS, Architecture
 
 if str(TRAINING_DIR) not in sys.path:
     sys.path.insert(0, str(TRAINING_DIR))

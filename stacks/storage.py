@@ -20,7 +20,7 @@ PROCESSED_PREFIX = "processed/"
 REPORTS_PREFIX = "reports/"
 REJECTED_PREFIX = "rejected/"
 DATA_PREFIXES = (MANIFESTS_PREFIX, RAW_PREFIX, PROCESSED_PREFIX, REPORTS_PREFIX, REJECTED_PREFIX)
-# Key prefixes of the artifacts bucket (gpuscout/sagemaker_requests.py).
+# Key prefixes of the artifacts bucket (gpuscout/cloud/sagemaker_requests.py).
 OUTPUT_PREFIX = "output/"
 CHECKPOINTS_PREFIX = "checkpoints/"
 

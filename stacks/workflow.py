@@ -2,7 +2,7 @@
 
 SageMaker jobs run through Step Functions' optimized `.sync` integrations, so no Lambda ever polls. The two
 SageMaker states are raw ASL (CustomState) that copy each top-level field of the request plan_jobs built
-(docs/internals.md, Cloud contract): the requests stay plain dicts owned by gpuscout.sagemaker_requests.
+(docs/internals.md, Cloud contract): the requests stay plain dicts owned by gpuscout.cloud.sagemaker_requests.
 The run's SNS notification is sent by analyze_run itself (NOTIFICATION_TOPIC_ARN), with the run summary.
 """
 

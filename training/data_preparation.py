@@ -211,52 +211,65 @@ def _files(root: Path) -> list[Path]:
     return files
 
 
-def _file_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
-    if path.suffix == ".txt":  # documents are separated by one or more blank lines
-        block: list[str] = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                block.append(line)
-            elif block:
-                yield "\n".join(block)
-                block = []
-        if block:
+def _text_documents(path: Path) -> Iterator[str]:
+    """A .txt file: documents are separated by one or more blank lines."""
+    block: list[str] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            block.append(line)
+        elif block:
             yield "\n".join(block)
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+            block = []
+    if block:
+        yield "\n".join(block)
 
-        table = pq.read_table(path)
-        if text_field not in table.column_names:
-            raise DataPreparationError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
-        for value in table.column(text_field).to_pylist():
-            if isinstance(value, str):
-                yield value
-            else:
-                invalid["invalid"] += 1
-    else:
-        lines: Iterable[str]
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json" and text.lstrip().startswith("["):
-            try:
-                records = json.loads(text)
-            except ValueError as err:
-                raise DataPreparationError(f"{path}: invalid JSON ({err})") from err
-            lines = [json.dumps(r) for r in records]
+
+def _parquet_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if text_field not in table.column_names:
+        raise DataPreparationError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
+    for value in table.column(text_field).to_pylist():
+        if isinstance(value, str):
+            yield value
         else:
-            lines = text.splitlines()
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                invalid["invalid"] += 1
-                continue
-            value = record.get(text_field) if isinstance(record, dict) else None
-            if isinstance(value, str):
-                yield value
-            else:
-                invalid["invalid"] += 1
+            invalid["invalid"] += 1
+
+
+def _json_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
+    """JSON Lines, or a .json file holding one array of records."""
+    lines: Iterable[str]
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except ValueError as err:
+            raise DataPreparationError(f"{path}: invalid JSON ({err})") from err
+        lines = [json.dumps(r) for r in records]
+    else:
+        lines = text.splitlines()
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            invalid["invalid"] += 1
+            continue
+        value = record.get(text_field) if isinstance(record, dict) else None
+        if isinstance(value, str):
+            yield value
+        else:
+            invalid["invalid"] += 1
+
+
+def _file_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
+    if path.suffix == ".txt":
+        return _text_documents(path)
+    if path.suffix == ".parquet":
+        return _parquet_documents(path, text_field, invalid)
+    return _json_documents(path, text_field, invalid)
 
 
 def read_documents(source: str, text_field: str, dropped: Counter[str], workdir: Path) -> Iterator[str]:

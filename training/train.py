@@ -34,8 +34,9 @@ from data_preparation import DatasetSummary, load_split, load_summary, piece_len
 from packing import CausalLMWithLoss, make_inputs, unpack_blocks
 
 import gpuscout
-from gpuscout import flops
-from gpuscout.benchmark import (
+from gpuscout.errors import TrainingError
+from gpuscout.spec import flops
+from gpuscout.spec.benchmark import (
     BenchmarkResult,
     DatasetInfo,
     Efficiency,
@@ -49,10 +50,9 @@ from gpuscout.benchmark import (
     Timing,
     TrainConfig,
 )
-from gpuscout.errors import TrainingError
-from gpuscout.hardware import detect_sku
-from gpuscout.metric_lines import format_metric_line
-from gpuscout.models import PRESETS, Architecture
+from gpuscout.spec.hardware import detect_sku
+from gpuscout.spec.metric_lines import format_metric_line
+from gpuscout.spec.models import PRESETS, Architecture
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
 DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"

@@ -1,4 +1,7 @@
-"""Result stores: one protocol (base.ResultStore), SQLite locally, DynamoDB in the cloud."""
+"""Result stores: one protocol (base.ResultStore), SQLite locally, DynamoDB in the cloud.
+
+May import: gpuscout.spec, gpuscout.errors, gpuscout.paths (and boto3 in dynamodb.py, sqlite3 in sqlite.py).
+"""
 
 from gpuscout.store.base import (
     JOB_STATUS_RANK,

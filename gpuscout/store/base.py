@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from gpuscout.jobspec import JobSpec
+    from gpuscout.spec.jobspec import JobSpec
 
 
 class RunStatus(StrEnum):
@@ -129,7 +129,7 @@ class ResultRecord(BaseModel):
 
     run_id: str
     created_at: datetime = Field(default_factory=utcnow)
-    analysis: dict[str, Any]  # gpuscout.analysis.RunAnalysis.model_dump(mode="json")
+    analysis: dict[str, Any]  # gpuscout.analysis.analyze.RunAnalysis.model_dump(mode="json")
     report_uri: str | None = None  # folder or s3:// prefix holding report.md/html/json and charts
     price_snapshot: dict[str, Any] = Field(default_factory=dict)
 

@@ -10,7 +10,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuscout import control_plane
+from gpuscout.cloud import control_plane
 
 logger = Logger()
 tracer = Tracer()

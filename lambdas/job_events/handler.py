@@ -1,6 +1,6 @@
 """Lambda: SageMaker "Training Job State Change" events -> JOB rows, benchmark results, budget guard.
 
-Idempotent and order-safe (see gpuscout.events). Emits TokensPerSecond (dimension InstanceType) when a job ends
+Idempotent and order-safe (see gpuscout.cloud.events). Emits TokensPerSecond (dimension InstanceType) when a job ends
 with a benchmark.
 """
 
@@ -14,8 +14,8 @@ from aws_lambda_powertools.utilities.parser import envelopes, parse
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from gpuscout import control_plane
-from gpuscout.events import EventError, TrainingJobStateChange, handle_training_job_event
+from gpuscout.cloud import control_plane
+from gpuscout.cloud.events import EventError, TrainingJobStateChange, handle_training_job_event
 
 logger = Logger()
 tracer = Tracer()

@@ -20,8 +20,8 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from gpuscout.control_plane import Services, services
-from gpuscout.settings import get_settings
+from gpuscout.cloud.control_plane import Services, services
+from gpuscout.cloud.settings import get_settings
 from gpuscout.store.dynamodb import table_definition
 
 REPO_DIR = Path(__file__).resolve().parents[2]

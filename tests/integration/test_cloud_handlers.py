@@ -20,10 +20,10 @@ from conftest import (
     load_event,
 )
 
-from gpuscout import control_plane
-from gpuscout.control_plane import ManifestRejected, PlanRefused
+from gpuscout.analysis.pricing import PRICE_LIST_REGION
+from gpuscout.cloud import control_plane
+from gpuscout.cloud.control_plane import ManifestRejected, PlanRefused
 from gpuscout.errors import RunNotFoundError
-from gpuscout.pricing import PRICE_LIST_REGION
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler

@@ -17,10 +17,12 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from gpuscout import cli, local
-from gpuscout.catalog import Catalog
-from gpuscout.local import prepare_data, run_local
-from gpuscout.manifest import load_manifest
+from gpuscout.cli import app as cli
+from gpuscout.cli.local_view import RichRunObserver
+from gpuscout.local import runner as local
+from gpuscout.local.runner import prepare_data, run_local
+from gpuscout.spec.catalog import Catalog
+from gpuscout.spec.manifest import load_manifest
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -86,7 +88,7 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     out = io.StringIO()
     console = Console(file=out, width=160)
 
-    run = run_local(manifest_path, store=store, runs_dir=runs_dir, console=console)
+    run = run_local(manifest_path, store=store, runs_dir=runs_dir, observer=RichRunObserver(console))
 
     printed = out.getvalue()
     assert run.status is RunStatus.SUCCEEDED, printed
@@ -135,6 +137,6 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
     # A second run of the same data reuses the prepared data instead of preparing it again.
     again = io.StringIO()
-    cached = prepare_data(load_manifest(manifest_path), runs_dir / ".cache" / "data", Console(file=again))
+    cached = prepare_data(load_manifest(manifest_path), runs_dir / ".cache" / "data", Console(file=again).print)
     assert (cached / "dataset.json").is_file()
     assert "reusing prepared data" in again.getvalue()

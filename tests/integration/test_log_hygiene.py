@@ -13,7 +13,7 @@ import re
 import pytest
 from conftest import Cloud, benchmark_for, cloud_manifest, job_event
 
-from gpuscout.control_plane import ManifestRejected
+from gpuscout.cloud.control_plane import ManifestRejected
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler

@@ -14,10 +14,10 @@ import jsonschema
 import pytest
 import train
 
-from gpuscout.benchmark import BenchmarkResult
 from gpuscout.errors import TrainingError
-from gpuscout.metric_lines import METRIC_DEFINITIONS
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.spec.benchmark import BenchmarkResult
+from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
 
 CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 HPS = {

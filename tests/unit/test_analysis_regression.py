@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from example_run import load_example_run
 
-from gpuscout.analysis import analyze_run
+from gpuscout.analysis.analyze import analyze_run
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

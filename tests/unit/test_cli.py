@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpuscout import cli
-from gpuscout.analysis import analyze_run
-from gpuscout.benchmark import BenchmarkResult
-from gpuscout.catalog import load_catalog
-from gpuscout.manifest import load_manifest
+from gpuscout.analysis.analyze import analyze_run
+from gpuscout.cli import app as cli
 from gpuscout.paths import MANIFESTS_DIR
+from gpuscout.spec.benchmark import BenchmarkResult
+from gpuscout.spec.catalog import load_catalog
+from gpuscout.spec.manifest import load_manifest
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

@@ -17,9 +17,10 @@ from botocore.stub import Stubber
 from moto import mock_aws
 from typer.testing import CliRunner
 
-from gpuscout import cli
-from gpuscout.cli import _GuardedGroup
-from gpuscout.cloud import (
+from gpuscout.cli import app as cli
+from gpuscout.cli.app import _GuardedGroup
+from gpuscout.cli.cloud_commands import register
+from gpuscout.cloud.client import (
     AlreadySubmittedError,
     CloudError,
     CloudStack,
@@ -27,10 +28,9 @@ from gpuscout.cloud import (
     StackNotFoundError,
     execution_console_url,
 )
-from gpuscout.cloud_cli import register
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.paths import MANIFESTS_DIR
-from gpuscout.planner import make_run_id
+from gpuscout.plan.planner import make_run_id
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 
@@ -240,13 +240,16 @@ def test_cli_defaults_match_the_client_and_the_cdk_app() -> None:
     import subprocess
     import sys
 
-    from gpuscout import cloud, cloud_cli
+    from gpuscout.cli import cloud_commands as cloud_cli
+    from gpuscout.cloud import client as cloud
 
     assert cloud_cli.DEFAULT_STACK_NAME == cloud.DEFAULT_STACK_NAME
     assert cloud_cli.DEFAULT_EXECUTION_WAIT_S == cloud.DEFAULT_EXECUTION_WAIT_S
     app_source = (Path(__file__).resolve().parents[2] / "app.py").read_text()
     assert re.search(r'^STACK_NAME = "(\w+)"', app_source, re.M)[1] == cloud.DEFAULT_STACK_NAME  # type: ignore[index]
-    light = "import sys, gpuscout.cloud_cli; print('boto3' in sys.modules, 'gpuscout.cloud' in sys.modules)"
+    light = (
+        "import sys, gpuscout.cli.cloud_commands; print('boto3' in sys.modules, 'gpuscout.cloud.client' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, check=True).stdout.split() == [
         "False",
         "False",

@@ -1,4 +1,4 @@
-"""Cost and time formulas (gpuscout.costs) against hand-computed numbers; the arithmetic is in the comments."""
+"""Cost and time formulas (gpuscout.analysis.costs) against hand-computed numbers; the arithmetic is in the comments."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpuscout import costs
+from gpuscout.analysis import costs
 
 
 # -- money and time -------------------------------------------------------------------------------------------

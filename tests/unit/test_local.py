@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 from rich.console import Console
-from rich.progress import Progress
 
-from gpuscout import local, paths
-from gpuscout.catalog import load_catalog
+from gpuscout import paths
+from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.errors import BudgetExceededError, DataPreparationError
-from gpuscout.jobspec import JobSpec, Prediction
-from gpuscout.local import JobFolders, JobOutcome, JobProgress, run_job, run_local
+from gpuscout.local import runner as local
+from gpuscout.local.runner import JobFolders, JobOutcome, JobProgress, run_job, run_local
+from gpuscout.spec.catalog import load_catalog
+from gpuscout.spec.jobspec import JobSpec, Prediction
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -57,9 +58,9 @@ def _run(tmp_path: Path, spec: JobSpec) -> tuple[JobOutcome, JobFolders]:
     data.mkdir(exist_ok=True)
     (data / "dataset.json").write_text("{}")
     folders = JobFolders.create(tmp_path / "job", spec, data)
-    with Progress(console=Console(file=io.StringIO())) as progress:
-        task = progress.add_task("job", total=3)
-        outcome = run_job(spec, folders, progress=progress, task=task, label="job 1/1", poll_interval_s=0.05)
+    seen: list[int | None] = []
+    outcome = run_job(spec, folders, on_progress=lambda progress: seen.append(progress.step), poll_interval_s=0.05)
+    assert seen, "run_job reports progress at least once (after the job ends)"
     return outcome, folders
 
 
@@ -128,7 +129,9 @@ def test_over_budget_is_refused_and_recorded(tmp_path: Path) -> None:
     manifest.write_text(QUICKSTART.read_text().replace("budget_usd: 1.0", "budget_usd: 0.000001"))
     store = SqliteStore(tmp_path / "g.db")
     with pytest.raises(BudgetExceededError):
-        run_local(manifest, store=store, runs_dir=tmp_path / "runs", console=Console(file=io.StringIO()))
+        run_local(
+            manifest, store=store, runs_dir=tmp_path / "runs", observer=RichRunObserver(Console(file=io.StringIO()))
+        )
     [run] = store.list_runs()
     assert run.status is RunStatus.REFUSED
     assert run.error is not None
@@ -152,7 +155,11 @@ def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkey
     store = SqliteStore(tmp_path / "g.db")
     out = io.StringIO()
     run = run_local(
-        QUICKSTART, store=store, runs_dir=tmp_path / "runs", console=Console(file=out), catalog=load_catalog()
+        QUICKSTART,
+        store=store,
+        runs_dir=tmp_path / "runs",
+        observer=RichRunObserver(Console(file=out)),
+        catalog=load_catalog(),
     )
     assert run.status is RunStatus.STOPPED
     jobs = store.list_jobs(run.run_id)
@@ -175,7 +182,9 @@ def test_failed_data_preparation_fails_the_run(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(local, "prepare_data", broken)
     store = SqliteStore(tmp_path / "g.db")
     with pytest.raises(DataPreparationError):
-        run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", console=Console(file=io.StringIO()))
+        run_local(
+            QUICKSTART, store=store, runs_dir=tmp_path / "runs", observer=RichRunObserver(Console(file=io.StringIO()))
+        )
     [run] = store.list_runs()
     assert run.status is RunStatus.FAILED
     assert run.error is not None

@@ -4,11 +4,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuscout.catalog import LocalHardware, load_catalog
 from gpuscout.errors import BudgetExceededError, PlanError
-from gpuscout.jobspec import JOB_NAME_RE
-from gpuscout.manifest import validate_manifest_data
-from gpuscout.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan
+from gpuscout.plan.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan
+from gpuscout.spec.catalog import LocalHardware, load_catalog
+from gpuscout.spec.jobspec import JOB_NAME_RE
+from gpuscout.spec.manifest import validate_manifest_data
 
 CATALOG = load_catalog()
 CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)

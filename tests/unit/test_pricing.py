@@ -9,10 +9,10 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from gpuscout import pricing
-from gpuscout.catalog import load_catalog
+from gpuscout.analysis import pricing
+from gpuscout.analysis.pricing import PriceBook, SpotAssumption
 from gpuscout.errors import PricingError
-from gpuscout.pricing import PriceBook, SpotAssumption
+from gpuscout.spec.catalog import load_catalog
 
 SPOT = SpotAssumption(default_discount=0.6, assumption="test: 60 % off", source="test", date="2026-11-01")
 

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from example_run import load_example_run
 
-from gpuscout.analysis import Constraints, JobAnalysis, analyze_run, price_job, reprice
-from gpuscout.pricing import PriceBook, SpotAssumption
-from gpuscout.recommend import decide, pareto_front
+from gpuscout.analysis.analyze import analyze_run, price_job, reprice
+from gpuscout.analysis.pricing import PriceBook, SpotAssumption
+from gpuscout.analysis.recommend import decide, pareto_front
+from gpuscout.analysis.results import Constraints, JobAnalysis
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 SPOT = SpotAssumption(default_discount=0.6, assumption="test: 60 % off", source="test", date="2026-11-01")

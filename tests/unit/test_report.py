@@ -11,8 +11,9 @@ import pytest
 from example_run import load_example_run
 from matplotlib.container import ErrorbarContainer
 
-from gpuscout import report
-from gpuscout.analysis import RunAnalysis, analyze_run
+from gpuscout.analysis import report
+from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.results import RunAnalysis
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 NOTE = "Example from fixture data, not a measurement."

@@ -8,15 +8,15 @@ import botocore.session
 import pytest
 from botocore.validate import ParamValidator
 
-from gpuscout.jobspec import JobSpec, Prediction
-from gpuscout.metric_lines import METRIC_DEFINITIONS
-from gpuscout.sagemaker_requests import (
+from gpuscout.cloud.sagemaker_requests import (
     DataSource,
     RequestSettings,
     max_wait_seconds,
     processing_job_request,
     training_job_request,
 )
+from gpuscout.spec.jobspec import JobSpec, Prediction
+from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
 
 SETTINGS = RequestSettings(
     role_arn="arn:aws:iam::123456789012:role/sm",

@@ -1,6 +1,6 @@
 """Cost and time formulas for one benchmarked job and for repetitions of it (docs/costs.md has the maths).
 
-Everything here is a pure function of numbers; gpuscout.analysis feeds it JobRecords and prices. Seconds are
+Everything here is a pure function of numbers; gpuscout.analysis.analyze feeds it JobRecords and prices. Seconds are
 kept separately from dollars so a stored analysis can be re-priced without the raw results.
 """
 
@@ -21,7 +21,7 @@ from gpuscout.errors import GpuscoutError
 SECONDS_PER_HOUR = 3600.0
 MAX_EXTRAPOLATION = 10.0  # never project a loss curve past 10x the tokens it measured
 FIT_FROM_FRACTION = 0.25  # loss fits use the points past 25 % of the measured tokens
-# confidence intervals (Student t over repetitions, the ratio estimator of a run) live in gpuscout.intervals
+# confidence intervals (Student t over repetitions, the ratio estimator of a run) live in gpuscout.analysis.intervals
 
 
 # -- money and time ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Each file states the hardware facts of one SageMaker instance type (GPU SKU and count, memory, vCPU, RAM, NVMe,
 network, EFA), suggested training settings and an on-demand price with its region, date and source. GPU facts that
-belong to the SKU (dense peaks, supported precisions) come from :mod:`gpuscout.hardware`, so they are stated once;
+belong to the SKU (dense peaks, supported precisions) come from :mod:`gpuscout.spec.hardware`, so they are stated once;
 a file's ``gpu_memory_gb`` must equal its SKU's.
 
 ``local.json`` describes "the machine you are on": its hardware is detected at run time by
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gpuscout import paths
 from gpuscout.errors import CatalogError
-from gpuscout.hardware import SKUS, GpuSku, detect_sku
+from gpuscout.spec.hardware import SKUS, GpuSku, detect_sku
 
 LOCAL = "local"
 Role = Literal["training", "processing", "local"]
@@ -183,7 +183,7 @@ class LocalHardware(BaseModel):
 
     device: Literal["cpu", "cuda"]
     gpu_name: str | None = None
-    gpu_sku: str | None = None  # gpuscout.hardware key; None on CPU or for an unrecognised GPU
+    gpu_sku: str | None = None  # gpuscout.spec.hardware key; None on CPU or for an unrecognised GPU
     gpu_count: int = Field(default=0, ge=0)
     gpu_memory_gb: float | None = None
     cpu_model: str | None = None

@@ -22,20 +22,19 @@ from typing import Any
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
-from gpuscout.analysis import analyze_run as analyze_jobs
-from gpuscout.catalog import Catalog, load_catalog
-from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem, RunNotFoundError
-from gpuscout.events import classify_failure, parse_event_timestamp
-from gpuscout.manifest import Manifest, parse_manifest, validate_manifest_data
-from gpuscout.planner import make_run_id, plan
-from gpuscout.pricing import PRICE_LIST_REGION, PriceBook
-from gpuscout.sagemaker_requests import (
+from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
+from gpuscout.cloud.events import classify_failure, parse_event_timestamp
+from gpuscout.cloud.sagemaker_requests import (
     DataSource,
     RequestSettings,
     processing_job_request,
     training_job_request,
 )
-from gpuscout.settings import LambdaSettings, get_settings
+from gpuscout.cloud.settings import LambdaSettings, get_settings
+from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem, RunNotFoundError
+from gpuscout.plan.planner import make_run_id, plan
+from gpuscout.spec.catalog import Catalog, load_catalog
+from gpuscout.spec.manifest import Manifest, parse_manifest, validate_manifest_data
 from gpuscout.store.base import (
     JobRecord,
     JobStatus,
@@ -342,7 +341,7 @@ def analyze(
     """Analyze step: RunAnalysis + report files in ``reports/<run_id>/`` of the data bucket + RESULT row. The state
     machine's Notify state publishes the returned summary (so this step sends no notification itself)."""
     # Imported here: report rendering pulls in matplotlib, which only the analyze Lambda needs at cold start.
-    from gpuscout.report import write_report
+    from gpuscout.analysis.report import write_report
 
     run_id = str(request["run_id"])
     run = store.get_run(run_id)
@@ -354,6 +353,8 @@ def analyze(
             # Today's SageMaker Training list prices for the run's region; any failure keeps the catalog table's
             # price and says so in the analysis notes. Manifest overrides still win.
             prices.refresh_from_aws({j.instance_type for j in jobs}, settings.region, client=pricing_client)
+    from gpuscout.analysis.analyze import analyze_run as analyze_jobs  # numpy: only the analyze Lambda loads it
+
     analysis = analyze_jobs(run, jobs, manifest=run.manifest, catalog=catalog, prices=prices)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         out_dir = Path(tmp) / run_id

@@ -36,10 +36,10 @@ from botocore.exceptions import (
     TokenRetrievalError,
 )
 
-from gpuscout.catalog import Catalog, load_catalog
 from gpuscout.errors import GpuscoutError, ManifestError, Problem, RunNotFoundError
-from gpuscout.manifest import Manifest, load_manifest
-from gpuscout.planner import make_run_id
+from gpuscout.plan.planner import make_run_id
+from gpuscout.spec.catalog import Catalog, load_catalog
+from gpuscout.spec.manifest import Manifest, load_manifest
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
 from gpuscout.store.dynamodb import DynamoDbStore
 

@@ -16,8 +16,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpuscout.jobspec import JOB_NAME_RE, JobSpec
-from gpuscout.metric_lines import METRIC_DEFINITIONS
+from gpuscout.spec.jobspec import JOB_NAME_RE, JobSpec
+from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 PROCESSING_INPUT_DIR = "/opt/ml/processing/input/raw"
@@ -37,7 +37,7 @@ RUN_ID_TAG = "gpuscout:run-id"
 
 @dataclass(frozen=True)
 class RequestSettings:
-    """The account-specific parts of every request (from the Lambda environment, see gpuscout.settings)."""
+    """The account-specific parts of every request (from the Lambda environment, see gpuscout.cloud.settings)."""
 
     role_arn: str
     training_image_uri: str

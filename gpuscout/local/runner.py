@@ -20,23 +20,21 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from pydantic import ValidationError
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from gpuscout import paths
-from gpuscout.benchmark import BenchmarkResult
-from gpuscout.catalog import LOCAL, Catalog, load_catalog
 from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError
-from gpuscout.jobspec import JobSpec
-from gpuscout.metric_lines import parse_metric_line
+from gpuscout.spec.benchmark import BenchmarkResult
+from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
+from gpuscout.spec.jobspec import JobSpec
+from gpuscout.spec.metric_lines import parse_metric_line
 from gpuscout.store.base import (
     JOB_STATUS_RANK,
     JobRecord,
@@ -64,56 +62,15 @@ def plan_manifest(manifest_path: Path | str, catalog: Catalog | None = None, *, 
 
     Returns ``(manifest, plan)``; raises ManifestError / PlanError. The budget is *not* checked here.
     """
-    from gpuscout.catalog import detect_local_hardware
-    from gpuscout.manifest import load_manifest
-    from gpuscout.planner import make_run_id, plan
+    from gpuscout.plan.planner import make_run_id, plan
+    from gpuscout.spec.catalog import detect_local_hardware
+    from gpuscout.spec.manifest import load_manifest
 
     catalog = catalog or load_catalog()
     manifest = load_manifest(manifest_path, catalog=catalog)
     local_hardware = detect_local_hardware() if any(t.instance_type == LOCAL for t in manifest.targets) else None
     the_plan = plan(manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware)
     return manifest, the_plan
-
-
-def _fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def plan_table(the_plan: Any) -> Table:
-    """The job matrix of a plan with predicted throughput, time and cost, and the total."""
-    jobs: list[JobSpec] = list(the_plan.jobs)
-    table = Table(title=f"Plan for run {the_plan.run_id}", title_justify="left")
-    table.add_column("job", overflow="fold")
-    table.add_column("instance", overflow="fold")
-    table.add_column("variant", overflow="fold")
-    table.add_column("precision")
-    table.add_column("pred. tokens/s", justify="right")
-    table.add_column("pred. time", justify="right")
-    table.add_column("pred. $", justify="right")
-    for spec in jobs:
-        p = spec.prediction
-        count = f" x{spec.instance_count}" if spec.instance_count > 1 else ""
-        table.add_row(
-            spec.job_name,
-            f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}",
-            spec.variant_name,
-            spec.precision,
-            f"{p.tokens_per_s:,.0f}",
-            _fmt_duration(p.training_seconds + p.overhead_seconds),
-            f"{p.cost_usd:,.4f}",
-        )
-    total_s = sum(s.prediction.training_seconds + s.prediction.overhead_seconds for s in jobs)
-    table.add_section()
-    table.add_row(
-        f"total ({len(jobs)} jobs)", "", "", "", "", _fmt_duration(total_s), f"{the_plan.predicted_cost_usd:,.4f}"
-    )
-    return table
 
 
 # -- data preparation -----------------------------------------------------------------------------------------
@@ -187,12 +144,12 @@ def prep_workers(max_documents: int | None) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def prepare_data(manifest: Any, cache_dir: Path, console: Console) -> Path:
+def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] = lambda _text: None) -> Path:
     """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
     key = data_cache_key(manifest)
     target = cache_dir / key
     if (target / "dataset.json").is_file():
-        console.print(f"data: reusing prepared data {target}")
+        notify(f"data: reusing prepared data {target}")
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = cache_dir / f".{key}.{os.getpid()}.tmp"
@@ -200,7 +157,7 @@ def prepare_data(manifest: Any, cache_dir: Path, console: Console) -> Path:
     workers = prep_workers(manifest.dataset.max_documents)
     command = data_preparation_command(manifest, staging, workers=workers)
     log_path = cache_dir / f"{key}.prepare.log"
-    console.print(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
+    notify(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, env=_child_env({}))
@@ -217,7 +174,7 @@ def prepare_data(manifest: Any, cache_dir: Path, console: Console) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "dataset.json").is_file():
             raise
-    console.print(f"data: prepared in {time.monotonic() - started:.1f} s")
+    notify(f"data: prepared in {time.monotonic() - started:.1f} s")
     return target
 
 
@@ -329,6 +286,58 @@ class JobOutcome:
     wall_seconds: float
 
 
+class RunObserver(Protocol):
+    """What the runner tells its caller while a run goes on (the CLI draws it: gpuscout.cli.local_view)."""
+
+    def planned(self, the_plan: Any) -> None: ...
+
+    def message(self, text: str, *, warning: bool = False) -> None: ...
+
+    def jobs_running(self) -> AbstractContextManager[None]: ...
+
+    def job_started(self, index: int, total: int, spec: JobSpec, max_steps: int | None) -> None: ...
+
+    def job_progress(self, spec: JobSpec, progress: JobProgress, max_steps: int | None) -> None: ...
+
+    def job_finished(self, spec: JobSpec, outcome: JobOutcome) -> None: ...
+
+    def interrupted(self) -> None: ...
+
+    def finished(
+        self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
+    ) -> None: ...
+
+
+class SilentObserver:
+    """A RunObserver that shows nothing (library use, tests)."""
+
+    def planned(self, the_plan: Any) -> None:
+        return None
+
+    def message(self, text: str, *, warning: bool = False) -> None:
+        return None
+
+    def jobs_running(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def job_started(self, index: int, total: int, spec: JobSpec, max_steps: int | None) -> None:
+        return None
+
+    def job_progress(self, spec: JobSpec, progress: JobProgress, max_steps: int | None) -> None:
+        return None
+
+    def job_finished(self, spec: JobSpec, outcome: JobOutcome) -> None:
+        return None
+
+    def interrupted(self) -> None:
+        return None
+
+    def finished(
+        self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
+    ) -> None:
+        return None
+
+
 def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     pythonpath = env.get("PYTHONPATH")
@@ -385,13 +394,10 @@ def run_job(
     spec: JobSpec,
     folders: JobFolders,
     *,
-    progress: Progress,
-    task: TaskID,
-    label: str,
+    on_progress: Callable[[JobProgress], None] = lambda _progress: None,
     poll_interval_s: float = 0.25,
 ) -> JobOutcome:
     """Run train.py for one job; never raises for a failing job (KeyboardInterrupt propagates after cleanup)."""
-    max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
     command = [sys.executable, str(paths.TRAINING_DIR / "train.py")]
     started = time.monotonic()
     job_progress = JobProgress()
@@ -420,11 +426,7 @@ def run_job(
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                progress.update(
-                    task,
-                    completed=job_progress.step or 0,
-                    description=f"{label}  {job_progress.describe(max_steps)}",
-                )
+                on_progress(job_progress)
                 if time.monotonic() - started > spec.max_runtime_seconds:
                     timed_out = True
                     _stop(proc)
@@ -435,7 +437,7 @@ def run_job(
             raise
         reader.join(timeout=TERMINATE_GRACE_S)
     wall = time.monotonic() - started
-    progress.update(task, completed=job_progress.step or 0, description=f"{label}  {job_progress.describe(max_steps)}")
+    on_progress(job_progress)
     benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
@@ -532,75 +534,16 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
     return rows
 
 
-def _mfu_text(row: Mapping[str, Any]) -> str:
-    if row.get("mfu") is not None:
-        return f"{row['mfu'] * 100:.1f} %"
-    if not row.get("gpus"):
-        return "n/a (CPU)"
-    return "n/a (unknown GPU)"
-
-
-def _tps_text(row: Mapping[str, Any]) -> str:
-    tps = row.get("tokens_per_s")
-    if tps is None:
-        return "-"
-    low, high = row.get("tokens_per_s_ci95_low"), row.get("tokens_per_s_ci95_high")
-    if low is None or high is None:
-        return f"{tps:,.0f}"
-    return f"{tps:,.0f} ± {(high - low) / 2:,.0f}"
-
-
-def _usd_text(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.4f}" if value < 10 else f"{value:,.2f}"
-
-
-def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked results") -> Table:
-    """Rank, variant, instance, tokens/s ± 95 % CI, MFU (or why not), $ per 1M tokens, status, note."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("rank", justify="right")
-    table.add_column("variant")
-    table.add_column("instance")
-    table.add_column("tokens/s ± CI95", justify="right")
-    table.add_column("MFU", justify="right")
-    table.add_column("$ / 1M tokens", justify="right")
-    table.add_column("status")
-    table.add_column("note", overflow="fold", max_width=60)
-    for row in rows:
-        status = str(row.get("status") or "")
-        colour = "green" if status.lower() == "completed" else "red"
-        count = f" x{row['instance_count']}" if (row.get("instance_count") or 1) > 1 else ""
-        note = str(row.get("note") or "").splitlines()
-        table.add_row(
-            str(row["rank"]) if row.get("rank") is not None else "-",
-            escape(str(row.get("variant") or "")),
-            escape(f"{row.get('instance_type')}{count}{' (spot)' if row.get('spot') else ''}"),
-            _tps_text(row),
-            _mfu_text(row),
-            _usd_text(row.get("usd_per_million_tokens_spot") if row.get("spot") else row.get("usd_per_million_tokens")),
-            f"[{colour}]{escape(status)}[/]",
-            escape(note[-1] if note else ""),
-        )
-    return table
-
-
-def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
-    recommendation = (analysis or {}).get("recommendation") or {}
-    summary = recommendation.get("summary")
-    return f"[bold]Recommendation:[/] {escape(summary)}" if summary else ""
-
-
 # -- the whole run ------------------------------------------------------------------------------------------------
 
 
 def _analyze_and_report(
-    run: RunRecord, store: ResultStore, manifest: Any, catalog: Catalog, *, report_dir: Path, console: Console
+    run: RunRecord, store: ResultStore, manifest: Any, catalog: Catalog, *, report_dir: Path, observer: RunObserver
 ) -> dict[str, Any]:
     """Analyze the run and store the result; then write the report. A report that cannot be written is a warning
     (the analysis is stored either way and ``gpuscout results`` shows it)."""
-    from gpuscout.analysis import analyze_run
-    from gpuscout.report import write_report
+    from gpuscout.analysis.analyze import analyze_run
+    from gpuscout.analysis.report import write_report
 
     jobs = store.list_jobs(run.run_id)
     analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
@@ -612,10 +555,10 @@ def _analyze_and_report(
     try:
         write_report(analysis, report_dir)
     except Exception as err:  # the measured results are stored; a broken chart must not hide them
-        console.print(
-            f"[yellow]warning:[/] the report could not be written ({type(err).__name__}: {escape(str(err))}); "
+        observer.message(
+            f"the report could not be written ({type(err).__name__}: {err}); "
             "the results are stored, see `gpuscout results`",
-            soft_wrap=True,
+            warning=True,
         )
         return dumped
     store.put_result(result.model_copy(update={"report_uri": str(report_dir)}))
@@ -624,8 +567,8 @@ def _analyze_and_report(
 
 def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, Any]:
     """The stored analysis re-priced with today's catalog prices (and the manifest's overrides)."""
-    from gpuscout.analysis import reprice
-    from gpuscout.pricing import PriceBook
+    from gpuscout.analysis.analyze import reprice
+    from gpuscout.analysis.pricing import PriceBook
 
     if result is None:
         raise GpuscoutError(f"run {run.run_id} has no stored analysis to re-price (status {run.status.value})")
@@ -638,12 +581,12 @@ def run_local(
     *,
     store: ResultStore,
     runs_dir: Path = Path("runs"),
-    console: Console | None = None,
+    observer: RunObserver | None = None,
     catalog: Catalog | None = None,
     data_cache_dir: Path | None = None,
 ) -> RunRecord:
     """Run a manifest's benchmark on this machine and return the final run row (see module docstring)."""
-    console = console or Console()
+    observer = observer or SilentObserver()
     catalog = catalog or load_catalog()
     manifest_path = Path(manifest_path)
     runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
@@ -660,7 +603,7 @@ def run_local(
         predicted_cost_usd=the_plan.predicted_cost_usd,
         run_dir=str(run_dir),
     )
-    console.print(plan_table(the_plan))
+    observer.planned(the_plan)
     try:
         the_plan.check_budget()
     except BudgetExceededError as err:
@@ -679,31 +622,22 @@ def run_local(
     current: JobSpec | None = None
     try:
         store.update_run(run_id, status=RunStatus.PREPARING)
-        data_dir = prepare_data(manifest, data_cache_dir or runs_dir / ".cache" / "data", console)
+        data_dir = prepare_data(manifest, data_cache_dir or runs_dir / ".cache" / "data", observer.message)
         store.update_run(run_id, status=RunStatus.RUNNING)
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=False,
-        ) as progress:
+        with observer.jobs_running():
             for i, spec in enumerate(specs, start=1):
                 current = spec
-                label = f"job {i}/{len(specs)} {spec.variant_name}"
-                task = progress.add_task(label, total=_int_or_none(spec.hyperparameters.get("max_steps")))
+                max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
+                observer.job_started(i, len(specs), spec, max_steps)
                 store.put_job(_job_record(spec, JobStatus.TRAINING))
                 folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
-                outcome = run_job(spec, folders, progress=progress, task=task, label=label)
+                outcome = run_job(spec, folders, on_progress=partial(observer.job_progress, spec, max_steps=max_steps))
                 store.put_job(_job_record(spec, outcome.status, outcome))
-                word = "[green]done[/]" if outcome.status is JobStatus.COMPLETED else f"[red]{outcome.status.value}[/]"
-                reason = f": {escape(outcome.failure_reason.splitlines()[-1])}" if outcome.failure_reason else ""
-                progress.console.print(f"{escape(spec.job_name)} {word} in {outcome.wall_seconds:.1f} s{reason}")
+                observer.job_finished(spec, outcome)
                 current = None
     except KeyboardInterrupt:
         interrupted = True
-        console.print("[yellow]interrupted: stopping; what was measured is kept[/]")
+        observer.interrupted()
         for spec in specs:
             job = store.get_job(run_id, spec.job_name)
             if job is not None and job.status in (JobStatus.PLANNED, JobStatus.TRAINING):
@@ -720,7 +654,7 @@ def run_local(
         store.update_run(run_id, status=RunStatus.ANALYZING)
         try:
             analysis = _analyze_and_report(
-                store.get_run(run_id), store, manifest, catalog, report_dir=run_dir / "report", console=console
+                store.get_run(run_id), store, manifest, catalog, report_dir=run_dir / "report", observer=observer
             )
         except Exception as err:
             store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
@@ -732,14 +666,8 @@ def run_local(
     else:
         final = store.update_run(run_id, status=RunStatus.FAILED, error=f"all {len(jobs)} jobs failed")
 
-    console.print(ranked_table(result_rows(analysis, jobs), title=f"Ranked results: run {run_id}"))
-    text = recommendation_text(analysis)
-    if text:
-        console.print(text)
     report_md = run_dir / "report" / "report.md"
-    where = f"report: {report_md}" if report_md.is_file() else f"jobs: {run_dir / 'jobs'}"
-    console.print(f"run {run_id} {final.status.value}; {where}", soft_wrap=True)
-    console.print(f"next: gpuscout results {run_id}   gpuscout report {run_id}", soft_wrap=True)
+    observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
     return final
 
 

@@ -1,8 +1,8 @@
 """Cloud commands of the ``gpuscout`` CLI: ``submit`` a manifest to the deployed stack, ``status`` of a run.
 
-``register(app)`` adds them to the main typer app (gpuscout/cli.py), whose command group turns every GpuscoutError
-into one red line and an exit code. This module does not import gpuscout.cli, so either may be imported first, and
-it imports gpuscout.cloud (boto3, the manifest model) only when a cloud command runs, so registering the commands
+``register(app)`` adds them to the main typer app (gpuscout/cli/app.py), whose command group turns every GpuscoutError
+into one red line and an exit code. This module does not import gpuscout.cli.app, so either may be imported first, and
+it imports gpuscout.cloud.client (boto3, the manifest model) only when a cloud command runs, so registering the commands
 costs the other commands nothing at start-up.
 """
 
@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpuscout.console_style import fit_piped_width, status_markup
+from gpuscout.cli.console_style import fit_piped_width, status_markup
 from gpuscout.store.base import JobRecord, RunRecord
 
-# The same values as gpuscout.cloud's (tests check); repeated so that importing this module stays light.
+# The same values as gpuscout.cloud.client's (tests check); repeated so that importing this module stays light.
 DEFAULT_STACK_NAME = "Gpuscout"
 DEFAULT_EXECUTION_WAIT_S = 15.0
 
@@ -139,7 +139,7 @@ def submit(
     ] = DEFAULT_EXECUTION_WAIT_S,
 ) -> None:
     """Validate a manifest here, upload it to the stack's bucket (which starts the run), print the run id and link."""
-    from gpuscout.cloud import CloudStack
+    from gpuscout.cloud.client import CloudStack
 
     console = _console()
     submission = CloudStack(stack_name).submit(file, wait_seconds=wait)
@@ -165,7 +165,7 @@ def status(
     fmt: Annotated[StatusFormat, typer.Option("--format", "-f", help="Output format.")] = StatusFormat.TABLE,
 ) -> None:
     """Show a cloud run's state and every job's status from the stack's results table."""
-    from gpuscout.cloud import CloudStack
+    from gpuscout.cloud.client import CloudStack
 
     run, jobs = CloudStack(stack_name).status(run_id)
     if fmt is StatusFormat.JSON:

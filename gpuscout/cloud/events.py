@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal, Protocol
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from gpuscout.benchmark import BenchmarkResult
+from gpuscout.cloud.sagemaker_requests import RUN_ID_TAG, output_tar_key
 from gpuscout.errors import GpuscoutError
-from gpuscout.sagemaker_requests import RUN_ID_TAG, output_tar_key
+from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.store.base import TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
 
 BENCHMARK_FILE = "benchmark.json"

@@ -9,7 +9,7 @@ Order of precedence for one instance type (highest first):
 Spot prices are not in the Price List API for SageMaker, so unless a target overrides them they are an
 *assumption*: on-demand x (1 - discount) with the discount from ``configs/pricing/spot.json``. Every price keeps
 its source, date and region, and ``PriceBook.snapshot()`` freezes them into a ``PriceSnapshot`` that is stored with
-the result so a run can be re-priced later (``gpuscout.analysis.reprice``).
+the result so a run can be re-priced later (``gpuscout.analysis.analyze.reprice``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _field(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def _catalog_entries(catalog: Any) -> Iterable[tuple[str, Any]]:
-    """(instance_type, entry) pairs from a gpuscout.catalog.Catalog, a mapping, or an iterable of entries."""
+    """(instance_type, entry) pairs from a gpuscout.spec.catalog.Catalog, a mapping, or an iterable of entries."""
     if catalog is None:
         return []
     for attr in ("instances", "entries"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuscout.analysis import Constraints, Exclusion, JobAnalysis, Recommendation
+from gpuscout.analysis.results import Constraints, Exclusion, JobAnalysis, Recommendation
 
 COST_OBJECTIVES = frozenset({"cheapest_per_token", "cheapest_within_deadline"})
 

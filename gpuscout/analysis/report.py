@@ -15,7 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure  # drawn without pyplot: no global state, the Agg canvas by default
 from matplotlib.ticker import FuncFormatter
 
-from gpuscout.analysis import JobAnalysis, RunAnalysis
+from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.errors import GpuscoutError
 
 MAX_BARS = 40

@@ -26,8 +26,8 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from gpuscout import __version__
-from gpuscout.cloud_cli import register as register_cloud_commands
-from gpuscout.console_style import fit_piped_width, status_markup
+from gpuscout.cli.cloud_commands import register as register_cloud_commands
+from gpuscout.cli.console_style import fit_piped_width, status_markup
 from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError
 from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
@@ -135,7 +135,7 @@ def main(
 
 def open_store(db: Path | None, stack_name: str | None = None) -> ResultStore:
     if stack_name:
-        from gpuscout.cloud import CloudStack
+        from gpuscout.cloud.client import CloudStack
 
         return CloudStack(stack_name).store
     return SqliteStore(db)
@@ -147,8 +147,8 @@ def open_store(db: Path | None, stack_name: str | None = None) -> ResultStore:
 @app.command()
 def validate(file: ManifestArg) -> None:
     """Check a manifest against the schema and the instance catalog; list every problem with its field path."""
-    from gpuscout.catalog import load_catalog
-    from gpuscout.manifest import load_manifest
+    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.spec.manifest import load_manifest
 
     manifest = load_manifest(file, catalog=load_catalog())
     targets = len(manifest.targets)
@@ -164,8 +164,9 @@ def validate(file: ManifestArg) -> None:
 @app.command()
 def plan(file: ManifestArg) -> None:
     """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget."""
-    from gpuscout.catalog import load_catalog
-    from gpuscout.local import plan_manifest, plan_table
+    from gpuscout.cli.local_view import plan_table
+    from gpuscout.local.runner import plan_manifest
+    from gpuscout.spec.catalog import load_catalog
 
     catalog = load_catalog()
     manifest, the_plan = plan_manifest(file, catalog)
@@ -179,7 +180,7 @@ def plan(file: ManifestArg) -> None:
 @app.command("catalog")
 def catalog_cmd() -> None:
     """List the instance types gpuscout knows: GPUs, memory, peak TFLOPS and on-demand price."""
-    from gpuscout.catalog import load_catalog
+    from gpuscout.spec.catalog import load_catalog
 
     table = Table(title="Instance catalog", title_justify="left")
     for col, justify in (
@@ -231,10 +232,11 @@ def local(
     db: DbOption = None,
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
-    from gpuscout.local import run_local
+    from gpuscout.cli.local_view import RichRunObserver
+    from gpuscout.local.runner import run_local
 
     store = open_store(db)
-    run = run_local(file, store=store, runs_dir=runs_dir, console=console)
+    run = run_local(file, store=store, runs_dir=runs_dir, observer=RichRunObserver(console))
     if run.status is RunStatus.STOPPED:
         raise typer.Exit(INTERRUPTED_EXIT_CODE)
     if run.status is not RunStatus.SUCCEEDED:
@@ -290,7 +292,8 @@ def results(
     stack_name: CloudStackOption = None,
 ) -> None:
     """Show a run's ranked results: tokens/s, MFU, $ per 1M tokens, status, and the recommendation."""
-    from gpuscout.local import ranked_table, recommendation_text, result_rows
+    from gpuscout.cli.local_view import ranked_table, recommendation_text
+    from gpuscout.local.runner import result_rows
 
     store = open_store(db, stack_name)
     run = store.get_run(run_id)
@@ -339,7 +342,7 @@ def _csv_value(value: object) -> object:
 def _analysis_for(run: RunRecord, result: ResultRecord | None, *, reprice: bool) -> dict[str, Any] | None:
     if not reprice:
         return result.analysis if result else None
-    from gpuscout.local import repriced_analysis
+    from gpuscout.local.runner import repriced_analysis
 
     return repriced_analysis(run, result)
 
@@ -363,7 +366,7 @@ def report(
     if result.report_uri.startswith("s3://"):
         if not stack_name:
             raise GpuscoutError(f"the report of run {run_id} is in S3 ({result.report_uri}); pass --stack-name")
-        from gpuscout.cloud import CloudStack
+        from gpuscout.cloud.client import CloudStack
 
         folder = CloudStack(stack_name).download_report(run_id, download_dir)
     else:
@@ -383,4 +386,4 @@ def report(
     console.print(f"report: {markdown}  html: {html}  folder: {folder}", soft_wrap=True)
 
 
-register_cloud_commands(app)  # submit, status (gpuscout/cloud_cli.py)
+register_cloud_commands(app)  # submit, status (gpuscout/cli/cloud_commands.py)

@@ -3,7 +3,7 @@
 Prediction (docs/manifest.md "How the planner predicts"):
 
 * GPU targets use the FLOPs model. tokens/s = u x GPUs x dense peak(precision) / FLOPs per token, FLOPs per token
-  from :mod:`gpuscout.flops` with T_eff = sequence_length (an upper bound for packed data). ``u`` is the assumed
+  from :mod:`gpuscout.spec.flops` with T_eff = sequence_length (an upper bound for packed data). ``u`` is the assumed
   utilization of the GPU family (:data:`ASSUMED_MFU`), times :data:`ZERO3_FACTOR` under ZeRO-3 and
   :data:`MULTI_NODE_FACTOR` across instances. With gradient checkpointing ``u`` is applied to the hardware FLOPs
   (forward recomputed), so the predicted MFU drops by model/hardware FLOPs.
@@ -33,12 +33,12 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from gpuscout.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
 from gpuscout.errors import BudgetExceededError, PlanError
-from gpuscout.flops import hardware_flops_per_token, model_flops_per_token, total_params
-from gpuscout.jobspec import JOB_NAME_RE, JobSpec, Prediction
-from gpuscout.manifest import Manifest, Target, Variant
-from gpuscout.models import Architecture
+from gpuscout.spec.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
+from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token, total_params
+from gpuscout.spec.jobspec import JOB_NAME_RE, JobSpec, Prediction
+from gpuscout.spec.manifest import Manifest, Target, Variant
+from gpuscout.spec.models import Architecture
 
 # Assumed model-FLOPs utilization per GPU SKU for fine-tuning a decoder with HF Trainer + SDPA, no custom kernels.
 # A100: ~40 % is what well-tuned Megatron/DeepSpeed runs report at 7B scale (e.g. the BLOOM and OPT logs ~35-50 %);

@@ -1,0 +1,7 @@
+"""The answer to a run: prices, costs, confidence intervals, per-variant metrics, ranking, recommendation and the
+report (md, html, json, PNG charts).
+
+May import: gpuscout.spec, gpuscout.plan, gpuscout.store, gpuscout.errors, gpuscout.paths. numpy and matplotlib
+are imported by the modules that need them (analyze, report), never by this package's ``__init__``, so a caller
+that needs only ``intervals`` or ``pricing`` (the training callback, the job_events Lambda) stays light.
+"""

@@ -1,0 +1,152 @@
+"""What an analysis is: one target x variant's aggregated metrics and costs (``JobAnalysis``), the exclusions, the
+recommendation and the whole run's answer (``RunAnalysis``). Plain pydantic models shared by the analysis pipeline
+(``analyze``), the ranking (``recommend``), the report and the stores' callers; they import no other analysis module.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuscout.analysis.costs import TimeBreakdown
+from gpuscout.analysis.pricing import PriceSnapshot
+
+Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
+OBJECTIVES: tuple[str, ...] = ("cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget")
+
+
+class JobAnalysis(BaseModel):
+    """One target x variant: its repetitions aggregated. Dollar fields are None until priced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str  # the first repetition's job name
+    job_names: list[str]
+    target_index: int | None = None
+    instance_type: str
+    instance_count: int = 1
+    gpus: int = 0  # all instances together
+    gpu_sku: str | None = None
+    variant_name: str
+    spot: bool = False
+    repetitions: int  # completed repetitions behind the numbers
+    repetitions_planned: int
+    status: str  # "completed" or the status that stopped every repetition (FAILED, OOM, CAPACITY, ...)
+    failure: str | None = None  # why no repetition completed
+    # throughput and efficiency
+    tokens_per_s: float | None = None
+    tokens_per_s_ci95: tuple[float, float] | None = None
+    ci_method: str | None = None
+    tokens_per_s_per_gpu: float | None = None
+    mfu: float | None = None
+    hfu: float | None = None
+    step_time_p50_s: float | None = None
+    step_time_p90_s: float | None = None
+    peak_memory_gb: float | None = None
+    final_train_loss: float | None = None
+    # prices used
+    usd_per_hour: float | None = None  # on-demand, per instance
+    spot_usd_per_hour: float | None = None
+    price_source: str | None = None
+    # cost per token
+    usd_per_million_tokens: float | None = None  # on-demand
+    usd_per_million_tokens_ci95: tuple[float, float] | None = None
+    usd_per_million_tokens_spot: float | None = None
+    usd_per_million_tokens_spot_ci95: tuple[float, float] | None = None
+    # the user's full dataset
+    dataset_tokens: int | None = None
+    epoch_seconds: float | None = None
+    epoch_hours: float | None = None
+    epoch_usd: float | None = None
+    epoch_usd_spot: float | None = None
+    # the target loss
+    target_loss: float | None = None
+    target_loss_method: str | None = None
+    target_loss_detail: str | None = None
+    target_loss_tokens: float | None = None
+    target_loss_seconds: float | None = None
+    target_loss_hours: float | None = None
+    target_loss_usd: float | None = None
+    # the full job the user would run: training (epoch or to the target loss) plus overheads
+    workload_basis: str | None = None
+    workload_hours: float | None = None
+    workload_usd: float | None = None
+    # what the benchmark itself cost
+    billed_seconds: float | None = None  # per instance, all repetitions (failed ones included)
+    billed_source: str | None = None
+    billed_usd: float | None = None
+    time_breakdown: TimeBreakdown | None = None  # mean over repetitions, per instance
+    overhead_seconds: float | None = None
+    overhead_usd: float | None = None
+    loss_curve: list[tuple[float, float, float]] = Field(default_factory=list)  # (tokens, elapsed s, train loss)
+    # decision
+    excluded_reason: str | None = None
+    rank: int | None = None
+    on_pareto_front: bool = False
+
+    @property
+    def label(self) -> str:
+        count = f" x{self.instance_count}" if self.instance_count > 1 else ""
+        spot = " (spot)" if self.spot else ""
+        return f"{self.instance_type}{count} / {self.variant_name}{spot}"
+
+    @property
+    def effective_usd_per_hour(self) -> float | None:
+        return self.spot_usd_per_hour if self.spot else self.usd_per_hour
+
+    @property
+    def effective_usd_per_million_tokens(self) -> float | None:
+        return self.usd_per_million_tokens_spot if self.spot else self.usd_per_million_tokens
+
+    @property
+    def effective_usd_per_million_tokens_ci95(self) -> tuple[float, float] | None:
+        return self.usd_per_million_tokens_spot_ci95 if self.spot else self.usd_per_million_tokens_ci95
+
+
+class Recommendation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str | None
+    instance_type: str | None = None
+    instance_count: int | None = None
+    variant_name: str | None = None
+    summary: str
+    margin_fraction: float | None = None  # how much better than the runner-up on the objective's metric
+    runner_up_job_name: str | None = None
+    clear_winner: bool = False
+
+
+class Exclusion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str
+    instance_type: str
+    variant_name: str
+    reason: str
+
+
+class Constraints(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    budget_usd: float | None = None
+    deadline_hours: float | None = None
+    target_loss: float | None = None
+
+
+class RunAnalysis(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    run_name: str | None = None
+    objective: Objective
+    constraints: Constraints
+    dataset_tokens: int | None = None
+    jobs: list[JobAnalysis]
+    recommendation: Recommendation
+    excluded: list[Exclusion]
+    price_snapshot: PriceSnapshot
+    total_billed_usd: float
+    assumptions: list[str]
+    generated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

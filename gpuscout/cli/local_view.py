@@ -1,0 +1,189 @@
+"""Console rendering of ``gpuscout local`` and of stored results: the plan table, live job progress, the ranked
+results table and the recommendation line. The runner (gpuscout.local.runner) reports through ``RunObserver``;
+``RichRunObserver`` is its console implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gpuscout.local.runner import JobOutcome, JobProgress, result_rows
+from gpuscout.spec.jobspec import JobSpec
+from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def plan_table(the_plan: Any) -> Table:
+    """The job matrix of a plan with predicted throughput, time and cost, and the total."""
+    jobs: list[JobSpec] = list(the_plan.jobs)
+    table = Table(title=f"Plan for run {the_plan.run_id}", title_justify="left")
+    table.add_column("job", overflow="fold")
+    table.add_column("instance", overflow="fold")
+    table.add_column("variant", overflow="fold")
+    table.add_column("precision")
+    table.add_column("pred. tokens/s", justify="right")
+    table.add_column("pred. time", justify="right")
+    table.add_column("pred. $", justify="right")
+    for spec in jobs:
+        p = spec.prediction
+        count = f" x{spec.instance_count}" if spec.instance_count > 1 else ""
+        table.add_row(
+            spec.job_name,
+            f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}",
+            spec.variant_name,
+            spec.precision,
+            f"{p.tokens_per_s:,.0f}",
+            _fmt_duration(p.training_seconds + p.overhead_seconds),
+            f"{p.cost_usd:,.4f}",
+        )
+    total_s = sum(s.prediction.training_seconds + s.prediction.overhead_seconds for s in jobs)
+    table.add_section()
+    table.add_row(
+        f"total ({len(jobs)} jobs)", "", "", "", "", _fmt_duration(total_s), f"{the_plan.predicted_cost_usd:,.4f}"
+    )
+    return table
+
+
+def _mfu_text(row: Mapping[str, Any]) -> str:
+    if row.get("mfu") is not None:
+        return f"{row['mfu'] * 100:.1f} %"
+    if not row.get("gpus"):
+        return "n/a (CPU)"
+    return "n/a (unknown GPU)"
+
+
+def _tps_text(row: Mapping[str, Any]) -> str:
+    tps = row.get("tokens_per_s")
+    if tps is None:
+        return "-"
+    low, high = row.get("tokens_per_s_ci95_low"), row.get("tokens_per_s_ci95_high")
+    if low is None or high is None:
+        return f"{tps:,.0f}"
+    return f"{tps:,.0f} ± {(high - low) / 2:,.0f}"
+
+
+def _usd_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.4f}" if value < 10 else f"{value:,.2f}"
+
+
+def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked results") -> Table:
+    """Rank, variant, instance, tokens/s ± 95 % CI, MFU (or why not), $ per 1M tokens, status, note."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("variant")
+    table.add_column("instance")
+    table.add_column("tokens/s ± CI95", justify="right")
+    table.add_column("MFU", justify="right")
+    table.add_column("$ / 1M tokens", justify="right")
+    table.add_column("status")
+    table.add_column("note", overflow="fold", max_width=60)
+    for row in rows:
+        status = str(row.get("status") or "")
+        colour = "green" if status.lower() == "completed" else "red"
+        count = f" x{row['instance_count']}" if (row.get("instance_count") or 1) > 1 else ""
+        note = str(row.get("note") or "").splitlines()
+        table.add_row(
+            str(row["rank"]) if row.get("rank") is not None else "-",
+            escape(str(row.get("variant") or "")),
+            escape(f"{row.get('instance_type')}{count}{' (spot)' if row.get('spot') else ''}"),
+            _tps_text(row),
+            _mfu_text(row),
+            _usd_text(row.get("usd_per_million_tokens_spot") if row.get("spot") else row.get("usd_per_million_tokens")),
+            f"[{colour}]{escape(status)}[/]",
+            escape(note[-1] if note else ""),
+        )
+    return table
+
+
+def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
+    recommendation = (analysis or {}).get("recommendation") or {}
+    summary = recommendation.get("summary")
+    return f"[bold]Recommendation:[/] {escape(summary)}" if summary else ""
+
+
+class RichRunObserver:
+    """Draws a local run on a rich console: plan table, one progress bar per job, ranked results."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._labels: dict[str, str] = {}
+
+    def planned(self, the_plan: Any) -> None:
+        self.console.print(plan_table(the_plan))
+
+    def message(self, text: str, *, warning: bool = False) -> None:
+        prefix = "[yellow]warning:[/] " if warning else ""
+        self.console.print(prefix + escape(text), soft_wrap=True)
+
+    @contextmanager
+    def jobs_running(self) -> Iterator[None]:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        ) as progress:
+            self._progress = progress
+            try:
+                yield
+            finally:
+                self._progress = None
+
+    def job_started(self, index: int, total: int, spec: JobSpec, max_steps: int | None) -> None:
+        label = f"job {index}/{total} {spec.variant_name}"
+        self._labels[spec.job_name] = label
+        if self._progress is not None:
+            self._tasks[spec.job_name] = self._progress.add_task(label, total=max_steps)
+
+    def job_progress(self, spec: JobSpec, progress: JobProgress, max_steps: int | None) -> None:
+        task = self._tasks.get(spec.job_name)
+        if self._progress is None or task is None:
+            return
+        label = self._labels.get(spec.job_name, spec.job_name)
+        self._progress.update(
+            task, completed=progress.step or 0, description=f"{label}  {progress.describe(max_steps)}"
+        )
+
+    def job_finished(self, spec: JobSpec, outcome: JobOutcome) -> None:
+        word = "[green]done[/]" if outcome.status is JobStatus.COMPLETED else f"[red]{outcome.status.value}[/]"
+        reason = f": {escape(outcome.failure_reason.splitlines()[-1])}" if outcome.failure_reason else ""
+        console = self._progress.console if self._progress is not None else self.console
+        console.print(f"{escape(spec.job_name)} {word} in {outcome.wall_seconds:.1f} s{reason}")
+
+    def interrupted(self) -> None:
+        self.console.print("[yellow]interrupted: stopping; what was measured is kept[/]")
+
+    def finished(
+        self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
+    ) -> None:
+        run_id = run.run_id
+        self.console.print(ranked_table(result_rows(analysis, jobs), title=f"Ranked results: run {run_id}"))
+        text = recommendation_text(analysis)
+        if text:
+            self.console.print(text)
+        where = f"report: {report_md}" if report_md is not None else f"jobs: {Path(run.run_dir or '') / 'jobs'}"
+        self.console.print(f"run {run_id} {run.status.value}; {where}", soft_wrap=True)
+        self.console.print(f"next: gpuscout results {run_id}   gpuscout report {run_id}", soft_wrap=True)

@@ -1,0 +1,175 @@
+"""The package map of docs/internals.md, enforced: imports between gpuscout's subpackages point down only, there are
+no import cycles between modules, and the Lambdas that must stay light do not load the analysis' heavy libraries.
+
+Every ``import``/``from ... import`` of a gpuscout module counts, lazy ones inside functions included: a lazy import
+still couples the two modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "gpuscout"
+
+# Subpackage -> the subpackages it may import. "base" = the top-level modules errors.py, paths.py and __init__.py.
+ALLOWED: dict[str, set[str]] = {
+    "base": set(),
+    "spec": {"base"},
+    "plan": {"base", "spec"},
+    "store": {"base", "spec"},
+    "analysis": {"base", "spec", "plan", "store"},
+    "local": {"base", "spec", "plan", "store", "analysis"},
+    "cloud": {"base", "spec", "plan", "store", "analysis"},
+    "cli": {"base", "spec", "plan", "store", "analysis", "local", "cloud"},
+    "__main__": {"cli"},
+}
+BASE_MODULES = {"gpuscout", "gpuscout.errors", "gpuscout.paths"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str:
+    if module in BASE_MODULES:
+        return "base"
+    if module == "gpuscout.__main__":
+        return "__main__"
+    return module.split(".")[1]
+
+
+def gpuscout_imports(path: Path, known: set[str]) -> list[tuple[int, str, bool]]:
+    """(line, imported gpuscout module, at module level) for every import of a gpuscout module in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from gpuscout.analysis import costs` imports the module gpuscout.analysis.costs
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                for alias in node.names
+            ]
+        for name in names:
+            if name == "gpuscout" or name.startswith("gpuscout."):
+                found.append((node.lineno, name, id(node) in top_level))
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def test_the_subpackages_are_the_ones_the_map_names() -> None:
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert subpackages == set(ALLOWED) - {"base", "__main__"}
+    top_level = {p.name for p in PACKAGE.glob("*.py")}
+    assert top_level == {"__init__.py", "__main__.py", "errors.py", "paths.py"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_only(module: str) -> None:
+    # Given a module of gpuscout, When its imports of other gpuscout modules are read (lazy ones included),
+    # Then each lands in its own subpackage or in one the map allows.
+    own = layer(module)
+    wrong = [
+        f"line {line}: {name} ({layer(name)})"
+        for line, name, _ in gpuscout_imports(MODULES[module], set(MODULES))
+        if layer(name) != own and layer(name) not in ALLOWED[own]
+    ]
+    assert not wrong, f"{module} ({own}) may import only {sorted(ALLOWED[own])}: " + "; ".join(wrong)
+
+
+def test_every_subpackage_says_what_it_owns_and_may_import() -> None:
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert "May import" in doc, f"{init.relative_to(REPO)}: the docstring must say what the subpackage may import"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of the graph (module -> modules it imports), as a path that ends where it started; []."""
+    done: set[str] = set()
+
+    def visit(node: str, trail: list[str]) -> list[str]:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in trail:
+                return [*trail[trail.index(nxt) :], nxt]
+            if nxt not in done:
+                found = visit(nxt, [*trail, nxt])
+                if found:
+                    return found
+        done.add(node)
+        return []
+
+    for start in sorted(graph):
+        if start not in done:
+            found = visit(start, [start])
+            if found:
+                return found
+    return []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycles_between_modules() -> None:
+    # analysis <-> recommend was one: the models they share now live in analysis/results.py.
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in MODULES.items():
+        for _, name, _ in gpuscout_imports(path, set(MODULES)):
+            if name != module and name in MODULES and MODULES[name].name != "__init__.py":
+                graph[module].add(name)
+    assert find_cycle(graph) == [], "import cycle: " + " -> ".join(find_cycle(graph))
+
+
+LIGHT_LAMBDAS = ["validate_manifest", "plan_jobs", "job_events", "record_job_failure"]
+
+
+@pytest.mark.parametrize("function", LIGHT_LAMBDAS)
+def test_lambdas_other_than_analyze_do_not_load_numpy_or_matplotlib(function: str) -> None:
+    # Given a Lambda handler imported the way the runtime does (lambdas.<name>.handler, the stack's environment),
+    # Then numpy, matplotlib and the analysis pipeline stay unloaded: a cold start pays only for what it uses.
+    env = {
+        **os.environ,
+        "TABLE_NAME": "t",
+        "DATA_BUCKET": "d",
+        "ARTIFACTS_BUCKET": "a",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "POWERTOOLS_TRACE_DISABLED": "1",
+        "POWERTOOLS_METRICS_NAMESPACE": "gpuscout",
+    }
+    code = (
+        f"import sys, json, lambdas.{function}.handler; "
+        "print(json.dumps(sorted(m for m in ('numpy', 'matplotlib', 'gpuscout.analysis.analyze', "
+        "'gpuscout.analysis.report', 'rich', 'typer') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "training").glob("*.py")))
+def test_training_scripts_import_only_what_the_image_can_load(script: str) -> None:
+    # The training image carries pydantic and PyYAML, not the analysis (numpy/matplotlib) or the cloud (boto3) code.
+    allowed = {"gpuscout.analysis.intervals"}
+    wrong = [
+        f"line {line}: {name}"
+        for line, name, _ in gpuscout_imports(REPO / "training" / script, set(MODULES))
+        if layer(name) not in {"base", "spec"} and name not in allowed
+    ]
+    assert not wrong, f"training/{script} imports beyond gpuscout.spec and the base modules: " + "; ".join(wrong)
