@@ -13,6 +13,7 @@ Pipeline (each stage O(n) or O(n log n) in the number of jobs):
 from __future__ import annotations
 
 import gc
+import json
 import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ from gpuscout.analysis.results import (
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
+MIN_TIMED_STEPS = 2  # fewer timed steps give no interval: a verdict cannot rest on them
 
 
 # -- manifest access (a gpuscout.spec.manifest.Manifest or its dict) ---------------------------------------------------
@@ -113,6 +115,9 @@ class _Rep(NamedTuple):
     dataset_tokens: int
     curve: Any  # (points, 3) float array: tokens, elapsed s, train loss (one array, not a tuple per point)
     curve_points: list[Any]  # the LossPoint dicts themselves, for the chart's downsampled copy
+    timed_steps: int | None
+    stop_rule: str | None
+    stop_reason: str | None
 
 
 _LOSS_POINT = operator.itemgetter("tokens", "elapsed_s", "loss")  # LossPoint dict -> (tokens, s, loss)
@@ -162,9 +167,76 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             dataset_tokens=int(bench["dataset"]["tokens"]),
             curve=_curve_array(train),
             curve_points=train,
+            timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,
+            stop_rule=(bench.get("stop") or {}).get("rule"),
+            stop_reason=(bench.get("stop") or {}).get("reason"),
         )
     except (KeyError, TypeError, ValueError, IndexError) as err:
         return f"unreadable benchmark.json ({type(err).__name__}: {err})"
+
+
+# Hyperparameters that name a job rather than configure it: two variants that differ only in these run the same thing.
+_IDENTITY_HYPERPARAMETERS = frozenset({"run_id", "job_name", "variant_name", "variant"})
+
+
+def settings_key(job: JobRecord) -> str:
+    """What the job actually runs (instance, count, spot, precision and every hyperparameter but its names): two
+    variants with the same key are the same settings, so any difference between them is noise."""
+    spec = job.spec
+    hyperparameters = {
+        k: v for k, v in (spec.get("hyperparameters") or {}).items() if k not in _IDENTITY_HYPERPARAMETERS
+    }
+    return json.dumps(
+        [
+            job.instance_type,
+            job.instance_count,
+            job.spot,
+            spec.get("precision"),
+            spec.get("deepspeed_config"),
+            hyperparameters,
+        ],
+        sort_keys=True,
+        default=str,
+    )
+
+
+def interval_problem(mean: float, ci: tuple[float, float] | None, timed_steps: int | None) -> str | None:
+    """Why a throughput interval cannot support a verdict, or None when it can (docs/costs.md, "The verdict")."""
+    if timed_steps is not None and timed_steps < MIN_TIMED_STEPS:
+        return f"{timed_steps} timed step{'s' if timed_steps != 1 else ''}; at least {MIN_TIMED_STEPS} are needed"
+    if ci is None:
+        return "no interval"
+    low, high = ci
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "interval not finite"
+    if high - low <= 0:
+        return "zero-width interval"
+    if low <= 0:
+        return f"the interval {mean:,.0f} ± {(high - low) / 2:,.0f} reaches zero or below"
+    return None
+
+
+def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The stop rule's outcome over the repetitions: rule, reason, and for steady_state whether every repetition's
+    within-run throughput interval reached the tolerance (the widest half-width counts)."""
+    rule = next((r.stop_rule for r in reps if r.stop_rule), None)
+    reasons = sorted({r.stop_reason for r in reps if r.stop_reason})
+    out: dict[str, Any] = {"stop_rule": rule, "stop_reason": "; ".join(reasons) or None, "tolerance_reached": None}
+    if rule != "steady_state":
+        return out
+    try:
+        tolerance = float((spec.get("hyperparameters") or {}).get("ci_tolerance", 0.02))
+    except (TypeError, ValueError):
+        tolerance = 0.02
+    widths = [(r.ci95[1] - r.ci95[0]) / 2 / r.tokens_per_s for r in reps if r.ci95 is not None and r.tokens_per_s > 0]
+    achieved = max(widths) if widths else None
+    reached = achieved is not None and achieved <= tolerance
+    out.update(
+        ci_tolerance=tolerance,
+        ci_half_width_fraction=achieved,
+        tolerance_reached=reached,
+    )
+    return out
 
 
 def _measure_group(
@@ -228,8 +300,15 @@ def _measure_group(
     mean_tps, ci = intervals.mean_ci95(tps)
     if ci is not None:
         ci_method = f"t-interval over {len(tps)} repetitions"
+        ci_kind = "between_repetitions"
     else:
         ci, ci_method = reps[0].ci95, "within-run interval over timed steps (1 repetition)"
+        ci_kind = "within_run"
+    timed = [r.timed_steps for r in reps if r.timed_steps is not None]
+    unreliable = interval_problem(mean_tps, ci, min(timed) if timed else None)
+    if unreliable is not None:
+        ci, ci_kind = None, "unreliable"
+        ci_method = f"{ci_method}: unreliable ({unreliable})"
     world = reps[0].world_size or fields["gpus"] or 1
     peak = [r.peak_memory_gb for r in reps if r.peak_memory_gb is not None]
     breakdowns = [
@@ -252,6 +331,10 @@ def _measure_group(
         tokens_per_s=mean_tps,
         tokens_per_s_ci95=ci,
         ci_method=ci_method,
+        ci_kind=ci_kind,
+        timed_steps=min(timed) if timed else None,
+        **stop_outcome(reps, spec),
+        settings_key=settings_key(first),
         tokens_per_s_per_gpu=mean_tps / world,
         mfu=_mean([r.mfu for r in reps if r.mfu is not None]),
         hfu=_mean([r.hfu for r in reps if r.hfu is not None]),
@@ -403,6 +486,9 @@ def _assumptions(prices: PriceBook, objective: str, constraints: Constraints) ->
         "spot targets are billed at the spot price.",
         "95 % confidence intervals: Student t over repetitions; with one repetition, the run's own interval "
         "over timed steps.",
+        "Verdict: a clear winner needs non-overlapping between-repetition intervals (2+ repetitions, run "
+        "interleaved); one repetition gives at most a provisional verdict; an interval reaching zero, of zero width "
+        "or from fewer than 2 timed steps cannot tell; the same settings under two names never have a winner.",
     ]
     if constraints.target_loss is not None:
         notes.append(

@@ -134,31 +134,73 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
             **base,
             summary=f"{best.label}: {facts}, {other}. It is the only target x variant left, so there is no runner-up.",
             clear_winner=True,
+            verdict="only_candidate",
         )
     runner = ranked[1]
     margin = _margin(best, runner, objective)
-    mine, theirs = _interval(best, objective), _interval(runner, objective)
-    overlap = mine is not None and theirs is not None and mine[0] <= theirs[1] and theirs[0] <= mine[1]
     comparison = (
         f"the runner-up {runner.label} costs {margin:.1%} more ({_metric_text(runner, objective)})"
         if objective in COST_OBJECTIVES
         else f"{margin:.1%} faster than the runner-up {runner.label} ({_metric_text(runner, objective)})"
     )
-    if overlap:
-        summary = (
-            f"No clear winner: the 95 % confidence intervals of {best.label} and {runner.label} overlap. "
-            f"{best.label} leads on the mean: {facts}, {other}; {comparison}. "
-            "More repetitions would separate them."
-        )
-    else:
-        summary = f"Recommended: {best.label}: {facts}, {other}; {comparison}."
+    verdict, why = judge(best, runner, objective)
+    lead = f"{best.label} leads on the mean: {facts}, {other}; {comparison}."
+    summary = {
+        "clear": f"Recommended: {best.label}: {facts}, {other}; {comparison}.",
+        "no_clear_winner": f"No clear winner: {why}. {lead} More repetitions would separate them.",
+        "provisional": f"Provisional: {lead} {why[:1].upper()}{why[1:]}",
+        "cannot_tell": f"Cannot tell: {why}. {lead}",
+        "same_settings": f"No winner: {why}. {lead}",
+    }[verdict]
     return Recommendation(
         **base,
         summary=summary,
         margin_fraction=margin,
         runner_up_job_name=runner.job_name,
-        clear_winner=not overlap,
+        clear_winner=verdict == "clear",
+        verdict=verdict,
     )
+
+
+def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, str]:
+    """The verdict between the leader and the runner-up, and why (docs/costs.md, "The verdict").
+
+    - same_settings: the two run the same settings under different names, so any difference is noise;
+    - cannot_tell: either has no usable interval (missing, zero-width, reaching zero, fewer than 2 timed steps);
+    - no_clear_winner: the 95 % intervals overlap;
+    - provisional: they do not overlap, but an interval is within-run only (one repetition: step-to-step noise, not
+      run-to-run noise) or a steady-state stop never reached its tolerance;
+    - clear: between-repetition intervals (>= 2 repetitions each) that do not overlap, measured as asked.
+    """
+    if best.settings_key is not None and best.settings_key == runner.settings_key:
+        return "same_settings", (
+            f"{best.label} and {runner.label} run the same settings under different names, so the difference "
+            "between them is measurement noise"
+        )
+    mine, theirs = _interval(best, objective), _interval(runner, objective)
+    unusable = [j for j, ci in ((best, mine), (runner, theirs)) if ci is None or ci[1] - ci[0] <= 0 or ci[0] <= 0]
+    if unusable:
+        return "cannot_tell", "no usable 95 % interval for " + " and ".join(
+            f"{j.label} ({j.ci_method or 'no interval'})" for j in unusable
+        )
+    assert mine is not None and theirs is not None
+    if mine[0] <= theirs[1] and theirs[0] <= mine[1]:
+        return "no_clear_winner", f"the 95 % confidence intervals of {best.label} and {runner.label} overlap"
+    within = [j for j in (best, runner) if j.ci_kind != "between_repetitions"]
+    unsettled = [j for j in (best, runner) if j.tolerance_reached is False]
+    if within or unsettled:
+        reasons = []
+        if within:
+            reasons.append(
+                "the intervals of " + " and ".join(j.label for j in within) + " come from the steps of a single "
+                "run, which miss run-to-run noise (on a shared machine the same settings vary by far more between "
+                "runs than within one)"
+            )
+        if unsettled:
+            reasons.append(" and ".join(f"{j.label}: {j.stop_text}" for j in unsettled))
+        firm = "set repetitions: 2 or more (they run interleaved)" if within else "let the steady-state rule settle"
+        return "provisional", "; ".join(reasons) + f". To make it firm, {firm} and compare again."
+    return "clear", "between-repetition intervals do not overlap"
 
 
 def decide(

@@ -56,6 +56,8 @@ def _pct(value: float | None) -> str:
 def _tps(job: JobAnalysis) -> str:
     if job.tokens_per_s is None:
         return "–"
+    if job.ci_kind == "unreliable":
+        return f"{_num(job.tokens_per_s)} (CI unreliable)"
     if job.tokens_per_s_ci95 is None:
         return _num(job.tokens_per_s)
     low, high = job.tokens_per_s_ci95
@@ -96,6 +98,7 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
         *([target_col] if target_col else []),
         "benchmark billed",
         "peak mem GB",
+        "stop",
         "Pareto",
     ]
     rows = []
@@ -114,6 +117,9 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
                 *([_loss_target(job)] if target_col else []),
                 _usd(job.billed_usd),
                 _num(job.peak_memory_gb, 1),
+                ("⚠ " if job.tolerance_reached is False else "") + job.stop_text
+                if job.tokens_per_s is not None
+                else "–",
                 "yes" if job.on_pareto_front else "",
             ]
         )
@@ -349,11 +355,11 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
         "excluded_header": ["instance / variant", "reason"],
         "excluded_rows": [[j.label, j.excluded_reason or ""] for j in analysis.jobs if j.excluded_reason],
         "method_rows": [
-            [j.label, j.ci_method or "–", j.target_loss_detail or "–", j.workload_basis or "–"]
+            [j.label, j.ci_method or "–", j.stop_reason or "–", j.target_loss_detail or "–", j.workload_basis or "–"]
             for j in analysis.jobs
             if j.tokens_per_s is not None
         ],
-        "method_header": ["instance / variant", "95 % CI", "time to target loss", "workload"],
+        "method_header": ["instance / variant", "95 % CI", "stop reason", "time to target loss", "workload"],
     }
 
 

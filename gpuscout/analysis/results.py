@@ -39,6 +39,15 @@ class JobAnalysis(BaseModel):
     tokens_per_s: float | None = None
     tokens_per_s_ci95: tuple[float, float] | None = None
     ci_method: str | None = None
+    # between_repetitions | within_run | unreliable (then tokens_per_s_ci95 is None; ci_method says why)
+    ci_kind: str | None = None
+    timed_steps: int | None = None  # the fewest timed steps of any repetition
+    stop_rule: str | None = None  # fixed | steady_state
+    stop_reason: str | None = None
+    ci_tolerance: float | None = None  # steady_state: the requested half-width, a fraction of the mean
+    ci_half_width_fraction: float | None = None  # steady_state: the widest half-width any repetition ended with
+    tolerance_reached: bool | None = None  # steady_state only; None for the fixed rule
+    settings_key: str | None = None  # equal keys = the same settings under different names
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
     hfu: float | None = None
@@ -87,6 +96,18 @@ class JobAnalysis(BaseModel):
     on_pareto_front: bool = False
 
     @property
+    def stop_text(self) -> str:
+        """The stop rule's outcome in a few words, e.g. "steady state not reached (±4.9 % > ±2 %)"."""
+        if self.stop_rule != "steady_state":
+            return f"fixed steps ({self.timed_steps} timed)" if self.timed_steps is not None else "fixed steps"
+        if self.tolerance_reached:
+            return f"steady state reached (±{100 * (self.ci_half_width_fraction or 0):.1f} %)"
+        achieved = (
+            f"±{100 * self.ci_half_width_fraction:.1f} %" if self.ci_half_width_fraction is not None else "no interval"
+        )
+        return f"steady state not reached ({achieved} > ±{100 * (self.ci_tolerance or 0):.1f} %)"
+
+    @property
     def label(self) -> str:
         count = f" x{self.instance_count}" if self.instance_count > 1 else ""
         spot = " (spot)" if self.spot else ""
@@ -116,6 +137,8 @@ class Recommendation(BaseModel):
     margin_fraction: float | None = None  # how much better than the runner-up on the objective's metric
     runner_up_job_name: str | None = None
     clear_winner: bool = False
+    # clear | provisional | no_clear_winner | cannot_tell | same_settings | only_candidate | none
+    verdict: str = "none"
 
 
 class Exclusion(BaseModel):

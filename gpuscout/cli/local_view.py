@@ -74,6 +74,8 @@ def _tps_text(row: Mapping[str, Any]) -> str:
     if tps is None:
         return "-"
     low, high = row.get("tokens_per_s_ci95_low"), row.get("tokens_per_s_ci95_high")
+    if row.get("ci_kind") == "unreliable":
+        return f"{tps:,.0f} (CI unreliable)"
     if low is None or high is None:
         return f"{tps:,.0f}"
     return f"{tps:,.0f} ± {(high - low) / 2:,.0f}"

@@ -475,6 +475,26 @@ def _int_or_none(value: str | None) -> int | None:
 # -- results table ------------------------------------------------------------------------------------------------
 
 
+def _stop_text(a: Mapping[str, Any]) -> str | None:
+    from gpuscout.analysis.results import JobAnalysis
+
+    if a.get("tokens_per_s") is None:
+        return None
+    return JobAnalysis.model_validate(a).stop_text
+
+
+def _note(a: Mapping[str, Any]) -> str | None:
+    """Exclusion or failure first; else what makes the row's number weaker than it looks."""
+    if a.get("excluded_reason") or a.get("failure"):
+        return a.get("excluded_reason") or a.get("failure")
+    flags = []
+    if a.get("tolerance_reached") is False:
+        flags.append(_stop_text(a))
+    if a.get("ci_kind") == "unreliable":
+        flags.append(str(a.get("ci_method") or "unreliable interval"))
+    return "; ".join(f for f in flags if f) or None
+
+
 def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -> list[dict[str, Any]]:
     """Flat rows, best first: from the stored analysis, or from the job rows when the run was not analyzed."""
     if analysis and analysis.get("jobs") is not None:
@@ -500,7 +520,14 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                     "usd_per_million_tokens": a.get("usd_per_million_tokens"),
                     "usd_per_million_tokens_spot": a.get("usd_per_million_tokens_spot"),
                     "final_train_loss": a.get("final_train_loss"),
-                    "note": a.get("excluded_reason") or a.get("failure"),
+                    "ci_kind": a.get("ci_kind"),
+                    "ci_method": a.get("ci_method"),
+                    "timed_steps": a.get("timed_steps"),
+                    "stop_rule": a.get("stop_rule"),
+                    "stop_reason": a.get("stop_reason"),
+                    "tolerance_reached": a.get("tolerance_reached"),
+                    "stop": _stop_text(a),
+                    "note": _note(a),
                 }
             )
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0, r["job_name"] or ""))
@@ -528,6 +555,13 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                 "usd_per_million_tokens": None,
                 "usd_per_million_tokens_spot": None,
                 "final_train_loss": ((job.benchmark or {}).get("loss") or {}).get("final_train_loss"),
+                "ci_kind": None,
+                "ci_method": None,
+                "timed_steps": ((job.benchmark or {}).get("timing") or {}).get("timed_steps"),
+                "stop_rule": ((job.benchmark or {}).get("stop") or {}).get("rule"),
+                "stop_reason": ((job.benchmark or {}).get("stop") or {}).get("reason"),
+                "tolerance_reached": None,
+                "stop": ((job.benchmark or {}).get("stop") or {}).get("reason"),
                 "note": job.failure_reason,
             }
         )

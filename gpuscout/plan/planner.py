@@ -346,6 +346,9 @@ def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: L
     names = [j.job_name for j in jobs]
     if len(set(names)) != len(names):  # unique by construction (t/v/r indices in the head); guards the contract
         raise PlanError("job names are not unique")
+    # Interleaved repetitions: repetition 0 of every target x variant, then repetition 1, ... (a stable sort keeps
+    # the manifest's order inside each round), so a slow period of a shared machine hits every variant, not one.
+    jobs.sort(key=lambda job: job.repetition)
     return Plan(run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs)
 
 

@@ -175,3 +175,16 @@ def test_job_names_unique_and_valid(data, run_name):
         assert f"r{job.repetition}" in job.job_name
         assert MIN_RUNTIME_S <= job.max_runtime_seconds <= MAX_RUNTIME_S
         assert job.prediction.cost_usd >= 0
+
+
+def test_repetitions_run_interleaved_across_variants():
+    # r0 of every target x variant, then r1: a slow period of a shared machine hits every variant, not one.
+    variants = [
+        {"name": "b8-a2", "per_device_batch_size": 8, "gradient_accumulation_steps": 2},
+        {"name": "b4-a4", "per_device_batch_size": 4, "gradient_accumulation_steps": 4},
+        {"name": "b2-a8", "per_device_batch_size": 2, "gradient_accumulation_steps": 8},
+    ]
+    jobs = plan(manifest(variants=variants, repetitions=2), CATALOG, run_id="r").jobs
+    assert [(j.repetition, j.variant_name) for j in jobs] == [
+        (0, "b8-a2"), (0, "b4-a4"), (0, "b2-a8"), (1, "b8-a2"), (1, "b4-a4"), (1, "b2-a8"),
+    ]  # fmt: skip

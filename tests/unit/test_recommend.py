@@ -41,6 +41,7 @@ def _job(
     status: str = "completed",
     failure: str | None = None,
     book: PriceBook | None = None,
+    reps: int = 3,
 ) -> JobAnalysis:
     measured = JobAnalysis(
         job_name=name,
@@ -49,8 +50,9 @@ def _job(
         instance_count=count,
         variant_name=variant,
         spot=spot,
-        repetitions=1 if tps else 0,
-        repetitions_planned=1,
+        repetitions=reps if tps else 0,
+        repetitions_planned=reps,
+        ci_kind=("between_repetitions" if reps >= 2 else "within_run") if ci else None,
         status=status,
         failure=failure,
         tokens_per_s=tps,

@@ -1,0 +1,182 @@
+"""The verdict: never a confident answer from noise (docs/costs.md, "The verdict").
+
+Built through analyze_run from real benchmark.json fixtures, with the numbers of the cases seen on a busy 2-core
+machine: identical variants with wild repetitions, one timed step, one repetition each, a steady-state stop that
+never settled.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.report import render_markdown
+from gpuscout.cli.local_view import _tps_text
+from gpuscout.local.runner import result_rows
+from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+
+BASE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks" / "p4d-bs8-r0.json").read_text())
+CATALOG = {"local": {"on_demand_usd_per_hour": 0.096, "price_source": "test", "price_date": "2026-11-01"}}
+RUN = RunRecord(run_id="verdict", name="verdict", status="ANALYZING", manifest_source="test", manifest={})
+
+
+def _bench(tps: float, ci: tuple[float, float] | None, *, timed_steps: int = 16, stop: dict[str, Any] | None = None):
+    bench = copy.deepcopy(BASE)
+    bench["throughput"]["tokens_per_s"] = tps
+    bench["throughput"]["tokens_per_s_ci95"] = list(ci) if ci else None
+    bench["timing"]["timed_steps"] = timed_steps
+    bench["stop"] = stop or {"rule": "fixed", "reason": "max_steps reached", "steps": timed_steps + 4}
+    return bench
+
+
+def _job(variant: str, rep: int, bench: dict[str, Any], *, workers: int = 0, tolerance: str = "0.02") -> JobRecord:
+    name = f"gs-v-{variant}-r{rep}"
+    return JobRecord(
+        run_id="verdict",
+        job_name=name,
+        status=JobStatus.COMPLETED,
+        instance_type="local",
+        instance_count=1,
+        variant_name=variant,
+        repetition=rep,
+        spec={
+            "gpus_per_instance": 0,
+            "price_per_hour_usd": 0.096,
+            "precision": "fp32",
+            "hyperparameters": {
+                "job_name": name,
+                "per_device_train_batch_size": "4",
+                "dataloader_num_workers": str(workers),
+                "ci_tolerance": tolerance,
+            },
+        },
+        benchmark={**bench, "job_name": name},
+    )
+
+
+def _verdict(jobs: list[JobRecord], objective: str = "cheapest_per_token"):
+    return analyze_run(RUN, jobs, manifest={"objective": objective}, catalog=CATALOG)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tps=st.lists(st.floats(100.0, 1e6), min_size=2, max_size=6),
+    half=st.lists(st.floats(0.0, 2e5), min_size=6, max_size=6),
+    reps=st.integers(1, 3),
+    objective=st.sampled_from(["cheapest_per_token", "fastest"]),
+)
+def test_identical_variants_are_never_a_clear_winner_whatever_the_noise(
+    tps: list[float], half: list[float], reps: int, objective: str
+) -> None:
+    # Given two variants with the same settings under different names and any measured numbers at all
+    jobs = []
+    for i, value in enumerate(tps[: 2 * reps] if len(tps) >= 2 * reps else tps * reps):
+        variant, rep = ("a", "b")[i % 2], i // 2
+        jobs.append(_job(variant, rep, _bench(value, (value - half[i % 6], value + half[i % 6]))))
+    # When the run is analysed
+    rec = _verdict(jobs, objective).recommendation
+    # Then no winner is called
+    assert not rec.clear_winner
+    assert rec.verdict == "same_settings"
+    assert rec.summary.startswith("No winner:")
+
+
+def test_wild_repetitions_give_an_unreliable_interval_and_cannot_tell() -> None:
+    # Seen: 13,367 ± 134,370 and 12,298 ± 94,775 tokens/s from 2 repetitions each, called "clear" (8.7 % more).
+    # Here the settings differ (dataloader workers) so only the statistics decide.
+    jobs = [
+        _job("a", 0, _bench(23_946, (23_000, 24_900))),
+        _job("a", 1, _bench(2_788, (2_700, 2_900))),
+        _job("b", 0, _bench(19_760, (19_000, 20_500)), workers=1),
+        _job("b", 1, _bench(4_836, (4_700, 5_000)), workers=1),
+    ]
+    analysis = _verdict(jobs)
+    assert analysis.recommendation.verdict == "cannot_tell" and not analysis.recommendation.clear_winner
+    assert analysis.recommendation.summary.startswith("Cannot tell:")
+    for job in analysis.jobs:
+        assert job.ci_kind == "unreliable" and job.tokens_per_s_ci95 is None
+        assert job.usd_per_million_tokens_ci95 is None
+        assert "reaches zero or below" in (job.ci_method or "")
+    # printed as unreliable, never as a negative bound
+    rows = result_rows(analysis.model_dump(mode="json"), [])
+    assert [_tps_text(r) for r in rows] == ["13,367 (CI unreliable)", "12,298 (CI unreliable)"]
+    markdown = render_markdown(analysis, [])
+    assert "(CI unreliable)" in markdown
+    assert not re.search(r"[ (±$]-\d", markdown), "no negative number is printed"
+
+
+def test_one_timed_step_cannot_tell() -> None:
+    # Seen: max_steps 4 leaves one timed step: "22,377 ± 0" and a 13 % "clear" winner between identical settings.
+    jobs = [
+        _job("a", 0, _bench(22_377, (22_377, 22_377), timed_steps=1)),
+        _job("b", 0, _bench(19_800, (19_800, 19_800), timed_steps=1), workers=1),
+    ]
+    analysis = _verdict(jobs)
+    assert analysis.recommendation.verdict == "cannot_tell"
+    assert "1 timed step" in analysis.jobs[0].ci_method
+
+
+def test_zero_width_interval_cannot_tell() -> None:
+    jobs = [
+        _job("a", 0, _bench(22_377, (22_377, 22_377))),
+        _job("b", 0, _bench(11_000, (10_000, 12_000)), workers=1),
+    ]
+    assert _verdict(jobs).recommendation.verdict == "cannot_tell"
+
+
+def test_one_repetition_is_provisional_and_says_what_makes_it_firm() -> None:
+    # Within-run intervals of ±3-5 % while run-to-run varies ±25 %: a 29 % lead from one run each is not firm.
+    jobs = [
+        _job("a", 0, _bench(24_237, (23_364, 25_110))),
+        _job("b", 0, _bench(18_700, (17_900, 19_500)), workers=1),
+    ]
+    rec = _verdict(jobs).recommendation
+    assert rec.verdict == "provisional" and not rec.clear_winner
+    assert rec.summary.startswith("Provisional:")
+    assert "repetitions: 2 or more" in rec.summary
+
+
+def test_clearly_different_variants_with_repetitions_are_a_clear_winner() -> None:
+    fast = [24_000, 24_400, 23_800]
+    slow = [12_100, 11_900, 12_300]
+    jobs = [_job("fast", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate(fast)]
+    jobs += [_job("slow", r, _bench(v, (v * 0.97, v * 1.03)), workers=2) for r, v in enumerate(slow)]
+    analysis = _verdict(jobs)
+    rec = analysis.recommendation
+    assert rec.verdict == "clear" and rec.clear_winner
+    assert rec.summary.startswith("Recommended: local / fast")
+    assert {j.ci_kind for j in analysis.jobs} == {"between_repetitions"}
+
+
+def test_overlapping_repetitions_are_no_clear_winner() -> None:
+    jobs = [_job("a", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate([20_000, 26_000, 17_000])]
+    jobs += [_job("b", r, _bench(v, (v * 0.97, v * 1.03)), workers=1) for r, v in enumerate([19_000, 21_000, 18_500])]
+    assert _verdict(jobs).recommendation.verdict == "no_clear_winner"
+
+
+def test_a_steady_state_stop_that_never_settled_is_flagged_and_not_firm() -> None:
+    unsettled = {"rule": "steady_state", "reason": "max_steps reached before the throughput CI settled", "steps": 60}
+    fast = [24_000, 24_400, 23_800]
+    jobs = [
+        _job("fast", r, _bench(v, (v * 0.951, v * 1.049), stop=unsettled), tolerance="0.02") for r, v in enumerate(fast)
+    ]
+    jobs += [
+        _job("slow", r, _bench(v, (v * 0.99, v * 1.01)), workers=2) for r, v in enumerate([12_000, 12_100, 11_900])
+    ]
+    analysis = _verdict(jobs)
+    fast_row = next(j for j in analysis.jobs if j.variant_name == "fast")
+    assert fast_row.tolerance_reached is False
+    assert fast_row.stop_text == "steady state not reached (±4.9 % > ±2.0 %)"
+    assert analysis.recommendation.verdict == "provisional"
+    # flagged where a user looks: the results rows (table/json/csv) and the report
+    row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
+    assert row["tolerance_reached"] is False and row["stop_reason"] == unsettled["reason"]
+    assert row["timed_steps"] == 16 and "not reached (±4.9 % > ±2.0 %)" in row["note"]
+    assert "⚠ steady state not reached (±4.9 % > ±2.0 %)" in render_markdown(analysis, [])
