@@ -261,16 +261,23 @@ def runs(
     table = Table(title="Runs (newest first)", title_justify="left")
     for col in ("run id", "name", "status", "created (UTC)", "jobs", "predicted $", "note"):
         table.add_column(col, justify="right" if col in ("jobs", "predicted $") else "left")
+    from gpuscout.local.runner import is_abandoned
+
     for run in records:
         jobs = store.list_jobs(run.run_id)
+        abandoned = is_abandoned(run)
         table.add_row(
             run.run_id,
             run.name,
-            status_markup(run.status.value),
+            status_markup("ABANDONED" if abandoned else run.status.value),
             run.created_at.strftime("%Y-%m-%d %H:%M:%S"),
             str(len(jobs)),
             _num(run.predicted_cost_usd, "{:.4f}"),
-            escape(run.error or ""),
+            escape(
+                f"process {run.pid} on {run.host} is gone; close it with `gpuscout analyze {run.run_id}`"
+                if abandoned
+                else (run.error or "")
+            ),
         )
     console.print(table)
 
@@ -384,6 +391,24 @@ def report(
         raise GpuscoutError(f"{markdown} does not exist (was the run folder moved or deleted?)")
     sys.stdout.write(markdown.read_text(encoding="utf-8").rstrip("\n") + "\n\n")
     console.print(f"report: {markdown}  html: {html}  folder: {folder}", soft_wrap=True)
+
+
+@app.command()
+def analyze(
+    run_id: Annotated[str, typer.Argument(help="Run id (see `gpuscout runs`).")],
+    db: DbOption = None,
+) -> None:
+    """Close a local run from what its finished jobs left (analysis, report, final status); re-analyse a closed one.
+
+    For a run whose `gpuscout local` process is gone (killed, a reboot, an OOM kill): `gpuscout runs` shows it as
+    ABANDONED. Unfinished jobs become STOPPED; a run that is still running is refused.
+    """
+    from gpuscout.cli.local_view import RichRunObserver
+    from gpuscout.local.runner import close_abandoned_run
+
+    store = open_store(db)
+    run = store.get_run(run_id)
+    close_abandoned_run(run, store, observer=RichRunObserver(console))
 
 
 register_cloud_commands(app)  # submit, status (gpuscout/cli/cloud_commands.py)

@@ -16,6 +16,7 @@ STATUS_COLOURS = {
     "REJECTED": "red",
     "REFUSED": "yellow",
     "STOPPED": "yellow",
+    "ABANDONED": "magenta",
     "CAPACITY": "yellow",
     "QUOTA": "yellow",
     "TRAINING": "cyan",

@@ -31,11 +31,19 @@ from pydantic import ValidationError
 
 from gpuscout import paths
 from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError
+from gpuscout.local.process_control import (
+    SignalGuard,
+    child_popen_kwargs,
+    process_alive,
+    stop_process_group,
+    this_host,
+)
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
 from gpuscout.spec.jobspec import JobSpec
 from gpuscout.spec.metric_lines import parse_metric_line
 from gpuscout.store.base import (
+    FINAL_RUN_STATUSES,
     JOB_STATUS_RANK,
     JobRecord,
     JobStatus,
@@ -144,6 +152,17 @@ def prep_workers(max_documents: int | None) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def remove_stale_staging(cache_dir: Path) -> list[Path]:
+    """Remove staging folders (``.<key>.<pid>.tmp``) whose preparing process no longer exists."""
+    removed = []
+    for staging in cache_dir.glob(".*.*.tmp"):
+        pid = _int_or_none(staging.name.rsplit(".", 2)[-2])
+        if staging.is_dir() and pid is not None and not process_alive(pid):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
 def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] = lambda _text: None) -> Path:
     """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
     key = data_cache_key(manifest)
@@ -152,6 +171,7 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
         notify(f"data: reusing prepared data {target}")
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(cache_dir)
     staging = cache_dir / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     workers = prep_workers(manifest.dataset.max_documents)
@@ -160,7 +180,15 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
     notify(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, env=_child_env({}))
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=_child_env({}), **child_popen_kwargs()
+        )
+        try:
+            proc.wait()
+        except BaseException:  # Ctrl-C, SIGTERM, SIGHUP: no half-prepared data and no orphan left behind
+            stop_process_group(proc, TERMINATE_GRACE_S)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     if proc.returncode != 0 or not (staging / "dataset.json").is_file():
         tail = _tail_lines(log_path, STDERR_TAIL_LINES)
         shutil.rmtree(staging, ignore_errors=True)
@@ -412,6 +440,7 @@ def run_job(
             encoding="utf-8",
             errors="replace",
             bufsize=1,
+            **child_popen_kwargs(),
         )
         assert proc.stdout is not None
         reader = threading.Thread(
@@ -455,14 +484,7 @@ def run_job(
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=TERMINATE_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process_group(proc, TERMINATE_GRACE_S)
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -636,6 +658,8 @@ def run_local(
         manifest=manifest.model_dump(mode="json"),
         predicted_cost_usd=the_plan.predicted_cost_usd,
         run_dir=str(run_dir),
+        host=this_host(),
+        pid=os.getpid(),
     )
     observer.planned(the_plan)
     try:
@@ -652,35 +676,79 @@ def run_local(
     for spec in specs:
         store.put_job(_job_record(spec, JobStatus.PLANNED))
 
-    interrupted = False
     current: JobSpec | None = None
-    try:
-        store.update_run(run_id, status=RunStatus.PREPARING)
-        data_dir = prepare_data(manifest, data_cache_dir or runs_dir / ".cache" / "data", observer.message)
-        store.update_run(run_id, status=RunStatus.RUNNING)
-        with observer.jobs_running():
-            for i, spec in enumerate(specs, start=1):
-                current = spec
-                max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
-                observer.job_started(i, len(specs), spec, max_steps)
-                store.put_job(_job_record(spec, JobStatus.TRAINING))
-                folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
-                outcome = run_job(spec, folders, on_progress=partial(observer.job_progress, spec, max_steps=max_steps))
-                store.put_job(_job_record(spec, outcome.status, outcome))
-                observer.job_finished(spec, outcome)
-                current = None
-    except KeyboardInterrupt:
-        interrupted = True
-        observer.interrupted()
-        for spec in specs:
-            job = store.get_job(run_id, spec.job_name)
-            if job is not None and job.status in (JobStatus.PLANNED, JobStatus.TRAINING):
-                reason = "interrupted (Ctrl-C)" if spec is current else "not started: run interrupted (Ctrl-C)"
-                store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
-    except Exception as err:  # data preparation failed, or the run folder could not be written
-        store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(err).__name__}: {err}")
-        raise
+    interrupted: str | None = None
+    failure: Exception | None = None
+    with SignalGuard() as guard:
+        try:
+            store.update_run(run_id, status=RunStatus.PREPARING)
+            data_dir = prepare_data(manifest, data_cache_dir or runs_dir / ".cache" / "data", observer.message)
+            store.update_run(run_id, status=RunStatus.RUNNING)
+            with observer.jobs_running():
+                for i, spec in enumerate(specs, start=1):
+                    current = spec
+                    max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
+                    observer.job_started(i, len(specs), spec, max_steps)
+                    store.put_job(_job_record(spec, JobStatus.TRAINING))
+                    folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
+                    progress = partial(observer.job_progress, spec, max_steps=max_steps)
+                    outcome = run_job(spec, folders, on_progress=progress)
+                    store.put_job(_job_record(spec, outcome.status, outcome))
+                    observer.job_finished(spec, outcome)
+                    current = None
+        except KeyboardInterrupt as err:
+            guard.defer()
+            interrupted = getattr(err, "signal_name", "Ctrl-C")
+            observer.interrupted()
+        except Exception as err:  # data preparation failed, or the run folder could not be written
+            guard.defer()
+            failure = err
+        finally:
+            # From here on a second Ctrl-C, SIGTERM or SIGHUP is recorded, not raised: the run always ends in a
+            # final state with what was measured analysed.
+            guard.defer()
+        if failure is not None:
+            store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(failure).__name__}: {failure}")
+            raise failure
+        final, analysis, jobs = close_run(
+            run_id,
+            store,
+            manifest,
+            catalog,
+            run_dir=run_dir,
+            observer=observer,
+            interrupted=interrupted,
+            current_job=current.job_name if current else None,
+        )
+    report_md = run_dir / "report" / "report.md"
+    observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
+    return final
 
+
+UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)
+
+
+def close_run(
+    run_id: str,
+    store: ResultStore,
+    manifest: Any,
+    catalog: Catalog,
+    *,
+    run_dir: Path,
+    observer: RunObserver,
+    interrupted: str | None,
+    current_job: str | None = None,
+) -> tuple[RunRecord, dict[str, Any] | None, list[JobRecord]]:
+    """Bring a run to its final state: unfinished jobs STOPPED (with why), finished jobs analysed and reported,
+    the run SUCCEEDED, STOPPED or FAILED. ``interrupted`` names what stopped it (Ctrl-C, SIGTERM, "abandoned ...").
+    Used at the end of every ``run_local`` and by ``gpuscout analyze`` for a run whose process is gone."""
+    for job in store.list_jobs(run_id):
+        if job.status in UNFINISHED_JOB_STATUSES:
+            why = interrupted or "run ended"
+            reason = f"interrupted ({why})" if job.job_name == current_job else f"not finished: run interrupted ({why})"
+            if job.status is JobStatus.PLANNED:
+                reason = f"not started: run interrupted ({why})"
+            store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
     jobs = store.list_jobs(run_id)
     completed = [j for j in jobs if j.status is JobStatus.COMPLETED]
     analysis: dict[str, Any] | None = None
@@ -694,12 +762,59 @@ def run_local(
             store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
             raise
     if interrupted:
-        final = store.update_run(run_id, status=RunStatus.STOPPED, error="interrupted (Ctrl-C)")
+        final = store.update_run(run_id, status=RunStatus.STOPPED, error=f"interrupted ({interrupted})")
     elif completed:
         final = store.update_run(run_id, status=RunStatus.SUCCEEDED, error=None)
     else:
         final = store.update_run(run_id, status=RunStatus.FAILED, error=f"all {len(jobs)} jobs failed")
+    return final, analysis, jobs
 
+
+def is_abandoned(run: RunRecord) -> bool:
+    """A local run that is not final, started on this host by a process that no longer exists."""
+    if run.status in FINAL_RUN_STATUSES or run.pid is None or run.host != this_host():
+        return False
+    return not process_alive(run.pid)
+
+
+def close_abandoned_run(
+    run: RunRecord, store: ResultStore, *, observer: RunObserver | None = None, catalog: Catalog | None = None
+) -> RunRecord:
+    """``gpuscout analyze RUN_ID``: close a run whose ``gpuscout local`` process is gone (SIGKILL, a reboot, an
+    OOM kill) from what its finished jobs left: analysis, report and a final status. A final run is re-analysed and
+    its report regenerated from the stored jobs; its status stays."""
+    from gpuscout.spec.manifest import validate_manifest_data
+
+    observer = observer or SilentObserver()
+    catalog = catalog or load_catalog()
+    if run.run_dir is None or run.manifest is None:
+        raise GpuscoutError(f"run {run.run_id} has no local run folder or manifest to analyse")
+    running = run.status not in FINAL_RUN_STATUSES and run.pid is not None and run.host == this_host()
+    if running and run.pid is not None and process_alive(run.pid):
+        raise GpuscoutError(
+            f"run {run.run_id} is still running (pid {run.pid} on {run.host}); stop it first (Ctrl-C or kill -TERM)"
+        )
+    manifest = validate_manifest_data(run.manifest, run.manifest_source, catalog)
+    run_dir = Path(run.run_dir)
+    if run.status in FINAL_RUN_STATUSES:
+        analysis = None
+        jobs = store.list_jobs(run.run_id)
+        if any(j.status is JobStatus.COMPLETED for j in jobs):
+            analysis = _analyze_and_report(
+                run, store, manifest, catalog, report_dir=run_dir / "report", observer=observer
+            )
+        final = store.get_run(run.run_id)
+    else:
+        where = f"pid {run.pid} on {run.host}" if run.pid is not None else "its process"
+        final, analysis, jobs = close_run(
+            run.run_id,
+            store,
+            manifest,
+            catalog,
+            run_dir=run_dir,
+            observer=observer,
+            interrupted=f"abandoned: {where} ended without closing the run",
+        )
     report_md = run_dir / "report" / "report.md"
     observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
     return final

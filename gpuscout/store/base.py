@@ -33,6 +33,11 @@ class RunStatus(StrEnum):
     STOPPED = "STOPPED"
 
 
+FINAL_RUN_STATUSES = frozenset(
+    {RunStatus.REJECTED, RunStatus.REFUSED, RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED}
+)
+
+
 class JobStatus(StrEnum):
     PLANNED = "PLANNED"
     STARTING = "STARTING"  # InProgress: Starting / Downloading
@@ -84,6 +89,8 @@ class RunRecord(BaseModel):
     problems: list[dict[str, str]] = Field(default_factory=list)  # manifest problems when REJECTED
     run_dir: str | None = None  # local runs: folder with data, jobs and report
     execution_arn: str | None = None  # cloud runs
+    host: str | None = None  # local runs: where `gpuscout local` ran
+    pid: int | None = None  # local runs: its process id (a non-final run whose process is gone is abandoned)
 
 
 class JobRecord(BaseModel):
