@@ -216,6 +216,15 @@ def interval_problem(mean: float, ci: tuple[float, float] | None, timed_steps: i
     return None
 
 
+def _contention_note(jobs: Sequence[JobRecord]) -> str | None:
+    """Which repetitions were measured while other processes competed for the machine (local runs)."""
+    flagged = [j.contention for j in jobs if j.contention and j.contention.get("competing")]
+    if not flagged:
+        return None
+    first = str(flagged[0].get("note") or "measured under competition")
+    return first if len(jobs) == 1 else f"{len(flagged)} of {len(jobs)} repetitions {first}"
+
+
 def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any]:
     """The stop rule's outcome over the repetitions: rule, reason, and for steady_state whether every repetition's
     within-run throughput interval reached the tolerance (the widest half-width counts)."""
@@ -335,6 +344,7 @@ def _measure_group(
         timed_steps=min(timed) if timed else None,
         **stop_outcome(reps, spec),
         settings_key=settings_key(first),
+        contention_note=_contention_note([job for job, _ in completed]),
         tokens_per_s_per_gpu=mean_tps / world,
         mfu=_mean([r.mfu for r in reps if r.mfu is not None]),
         hfu=_mean([r.hfu for r in reps if r.hfu is not None]),

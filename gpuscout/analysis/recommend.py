@@ -169,7 +169,8 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, 
     - cannot_tell: either has no usable interval (missing, zero-width, reaching zero, fewer than 2 timed steps);
     - no_clear_winner: the 95 % intervals overlap;
     - provisional: they do not overlap, but an interval is within-run only (one repetition: step-to-step noise, not
-      run-to-run noise) or a steady-state stop never reached its tolerance;
+      run-to-run noise), a steady-state stop never reached its tolerance, or a measurement was taken while other
+      processes competed for the machine;
     - clear: between-repetition intervals (>= 2 repetitions each) that do not overlap, measured as asked.
     """
     if best.settings_key is not None and best.settings_key == runner.settings_key:
@@ -188,8 +189,11 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, 
         return "no_clear_winner", f"the 95 % confidence intervals of {best.label} and {runner.label} overlap"
     within = [j for j in (best, runner) if j.ci_kind != "between_repetitions"]
     unsettled = [j for j in (best, runner) if j.tolerance_reached is False]
-    if within or unsettled:
+    crowded = [j for j in (best, runner) if j.contention_note]
+    if within or unsettled or crowded:
         reasons = []
+        if crowded:
+            reasons.append("; ".join(f"{j.label}: {j.contention_note}" for j in crowded))
         if within:
             reasons.append(
                 "the intervals of " + " and ".join(j.label for j in within) + " come from the steps of a single "
@@ -198,7 +202,13 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, 
             )
         if unsettled:
             reasons.append(" and ".join(f"{j.label}: {j.stop_text}" for j in unsettled))
-        firm = "set repetitions: 2 or more (they run interleaved)" if within else "let the steady-state rule settle"
+        firm = (
+            "set repetitions: 2 or more (they run interleaved)"
+            if within
+            else "let the steady-state rule settle"
+            if unsettled
+            else "run it again on a quiet machine"
+        )
         return "provisional", "; ".join(reasons) + f". To make it firm, {firm} and compare again."
     return "clear", "between-repetition intervals do not overlap"
 

@@ -48,6 +48,7 @@ class JobAnalysis(BaseModel):
     ci_half_width_fraction: float | None = None  # steady_state: the widest half-width any repetition ended with
     tolerance_reached: bool | None = None  # steady_state only; None for the fixed rule
     settings_key: str | None = None  # equal keys = the same settings under different names
+    contention_note: str | None = None  # local runs: measured while other processes competed (never a clear win)
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
     hfu: float | None = None

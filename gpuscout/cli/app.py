@@ -230,13 +230,22 @@ def local(
         "runs"
     ),
     db: DbOption = None,
+    allow_concurrent: Annotated[
+        bool,
+        typer.Option(
+            "--allow-concurrent",
+            help="Run even if another gpuscout local uses the same --runs-dir (both measurements will suffer).",
+        ),
+    ] = False,
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
     from gpuscout.cli.local_view import RichRunObserver
     from gpuscout.local.runner import run_local
 
     store = open_store(db)
-    run = run_local(file, store=store, runs_dir=runs_dir, observer=RichRunObserver(console))
+    run = run_local(
+        file, store=store, runs_dir=runs_dir, observer=RichRunObserver(console), allow_concurrent=allow_concurrent
+    )
     if run.status is RunStatus.STOPPED:
         raise typer.Exit(INTERRUPTED_EXIT_CODE)
     if run.status is not RunStatus.SUCCEEDED:

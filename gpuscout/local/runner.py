@@ -31,6 +31,8 @@ from pydantic import ValidationError
 
 from gpuscout import paths
 from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError
+from gpuscout.local.contention import ContentionMonitor
+from gpuscout.local.lock import RunsFolderLock
 from gpuscout.local.process_control import (
     SignalGuard,
     child_popen_kwargs,
@@ -312,6 +314,7 @@ class JobOutcome:
     benchmark: dict[str, Any] | None
     failure_reason: str | None
     wall_seconds: float
+    contention: dict[str, Any] | None = None  # the machine's other load while the job ran (contention.py)
 
 
 class RunObserver(Protocol):
@@ -448,18 +451,10 @@ def run_job(
         )
         reader.start()
         timed_out = False
+        monitor = ContentionMonitor(proc.pid)
         try:
-            while True:
-                try:
-                    proc.wait(timeout=poll_interval_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                on_progress(job_progress)
-                if time.monotonic() - started > spec.max_runtime_seconds:
-                    timed_out = True
-                    _stop(proc)
-                    break
+            with monitor:
+                timed_out = _wait(proc, spec, started, job_progress, on_progress, poll_interval_s=poll_interval_s)
         except KeyboardInterrupt:
             _stop(proc)
             reader.join(timeout=TERMINATE_GRACE_S)
@@ -467,12 +462,13 @@ def run_job(
         reader.join(timeout=TERMINATE_GRACE_S)
     wall = time.monotonic() - started
     on_progress(job_progress)
+    contention = monitor.summary()
     benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
-        return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall)
+        return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
     if benchmark is not None and benchmark["status"] == "completed" and proc.returncode == 0:
-        return JobOutcome(JobStatus.COMPLETED, benchmark, None, wall)
+        return JobOutcome(JobStatus.COMPLETED, benchmark, None, wall, contention)
     if benchmark is not None and benchmark.get("failure_reason"):
         reason = str(benchmark["failure_reason"])
     elif unreadable:
@@ -480,7 +476,29 @@ def run_job(
     else:
         tail = _failure_from_stderr(folders.stderr_log, folders.stdout_log)
         reason = f"train.py exited with code {proc.returncode}: {tail}"
-    return JobOutcome(_classify_failure(reason), benchmark, reason, wall)
+    return JobOutcome(_classify_failure(reason), benchmark, reason, wall, contention)
+
+
+def _wait(
+    proc: subprocess.Popen[str],
+    spec: JobSpec,
+    started: float,
+    job_progress: JobProgress,
+    on_progress: Callable[[JobProgress], None],
+    *,
+    poll_interval_s: float,
+) -> bool:
+    """Wait for the job, reporting progress; stop it at max_runtime_seconds. True when it was stopped for time."""
+    while True:
+        try:
+            proc.wait(timeout=poll_interval_s)
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+        on_progress(job_progress)
+        if time.monotonic() - started > spec.max_runtime_seconds:
+            _stop(proc)
+            return True
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -514,6 +532,8 @@ def _note(a: Mapping[str, Any]) -> str | None:
         flags.append(_stop_text(a))
     if a.get("ci_kind") == "unreliable":
         flags.append(str(a.get("ci_method") or "unreliable interval"))
+    if a.get("contention_note"):
+        flags.append(str(a["contention_note"]))
     return "; ".join(f for f in flags if f) or None
 
 
@@ -549,6 +569,7 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                     "stop_reason": a.get("stop_reason"),
                     "tolerance_reached": a.get("tolerance_reached"),
                     "stop": _stop_text(a),
+                    "contention": a.get("contention_note"),
                     "note": _note(a),
                 }
             )
@@ -584,6 +605,7 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                 "stop_reason": ((job.benchmark or {}).get("stop") or {}).get("reason"),
                 "tolerance_reached": None,
                 "stop": ((job.benchmark or {}).get("stop") or {}).get("reason"),
+                "contention": (job.contention or {}).get("note"),
                 "note": job.failure_reason,
             }
         )
@@ -640,14 +662,16 @@ def run_local(
     observer: RunObserver | None = None,
     catalog: Catalog | None = None,
     data_cache_dir: Path | None = None,
+    allow_concurrent: bool = False,
 ) -> RunRecord:
-    """Run a manifest's benchmark on this machine and return the final run row (see module docstring)."""
+    """Run a manifest's benchmark on this machine and return the final run row (see module docstring).
+
+    One run at a time per runs folder (``lock.RunsFolderLock``) unless ``allow_concurrent``."""
     observer = observer or SilentObserver()
     catalog = catalog or load_catalog()
     manifest_path = Path(manifest_path)
     runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
     manifest, the_plan = plan_manifest(manifest_path, catalog)
-    specs: list[JobSpec] = list(the_plan.jobs)
     run_id: str = the_plan.run_id
     run_dir = runs_dir / run_id
     run = RunRecord(
@@ -667,6 +691,28 @@ def run_local(
     except BudgetExceededError as err:
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err), "run_dir": None}))
         raise
+    lock = nullcontext() if allow_concurrent else RunsFolderLock(runs_dir, run_id=run_id, host=this_host())
+    with lock:
+        return _run_planned(
+            run, manifest, the_plan, manifest_path, store=store, observer=observer, catalog=catalog,
+            data_cache_dir=data_cache_dir or runs_dir / ".cache" / "data",
+        )  # fmt: skip
+
+
+def _run_planned(
+    run: RunRecord,
+    manifest: Any,
+    the_plan: Any,
+    manifest_path: Path,
+    *,
+    store: ResultStore,
+    observer: RunObserver,
+    catalog: Catalog,
+    data_cache_dir: Path,
+) -> RunRecord:
+    specs: list[JobSpec] = list(the_plan.jobs)
+    run_id = run.run_id
+    run_dir = Path(str(run.run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(manifest_path, run_dir / f"manifest{manifest_path.suffix or '.yaml'}")
     (run_dir / "plan.json").write_text(
@@ -682,7 +728,7 @@ def run_local(
     with SignalGuard() as guard:
         try:
             store.update_run(run_id, status=RunStatus.PREPARING)
-            data_dir = prepare_data(manifest, data_cache_dir or runs_dir / ".cache" / "data", observer.message)
+            data_dir = prepare_data(manifest, data_cache_dir, observer.message)
             store.update_run(run_id, status=RunStatus.RUNNING)
             with observer.jobs_running():
                 for i, spec in enumerate(specs, start=1):
@@ -827,6 +873,7 @@ def _job_record(spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = N
         benchmark=outcome.benchmark if outcome else None,
         failure_reason=outcome.failure_reason if outcome else None,
         training_seconds=round(outcome.wall_seconds) if outcome else None,
+        contention=outcome.contention if outcome else None,
         status_rank=JOB_STATUS_RANK[status],
         last_event_time=utcnow(),
     )

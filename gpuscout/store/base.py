@@ -113,6 +113,7 @@ class JobRecord(BaseModel):
     last_event_time: datetime | None = None  # event time of the last applied state change
     status_rank: int = 0
     updated_at: datetime = Field(default_factory=utcnow)
+    contention: dict[str, Any] | None = None  # local runs: the machine's other load meanwhile (local/contention.py)
 
     @classmethod
     def from_spec(cls, spec: JobSpec, status: JobStatus, **fields: Any) -> JobRecord:

@@ -180,3 +180,21 @@ def test_a_steady_state_stop_that_never_settled_is_flagged_and_not_firm() -> Non
     assert row["tolerance_reached"] is False and row["stop_reason"] == unsettled["reason"]
     assert row["timed_steps"] == 16 and "not reached (±4.9 % > ±2.0 %)" in row["note"]
     assert "⚠ steady state not reached (±4.9 % > ±2.0 %)" in render_markdown(analysis, [])
+
+
+def test_a_measurement_under_competition_is_never_a_clear_winner() -> None:
+    busy = {"competing": True, "note": "measured under competition: other processes used 1.3 of 2 CPU cores on average"}
+    fast = [24_000, 24_400, 23_800]
+    jobs = [
+        _job("fast", r, _bench(v, (v * 0.97, v * 1.03))).model_copy(update={"contention": busy if r == 1 else None})
+        for r, v in enumerate(fast)
+    ]
+    jobs += [
+        _job("slow", r, _bench(v, (v * 0.97, v * 1.03)), workers=2) for r, v in enumerate([12_100, 11_900, 12_300])
+    ]
+    analysis = _verdict(jobs)
+    rec = analysis.recommendation
+    assert rec.verdict == "provisional" and not rec.clear_winner
+    assert "1 of 3 repetitions measured under competition" in rec.summary and "quiet machine" in rec.summary
+    row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
+    assert "measured under competition" in row["note"]
