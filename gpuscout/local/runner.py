@@ -42,6 +42,7 @@ from gpuscout.local.process_control import (
 )
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
+from gpuscout.spec.dataset_checks import dataset_problems, global_batch_blocks
 from gpuscout.spec.jobspec import JobSpec
 from gpuscout.spec.metric_lines import parse_metric_line
 from gpuscout.store.base import (
@@ -729,9 +730,12 @@ def _run_planned(
         try:
             store.update_run(run_id, status=RunStatus.PREPARING)
             data_dir = prepare_data(manifest, data_cache_dir, observer.message)
+            refused = check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
             store.update_run(run_id, status=RunStatus.RUNNING)
             with observer.jobs_running():
                 for i, spec in enumerate(specs, start=1):
+                    if spec.job_name in refused:
+                        continue
                     current = spec
                     max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
                     observer.job_started(i, len(specs), spec, max_steps)
@@ -769,6 +773,30 @@ def _run_planned(
     report_md = run_dir / "report" / "report.md"
     observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
     return final
+
+
+def check_prepared_data(
+    data_dir: Path, manifest: Any, specs: Sequence[JobSpec], *, store: ResultStore, observer: RunObserver
+) -> set[str]:
+    """Degenerate data, before anything is measured (spec.dataset_checks): warnings are shown loudly; a job whose
+    global batch the training split cannot fill is recorded FAILED with the fix and not run. Returns those jobs."""
+    try:
+        summary = json.loads((data_dir / "dataset.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataPreparationError(f"prepared data in {data_dir} is unreadable ({err}); delete the folder") from err
+    requested = manifest.tokenizer.resolved_vocab_size
+    for problem in dataset_problems(summary, requested_vocab_size=requested):
+        observer.message(f"data: {problem.message}", warning=True)
+    refused: set[str] = set()
+    for spec in specs:
+        batch = global_batch_blocks(spec.hyperparameters, spec.gpus_per_instance * spec.instance_count or 1)
+        for problem in dataset_problems(summary, global_batch=batch):
+            if problem.severity == "refuse":
+                reason = f"not run: degenerate data: {problem.message}"
+                store.put_job(_job_record(spec, JobStatus.FAILED).model_copy(update={"failure_reason": reason}))
+                observer.message(f"{spec.job_name}: {reason}", warning=True)
+                refused.add(spec.job_name)
+    return refused
 
 
 UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)

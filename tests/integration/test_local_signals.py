@@ -30,14 +30,23 @@ from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
+# the dataset.json fields the runner's data checks read
+DATASET_SUMMARY = {
+    "sequence_length": 256,
+    "validation_fraction": 0.05,
+    "documents_read": 120,
+    "dropped": {"invalid": 0},
+    "tokenizer": {"kind": "bpe", "vocab_size": 4096},
+    "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
+}
 REPO = Path(__file__).resolve().parents[2]
 
 DATA_PREPARATION = """
-import json, sys
+import os, sys
 from pathlib import Path
 out = Path(sys.argv[sys.argv.index("--output") + 1])
 out.mkdir(parents=True)
-(out / "dataset.json").write_text("{}")
+(out / "dataset.json").write_text(os.environ["DATASET_SUMMARY"])
 """
 TRAIN = """
 import os, sys, time
@@ -56,7 +65,13 @@ def stand_ins(tmp_path: Path) -> dict[str, str]:
     (training / "train.py").write_text(textwrap.dedent(TRAIN))
     pids = tmp_path / "pids"
     pids.mkdir()
-    return {**os.environ, "GPUSCOUT_TRAINING_DIR": str(training), "PIDS_DIR": str(pids), "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "GPUSCOUT_TRAINING_DIR": str(training),
+        "PIDS_DIR": str(pids),
+        "PYTHONPATH": str(REPO),
+        "DATASET_SUMMARY": json.dumps(DATASET_SUMMARY),
+    }
 
 
 def _start(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -138,6 +153,7 @@ def test_a_second_signal_cannot_cut_the_final_analysis_short(tmp_path: Path, mon
     # Given a run whose first job completed and whose second is interrupted by Ctrl-C
     data = tmp_path / "data"
     data.mkdir()
+    (data / "dataset.json").write_text(json.dumps(DATASET_SUMMARY))
     monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
     calls: list[str] = []
 
@@ -194,6 +210,7 @@ def test_stale_staging_folders_of_dead_processes_are_removed(tmp_path: Path) -> 
 
 
 def test_runs_record_host_and_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "dataset.json").write_text(json.dumps(DATASET_SUMMARY))
     monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: tmp_path)
     monkeypatch.setattr(local, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.FAILED, None, "boom", 0.1))
     store = SqliteStore(tmp_path / "g.db")

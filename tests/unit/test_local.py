@@ -22,6 +22,17 @@ from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
+# the dataset.json fields the runner's data checks read
+DATASET_JSON = json.dumps(
+    {
+        "sequence_length": 256,
+        "validation_fraction": 0.05,
+        "documents_read": 120,
+        "dropped": {"invalid": 0},
+        "tokenizer": {"kind": "bpe", "vocab_size": 4096},
+        "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
+    }
+)
 
 
 def _spec(**update: Any) -> JobSpec:
@@ -142,6 +153,7 @@ def test_over_budget_is_refused_and_recorded(tmp_path: Path) -> None:
 def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "data"
     data.mkdir()
+    (data / "dataset.json").write_text(DATASET_JSON)
     monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
     calls: list[str] = []
 

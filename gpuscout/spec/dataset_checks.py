@@ -1,0 +1,83 @@
+"""Degenerate prepared data, found before anything is measured (dataset.json from training/data_preparation.py).
+
+A benchmark on degenerate data measures nothing useful: a training split smaller than one global batch repeats the
+same blocks every step, an empty validation split gives no validation loss, a trained BPE vocabulary far below the
+request changes the model's embedding and output sizes (and so its speed), and a source whose lines were mostly
+invalid is not the data the user meant. ``dataset_problems`` returns what to refuse and what to flag loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+VOCAB_FAR_BELOW = 0.5  # a trained vocabulary under half the requested size is flagged
+INVALID_FRACTION = 0.10  # more than 10 % of the records read were invalid (not text, broken JSON)
+
+
+@dataclass(frozen=True)
+class DatasetProblem:
+    severity: Literal["refuse", "warn"]
+    message: str
+
+
+def global_batch_blocks(hyperparameters: Mapping[str, Any], world_size: int) -> int:
+    batch = int(hyperparameters.get("per_device_train_batch_size") or 1)
+    accumulation = int(hyperparameters.get("gradient_accumulation_steps") or 1)
+    return batch * accumulation * max(1, world_size)
+
+
+def dataset_problems(
+    summary: Mapping[str, Any], *, requested_vocab_size: int | None = None, global_batch: int | None = None
+) -> list[DatasetProblem]:
+    """Problems of a prepared dataset (dataset.json as a dict); ``global_batch`` in blocks of one job, if known."""
+    problems: list[DatasetProblem] = []
+    splits = summary.get("splits") or {}
+    train_blocks = int((splits.get("train") or {}).get("blocks") or 0)
+    validation = splits.get("validation") or {}
+    if global_batch is not None and train_blocks < global_batch:
+        problems.append(
+            DatasetProblem(
+                "refuse",
+                f"the training split has {train_blocks} blocks of {summary.get('sequence_length')} tokens, fewer than "
+                f"one global batch ({global_batch} blocks): every step would repeat the same data; lower "
+                "per_device_batch_size x gradient_accumulation_steps, or use more data (dataset.max_documents, a "
+                "larger dataset.source)",
+            )
+        )
+    if float(summary.get("validation_fraction") or 0) > 0 and int(validation.get("blocks") or 0) == 0:
+        problems.append(
+            DatasetProblem(
+                "warn",
+                f"the validation split is empty ({validation.get('documents', 0)} documents): no validation loss "
+                "will be measured; raise dataset.validation_fraction or use more data",
+            )
+        )
+    tokenizer = summary.get("tokenizer") or {}
+    vocab = tokenizer.get("vocab_size")
+    if (
+        tokenizer.get("kind") == "bpe"
+        and requested_vocab_size
+        and vocab
+        and vocab < VOCAB_FAR_BELOW * requested_vocab_size
+    ):
+        problems.append(
+            DatasetProblem(
+                "warn",
+                f"the trained BPE vocabulary has {vocab:,} tokens, far below the requested {requested_vocab_size:,} "
+                "(too little text to learn more merges): the model's embedding and output layers, and so its speed, "
+                "differ from what was asked; use more data or a smaller tokenizer.vocab_size",
+            )
+        )
+    read = int(summary.get("documents_read") or 0)
+    invalid = int((summary.get("dropped") or {}).get("invalid") or 0)
+    if read and invalid / read > INVALID_FRACTION:
+        problems.append(
+            DatasetProblem(
+                "warn",
+                f"{invalid:,} of {read:,} records were invalid and dropped ({invalid / read:.0%}): check "
+                "dataset.text_field and the file format",
+            )
+        )
+    return problems
