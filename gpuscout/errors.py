@@ -49,7 +49,9 @@ class CatalogError(GpuscoutError):
 
 
 class PlanError(GpuscoutError):
-    """A manifest is valid but cannot be planned (e.g. the model does not fit the instance)."""
+    """A manifest is valid but cannot be planned (e.g. the model does not fit the instance): a refusal, exit 3."""
+
+    exit_code = 3
 
 
 class BudgetExceededError(PlanError):

@@ -35,6 +35,7 @@ from gpuscout.analysis.results import (
     Objective,
     RunAnalysis,
 )
+from gpuscout.spec.catalog import LOCAL
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
@@ -345,7 +346,7 @@ def _measure_group(
         **stop_outcome(reps, spec),
         settings_key=settings_key(first),
         contention_note=_contention_note([job for job, _ in completed]),
-        tokens_per_s_per_gpu=mean_tps / world,
+        tokens_per_s_per_gpu=mean_tps / world if reps[0].device == "cuda" else None,  # no GPUs, no per-GPU figure
         mfu=_mean([r.mfu for r in reps if r.mfu is not None]),
         hfu=_mean([r.hfu for r in reps if r.hfu is not None]),
         step_time_p50_s=_mean([r.step_p50 for r in reps if r.step_p50 is not None]),
@@ -419,8 +420,11 @@ def price_job(job: JobAnalysis, prices: PriceBook, spec: Mapping[str, Any] | Non
             spec.get("spot_price_per_hour_usd"),
             source="job spec (plan-time price)",
         )
-    on_demand, spot = price.on_demand_usd_per_hour, price.spot_usd_per_hour
-    billed_rate = spot if job.spot else on_demand
+    on_demand = price.on_demand_usd_per_hour
+    spot: float | None = price.spot_usd_per_hour
+    if job.instance_type == LOCAL:  # this machine: there is no spot market for it
+        spot = None
+    billed_rate = spot if job.spot and spot is not None else on_demand
     n = job.instance_count
     update: dict[str, Any] = {
         "usd_per_hour": on_demand,
@@ -436,16 +440,16 @@ def price_job(job: JobAnalysis, prices: PriceBook, spec: Mapping[str, Any] | Non
         tps = job.tokens_per_s
         update |= {
             "usd_per_million_tokens": costs.usd_per_million_tokens(on_demand, n, tps),
-            "usd_per_million_tokens_spot": costs.usd_per_million_tokens(spot, n, tps),
+            "usd_per_million_tokens_spot": costs.usd_per_million_tokens(spot, n, tps) if spot is not None else None,
             "usd_per_million_tokens_ci95": _cost_ci(on_demand, n, job.tokens_per_s_ci95),
-            "usd_per_million_tokens_spot_ci95": _cost_ci(spot, n, job.tokens_per_s_ci95),
+            "usd_per_million_tokens_spot_ci95": _cost_ci(spot, n, job.tokens_per_s_ci95) if spot is not None else None,
             "overhead_usd": costs.usd_for_seconds(job.overhead_seconds or 0.0, billed_rate, n),
         }
         if job.epoch_seconds is not None:
             update |= {
                 "epoch_hours": job.epoch_seconds / costs.SECONDS_PER_HOUR,
                 "epoch_usd": costs.usd_for_seconds(job.epoch_seconds, on_demand, n),
-                "epoch_usd_spot": costs.usd_for_seconds(job.epoch_seconds, spot, n),
+                "epoch_usd_spot": costs.usd_for_seconds(job.epoch_seconds, spot, n) if spot is not None else None,
             }
         if job.target_loss_seconds is not None:
             update |= {
@@ -492,8 +496,9 @@ def _assumptions(prices: PriceBook, objective: str, constraints: Constraints) ->
         "tokens/s counts non-padding tokens of all GPUs over timed steps (warmup excluded).",
         "Cost per 1M tokens = price per instance-hour x instances / 3600 / tokens per s x 1e6.",
         f"Spot prices: {prices.spot.assumption}",
-        "Billed cost = BillableTimeInSeconds (cloud) or script wall time (local) x price x instances; "
-        "spot targets are billed at the spot price.",
+        "Billed cost = BillableTimeInSeconds (cloud) or script wall time (local) x on-demand price x instances; "
+        "for managed spot jobs BillableTimeInSeconds already carries the spot saving. This machine (local) has no "
+        "spot price.",
         "95 % confidence intervals: Student t over repetitions; with one repetition, the run's own interval "
         "over timed steps.",
         "Verdict: a clear winner needs non-overlapping between-repetition intervals (2+ repetitions, run "

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import sys
+import traceback
 import webbrowser
 from enum import StrEnum
 from pathlib import Path
@@ -40,7 +41,7 @@ err_console = Console(stderr=True)
 
 
 def exit_code_for(err: GpuscoutError) -> int:
-    """Over budget is exit 3 (a refusal, not a failure); every other domain error carries its own code."""
+    """Plan refusals (over budget, does not fit, unsupported here) are exit 3; every domain error carries its code."""
     return BUDGET_EXIT_CODE if isinstance(err, BudgetExceededError) else err.exit_code
 
 
@@ -63,7 +64,7 @@ class _GuardedGroup(TyperGroup):
             raise
         except GpuscoutError as err:
             if _debug(ctx):
-                raise
+                traceback.print_exc()  # the traceback, and still the error's own exit code
             print_error(err)
             raise typer.Exit(exit_code_for(err)) from err
         except KeyboardInterrupt as err:
@@ -133,12 +134,13 @@ def main(
         fit_piped_width(c)
 
 
-def open_store(db: Path | None, stack_name: str | None = None) -> ResultStore:
+def open_store(db: Path | None, stack_name: str | None = None, *, read_only: bool = False) -> ResultStore:
+    """The result store: a deployed stack's, or the SQLite file. Read-only commands never create the file."""
     if stack_name:
         from gpuscout.cloud.client import CloudStack
 
         return CloudStack(stack_name).store
-    return SqliteStore(db)
+    return SqliteStore(db, create=not read_only)
 
 
 # validate / plan / catalog
@@ -240,8 +242,9 @@ def local(
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
     from gpuscout.cli.local_view import RichRunObserver
-    from gpuscout.local.runner import run_local
+    from gpuscout.local.runner import ensure_writable, run_local
 
+    ensure_writable(runs_dir.resolve())  # before the database is opened or anything planned
     store = open_store(db)
     run = run_local(
         file, store=store, runs_dir=runs_dir, observer=RichRunObserver(console), allow_concurrent=allow_concurrent
@@ -255,46 +258,76 @@ def local(
 # runs / results / report
 
 
+class OutputFormat(StrEnum):
+    TABLE = "table"
+    JSON = "json"
+    CSV = "csv"
+
+
 @app.command()
 def runs(
     db: DbOption = None,
     limit: Annotated[int, typer.Option(help="Show at most this many runs.", min=1)] = 50,
     stack_name: CloudStackOption = None,
+    fmt: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="Output format (table or json).")
+    ] = OutputFormat.TABLE,
 ) -> None:
-    """List runs, newest first."""
-    store = open_store(db, stack_name)
+    """List runs, newest first. A local run whose process is gone shows as ABANDONED."""
+    from gpuscout.local.runner import is_abandoned
+
+    if fmt is OutputFormat.CSV:
+        raise GpuscoutError("runs supports --format table or json")
+    store = open_store(db, stack_name, read_only=True)
     records = store.list_runs(limit=limit)
-    if not records:
+    rows: list[dict[str, Any]] = []
+    for run in records:
+        abandoned = is_abandoned(run)
+        rows.append(
+            {
+                "run_id": run.run_id,
+                "name": run.name,
+                "status": "ABANDONED" if abandoned else run.status.value,
+                "stored_status": run.status.value,
+                "created_at": run.created_at.isoformat(),
+                "jobs": len(store.list_jobs(run.run_id)),
+                "predicted_cost_usd": run.predicted_cost_usd,
+                "host": run.host,
+                "pid": run.pid,
+                "note": (
+                    f"process {run.pid} on {run.host} is gone; close it with `gpuscout analyze {run.run_id}`"
+                    if abandoned
+                    else (run.error or "").splitlines()[0]
+                    if run.error
+                    else ""
+                ),
+            }
+        )
+    if fmt is OutputFormat.JSON:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    if not rows:
         console.print("no runs yet; try `gpuscout local configs/manifests/quickstart.yaml`")
         return
     table = Table(title="Runs (newest first)", title_justify="left")
-    for col in ("run id", "name", "status", "created (UTC)", "jobs", "predicted $", "note"):
-        table.add_column(col, justify="right" if col in ("jobs", "predicted $") else "left")
-    from gpuscout.local.runner import is_abandoned
-
-    for run in records:
-        jobs = store.list_jobs(run.run_id)
-        abandoned = is_abandoned(run)
+    table.add_column("run id", no_wrap=True, min_width=max(len(r["run_id"]) for r in rows))  # never truncated
+    table.add_column("name", overflow="ellipsis", max_width=24)
+    table.add_column("status", no_wrap=True)
+    table.add_column("created (UTC)", no_wrap=True)
+    table.add_column("jobs", justify="right")
+    table.add_column("predicted $", justify="right")
+    table.add_column("note", overflow="ellipsis", no_wrap=True)  # the note gives way, not the run id
+    for row in rows:
         table.add_row(
-            run.run_id,
-            run.name,
-            status_markup("ABANDONED" if abandoned else run.status.value),
-            run.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-            str(len(jobs)),
-            _num(run.predicted_cost_usd, "{:.4f}"),
-            escape(
-                f"process {run.pid} on {run.host} is gone; close it with `gpuscout analyze {run.run_id}`"
-                if abandoned
-                else (run.error or "")
-            ),
+            row["run_id"],
+            escape(row["name"]),
+            status_markup(row["status"]),
+            row["created_at"][:19].replace("T", " "),
+            str(row["jobs"]),
+            _num(row["predicted_cost_usd"], "{:.4f}"),
+            escape(row["note"]),
         )
     console.print(table)
-
-
-class OutputFormat(StrEnum):
-    TABLE = "table"
-    JSON = "json"
-    CSV = "csv"
 
 
 @app.command()
@@ -311,7 +344,7 @@ def results(
     from gpuscout.cli.local_view import ranked_table, recommendation_text
     from gpuscout.local.runner import result_rows
 
-    store = open_store(db, stack_name)
+    store = open_store(db, stack_name, read_only=True)
     run = store.get_run(run_id)
     jobs = store.list_jobs(run_id)
     result = store.get_result(run_id)
@@ -374,7 +407,7 @@ def report(
     ] = Path("runs") / "cloud",
 ) -> None:
     """Print a run's report.md (and where the HTML, JSON and charts are), or open the HTML report."""
-    store = open_store(db, stack_name)
+    store = open_store(db, stack_name, read_only=True)
     run = store.get_run(run_id)
     result = store.get_result(run_id)
     if result is None or not result.report_uri:
@@ -415,7 +448,7 @@ def analyze(
     from gpuscout.cli.local_view import RichRunObserver
     from gpuscout.local.runner import close_abandoned_run
 
-    store = open_store(db)
+    store = open_store(db, read_only=True)
     run = store.get_run(run_id)
     close_abandoned_run(run, store, observer=RichRunObserver(console))
 

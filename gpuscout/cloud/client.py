@@ -37,7 +37,7 @@ from botocore.exceptions import (
 )
 
 from gpuscout.errors import GpuscoutError, ManifestError, Problem, RunNotFoundError
-from gpuscout.plan.planner import make_run_id
+from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
 from gpuscout.spec.manifest import Manifest, load_manifest
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
@@ -100,7 +100,8 @@ def aws_errors(action: str) -> Iterator[None]:
         raise CredentialsError(f"cannot {action}: no usable AWS credentials ({err}); {_CREDENTIALS_HINT}") from err
     except NoRegionError as err:
         raise CredentialsError(
-            f"cannot {action}: no AWS region configured; set AWS_REGION (or a region in your AWS profile)"
+            f"cannot {action}: no AWS region configured; set AWS_DEFAULT_REGION, or a region in your AWS profile "
+            "(~/.aws/config, selected with AWS_PROFILE)"
         ) from err
     except EndpointConnectionError as err:
         raise CloudError(f"cannot {action}: AWS is unreachable ({err})") from err
@@ -217,7 +218,7 @@ class CloudStack:
                     raise
                 raise StackNotFoundError(
                     f"no CloudFormation stack named {self.stack_name!r} in {cloudformation.meta.region_name}: "
-                    "deploy with `npx cdk deploy` or pass --stack-name (and check AWS_REGION / AWS_PROFILE)"
+                    "deploy with `npx cdk deploy` or pass --stack-name (and check AWS_DEFAULT_REGION / AWS_PROFILE)"
                 ) from err
         stacks = response.get("Stacks", [])
         if not stacks:
@@ -281,6 +282,8 @@ class CloudStack:
         outputs = self.outputs
         key = manifest_key(manifest, path)
         expected_run_id = make_run_id(manifest.name, key=key, etag=local_etag(body))
+        # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
+        plan(manifest, catalog or load_catalog(), run_id=expected_run_id).check_budget()
         try:
             existing = self.store.get_run(expected_run_id)
         except RunNotFoundError:

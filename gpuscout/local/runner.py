@@ -655,6 +655,17 @@ def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, 
     return reprice(result.analysis, prices).model_dump(mode="json")
 
 
+def ensure_writable(folder: Path) -> None:
+    """A runs folder that cannot be written is a clear error before anything is planned or prepared."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise GpuscoutError(f"--runs-dir {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GpuscoutError(f"--runs-dir {folder}: {existing} is not writable; choose another folder with --runs-dir")
+
+
 def run_local(
     manifest_path: Path | str,
     *,
@@ -672,6 +683,7 @@ def run_local(
     catalog = catalog or load_catalog()
     manifest_path = Path(manifest_path)
     runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
+    ensure_writable(runs_dir)
     manifest, the_plan = plan_manifest(manifest_path, catalog)
     run_id: str = the_plan.run_id
     run_dir = runs_dir / run_id

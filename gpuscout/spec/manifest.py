@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -549,7 +550,11 @@ def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
     """Read and validate a manifest file."""
     p = Path(path)
     try:
-        size = p.stat().st_size
+        info = p.stat()
+        if not stat.S_ISREG(info.st_mode):
+            what = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a device, FIFO or socket)"
+            raise ManifestError(str(p), [Problem("", f"{what}; a manifest is a YAML or JSON file")])
+        size = info.st_size
         if size > MAX_MANIFEST_BYTES:
             raise ManifestError(
                 str(p), [Problem("", f"file is {size:,} bytes; a manifest may be at most {MAX_MANIFEST_BYTES:,}")]

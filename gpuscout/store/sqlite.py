@@ -77,8 +77,16 @@ def _sort_key(value: datetime) -> str:
 class SqliteStore:
     """``ResultStore`` backed by one SQLite file (created with its folder on first use)."""
 
-    def __init__(self, path: Path | str | None = None) -> None:
+    def __init__(self, path: Path | str | None = None, *, create: bool = True) -> None:
+        """Open (and with ``create``, create) the database; ``create=False`` is for read-only commands, which must
+        not leave an empty database (or its folder) behind: a missing file is a StoreError naming it."""
         self.path = Path(path).expanduser() if path is not None else default_db_path()
+        if not create and not self.path.is_file():
+            raise StoreError(
+                f"no result database at {self.path}"
+                + (" (the default; pass --db or set GPUSCOUT_DB for another)" if path is None else "")
+                + "; `gpuscout local` creates it with the first run"
+            )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._connect() as conn:

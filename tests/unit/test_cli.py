@@ -5,11 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from gpuscout.analysis.analyze import analyze_run
@@ -203,9 +205,81 @@ def test_catalog_lists_instances() -> None:
 
 
 def test_runs_on_an_empty_database(db: Path) -> None:
+    SqliteStore(db)
     code, out, _ = invoke("runs", "--db", str(db))
     assert code == 0
     assert "no runs yet" in out
+
+
+@pytest.mark.parametrize(
+    "command", [["runs"], ["results", "some-run"], ["report", "some-run"], ["analyze", "some-run"]]
+)
+def test_read_only_commands_never_create_a_database(tmp_path: Path, command: list[str]) -> None:
+    # Given a --db that does not exist, When a read-only command runs, Then it is an error and nothing is created
+    missing = tmp_path / "nested" / "g.db"
+    code, _, err = invoke(*command, "--db", str(missing))
+    assert code == 1
+    assert f"no result database at {missing}" in " ".join(err.split())
+    assert not (tmp_path / "nested").exists()
+
+
+def test_runs_never_truncates_the_run_id_and_has_json(db: Path) -> None:
+    _stored_run(db)
+    store = SqliteStore(db)
+    run = store.get_run(RUN_ID)
+    store.put_run(run.model_copy(update={"error": "a very long note " * 30}))
+    narrow = CliRunner(env={"COLUMNS": "80"})
+    out = narrow.invoke(cli.app, ["runs", "--db", str(db)]).stdout
+    assert RUN_ID in out  # whole, on one line: the note gives way
+    code, out, _ = invoke("runs", "--db", str(db), "--format", "json")
+    assert code == 0
+    [row] = json.loads(out)
+    assert row["run_id"] == RUN_ID and row["status"] == run.status.value and "note" in row
+
+
+@pytest.mark.parametrize(
+    ("variant", "words"),
+    [
+        ({"name": "z2", "deepspeed_stage": 2}, "deepspeed_stage 0"),
+        ({"name": "big", "per_device_batch_size": 4096}, "needs ~"),
+    ],
+)
+def test_plan_refusals_exit_3_like_the_budget_refusal(tmp_path: Path, variant: dict[str, object], words: str) -> None:
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["variants"] = [variant]
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(data))
+    code, _, err = invoke("plan", str(manifest))
+    assert code == 3, err
+    assert words in " ".join(err.split())
+    # --debug shows the traceback and keeps the exit code
+    code, _, err = invoke("--debug", "plan", str(manifest))
+    assert code == 3 and "Traceback" in err
+
+
+def test_an_unwritable_runs_dir_is_a_clear_error_before_anything_runs(
+    tmp_path: Path, db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a runs dir below a regular file
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = invoke("local", str(QUICKSTART), "--runs-dir", str(blocker / "runs"), "--db", str(db))
+    assert code == 1 and f"{blocker} is not a folder" in " ".join(err.split())
+    # a folder this user cannot write (as root every folder is writable, so the permission check is simulated)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked)
+    code, _, err = invoke("local", str(QUICKSTART), "--runs-dir", str(locked / "runs"), "--db", str(db))
+    assert code == 1 and "is not writable" in err
+    assert not (locked / "runs").exists() and not db.exists()
+
+
+def test_manifest_loader_refuses_devices_and_fifos(tmp_path: Path) -> None:
+    fifo = tmp_path / "m.yaml"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), fifo):
+        code, _, err = invoke("validate", str(path))
+        assert code == 2 and "not a regular file" in err
 
 
 def test_runs_lists_stored_runs(db: Path) -> None:

@@ -13,12 +13,14 @@ from typing import Any
 import boto3
 import pytest
 import typer
+import yaml
 from botocore.stub import Stubber
 from moto import mock_aws
 from typer.testing import CliRunner
 
 from gpuscout.cli import app as cli
 from gpuscout.cli.app import _GuardedGroup
+from gpuscout.cli.app import app as full_app
 from gpuscout.cli.cloud_commands import register
 from gpuscout.cloud.client import (
     AlreadySubmittedError,
@@ -455,3 +457,19 @@ def test_runs_results_and_report_of_a_cloud_run_through_the_main_cli(deployed: D
     assert (tmp_path / run_id / "report.html").is_file()
     status = real.invoke(cli.app, ["status", run_id])
     assert status.exit_code == 0 and "RUNNING" in status.stdout
+
+
+def test_submit_refuses_exactly_what_plan_refuses_before_uploading(deployed: Deployed, tmp_path: Path) -> None:
+    # Given a valid manifest whose plan is refused: a batch that cannot fit a 24 GB A10G
+    data = yaml.safe_load(VALID.read_text())
+    data["targets"] = [{"instance_type": "ml.g5.8xlarge"}]
+    data["variants"] = [{"name": "big", "per_device_batch_size": 64}]
+    path = tmp_path / "refused.yaml"
+    path.write_text(yaml.safe_dump(data))
+    planned = runner.invoke(full_app, ["plan", str(path)])
+    plan_code, plan_err = planned.exit_code, planned.stderr
+    # When it is submitted, Then it is refused the same way (exit 3, same message) and nothing is uploaded
+    code, _, err = invoke("submit", str(path), "--wait", "0")
+    assert plan_code == code == 3, err
+    assert " ".join(err.split()).split(":", 1)[1] == " ".join(plan_err.split()).split(":", 1)[1]
+    assert _keys(deployed.s3) == []

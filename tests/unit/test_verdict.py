@@ -198,3 +198,15 @@ def test_a_measurement_under_competition_is_never_a_clear_winner() -> None:
     assert "1 of 3 repetitions measured under competition" in rec.summary and "quiet machine" in rec.summary
     row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
     assert "measured under competition" in row["note"]
+
+
+def test_a_local_cpu_run_has_no_spot_price_and_no_per_gpu_figure() -> None:
+    bench = _bench(20_000, (19_500, 20_500))
+    bench["hardware"] = {**bench["hardware"], "device": "cpu", "world_size": 1, "gpu_sku": None}
+    analysis = _verdict([_job("a", 0, bench)])
+    [job] = analysis.jobs
+    assert job.usd_per_million_tokens is not None
+    assert job.usd_per_million_tokens_spot is None and job.epoch_usd_spot is None and job.spot_usd_per_hour is None
+    assert job.tokens_per_s_per_gpu is None
+    assert any("no spot price" in a for a in analysis.assumptions)
+    assert "spot targets are billed at the spot price" not in " ".join(analysis.assumptions)
