@@ -211,10 +211,21 @@ def _files(root: Path) -> list[Path]:
     return files
 
 
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text, or one line naming the byte offset of the first invalid byte and the fix."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataPreparationError(
+            f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x} at byte offset {err.start}); "
+            "convert it, e.g. `iconv -f <encoding> -t utf-8`, or point dataset.source elsewhere"
+        ) from err
+
+
 def _text_documents(path: Path) -> Iterator[str]:
     """A .txt file: documents are separated by one or more blank lines."""
     block: list[str] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in _read_text(path).splitlines():
         if line.strip():
             block.append(line)
         elif block:
@@ -227,9 +238,14 @@ def _text_documents(path: Path) -> Iterator[str]:
 def _parquet_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
+        raise DataPreparationError(f"{path}: not a readable parquet file ({str(err).splitlines()[0]})") from err
     if text_field not in table.column_names:
-        raise DataPreparationError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
+        raise DataPreparationError(
+            f"{path}: no column {text_field!r}; set dataset.text_field to one of: {', '.join(table.column_names)}"
+        )
     for value in table.column(text_field).to_pylist():
         if isinstance(value, str):
             yield value
@@ -240,7 +256,7 @@ def _parquet_documents(path: Path, text_field: str, invalid: Counter[str]) -> It
 def _json_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
     """JSON Lines, or a .json file holding one array of records."""
     lines: Iterable[str]
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -589,7 +605,12 @@ def prepare(config: PrepareConfig) -> DatasetSummary:
         )
     read += dropped["invalid"]
     if not documents:
-        raise DataPreparationError(f"{config.input}: no documents left after cleaning ({dict(dropped)})")
+        hint = ""
+        if dropped["too_short"] and dropped["too_short"] >= max(dropped.values()):
+            hint = f"; every document was shorter than dataset.min_characters ({config.min_characters}): lower it"
+        elif dropped["invalid"] and dropped["invalid"] >= max(dropped.values()):
+            hint = f"; no record had a text field {config.text_field!r}: set dataset.text_field"
+        raise DataPreparationError(f"{config.input}: no documents left after cleaning ({dict(dropped)}){hint}")
     log(config, f"read {read} documents, kept {len(documents)}, dropped {dict(dropped)}")
     train_docs, val_docs = split_documents(documents, config.validation_fraction, config.seed)
 

@@ -166,6 +166,15 @@ def remove_stale_staging(cache_dir: Path) -> list[Path]:
     return removed
 
 
+def _preparation_error(log_path: Path, returncode: int) -> str:
+    """The one line that says why data preparation failed: its own error line, else the log's last line."""
+    lines = [line.strip() for line in _tail_lines(log_path, STDERR_TAIL_LINES).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "data_preparation: error:" in line:
+            return line.split("data_preparation: error:", 1)[1].strip()
+    return f"exit {returncode}" + (f": {lines[-1]}" if lines else "")
+
+
 def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] = lambda _text: None) -> Path:
     """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
     key = data_cache_key(manifest)
@@ -193,10 +202,9 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
             shutil.rmtree(staging, ignore_errors=True)
             raise
     if proc.returncode != 0 or not (staging / "dataset.json").is_file():
-        tail = _tail_lines(log_path, STDERR_TAIL_LINES)
         shutil.rmtree(staging, ignore_errors=True)
         raise DataPreparationError(
-            f"data preparation failed (exit {proc.returncode}); log: {log_path}\n{tail}".rstrip()
+            f"data preparation failed: {_preparation_error(log_path, proc.returncode)} (log: {log_path})"
         )
     try:
         staging.rename(target)
@@ -770,7 +778,8 @@ def _run_planned(
             # final state with what was measured analysed.
             guard.defer()
         if failure is not None:
-            store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(failure).__name__}: {failure}")
+            note = (str(failure).strip().splitlines() or [""])[0]  # the stored note is one line
+            store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(failure).__name__}: {note}")
             raise failure
         final, analysis, jobs = close_run(
             run_id,

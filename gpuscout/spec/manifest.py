@@ -12,6 +12,7 @@ characters and deep nesting; JSON is accepted by extension or content.
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 from pathlib import Path
@@ -562,4 +563,26 @@ def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
         raw = p.read_bytes()
     except OSError as err:
         raise ManifestError(str(p), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
-    return parse_manifest(raw, str(p), catalog)
+    return _resolve_local_source(parse_manifest(raw, str(p), catalog), p)
+
+
+def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
+    """A local ``dataset.source`` is resolved against the manifest's folder (not the current directory) and must
+    exist: a missing file fails ``validate`` and ``plan``, not a data preparation seconds into ``local``."""
+    if manifest.dataset.kind != "local":
+        return manifest
+    source = Path(manifest.dataset.source).expanduser()
+    resolved = source if source.is_absolute() else (path.parent / source).resolve()
+    if not resolved.exists():
+        where = (
+            ""
+            if source.is_absolute()
+            else f" (relative paths are resolved against the manifest's folder {path.parent})"
+        )
+        raise ManifestError(
+            str(path), [Problem("dataset.source", f"{manifest.dataset.source}: no such file or folder{where}")]
+        )
+    if resolved.is_file() and not os.access(resolved, os.R_OK):
+        raise ManifestError(str(path), [Problem("dataset.source", f"{resolved}: not readable")])
+    dataset = manifest.dataset.model_copy(update={"source": str(resolved)})
+    return manifest.model_copy(update={"dataset": dataset})

@@ -168,3 +168,31 @@ def test_cli_matches_function(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     shutil.rmtree(tmp_path / "cli")
     assert np.load(tmp_path / "fn" / "train-00000.segment_ids.npy").dtype == np.int32
+
+
+def test_dataset_problems_are_one_line_naming_what_to_change(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "ok line of text that is long enough"}\n{"text": "caf\xe9 au lait"}\n')
+    with pytest.raises(DataPreparationError) as err:
+        dp.prepare(_config(tmp_path / "a", input=str(latin1)))
+    offset = latin1.read_bytes().index(b"\xe9")
+    assert f"not UTF-8 text (invalid byte 0xe9 at byte offset {offset})" in str(err.value)
+    assert "\n" not in str(err.value)
+
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataPreparationError, match="not a readable parquet file"):
+        dp.prepare(_config(tmp_path / "b", input=str(broken)))
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"body": ["some text that is long enough to keep"]}), other)
+    with pytest.raises(DataPreparationError, match=r"no column 'text'; set dataset.text_field to one of: body"):
+        dp.prepare(_config(tmp_path / "c", input=str(other)))
+
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "tiny"}\n{"text": "also"}\n')
+    with pytest.raises(DataPreparationError, match=r"shorter than dataset.min_characters \(20\): lower it"):
+        dp.prepare(_config(tmp_path / "d", input=str(short), min_characters=20))

@@ -201,3 +201,24 @@ def test_failed_data_preparation_fails_the_run(tmp_path: Path, monkeypatch: pyte
     assert run.status is RunStatus.FAILED
     assert run.error is not None
     assert "no documents left" in run.error
+
+
+def test_a_failed_data_preparation_is_one_line_with_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    training = tmp_path / "training"
+    training.mkdir()
+    (training / "data_preparation.py").write_text(
+        "import sys\nprint('reading documents')\nprint('Traceback (most recent call last): ...')\n"
+        "print('data_preparation: error: corpus.jsonl: no column \\'text\\'; set dataset.text_field to one of: body',"
+        " file=sys.stderr)\nsys.exit(2)\n"
+    )
+    monkeypatch.setattr(paths, "TRAINING_DIR", training)
+    store = SqliteStore(tmp_path / "g.db")
+    with pytest.raises(DataPreparationError) as err:
+        run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs")
+    message = str(err.value)
+    assert message.startswith(
+        "data preparation failed: corpus.jsonl: no column 'text'; set dataset.text_field to one of: body (log: "
+    )
+    assert "\n" not in message and "Traceback" not in message
+    [run] = store.list_runs()
+    assert run.error is not None and "\n" not in run.error and "dataset.text_field" in run.error

@@ -176,3 +176,24 @@ def test_size_limit(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ManifestError, match="cannot read"):
         load_manifest(tmp_path / "nope.yaml", CATALOG)
+
+
+def test_a_relative_dataset_source_resolves_against_the_manifest_folder(tmp_path, monkeypatch):
+    # Given a manifest in project/ naming data/corpus.jsonl beside it, run from another folder
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "corpus.jsonl").write_text('{"text": "hello"}\n')
+    data = yaml.safe_load((MANIFESTS_DIR / "quickstart.yaml").read_text())
+    data["dataset"]["source"] = "data/corpus.jsonl"
+    (project / "m.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    # Then the source is found there
+    manifest = load_manifest(project / "m.yaml")
+    assert manifest.dataset.source == str((project / "data" / "corpus.jsonl").resolve())
+    # and a missing one fails validation with the field path and where it looked
+    data["dataset"]["source"] = "data/missing.jsonl"
+    (project / "m.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ManifestError) as err:
+        load_manifest(project / "m.yaml")
+    assert "dataset.source: data/missing.jsonl: no such file or folder" in str(err.value)
+    assert f"resolved against the manifest's folder {project}" in str(err.value)
