@@ -40,6 +40,7 @@ from gpuscout.local.process_control import (
     stop_process_group,
     this_host,
 )
+from gpuscout.local.startup import measure_startup_seconds
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
 from gpuscout.spec.dataset_checks import dataset_problems, global_batch_blocks
@@ -79,7 +80,9 @@ def plan_manifest(manifest_path: Path | str, catalog: Catalog | None = None, *, 
 
     catalog = catalog or load_catalog()
     manifest = load_manifest(manifest_path, catalog=catalog)
-    local_hardware = detect_local_hardware() if any(t.instance_type == LOCAL for t in manifest.targets) else None
+    local_hardware = None
+    if any(t.instance_type == LOCAL for t in manifest.targets):
+        local_hardware = detect_local_hardware().model_copy(update={"startup_s": measure_startup_seconds()})
     the_plan = plan(manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware)
     return manifest, the_plan
 

@@ -38,7 +38,7 @@ from gpuscout.spec.catalog import Catalog, InstanceType, LocalHardware, detect_l
 from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token, total_params
 from gpuscout.spec.jobspec import JOB_NAME_RE, JobSpec, Prediction
 from gpuscout.spec.manifest import Manifest, Target, Variant
-from gpuscout.spec.models import Architecture
+from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
 
 # Assumed model-FLOPs utilization per GPU SKU for fine-tuning a decoder with HF Trainer + SDPA, no custom kernels.
 # A100: ~40 % is what well-tuned Megatron/DeepSpeed runs report at 7B scale (e.g. the BLOOM and OPT logs ~35-50 %);
@@ -156,8 +156,9 @@ def _architecture(manifest: Manifest) -> Architecture:
     arch = manifest.model.flops_architecture()
     if arch is None:  # the manifest validator guarantees one
         raise PlanError("model has no known architecture; set model.architecture")
-    vocab = manifest.tokenizer.resolved_vocab_size
-    return arch.with_vocab(vocab) if vocab else arch
+    tokenizer = manifest.tokenizer
+    tokenizer_vocab = QWEN_TOKENIZER_VOCAB if tokenizer.kind == "qwen" else tokenizer.resolved_vocab_size
+    return arch.with_vocab(training_vocab(arch.name, arch.vocab_size, tokenizer_vocab))
 
 
 def memory_per_gpu_gb(
@@ -300,7 +301,10 @@ def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: L
                 device=device,
             )
             training_s = max_steps * tokens_per_step / tokens_per_s
-            overhead_s = LOCAL_OVERHEAD_S if inst.is_local else CLOUD_OVERHEAD_S
+            overhead_s = CLOUD_OVERHEAD_S
+            if inst.is_local:
+                overhead_s = hw.startup_s if hw is not None and hw.startup_s is not None else LOCAL_OVERHEAD_S
+                method += f"; start-up {overhead_s:.1f} s" + (" (measured)" if hw and hw.startup_s else "")
             cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
             runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)
             runtime = min(max(runtime, MIN_RUNTIME_S), MAX_RUNTIME_S)

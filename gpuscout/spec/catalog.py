@@ -189,6 +189,7 @@ class LocalHardware(BaseModel):
     cpu_model: str | None = None
     cpu_count: int = Field(default=1, ge=1)
     memory_gib: float | None = None
+    startup_s: float | None = Field(default=None, ge=0)  # measured start-up of a training process (probe)
 
     @property
     def sku(self) -> GpuSku | None:

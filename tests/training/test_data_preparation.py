@@ -196,3 +196,9 @@ def test_dataset_problems_are_one_line_naming_what_to_change(tmp_path: Path) -> 
     short.write_text('{"text": "tiny"}\n{"text": "also"}\n')
     with pytest.raises(DataPreparationError, match=r"shorter than dataset.min_characters \(20\): lower it"):
         dp.prepare(_config(tmp_path / "d", input=str(short), min_characters=20))
+
+
+def test_the_qwen_vocabulary_the_planner_assumes_is_the_one_prepared() -> None:
+    from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB
+
+    assert dp.QWEN_BPE_RANKS + len(dp.QWEN_SPECIAL_TOKENS) == QWEN_TOKENIZER_VOCAB

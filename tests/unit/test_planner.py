@@ -188,3 +188,36 @@ def test_repetitions_run_interleaved_across_variants():
     assert [(j.repetition, j.variant_name) for j in jobs] == [
         (0, "b8-a2"), (0, "b4-a4"), (0, "b2-a8"), (1, "b8-a2"), (1, "b4-a4"), (1, "b2-a8"),
     ]  # fmt: skip
+
+
+def test_local_predictions_use_the_tokenizers_real_vocabulary_and_measured_start_up(monkeypatch):
+    # Seen: a qwen tokenizer on qwen2-tiny predicted at 21,994 tok/s, measured 158: the 151,665-token output layer
+    # was left out of the FLOPs. And a local prediction without the process start-up is seconds short.
+    import gpuscout.plan.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "measure_matmul_flops", lambda *a, **k: 50e9)
+    base = {
+        "name": "tiny",
+        "model": {"preset": "qwen2-tiny"},
+        "dataset": {"source": "bundled:hebrew-bible"},
+        "sequence_length": 256,
+        "training": {"max_steps": 20, "precision": "fp32"},
+        "targets": [{"instance_type": "local", "price_per_hour_usd": 0.096}],
+        "variants": [{"name": "b4", "per_device_batch_size": 4}],
+        "constraints": {"budget_usd": 1.0},
+    }
+    hw = CPU.model_copy(update={"startup_s": 4.2})
+    bpe = plan(validate_manifest_data({**base, "tokenizer": {"kind": "bpe"}}, "t", CATALOG), CATALOG, run_id="r",
+               local_hardware=hw).jobs[0]  # fmt: skip
+    qwen = plan(validate_manifest_data({**base, "tokenizer": {"kind": "qwen"}}, "t", CATALOG), CATALOG, run_id="r",
+                local_hardware=hw).jobs[0]  # fmt: skip
+    assert bpe.prediction.tokens_per_s / qwen.prediction.tokens_per_s > 20
+    assert qwen.prediction.overhead_seconds == 4.2 and "start-up 4.2 s (measured)" in qwen.prediction.method
+
+
+def test_the_planner_and_train_py_agree_on_the_vocabulary():
+    from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB, training_vocab
+
+    assert training_vocab("qwen2-tiny", 4096, QWEN_TOKENIZER_VOCAB) == QWEN_TOKENIZER_VOCAB
+    assert training_vocab("qwen2.5-1.5b", 151_936, QWEN_TOKENIZER_VOCAB) == 151_936
+    assert training_vocab("qwen2.5-1.5b", 151_936, None) == 151_936
