@@ -158,6 +158,25 @@ def prep_workers(max_documents: int | None) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def verify_prepared(folder: Path) -> str | None:
+    """Why a prepared dataset cannot be reused (a shard missing or changed: its sha256 over the shards, in the
+    order data_preparation.py hashed them, differs from dataset.json's), or None when it is intact."""
+    try:
+        summary = json.loads((folder / "dataset.json").read_text(encoding="utf-8"))
+        digest = hashlib.sha256()
+        for split in ("train", "validation"):
+            for shard in summary["splits"][split]["shards"]:
+                for kind in ("input_ids", "segment_ids"):
+                    with open(folder / shard[kind], "rb") as handle:
+                        while chunk := handle.read(1 << 20):
+                            digest.update(chunk)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    if digest.hexdigest() != summary.get("sha256"):
+        return "sha256 of the shards differs from dataset.json"
+    return None
+
+
 def remove_stale_staging(cache_dir: Path) -> list[Path]:
     """Remove staging folders (``.<key>.<pid>.tmp``) whose preparing process no longer exists."""
     removed = []
@@ -183,8 +202,12 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
     key = data_cache_key(manifest)
     target = cache_dir / key
     if (target / "dataset.json").is_file():
-        notify(f"data: reusing prepared data {target}")
-        return target
+        problem = verify_prepared(target)
+        if problem is None:
+            notify(f"data: reusing prepared data {target}")
+            return target
+        notify(f"data: the cached data in {target} is damaged ({problem}); preparing it again")
+        shutil.rmtree(target, ignore_errors=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(cache_dir)
     staging = cache_dir / f".{key}.{os.getpid()}.tmp"

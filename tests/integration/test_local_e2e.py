@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from gpuscout.cli import app as cli
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.local import runner as local
-from gpuscout.local.runner import prepare_data, run_local
+from gpuscout.local.runner import prepare_data, run_local, verify_prepared
 from gpuscout.spec.catalog import Catalog
 from gpuscout.spec.manifest import load_manifest
 from gpuscout.store.base import JobStatus, RunStatus
@@ -140,3 +140,12 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     cached = prepare_data(load_manifest(manifest_path), runs_dir / ".cache" / "data", Console(file=again).print)
     assert (cached / "dataset.json").is_file()
     assert "reusing prepared data" in again.getvalue()
+    # A damaged cache entry (a shard changed after it was written) is detected by its sha256 and prepared again.
+    shard = next(cached.glob("train-*.input_ids.npy"))
+    shard.write_bytes(shard.read_bytes()[:-8] + b"\x00" * 8)
+    damaged = io.StringIO()
+    prepared = prepare_data(load_manifest(manifest_path), runs_dir / ".cache" / "data", Console(file=damaged).print)
+    assert "is damaged (sha256 of the shards differs from dataset.json); preparing it again" in " ".join(
+        damaged.getvalue().split()
+    )
+    assert verify_prepared(prepared) is None
