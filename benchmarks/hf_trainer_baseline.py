@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report_to="none",
         dataloader_num_workers=0,
         disable_tqdm=True,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -248,6 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "status": "completed",
         "variant": "hf-trainer-baseline",
         "model": args.model,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "attention": str(model.config._attn_implementation),
         "optimizer": getattr(training_args.optim, "value", str(training_args.optim)),
         "precision": "bf16" if bf16 else "fp32",
@@ -288,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default max(3, 10 %% of steps))")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in backward (the plain-Trainer set-up a user tries when batch 4 does not fit)",
+    )
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="JSON result file")
@@ -297,7 +304,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = run(args)
     except torch.OutOfMemoryError as err:
-        result = {"status": "failed", "variant": "hf-trainer-baseline", "failure_reason": f"CUDA out of memory: {err}"}
+        # the peak reached before the failing allocation: how far over the card the set-up is
+        peak = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+        result = {
+            "status": "failed",
+            "variant": "hf-trainer-baseline",
+            "failure_reason": f"CUDA out of memory: {str(err).splitlines()[0]}",
+            "peak_memory_gb_at_failure": peak,
+            "gradient_checkpointing": args.gradient_checkpointing,
+        }
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"[baseline] wrote {out} ({result['status']})", flush=True)
     return 0 if result["status"] == "completed" else 1

@@ -62,6 +62,8 @@ class Setup:
     tokenizer: str
     max_documents: int | None
     blocks_per_step: int | None
+    rows: list[str] | None = None  # row names to run (None: every row); see row_names()
+    piece: str | None = None  # names this piece's output files, for `hopper.py merge`
 
 
 @dataclass
@@ -195,23 +197,38 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def run_baseline(setup: Setup, model: str) -> Row:
-    out = setup.work_dir / model / "baseline.json"
+# The two plain-Trainer rows. "as written": the planning documents' baseline (per-device batch 4 x accumulation 2,
+# documents padded to 4,096, default attention); it does not fit a 1.5B model in 80 GB and is kept as an
+# out-of-memory row. "ckpt": the set-up a user tries next, gradient checkpointing on at the same global batch. The
+# ratio column divides by the first of them that completed (RATIO_REFERENCE_ORDER).
+BASELINES = {
+    "hf-trainer-as-written": ("the planning documents' baseline: Trainer, batch 4 x accumulation 2", False),
+    "hf-trainer-ckpt": ("Trainer, batch 4 x accumulation 2, gradient checkpointing on", True),
+}
+RATIO_REFERENCE_ORDER = ("hf-trainer-as-written", "hf-trainer-ckpt")
+
+
+def run_baseline(setup: Setup, model: str, name: str = "hf-trainer-as-written") -> Row:
+    change, checkpointing = BASELINES[name]
+    out = setup.work_dir / model / f"{name}.json"
     cmd = [
         sys.executable, str(BASELINE_SCRIPT), "--data", str(setup.data_dir), "--model", model,
         "--steps", str(setup.steps), "--learning-rate", str(setup.learning_rate), "--seed", str(setup.seed),
-        "--out", str(out),
+        "--out", str(out), *(["--gradient-checkpointing"] if checkpointing else []),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, check=False)
     if not out.is_file():
-        return Row(model, "hf-trainer-baseline", "the baseline", "failed", failure_reason=_tail(proc.stderr))
+        return Row(model, name, change, "failed", failure_reason=_tail(proc.stderr), micro_batch=4,
+                   gradient_accumulation=2)  # fmt: skip
     r = json.loads(out.read_text())
     if r["status"] != "completed":
-        return Row(model, "hf-trainer-baseline", "the baseline", "failed", failure_reason=r.get("failure_reason"))
+        reason = str(r.get("failure_reason"))
+        status = "out of memory" if "out of memory" in reason.lower() else "failed"
+        return Row(model, name, change, status, failure_reason=reason, micro_batch=4, gradient_accumulation=2,
+                   peak_memory_gb=r.get("peak_memory_gb_at_failure"))  # fmt: skip
     return Row(
-        model, "hf-trainer-baseline",
-        f"transformers Trainer, batch 4 x accumulation 2, padded documents, {r['attention']} attention, "
-        f"optim {r['optimizer']}",
+        model, name,
+        f"{change}; padded documents, {r['attention']} attention, optim {r['optimizer']}",
         "completed",
         tokens_per_s=r["tokens_per_s"], mfu=r["mfu"], hfu=r["hfu"], peak_memory_gb=r["peak_memory_gb"],
         final_train_loss=r["final_train_loss"], final_validation_loss=r["final_validation_loss"],
@@ -219,6 +236,23 @@ def run_baseline(setup: Setup, model: str) -> Row:
         details={k: r[k] for k in ("device", "torch", "transformers", "t_eff", "padding_fraction_of_rows",
                                    "tokens_per_s_ci95", "step_time_p50_s", "warmup_steps", "timed_steps")},
     )  # fmt: skip
+
+
+def apply_ratios(rows: list[Row]) -> str | None:
+    """Set ratio_to_baseline per model against its reference baseline; returns the reference's name (per model,
+    the first of RATIO_REFERENCE_ORDER that completed), or None if no baseline completed."""
+    used = None
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        reference = next(
+            (r for name in RATIO_REFERENCE_ORDER for r in mine if r.variant == name and r.tokens_per_s), None
+        )
+        base = reference.tokens_per_s if reference else None
+        for r in mine:
+            r.ratio_to_baseline = r.tokens_per_s / base if base and r.tokens_per_s else None
+            r.details["ratio_reference"] = reference.variant if reference else None
+        used = used or (reference.variant if reference else None)
+    return used
 
 
 def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, Any]) -> Row:
@@ -328,8 +362,9 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         if r.status != "completed":
             reason = (r.failure_reason or "failed").strip().splitlines()[-1][:120].replace("|", "/")
+            peak = f"{r.peak_memory_gb:.1f} at failure" if r.peak_memory_gb is not None else ""
             lines.append(f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} "
-                         f"| failed: {reason} | | | | | | | | {r.change} |")  # fmt: skip
+                         f"| {r.status}: {reason} | | | {peak} | | | | | {r.change} |")  # fmt: skip
             continue
         lines.append(
             f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} | {_fmt(r.tokens_per_s, ',.0f')} "
@@ -375,6 +410,12 @@ def parse_args(argv: Sequence[str] | None) -> Setup:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--blocks-per-step", type=int, default=None,
                         help="packed blocks per optimizer step (default: the baseline's tokens per step)")  # fmt: skip
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated rows to run (default all): hf-trainer-as-written, hf-trainer-ckpt, "
+                             "optimized and the ablation names (sdpa-mask, no-fused-ce, no-compile, ...)")  # fmt: skip
+    parser.add_argument("--piece", default=None,
+                        help="name of this piece: output files hopper-<gpu>-<date>-<piece>.json/.md, to merge with "
+                             "`hopper.py merge`")  # fmt: skip
     a = parser.parse_args(argv)
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     if a.quick:
@@ -399,13 +440,37 @@ def parse_args(argv: Sequence[str] | None) -> Setup:
         tokenizer=tokenizer,
         max_documents=60 if a.quick else None,
         blocks_per_step=a.blocks_per_step,
+        rows=[r.strip() for r in a.rows.split(",") if r.strip()] if a.rows else None,
+        piece=re.sub(r"[^A-Za-z0-9_.-]+", "-", a.piece) if a.piece else None,
     )
 
 
+def row_names(model: str, blocks: int, quick: bool) -> list[str]:
+    return [*BASELINES, *(v.name for v in variants(model, blocks, quick))]
+
+
+def _payload(
+    setup: Setup, env: dict[str, Any], rows: list[Row], *, blocks: int, sha: str, reference: str | None
+) -> dict[str, Any]:
+    return {
+        "kind": "smoke-test" if setup.quick else "measurement",
+        "environment": env,
+        "steps": setup.steps,
+        "blocks_per_step": blocks,
+        "sequence_length": setup.sequence_length,
+        "dataset_sha256": sha,
+        "ratio_reference": reference,
+        "rows": [r.__dict__ for r in rows],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     setup = parse_args(argv)
     env = environment()
-    env["command"] = ["benchmarks/hopper.py", *(sys.argv[1:] if argv is None else argv)]
+    env["command"] = ["benchmarks/hopper.py", *argv]
     if env["gpu"] and not env["liger-kernel"]:
         print(
             "[hopper] warning: liger-kernel is not installed (pip install liger-kernel==0.8.5): fused_cross_entropy "
@@ -416,36 +481,86 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary["_dir"] = str(setup.data_dir)
     blocks = blocks_per_step(summary, setup.blocks_per_step)
     print(f"[hopper] {blocks} packed block(s) per optimizer step ~ the baseline's 8 padded documents", flush=True)
-    rows: list[Row] = []
+    plan: list[tuple[str, str]] = []
     for model in setup.models:
-        print(f"[hopper] {model}: baseline", flush=True)
-        baseline = run_baseline(setup, model)
-        rows.append(baseline)
-        for variant in variants(model, blocks, setup.quick):
-            print(f"[hopper] {model}: {variant.name}", flush=True)
+        known = row_names(model, blocks, setup.quick)
+        wanted = setup.rows or known
+        unknown = [r for r in wanted if r not in known]
+        if unknown:
+            print(f"[hopper] unknown row(s) {', '.join(unknown)} for {model}; known: {', '.join(known)}", flush=True)
+            return 2
+        plan += [(model, name) for name in known if name in wanted]
+    rows: list[Row] = []
+    started = time.perf_counter()
+    for index, (model, name) in enumerate(plan, start=1):
+        print(f"[hopper] row {index}/{len(plan)}: {model} {name} ({time.perf_counter() - started:.0f} s so far)",
+              flush=True)  # fmt: skip
+        if name in BASELINES:
+            row = run_baseline(setup, model, name)
+        else:
+            variant = next(v for v in variants(model, blocks, setup.quick) if v.name == name)
             row = run_variant(setup, model, variant, summary)
-            if row.tokens_per_s and baseline.tokens_per_s:
-                row.ratio_to_baseline = row.tokens_per_s / baseline.tokens_per_s
-            rows.append(row)
-        if baseline.tokens_per_s:
-            baseline.ratio_to_baseline = 1.0
+        rows.append(row)
+        print(f"[hopper]   {row.status}" + (f", {row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else ""),
+              flush=True)  # fmt: skip
+    reference = apply_ratios(rows)
     setup.out.mkdir(parents=True, exist_ok=True)
     stem = f"hopper-{gpu_slug(env)}-{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}"
-    payload = {
-        "kind": "smoke-test" if setup.quick else "measurement",
-        "environment": env,
-        "steps": setup.steps,
-        "blocks_per_step": blocks,
-        "sequence_length": setup.sequence_length,
-        "dataset_sha256": summary["sha256"],
-        "rows": [r.__dict__ for r in rows],
-    }
+    stem += f"-{setup.piece}" if setup.piece else ""
+    payload = _payload(setup, env, rows, blocks=blocks, sha=summary["sha256"], reference=reference)
     (setup.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     text = markdown(setup, env, rows)
     (setup.out / f"{stem}.md").write_text(text)
     print(text, flush=True)
-    print(f"[hopper] wrote {setup.out / stem}.json and .md", flush=True)
-    return 0 if all(r.status == "completed" for r in rows if r.variant in ("hf-trainer-baseline", "optimized")) else 1
+    print(f"[hopper] wrote {setup.out / stem}.json and .md in {time.perf_counter() - started:.0f} s", flush=True)
+    required = [r for r in rows if r.variant in ("hf-trainer-ckpt", "optimized")]
+    return 0 if all(r.status == "completed" for r in required) else 1
+
+
+def merge_main(argv: Sequence[str]) -> int:
+    """`hopper.py merge PIECE.json ... [--out DIR] [--name STEM]`: one table from pieces measured separately.
+
+    Pieces must share the GPU, the data (sha256), the steps and the blocks per step; a row measured in several
+    pieces keeps the last. Ratios are recomputed over the merged rows."""
+    parser = argparse.ArgumentParser(prog="hopper.py merge", description="One table from pieces measured separately.")
+    parser.add_argument("pieces", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=REPO_DIR / "benchmarks" / "results")
+    parser.add_argument("--name", default=None, help="output stem (default hopper-<gpu>-<date of the last piece>)")
+    a = parser.parse_args(argv)
+    loaded = [json.loads(p.read_text()) for p in a.pieces]
+    for key in ("dataset_sha256", "steps", "blocks_per_step", "sequence_length", "kind"):
+        values = {json.dumps(piece[key]) for piece in loaded}
+        if len(values) > 1:
+            parser.error(f"the pieces differ in {key}: {', '.join(sorted(values))}")
+    gpus = {piece["environment"].get("gpu") for piece in loaded}
+    if len(gpus) > 1:
+        parser.error(f"the pieces were measured on different GPUs: {', '.join(map(str, gpus))}")
+    merged: dict[tuple[str, str], Row] = {}
+    for piece in loaded:
+        for raw in piece["rows"]:
+            merged[(raw["model"], raw["variant"])] = Row(**raw)
+    rows = list(merged.values())
+    reference = apply_ratios(rows)
+    env = {**loaded[-1]["environment"], "pieces": [str(p) for p in a.pieces],
+           "command": ["benchmarks/hopper.py", "merge", *map(str, a.pieces)]}  # fmt: skip
+    first = loaded[-1]
+    setup = Setup(
+        models=list(dict.fromkeys(r.model for r in rows)), steps=first["steps"], quick=first["kind"] != "measurement",
+        out=a.out, data_dir=Path("-"), work_dir=Path("-"), learning_rate=0.0, seed=0,
+        sequence_length=first["sequence_length"], tokenizer="qwen" if first["kind"] == "measurement" else "bpe",
+        max_documents=None, blocks_per_step=first["blocks_per_step"],
+    )  # fmt: skip
+    a.out.mkdir(parents=True, exist_ok=True)
+    stem = a.name or f"hopper-{gpu_slug(env)}-{str(env.get('date', ''))[:10] or 'merged'}"
+    payload = _payload(
+        setup, env, rows, blocks=first["blocks_per_step"], sha=first["dataset_sha256"], reference=reference
+    )
+    (a.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = markdown(setup, env, rows)
+    (a.out / f"{stem}.md").write_text(text)
+    print(text, flush=True)
+    print(f"[hopper] merged {len(a.pieces)} piece(s), {len(rows)} rows -> {a.out / stem}.json and .md", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
