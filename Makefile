@@ -8,7 +8,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export PYTHONDONTWRITEBYTECODE := 1
 export MPLBACKEND := Agg
 
-.PHONY: demo test check lint format types synth install clean
+.PHONY: demo test check lint format types synth install clean gpu-check
 
 $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,24 @@ types:
 
 ## Lint + types + tests.
 check: install lint types test
+
+## CUDA-only checks and a short Hopper smoke on an NVIDIA GPU, on the machine's own torch (no venv is built):
+## installs benchmarks/gpu-check-requirements.txt (from .whl/ wheels when present, else from the package index)
+## and writes benchmarks/results/gpu-check-<gpu>-<date>.json plus a hopper-*-gpu-check-smoke table.
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= benchmarks/results
+GPU_SITE ?= /tmp/gpuscout-gpu-site
+gpu-check:
+	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: torch sees no CUDA GPU')"
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; \
+	else \
+	  $(GPU_PYTHON) -m pip install -q --upgrade --target $(GPU_SITE) -r benchmarks/gpu-check-requirements.txt; \
+	fi
+	PYTHONPATH=$(GPU_SITE):$$PWD GPUSCOUT_GPU_CHECK_OUT=$(GPU_CHECK_OUT) PYTHONUNBUFFERED=1 \
+	  $(GPU_PYTHON) -m pytest -m cuda tests/gpu -p no:cacheprovider -q
+	PYTHONPATH=$(GPU_SITE):$$PWD PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/hopper.py --models qwen2.5-0.5b \
+	  --steps 8 --rows optimized --piece gpu-check-smoke --out $(GPU_CHECK_OUT)
 
 synth: install
 	npx cdk synth --quiet

@@ -1,0 +1,169 @@
+"""The GPU-only code paths, run the way training runs them: bf16 autocast over fp32 master weights, packed real
+tokens, flex attention with a compiled block mask, Liger's fused linear cross-entropy, torch.compile on CUDA, NVML
+sampling, and the planner's memory model against torch.cuda.max_memory_allocated.
+
+Every test is marked ``cuda`` and skipped without a CUDA GPU (tests/gpu/conftest.py). `make gpu-check` runs them
+and writes benchmarks/results/gpu-check-<gpu>-<date>.json. Written and CPU-collected without a GPU at hand
+(docs/performance.md says which checks have run where).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.cuda
+
+REPO = Path(__file__).resolve().parents[2]
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def real_blocks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, int]:
+    """Packed blocks of real Hebrew text (bundled:hebrew-bible, 1,024-token BPE, 1,024-token blocks)."""
+    import data_preparation as dp
+
+    out = tmp_path_factory.mktemp("data")
+    dp.prepare(dp.PrepareConfig(input="bundled:hebrew-bible", output=str(out), tokenizer="bpe", vocab_size=1024,
+                                sequence_length=1024, max_documents=200, workers=1, quiet=True))  # fmt: skip
+    ids, seg = dp.load_split(str(out), "train")
+    summary = dp.load_summary(out)
+    return torch.as_tensor(ids[:2]).cuda(), torch.as_tensor(seg[:2]).long().cuda(), int(summary.tokenizer["vocab_size"])
+
+
+def _model(attention: str, vocab: int, *, layers: int = 4, hidden: int = 512) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096, use_cache=False,
+                         tie_word_embeddings=False)  # fmt: skip
+    config._attn_implementation = attention
+    return Qwen2ForCausalLM(config).cuda().train()  # fp32 master weights, as train.py keeps them
+
+
+def _loss_and_grads(model: Any, loss: str, ids: Any, seg: Any, attention: str) -> tuple[float, dict[str, Any]]:
+    from packing import CausalLMWithLoss, make_inputs
+
+    wrapper = CausalLMWithLoss(model, loss=loss)
+    inputs = make_inputs(ids, seg, packing=True, attention=attention, dtype=BF16)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=BF16):
+        value = wrapper(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+    value.backward()
+    return float(value), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(a: dict[str, Any], b: dict[str, Any], rtol: float) -> float:
+    """Largest relative difference (by norm) between two gradient sets, asserted below ``rtol``."""
+    worst = 0.0
+    for name, ga in a.items():
+        gb = b[name]
+        worst = max(worst, float((ga - gb).norm() / (gb.norm() + 1e-12)))
+    assert worst < rtol, f"gradients differ by {worst:.3g} (relative norm), tolerance {rtol}"
+    return worst
+
+
+def test_flex_matches_sdpa_with_the_4d_mask_under_bf16_autocast(real_blocks: Any, record: Any) -> None:
+    ids, seg, vocab = real_blocks
+    loss_sdpa, grads_sdpa = _loss_and_grads(_model("sdpa", vocab), "chunked", ids, seg, "sdpa")
+    loss_flex, grads_flex = _loss_and_grads(_model("flex_attention", vocab), "chunked", ids, seg, "flex")
+    worst = _close(grads_flex, grads_sdpa, rtol=0.05)
+    record(loss_sdpa=loss_sdpa, loss_flex=loss_flex, worst_grad_rel_diff=worst)
+    assert loss_flex == pytest.approx(loss_sdpa, rel=1e-2)
+
+
+def test_liger_matches_the_chunked_loss_and_gradients(real_blocks: Any, record: Any) -> None:
+    from packing import liger_available
+
+    if not liger_available():
+        pytest.fail("liger-kernel is not installed: the fused cross-entropy path cannot be checked")
+    ids, seg, vocab = real_blocks
+    loss_chunked, grads_chunked = _loss_and_grads(_model("sdpa", vocab), "chunked", ids, seg, "sdpa")
+    loss_liger, grads_liger = _loss_and_grads(_model("sdpa", vocab), "liger", ids, seg, "sdpa")
+    worst = _close(grads_liger, grads_chunked, rtol=0.05)
+    record(loss_chunked=loss_chunked, loss_liger=loss_liger, worst_grad_rel_diff=worst)
+    assert loss_liger == pytest.approx(loss_chunked, rel=1e-2)
+
+
+def test_torch_compile_on_and_off_give_the_same_loss(real_blocks: Any, record: Any) -> None:
+    ids, seg, vocab = real_blocks
+    eager, _ = _loss_and_grads(_model("sdpa", vocab), "chunked", ids, seg, "sdpa")
+    compiled_model = _model("sdpa", vocab)
+    compiled_model.model = torch.compile(compiled_model.model)
+    started = time.perf_counter()
+    compiled, _ = _loss_and_grads(compiled_model, "chunked", ids, seg, "sdpa")
+    record(loss_eager=eager, loss_compiled=compiled, compile_and_step_s=round(time.perf_counter() - started, 1))
+    assert compiled == pytest.approx(eager, rel=1e-2)
+
+
+def test_nvml_fills_utilization_and_power() -> None:
+    from benchmark_callback import GpuSampler
+
+    sampler = GpuSampler([torch.cuda.current_device()], interval_s=0.1)
+    assert sampler.available, "NVML is not available (pip install nvidia-ml-py)"
+    assert sampler.driver_version()
+    sampler.start()
+    a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+    end = time.perf_counter() + 2.0
+    while time.perf_counter() < end:
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+    util, power = sampler.stop()
+    assert util is not None and util > 0 and power is not None and power > 0
+
+
+MEMORY_CASES = [
+    # (preset, micro-batch, sequence, gradient checkpointing, fused cross-entropy)
+    pytest.param("qwen2.5-0.5b", 1, 4096, False, True, id="0.5b-b1-liger"),
+    pytest.param("qwen2.5-0.5b", 2, 4096, True, True, id="0.5b-b2-ckpt-liger"),
+    pytest.param("qwen2.5-0.5b", 1, 2048, False, False, id="0.5b-b1-2k-full-logits"),
+]
+
+
+@pytest.mark.parametrize(("preset", "batch", "seq", "ckpt", "fused"), MEMORY_CASES)
+def test_the_planners_peak_memory_is_within_15_percent(
+    preset: str, batch: int, seq: int, ckpt: bool, fused: bool, record: Any
+) -> None:
+    from packing import CausalLMWithLoss, liger_available
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from gpuscout.plan.planner import CUDA_CONTEXT_GB, memory_per_gpu_gb
+    from gpuscout.spec.manifest import Variant
+    from gpuscout.spec.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
+
+    if fused and not liger_available():
+        pytest.fail("liger-kernel is not installed")
+    arch = PRESETS[preset]
+    arch = arch.with_vocab(training_vocab(preset, arch.vocab_size, QWEN_TOKENIZER_VOCAB))
+    variant = Variant(name="m", per_device_batch_size=batch, gradient_checkpointing=ckpt, fused_cross_entropy=fused)
+    predicted = memory_per_gpu_gb(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
+    predicted -= CUDA_CONTEXT_GB  # max_memory_allocated does not see the CUDA context
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    config = Qwen2Config(**arch.to_qwen2_config_kwargs(), use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM(config).cuda().train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapper = CausalLMWithLoss(model, loss="liger" if fused else "plain")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, arch.vocab_size, (batch, seq), device="cuda")
+    positions = torch.arange(seq, device="cuda").expand(batch, seq)
+    for _ in range(2):  # the second step has the optimizer state allocated
+        with torch.autocast("cuda", dtype=BF16):
+            loss = wrapper(ids, positions, None, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    measured = torch.cuda.max_memory_allocated() / 1e9
+    record(predicted_gb=round(predicted, 2), measured_gb=round(measured, 2), ratio=round(predicted / measured, 3))
+    del model, wrapper, optimizer
+    torch.cuda.empty_cache()
+    assert predicted == pytest.approx(measured, rel=0.15), f"predicted {predicted:.1f} GB, measured {measured:.1f} GB"
