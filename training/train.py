@@ -207,7 +207,31 @@ class Dist:
         return [float(v) for v in t.tolist()]
 
 
+SINGLE_PROCESS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def single_process_environment() -> None:
+    """Without a launcher (one process: `gpuscout local`, a one-GPU SageMaker instance), set the variables a
+    launcher would. DeepSpeed otherwise "discovers" its environment: under SageMaker (SM_TRAINING_ENV is set, also by
+    gpuscout local) it reads OMPI_COMM_WORLD_RANK (KeyError), elsewhere it imports mpi4py (not installed)."""
+    if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1":
+        return
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
 def init_distributed() -> Dist:
+    single_process_environment()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

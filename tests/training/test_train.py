@@ -174,3 +174,37 @@ def test_deepspeed_configs_fill_every_auto() -> None:
         assert config["train_batch_size"] == 2 * 4 * 16
         assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
         assert config["zero_optimization"]["stage"] == stage
+
+
+DEEPSPEED_INIT = """
+import os, sys
+sys.path.insert(0, {training!r})
+if {fixed}:
+    import train
+    train.init_distributed()
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+import torch.distributed as dist
+print("world", dist.get_world_size(), "rank", dist.get_rank())
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixed", [False, True], ids=["without-launcher-env", "after-init_distributed"])
+def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tmp_path: Path, fixed: bool) -> None:
+    # Given one process with SageMaker's SM_TRAINING_ENV (as gpuscout local and a one-GPU instance have) and no
+    # launcher variables, When DeepSpeed initializes its distributed backend:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT", "LOCAL_WORLD_SIZE")}  # fmt: skip
+    env["SM_TRAINING_ENV"] = json.dumps({"hosts": ["algo-1"], "current_host": "algo-1"})
+    code = DEEPSPEED_INIT.format(training=str(TRAINING_DIR), fixed=fixed)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=110, check=False
+    )
+    if fixed:
+        # Then train.py's single-process environment lets it start a one-rank group
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "world 1 rank 0" in proc.stdout
+    else:
+        # (without it, DeepSpeed's SageMaker discovery fails before step 1: the bug this guards against)
+        assert proc.returncode != 0 and "OMPI_COMM_WORLD_RANK" in proc.stderr
