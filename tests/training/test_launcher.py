@@ -37,3 +37,36 @@ def test_single_device_runs_train_directly(tmp_path: Path) -> None:
     for gpus in ("0", "1"):
         topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": gpus})
         assert launcher.build_command(topo, [], python="py") == ["py", str(launcher.TRAIN_SCRIPT)]
+
+
+@pytest.mark.parametrize(
+    ("instance", "expected"),
+    [
+        ("ml.p4d.24xlarge", {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "RDMAV_FORK_SAFE": "1"}),
+        ("ml.p5.48xlarge", {"FI_PROVIDER": "efa"}),
+        ("ml.p5en.48xlarge", {"FI_PROVIDER": "efa"}),
+        ("ml.g5.12xlarge", {}),
+    ],
+)
+def test_multi_node_jobs_get_sagemakers_efa_and_nccl_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, instance: str, expected: dict[str, str]
+) -> None:
+    # Given a two-host SageMaker job on `instance` (resourceconfig.json as SageMaker writes it)
+    (tmp_path / "resourceconfig.json").write_text(json.dumps({
+        "current_host": "algo-1", "hosts": ["algo-1", "algo-2"], "current_instance_type": instance,
+        "network_interface_name": "ethwe",
+    }))  # fmt: skip
+    environ = {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "8", "PATH": "/usr/bin"}
+    monkeypatch.setattr(launcher.os, "environ", environ)  # the launcher's changes stay inside this test
+    monkeypatch.setattr(launcher.os, "execv", lambda path, cmd: None)
+    # When the launcher starts torchrun
+    assert launcher.main([]) == 0
+    # Then the environment is the one SageMaker's PyTorch toolkit sets (torch_distributed.py _setup)
+    seen = {k: launcher.os.environ.get(k) for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "RDMAV_FORK_SAFE")}
+    assert {k: v for k, v in seen.items() if v is not None} == expected
+    assert launcher.os.environ["NCCL_SOCKET_IFNAME"] == "ethwe" and launcher.os.environ["NCCL_PROTO"] == "simple"
+
+
+def test_a_single_process_gets_no_nccl_environment(tmp_path: Path) -> None:
+    topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": "1"})
+    assert launcher.build_command(topo, [], python="py")[1:3] != ["-m", "torch.distributed.run"]
