@@ -494,6 +494,18 @@ def token_counts(seg: torch.Tensor, packing: bool) -> tuple[int, int]:
 # ---------------------------------------------------------------- checkpoints
 
 
+def validation_starts(blocks: int, batch: int, world: int, rank: int, max_batches: int) -> list[int | None]:
+    """The first block of each validation micro-batch of ``rank``; None where the rank has no real batch but must
+    still run a forward. Every rank gets the same number of entries: the batches of the busiest rank."""
+    per_round = batch * world
+    rounds = min(max_batches, -(-blocks // per_round)) if blocks else 0
+    starts: list[int | None] = []
+    for r in range(rounds):
+        start = (r * world + rank) * batch
+        starts.append(start if start < blocks else None)
+    return starts
+
+
 def checkpoint_root() -> Path:
     return Path(os.environ.get("GPUSCOUT_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR))
 
@@ -956,23 +968,24 @@ class Benchmark:
         loss_sum, target_sum = 0.0, 0
         wrapped.eval()
         with torch.no_grad():
-            for batch in range(hp.validation_batches):
-                start = (batch * dist.world_size + dist.rank) * b
-                if start >= len(ids):
-                    break
-                ids_b = torch.from_numpy(ids[start : start + b])
-                seg_b = torch.from_numpy(seg[start : start + b])
+            # Every rank runs the same number of forwards (DDP broadcasts buffers and ZeRO-3 gathers parameters in
+            # each forward: a rank that stops early leaves the others waiting for ever); a rank without a real
+            # batch of its own runs the split's first blocks and counts nothing.
+            for start in validation_starts(len(ids), b, dist.world_size, dist.rank, hp.validation_batches):
+                real = start is not None
+                lo = start if start is not None else 0
+                ids_b = torch.from_numpy(ids[lo : lo + b])
+                seg_b = torch.from_numpy(seg[lo : lo + b])
                 _, targets = token_counts(seg_b, hp.packing)
-                if targets == 0:
-                    continue
                 inputs = make_inputs(
                     ids_b.to(dist.device), seg_b.to(dist.device), packing=hp.packing,
                     attention=hp.attention_implementation, dtype=dtype,
                 )  # fmt: skip
                 with autocast:
                     loss = wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
-                loss_sum += float(loss) * targets
-                target_sum += targets
+                if real and targets > 0:
+                    loss_sum += float(loss) * targets
+                    target_sum += targets
         wrapped.train()
         total_loss, total_targets = self.dist.all_reduce_sum([loss_sum, float(target_sum)])
         if total_targets:

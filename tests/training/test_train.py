@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -208,3 +209,50 @@ def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tm
     else:
         # (without it, DeepSpeed's SageMaker discovery fails before step 1: the bug this guards against)
         assert proc.returncode != 0 and "OMPI_COMM_WORLD_RANK" in proc.stderr
+
+
+def test_every_rank_runs_the_same_number_of_validation_forwards() -> None:
+    import train
+
+    # 5 blocks, batch 2, 2 ranks: rank 0 has blocks 0-1 and 4, rank 1 only 2-3; both run two forwards
+    assert train.validation_starts(5, 2, 2, 0, 10) == [0, 4]
+    assert train.validation_starts(5, 2, 2, 1, 10) == [2, None]
+    # the h100-settings-sweep case: [1,1,1,1,1,0,0,0] real batches on 8 ranks -> one forward each
+    counts = [len(train.validation_starts(5, 1, 8, r, 4)) for r in range(8)]
+    assert counts == [1] * 8
+    assert train.validation_starts(0, 2, 2, 0, 10) == []
+    assert train.validation_starts(100, 2, 2, 1, 3) == [2, 6, 10]  # capped at validation_batches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, tmp_path: Path) -> None:
+    # Given 2 gloo ranks (torchrun) and one validation micro-batch: rank 0 has it, rank 1 has none
+    blocks = dp.load_summary(dataset).splits["validation"].blocks
+    root = tmp_path / "ddp"
+    config = root / "opt/ml/input/config"
+    config.mkdir(parents=True)
+    hps = {**HPS, "per_device_train_batch_size": str(blocks), "max_steps": "4", "eval_interval": "2",
+           "checkpoint_interval": "0", "validation_batches": "4", "job_name": "gs-test-ddp"}  # fmt: skip
+    (config / "hyperparameters.json").write_text(json.dumps(hps))
+    env = {
+        **os.environ,
+        "SM_INPUT_CONFIG_DIR": str(config), "SM_CHANNEL_TRAIN": str(dataset),
+        "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"), "SM_MODEL_DIR": str(root / "opt/ml/model"),
+        "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(TRAINING_DIR / "train.py")]  # fmt: skip
+    # When it trains with validation every 2 steps, Then it finishes (a hang fails at the timeout)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired as err:  # the old validation loop hung here
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        proc.communicate()
+        raise AssertionError("2 DDP ranks hung in validation") from err
+    assert proc.returncode == 0, stderr[-3000:]
+    result = _result(root)
+    assert result.status == "completed" and result.hardware.world_size == 2
+    assert result.loss is not None and [p.step for p in result.loss.validation] == [2, 4]
