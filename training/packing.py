@@ -90,6 +90,34 @@ def _flex_block_mask(segment_ids: torch.Tensor) -> Any:
     )
 
 
+def install_flex_autocast_cast() -> None:
+    """Make transformers' flex attention run q, k and v in the autocast dtype, whatever torch does.
+
+    Under bf16 autocast with fp32 master weights, transformers hands flex attention q/k in fp32 and v in bf16 (the
+    projections meet autocast differently); torch 2.8's flex_attention raises "Expected query, key, and value to
+    have the same dtype", torch 2.13 accepts it. This wraps the registered "flex_attention" function once
+    (AttentionInterface.register) so the image and the tests see the same inputs on any torch version.
+    """
+    from transformers.modeling_utils import AttentionInterface
+
+    current = AttentionInterface._global_mapping["flex_attention"]
+    if getattr(current, "gpuscout_casts_to_autocast_dtype", False):
+        return
+
+    def flex_in_autocast_dtype(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        *args: Any, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        return current(module, query, key, value, attention_mask, *args, **kwargs)
+
+    flex_in_autocast_dtype.gpuscout_casts_to_autocast_dtype = True  # type: ignore[attr-defined]
+    AttentionInterface.register("flex_attention", flex_in_autocast_dtype)
+
+
 def make_inputs(
     input_ids: torch.Tensor, segment_ids: torch.Tensor, *, packing: bool, attention: str, dtype: torch.dtype
 ) -> ModelInputs:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
-from packing import CausalLMWithLoss, make_inputs, unpack_blocks
+from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs, unpack_blocks
 
 import gpuscout
 from gpuscout.errors import TrainingError
@@ -356,6 +356,8 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     attention = ATTENTION_IMPLEMENTATIONS[hp.attention_implementation]
+    if hp.attention_implementation == "flex":
+        install_flex_autocast_cast()  # q/k/v in one dtype under autocast, on every torch version
     vocab = int(summary.tokenizer["vocab_size"])
     torch.manual_seed(hp.seed)
     if hp.model_preset:

@@ -137,3 +137,30 @@ def test_no_packing_trains_on_the_same_targets_as_masked_packing() -> None:
         a = loss(packed.input_ids, packed.position_ids, packed.attention_mask, packed.labels)
         b = loss(unpacked.input_ids, unpacked.position_ids, unpacked.attention_mask, unpacked.labels)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_attention_gets_q_k_v_in_the_autocast_dtype() -> None:
+    # Seen on torch 2.8 (the old training image): under bf16 autocast with fp32 master weights transformers hands
+    # flex attention q/k in fp32 and v in bf16, and flex_attention raises. train.py wraps the registered function.
+    from packing import install_flex_autocast_cast
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    original = AttentionInterface._global_mapping["flex_attention"]
+    seen: list[tuple[torch.dtype, ...]] = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((query.dtype, key.dtype, value.dtype))
+        return query, None
+
+    try:
+        AttentionInterface.register("flex_attention", spy)
+        install_flex_autocast_cast()
+        install_flex_autocast_cast()  # idempotent: wraps once
+        q = k = torch.zeros(1, 2, 4, 8)
+        v = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ALL_ATTENTION_FUNCTIONS["flex_attention"](None, q, k, v, None, scaling=1.0)
+        ALL_ATTENTION_FUNCTIONS["flex_attention"](None, q, k, v, None)  # no autocast: left as they are
+    finally:
+        AttentionInterface.register("flex_attention", original)
+    assert seen == [(torch.bfloat16,) * 3, (torch.float32, torch.float32, torch.bfloat16)]
