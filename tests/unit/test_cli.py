@@ -247,6 +247,7 @@ def test_runs_never_truncates_the_run_id_and_has_json(db: Path) -> None:
 def test_plan_refusals_exit_3_like_the_budget_refusal(tmp_path: Path, variant: dict[str, object], words: str) -> None:
     data = yaml.safe_load(QUICKSTART.read_text())
     data["variants"] = [variant]
+    data["sequence_length"] = 4096  # with batch 4096: far beyond this host's memory, whatever it is
     manifest = tmp_path / "m.yaml"
     manifest.write_text(yaml.safe_dump(data))
     code, _, err = invoke("plan", str(manifest))
