@@ -98,15 +98,16 @@ class JobAnalysis(BaseModel):
 
     @property
     def stop_text(self) -> str:
-        """The stop rule's outcome in a few words, e.g. "steady state not reached (±4.9 % > ±2 %)"."""
+        """The stop rule's outcome in a few words, e.g. "steady state not reached (±4.9 % > ±2.0 %), 16 timed"."""
+        timed = f", {self.timed_steps} timed" if self.timed_steps is not None else ""
         if self.stop_rule != "steady_state":
-            return f"fixed steps ({self.timed_steps} timed)" if self.timed_steps is not None else "fixed steps"
+            return f"fixed steps{timed}"
         if self.tolerance_reached:
-            return f"steady state reached (±{100 * (self.ci_half_width_fraction or 0):.1f} %)"
+            return f"steady state reached (±{100 * (self.ci_half_width_fraction or 0):.1f} %){timed}"
         achieved = (
             f"±{100 * self.ci_half_width_fraction:.1f} %" if self.ci_half_width_fraction is not None else "no interval"
         )
-        return f"steady state not reached ({achieved} > ±{100 * (self.ci_tolerance or 0):.1f} %)"
+        return f"steady state not reached ({achieved} > ±{100 * (self.ci_tolerance or 0):.1f} %){timed}"
 
     @property
     def label(self) -> str:

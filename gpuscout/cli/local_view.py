@@ -88,7 +88,8 @@ def _usd_text(value: float | None) -> str:
 
 
 def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked results") -> Table:
-    """Rank, variant, instance, tokens/s ± 95 % CI, MFU (or why not), $ per 1M tokens, status, note."""
+    """Rank, variant, instance, tokens/s ± 95 % CI, MFU (or why not), $ per 1M tokens, status, stop rule outcome,
+    note."""
     table = Table(title=title, title_justify="left")
     table.add_column("rank", justify="right")
     table.add_column("variant")
@@ -97,6 +98,7 @@ def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked resu
     table.add_column("MFU", justify="right")
     table.add_column("$ / 1M tokens", justify="right")
     table.add_column("status")
+    table.add_column("stop", overflow="fold", max_width=34)
     table.add_column("note", overflow="fold", max_width=60)
     for row in rows:
         status = str(row.get("status") or "")
@@ -111,6 +113,7 @@ def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked resu
             _mfu_text(row),
             _usd_text(row.get("usd_per_million_tokens_spot") if row.get("spot") else row.get("usd_per_million_tokens")),
             f"[{colour}]{escape(status)}[/]",
+            ("[yellow]⚠[/] " if row.get("tolerance_reached") is False else "") + escape(str(row.get("stop") or "")),
             escape(note[-1] if note else ""),
         )
     return table

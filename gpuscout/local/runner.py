@@ -562,9 +562,7 @@ def _note(a: Mapping[str, Any]) -> str | None:
     """Exclusion or failure first; else what makes the row's number weaker than it looks."""
     if a.get("excluded_reason") or a.get("failure"):
         return a.get("excluded_reason") or a.get("failure")
-    flags = []
-    if a.get("tolerance_reached") is False:
-        flags.append(_stop_text(a))
+    flags = []  # the stop rule's outcome has a column of its own ("stop")
     if a.get("ci_kind") == "unreliable":
         flags.append(str(a.get("ci_method") or "unreliable interval"))
     if a.get("contention_note"):

@@ -8,6 +8,7 @@ never settled.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
 from pathlib import Path
@@ -59,6 +60,16 @@ def _job(variant: str, rep: int, bench: dict[str, Any], *, workers: int = 0, tol
         },
         benchmark={**bench, "job_name": name},
     )
+
+
+def _table_text(rows: list[dict[str, Any]]) -> str:
+    from rich.console import Console
+
+    from gpuscout.cli.local_view import ranked_table
+
+    console = Console(file=io.StringIO(), width=300)
+    console.print(ranked_table(rows))
+    return console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def _verdict(jobs: list[JobRecord], objective: str = "cheapest_per_token"):
@@ -173,12 +184,13 @@ def test_a_steady_state_stop_that_never_settled_is_flagged_and_not_firm() -> Non
     analysis = _verdict(jobs)
     fast_row = next(j for j in analysis.jobs if j.variant_name == "fast")
     assert fast_row.tolerance_reached is False
-    assert fast_row.stop_text == "steady state not reached (±4.9 % > ±2.0 %)"
+    assert fast_row.stop_text == "steady state not reached (±4.9 % > ±2.0 %), 16 timed"
     assert analysis.recommendation.verdict == "provisional"
     # flagged where a user looks: the results rows (table/json/csv) and the report
     row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
     assert row["tolerance_reached"] is False and row["stop_reason"] == unsettled["reason"]
-    assert row["timed_steps"] == 16 and "not reached (±4.9 % > ±2.0 %)" in row["note"]
+    assert row["timed_steps"] == 16 and row["stop"] == "steady state not reached (±4.9 % > ±2.0 %), 16 timed"
+    assert "⚠" in _table_text(result_rows(analysis.model_dump(mode="json"), []))
     assert "⚠ steady state not reached (±4.9 % > ±2.0 %)" in render_markdown(analysis, [])
 
 
