@@ -22,9 +22,13 @@ CONTEXT_KEYS = (
     "checkpoint_expiry_days",
     "execution_timeout_hours",
     "log_retention_days",
+    "training_image_base",
 )
 
 _INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
+# The training image's base (training/Dockerfile ARG BASE_IMAGE): a public registry, so `cdk deploy` needs no
+# `docker login`; the default is the Dockerfile's own.
+_PUBLIC_IMAGE_RE = re.compile(r"^public\.ecr\.aws/[a-z0-9._/-]+(:[A-Za-z0-9._-]+|@sha256:[0-9a-f]{64})$")
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
 # CloudWatch Logs accepts only these retention periods (days -> aws_logs.RetentionDays member name).
 LOG_RETENTION_DAYS = {
@@ -102,6 +106,17 @@ class StackConfig(BaseModel):
     checkpoint_expiry_days: int = Field(default=14, ge=1, le=3650)
     execution_timeout_hours: int = Field(default=72, ge=1, le=24 * 365)
     log_retention_days: int = 90
+    training_image_base: str | None = None  # None: training/Dockerfile's default BASE_IMAGE
+
+    @field_validator("training_image_base")
+    @classmethod
+    def _image_base(cls, v: str | None) -> str | None:
+        if v is not None and not _PUBLIC_IMAGE_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a public ECR image (public.ecr.aws/<repository>:<tag> or @sha256:<digest>); a private "
+                "registry would need a `docker login` before every deploy"
+            )
+        return v
 
     @field_validator("allowed_instance_types")
     @classmethod

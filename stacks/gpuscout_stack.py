@@ -43,7 +43,7 @@ class GpuscoutStack(Stack):
             self, "Storage", removal_policy=removal, checkpoint_expiry_days=config.checkpoint_expiry_days
         )
         self.results = ResultsTable(self, "Results", removal_policy=removal)
-        self.image = TrainingImage(self, "TrainingImage")
+        self.image = TrainingImage(self, "TrainingImage", base_image=config.training_image_base)
         self.notifications = Notifications(
             self, "Notifications", email=config.notification_email, removal_policy=removal
         )

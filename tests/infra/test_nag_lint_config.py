@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import aws_cdk as cdk
@@ -54,6 +55,9 @@ def test_cfn_lint_reports_no_error(synthesized: Synthesized) -> None:
     assert errors == []
 
 
+PRIVATE_DLC = "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.8.0-gpu-py312"
+
+
 def _context(**overrides: Any) -> dict[str, Any]:
     return {"allowed_instance_types": ["ml.g5.8xlarge"], **overrides}
 
@@ -84,6 +88,7 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(notification_email="not-an-address"), "notification_email"),
         (_context(vpc={"subnet_ids": ["subnet-1"], "security_group_ids": ["sg-0123abcd"]}), "vpc.subnet_ids"),
         (_context(log_retention_days=10), "log_retention_days"),
+        (_context(training_image_base=PRIVATE_DLC), "training_image_base"),
         (_context(map_max_concurency=4), "did you mean 'map_max_concurrency'"),
         ({}, "allowed_instance_types"),
     ],
@@ -136,3 +141,23 @@ def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pyt
         for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
     }
     assert "ec2:CreateNetworkInterface" in actions
+
+
+def test_a_configured_image_base_becomes_the_dockerfile_build_arg(tmp_path: Path) -> None:
+    from stacks.training_image import TrainingImage
+
+    # Given context training_image_base (a public ECR image), When the image asset synthesizes
+    base = "public.ecr.aws/deep-learning-containers/pytorch-training:2.11.0-gpu-py312-cu130-ubuntu22.04-sagemaker"
+    assert load_config(_context(training_image_base=base)).training_image_base == base
+    app = cdk.App(outdir=str(tmp_path))
+    TrainingImage(cdk.Stack(app, "ImageOnly"), "Image", base_image=base)
+    assembly = app.synth()
+    # Then docker builds with BASE_IMAGE set to it (and with no build args by default: the Dockerfile's own)
+    (spec,) = json.loads(Path(assembly.directory, "ImageOnly.assets.json").read_text())["dockerImages"].values()
+    assert spec["source"]["dockerBuildArgs"] == {"BASE_IMAGE": base}
+
+
+def test_the_default_image_has_no_build_args(synthesized: Synthesized) -> None:
+    assets = json.loads((synthesized.outdir / f"{synthesized.stack.stack_name}.assets.json").read_text())
+    (spec,) = assets["dockerImages"].values()
+    assert "dockerBuildArgs" not in spec["source"]
