@@ -239,6 +239,13 @@ def local(
             help="Run even if another gpuscout local uses the same --runs-dir (both measurements will suffer).",
         ),
     ] = False,
+    canary: Annotated[
+        bool,
+        typer.Option(
+            "--canary/--no-canary",
+            help="First run each distinct configuration for 2 steps; a configuration that fails is not timed.",
+        ),
+    ] = True,
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
     from gpuscout.cli.local_view import RichRunObserver
@@ -247,7 +254,12 @@ def local(
     ensure_writable(runs_dir.resolve())  # before the database is opened or anything planned
     store = open_store(db)
     run = run_local(
-        file, store=store, runs_dir=runs_dir, observer=RichRunObserver(console), allow_concurrent=allow_concurrent
+        file,
+        store=store,
+        runs_dir=runs_dir,
+        observer=RichRunObserver(console),
+        allow_concurrent=allow_concurrent,
+        canary=canary,
     )
     if run.status is RunStatus.STOPPED:
         raise typer.Exit(INTERRUPTED_EXIT_CODE)

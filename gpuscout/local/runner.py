@@ -41,6 +41,7 @@ from gpuscout.local.process_control import (
     this_host,
 )
 from gpuscout.local.startup import measure_startup_seconds
+from gpuscout.plan.canary import CANARY_STEPS, plan_canaries
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
 from gpuscout.spec.dataset_checks import dataset_problems, global_batch_blocks
@@ -707,10 +708,13 @@ def run_local(
     catalog: Catalog | None = None,
     data_cache_dir: Path | None = None,
     allow_concurrent: bool = False,
+    canary: bool = True,
 ) -> RunRecord:
     """Run a manifest's benchmark on this machine and return the final run row (see module docstring).
 
-    One run at a time per runs folder (``lock.RunsFolderLock``) unless ``allow_concurrent``."""
+    One run at a time per runs folder (``lock.RunsFolderLock``) unless ``allow_concurrent``. With ``canary``, each
+    distinct configuration first runs a few steps (gpuscout.plan.canary); a configuration whose canary fails is not
+    timed."""
     observer = observer or SilentObserver()
     catalog = catalog or load_catalog()
     manifest_path = Path(manifest_path)
@@ -740,7 +744,7 @@ def run_local(
     with lock:
         return _run_planned(
             run, manifest, the_plan, manifest_path, store=store, observer=observer, catalog=catalog,
-            data_cache_dir=data_cache_dir or runs_dir / ".cache" / "data",
+            data_cache_dir=data_cache_dir or runs_dir / ".cache" / "data", canary=canary,
         )  # fmt: skip
 
 
@@ -754,6 +758,7 @@ def _run_planned(
     observer: RunObserver,
     catalog: Catalog,
     data_cache_dir: Path,
+    canary: bool = True,
 ) -> RunRecord:
     specs: list[JobSpec] = list(the_plan.jobs)
     run_id = run.run_id
@@ -776,6 +781,8 @@ def _run_planned(
             data_dir = prepare_data(manifest, data_cache_dir, observer.message)
             refused = check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
             store.update_run(run_id, status=RunStatus.RUNNING)
+            if canary:
+                refused |= run_canaries(specs, refused, run_dir, data_dir, store=store, observer=observer)
             with observer.jobs_running():
                 for i, spec in enumerate(specs, start=1):
                     if spec.job_name in refused:
@@ -842,6 +849,39 @@ def check_prepared_data(
                 observer.message(f"{spec.job_name}: {reason}", warning=True)
                 refused.add(spec.job_name)
     return refused
+
+
+def run_canaries(
+    specs: Sequence[JobSpec],
+    skipped: set[str],
+    run_dir: Path,
+    data_dir: Path,
+    *,
+    store: ResultStore,
+    observer: RunObserver,
+) -> set[str]:
+    """Run one canary per distinct configuration (gpuscout.plan.canary) under run_dir/canary/; every job whose
+    configuration's canary failed is recorded with the canary's status and reason and not run. Returns those jobs."""
+    canaries = plan_canaries([s for s in specs if s.job_name not in skipped])
+    by_name = {s.job_name: s for s in specs}
+    failed: set[str] = set()
+    for index, canary in enumerate(canaries, start=1):
+        variants = ", ".join(dict.fromkeys(by_name[n].variant_name for n in canary.covers))
+        observer.message(f"canary {index}/{len(canaries)}: {variants}: {CANARY_STEPS} steps before timing anything")
+        folders = JobFolders.create(run_dir / "canary" / canary.spec.job_name, canary.spec, data_dir)
+        outcome = run_job(canary.spec, folders)
+        if outcome.status is JobStatus.COMPLETED:
+            continue
+        status = JobStatus.FAILED if outcome.status is JobStatus.STOPPED else outcome.status
+        reason = (
+            f"not run: its canary ({CANARY_STEPS} steps of the same configuration) failed: {outcome.failure_reason} "
+            f"(log: {folders.stderr_log})"
+        )
+        for name in canary.covers:
+            store.put_job(_job_record(by_name[name], status).model_copy(update={"failure_reason": reason}))
+            failed.add(name)
+        observer.message(f"canary {index}/{len(canaries)} ({variants}) failed: {outcome.failure_reason}", warning=True)
+    return failed
 
 
 UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)

@@ -1,9 +1,9 @@
 """`gpuscout local` end to end on a very small manifest: real data preparation, real train.py subprocesses.
 
 Two variants train for a few steps. A third one is broken after planning (its micro batch set to 0, which
-train.py rejects at start-up) to show that a job failing inside train.py is recorded with its reason while the
-others still run and get ranked. (The manifest and planner refuse such settings up front, so the test edits the
-planned job, as a corrupted or hand-edited job spec would.)
+train.py rejects at start-up) to show that a configuration failing inside train.py is caught by its 2-step canary
+and recorded with its reason, never timed, while the others still run and get ranked. (The manifest and planner
+refuse such settings up front, so the test edits the planned job, as a corrupted or hand-edited job spec would.)
 """
 
 from __future__ import annotations
@@ -114,6 +114,10 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert failed.status is JobStatus.FAILED
     assert failed.failure_reason is not None
     assert "per_device_train_batch_size must be at least 1" in failed.failure_reason
+    # the broken configuration failed in its 2-step canary, so it was never timed
+    assert failed.failure_reason.startswith("not run: its canary (2 steps of the same configuration) failed")
+    assert not (run_dir / "jobs" / failed.job_name).exists()
+    assert len(list((run_dir / "canary").iterdir())) == 3
 
     result = store.get_result(run.run_id)
     assert result is not None

@@ -76,7 +76,7 @@ def stand_ins(tmp_path: Path) -> dict[str, str]:
 
 def _start(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "gpuscout", "local", str(QUICKSTART), "--runs-dir", str(tmp_path / "runs")]
-    command += ["--db", str(tmp_path / "g.db")]
+    command += ["--db", str(tmp_path / "g.db"), "--no-canary"]  # the signal lands on a timed job
     return subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -177,7 +177,9 @@ def test_a_second_signal_cannot_cut_the_final_analysis_short(tmp_path: Path, mon
     monkeypatch.setattr(local, "_analyze_and_report", analysis_hit_by_a_second_signal)
     store = SqliteStore(tmp_path / "g.db")
     observer = RichRunObserver(Console(file=io.StringIO()))
-    run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", observer=observer, catalog=load_catalog())
+    run = run_local(
+        QUICKSTART, store=store, runs_dir=tmp_path / "runs", observer=observer, catalog=load_catalog(), canary=False
+    )
     # Then the analysis finished and the run is final
     assert analysed == [run.run_id]
     assert run.status is RunStatus.STOPPED and run.error == "interrupted (Ctrl-C)"

@@ -172,6 +172,7 @@ def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkey
         runs_dir=tmp_path / "runs",
         observer=RichRunObserver(Console(file=out)),
         catalog=load_catalog(),
+        canary=False,  # interrupted while timing (test_canary_* cover the canaries)
     )
     assert run.status is RunStatus.STOPPED
     jobs = store.list_jobs(run.run_id)
@@ -222,3 +223,80 @@ def test_a_failed_data_preparation_is_one_line_with_the_log(tmp_path: Path, monk
     assert "\n" not in message and "Traceback" not in message
     [run] = store.list_runs()
     assert run.error is not None and "\n" not in run.error and "dataset.text_field" in run.error
+
+
+def _fake_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset.json").write_text(DATASET_JSON)
+    monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
+
+
+def test_a_failing_canary_keeps_its_configuration_from_being_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the quickstart's three configurations, the second of which cannot run (its canary fails)
+    _fake_data(tmp_path, monkeypatch)
+    calls: list[tuple[str, str]] = []
+
+    def fake_run_job(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
+        calls.append((spec.job_name, spec.hyperparameters["max_steps"]))
+        if spec.variant_name == "b4-a1" and spec.job_name.endswith("-canary2"):
+            return JobOutcome(JobStatus.OOM, None, "torch.OutOfMemoryError: CUDA out of memory", 3.0)
+        return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
+
+    monkeypatch.setattr(local, "run_job", fake_run_job)
+    store = SqliteStore(tmp_path / "g.db")
+    out = io.StringIO()
+    # When the run starts
+    run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", observer=RichRunObserver(Console(file=out)))
+    # Then every configuration ran its 2-step canary first, before any timed job
+    canaries = [c for c in calls if "-canary" in c[0]]
+    assert [c[1] for c in canaries] == ["2", "2", "2"] and calls[:3] == canaries
+    # and the failed configuration's job was recorded with the canary's status and reason, never timed
+    jobs = {j.variant_name: j for j in store.list_jobs(run.run_id)}
+    assert set(jobs) == {"b1-a4", "b4-a1", "b4-a1-nopack"}, "canaries are not stored as jobs"
+    assert jobs["b4-a1"].status is JobStatus.OOM
+    assert jobs["b4-a1"].failure_reason is not None
+    assert jobs["b4-a1"].failure_reason.startswith("not run: its canary (2 steps of the same configuration) failed")
+    assert "CUDA out of memory" in jobs["b4-a1"].failure_reason
+    timed = [c[0] for c in calls[3:]]
+    assert jobs["b4-a1"].job_name not in timed and len(timed) == 2
+    assert "canary 2/3 (b4-a1) failed" in " ".join(out.getvalue().split())
+    assert (tmp_path / "runs" / run.run_id / "canary").is_dir()
+
+
+def test_a_canary_runs_once_per_configuration_and_can_be_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a manifest with two repetitions of the quickstart's variants (6 jobs, 3 configurations)
+    _fake_data(tmp_path, monkeypatch)
+    manifest = tmp_path / "reps.yaml"
+    manifest.write_text(QUICKSTART.read_text() + "repetitions: 2\n")
+    names: list[str] = []
+
+    def fake_run_job(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
+        names.append(spec.job_name)
+        return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
+
+    monkeypatch.setattr(local, "run_job", fake_run_job)
+    run_local(manifest, store=SqliteStore(tmp_path / "a.db"), runs_dir=tmp_path / "a")
+    assert sum("-canary" in n for n in names) == 3 and len(names) == 9
+    names.clear()
+    run_local(manifest, store=SqliteStore(tmp_path / "b.db"), runs_dir=tmp_path / "b", canary=False)
+    assert not any("-canary" in n for n in names) and len(names) == 6
+
+
+def test_ctrl_c_during_a_canary_stops_the_run_before_anything_is_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_data(tmp_path, monkeypatch)
+
+    def fake_run_job(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "run_job", fake_run_job)
+    store = SqliteStore(tmp_path / "g.db")
+    run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs")
+    assert run.status is RunStatus.STOPPED
+    assert {j.failure_reason for j in store.list_jobs(run.run_id)} == {"not started: run interrupted (Ctrl-C)"}

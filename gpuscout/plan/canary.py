@@ -1,0 +1,86 @@
+"""The canary: before anything is timed, each distinct configuration of a plan runs train.py for a few steps,
+scaled down, on the same code path (same model, batch, attention, compile, ZeRO stage, precision, packing, loss,
+checkpointing), so a configuration that cannot run fails in seconds instead of after the fan-out.
+
+A configuration is what decides which code runs: the instance type and count, the precision, the DeepSpeed config
+and every hyperparameter except names, step counts, intervals, the stop rule and the optimizer's numbers (those
+change how long a job runs, not whether it can). Two variants that differ only in those share one canary.
+
+The canary keeps the configuration and changes only: max_steps = CANARY_STEPS, one warm-up step, a fixed stop rule,
+validation once at the end on one micro-batch, and, when the job checkpoints, a checkpoint at every step (so saving
+and pruning run too). It is not a measurement: its numbers are never stored or analysed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpuscout.spec.jobspec import JobSpec
+
+CANARY_STEPS = 2
+CANARY_MAX_RUNTIME_S = 1800  # a canary that takes longer than this is stopped and counts as failed
+# Hyperparameters that change how long a job runs or what it is called, not which code runs.
+_NOT_CONFIGURATION = frozenset(
+    {
+        "run_id", "job_name", "variant_name", "variant", "max_steps", "warmup_steps", "stop_rule", "ci_tolerance",
+        "min_timed_steps", "eval_interval", "checkpoint_interval", "validation_batches", "learning_rate",
+        "weight_decay", "seed",
+    }
+)  # fmt: skip
+
+
+def configuration_key(spec: JobSpec) -> str:
+    """What decides the code path of a job (module docstring); equal keys share one canary."""
+    settings = {k: v for k, v in spec.hyperparameters.items() if k not in _NOT_CONFIGURATION}
+    identity = [spec.instance_type, spec.instance_count, spec.precision, spec.deepspeed_config, settings]
+    return json.dumps(identity, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Canary:
+    spec: JobSpec  # the scaled-down job to run
+    covers: tuple[str, ...]  # the job names whose configuration it stands for
+
+
+def _canary_name(spec: JobSpec, index: int) -> str:
+    suffix = f"-canary{index}"
+    return spec.job_name[: 63 - len(suffix)].rstrip("-") + suffix
+
+
+def canary_spec(spec: JobSpec, index: int) -> JobSpec:
+    """The job scaled down to CANARY_STEPS steps on the same configuration (module docstring)."""
+    hp = dict(spec.hyperparameters)
+    checkpoints = int(hp.get("checkpoint_interval", "0") or 0) > 0
+    name = _canary_name(spec, index)
+    hp.update(
+        {
+            "job_name": name,
+            "max_steps": str(CANARY_STEPS),
+            "warmup_steps": "1",
+            "stop_rule": "fixed",
+            "eval_interval": "0",  # validation once, at the end
+            "validation_batches": "1",
+            "checkpoint_interval": "1" if checkpoints else "0",
+        }
+    )
+    return spec.model_copy(
+        update={
+            "job_name": name,
+            "repetition": 0,
+            "hyperparameters": hp,
+            "max_runtime_seconds": max(60, min(spec.max_runtime_seconds, CANARY_MAX_RUNTIME_S)),
+        }
+    )
+
+
+def plan_canaries(specs: Sequence[JobSpec]) -> list[Canary]:
+    """One canary per distinct configuration, in the order the configurations first appear."""
+    groups: dict[str, list[JobSpec]] = {}
+    for spec in specs:
+        groups.setdefault(configuration_key(spec), []).append(spec)
+    return [
+        Canary(canary_spec(members[0], index), tuple(s.job_name for s in members))
+        for index, members in enumerate(groups.values(), start=1)
+    ]

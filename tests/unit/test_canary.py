@@ -1,0 +1,70 @@
+"""The canary plan: one scaled-down job per distinct configuration (gpuscout.plan.canary)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpuscout import paths
+from gpuscout.local.runner import plan_manifest
+from gpuscout.plan.canary import CANARY_MAX_RUNTIME_S, CANARY_STEPS, configuration_key, plan_canaries
+from gpuscout.spec.jobspec import JobSpec
+
+MANIFEST = """
+name: canary-plan
+model: {preset: qwen2-tiny}
+tokenizer: {kind: bpe, vocab_size: 512}
+dataset: {source: bundled:hebrew-bible, max_documents: 12}
+sequence_length: 64
+training: {max_steps: 40, checkpoint_interval: 10, stop_rule: {kind: steady_state}}
+targets: [{instance_type: local, price_per_hour_usd: 0.1}]
+variants:
+  - {name: a, per_device_batch_size: 2, gradient_accumulation_steps: 2}
+  - {name: a-again, per_device_batch_size: 2, gradient_accumulation_steps: 2}
+  - {name: b, per_device_batch_size: 4, gradient_accumulation_steps: 1}
+  - {name: c, per_device_batch_size: 2, gradient_accumulation_steps: 2, gradient_checkpointing: true}
+repetitions: 2
+constraints: {budget_usd: 1.0}
+"""
+
+
+def _jobs(tmp_path: Path) -> list[JobSpec]:
+    path = tmp_path / "m.yaml"
+    path.write_text(MANIFEST)
+    _, plan = plan_manifest(path)
+    return list(plan.jobs)
+
+
+def test_one_canary_per_distinct_configuration(tmp_path: Path) -> None:
+    jobs = _jobs(tmp_path)
+    assert len(jobs) == 8
+    canaries = plan_canaries(jobs)
+    # a and a-again differ only in their names: one configuration; repetitions share it too
+    covered = [sorted({j.variant_name for j in jobs if j.job_name in c.covers}) for c in canaries]
+    assert covered == [["a", "a-again"], ["b"], ["c"]]
+    assert sorted(n for c in canaries for n in c.covers) == sorted(j.job_name for j in jobs)
+
+
+def test_the_canary_keeps_the_code_path_and_shrinks_the_run(tmp_path: Path) -> None:
+    jobs = _jobs(tmp_path)
+    canary = plan_canaries(jobs)[2]
+    original = next(j for j in jobs if j.variant_name == "c")
+    hp, before = canary.spec.hyperparameters, original.hyperparameters
+    assert hp["max_steps"] == str(CANARY_STEPS) and hp["stop_rule"] == "fixed" and hp["validation_batches"] == "1"
+    assert hp["checkpoint_interval"] == "1", "a job that checkpoints has its canary checkpoint (and prune) too"
+    same = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "packing",
+            "attention_implementation", "torch_compile", "deepspeed_stage", "precision", "sequence_length",
+            "fused_cross_entropy", "model_preset")  # fmt: skip
+    assert {k: hp[k] for k in same} == {k: before[k] for k in same}
+    assert configuration_key(canary.spec) == configuration_key(original)
+    assert canary.spec.job_name.endswith("-canary3") and len(canary.spec.job_name) <= 63
+    assert canary.spec.job_name == hp["job_name"]
+    assert canary.spec.max_runtime_seconds <= CANARY_MAX_RUNTIME_S
+
+
+def test_a_job_without_checkpoints_has_a_canary_without_them() -> None:
+    quick = paths.MANIFESTS_DIR / "quickstart.yaml"
+    _, plan = plan_manifest(quick)
+    assert all(c.spec.hyperparameters["checkpoint_interval"] == "0" for c in plan_canaries(plan.jobs))
+    long_name = plan.jobs[0].model_copy(update={"job_name": "x" * 63})
+    (canary,) = plan_canaries([long_name])
+    assert len(canary.spec.job_name) == 63 and canary.spec.job_name.endswith("-canary1")
