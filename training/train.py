@@ -3,7 +3,8 @@
 Hyperparameters come from SageMaker (/opt/ml/input/config/hyperparameters.json or the SM_HPS variable) and/or
 the command line (``--name value``); names are those of docs/internals.md and an unknown name is an error.
 Reads the prepared dataset from SM_CHANNEL_TRAIN, writes SM_OUTPUT_DATA_DIR/benchmark.json (status completed or
-failed), checkpoints to /opt/ml/checkpoints (GPUSCOUT_CHECKPOINT_DIR) and resumes from the latest one there.
+failed), checkpoints to /opt/ml/checkpoints (GPUSCOUT_CHECKPOINT_DIR) and resumes from the newest one there that
+verifies against its marker's file manifest and loads (checkpoints.py).
 Run it with ``python train.py`` on one device or under torchrun (launcher.py) on several.
 """
 
@@ -16,7 +17,6 @@ import os
 import platform
 import random
 import resource
-import shutil
 import sys
 import tempfile
 import time
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
+from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs, unpack_blocks
 
@@ -55,7 +56,6 @@ from gpuscout.spec.metric_lines import format_metric_line
 from gpuscout.spec.models import PRESETS, Architecture
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
-DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
 CPU_NOTE = "n/a on CPU: no dense tensor-core peak"
 
@@ -90,6 +90,7 @@ class Hyperparameters:
     min_timed_steps: int = 10
     eval_interval: int = 0  # 0 = validate only at the end
     checkpoint_interval: int = 0  # 0 = no checkpoints
+    checkpoint_keep: int = 2  # complete checkpoints kept; 2 = one survives a failed write of the next
     validation_batches: int = 8
 
     def validate(self) -> None:
@@ -114,6 +115,8 @@ class Hyperparameters:
         for name in ("dataloader_num_workers", "eval_interval", "checkpoint_interval", "validation_batches"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
+        if self.checkpoint_keep < 1:
+            problems.append("checkpoint_keep must be at least 1")
         if self.max_steps < 2:
             problems.append("max_steps must be at least 2 (one warmup step and one timed step)")
         if problems:
@@ -198,6 +201,18 @@ class Dist:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
@@ -493,7 +508,7 @@ def token_counts(seg: torch.Tensor, packing: bool) -> tuple[int, int]:
     return tokens, targets
 
 
-# ---------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------- validation
 
 
 def validation_starts(blocks: int, batch: int, world: int, rank: int, max_batches: int) -> list[int | None]:
@@ -506,17 +521,6 @@ def validation_starts(blocks: int, batch: int, world: int, rank: int, max_batche
         start = (r * world + rank) * batch
         starts.append(start if start < blocks else None)
     return starts
-
-
-def checkpoint_root() -> Path:
-    return Path(os.environ.get("GPUSCOUT_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR))
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if (p / "complete").is_file())
-    return done[-1] if done else None
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -697,9 +701,7 @@ class Benchmark:
         data = self._load_data()
         parts = self._set_up()
         ckpt_root = checkpoint_root()
-        latest = latest_checkpoint(ckpt_root)
-        if latest is not None:
-            self._resume(latest, parts)
+        self._resume(ckpt_root, parts)
         stats = StepStats(warmup_steps=parts.warmup, records=list(self.progress.records))
         first_step = self.progress.step + 1
         loader = self._loader(data, first_step)
@@ -1086,16 +1088,10 @@ class Benchmark:
             if dist.is_main:
                 print(format_metric_line({"step": p.step, "val_loss": value}), flush=True)
 
+    def _checkpointer(self, root: Path) -> Checkpointer:
+        return Checkpointer(root, self.dist, self.hp.checkpoint_keep, self.log)
+
     def _save(self, root: Path, parts: Parts) -> None:
-        model, optimizer, scheduler, scaler, engine = (
-            parts.model,
-            parts.optimizer,
-            parts.scheduler,
-            parts.scaler,
-            parts.engine,
-        )
-        step = self.progress.step
-        final = root / f"step-{step:08d}"
         state: dict[str, Any] = {
             "progress": self.progress.to_state(),
             "rng": {
@@ -1104,52 +1100,44 @@ class Benchmark:
                 "python": random.getstate(),
             },
         }
-        if engine is not None:  # every rank writes its ZeRO partition
-            engine.save_checkpoint(str(root / "deepspeed"), tag=f"step-{step:08d}", client_state=state)
-        if self.dist.world_size > 1:
-            torch.distributed.barrier()
-        if not self.dist.is_main:
-            return
-        tmp = root / f".step-{step:08d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if engine is None:
-            state["model"] = model.state_dict()
-            state["optimizer"] = optimizer.state_dict()
-            state["scheduler"] = scheduler.state_dict()
-            state["scaler"] = scaler.state_dict() if scaler else None
-        torch.save(state, tmp / "state.pt")
-        (tmp / "complete").write_text(json.dumps({"step": step, "deepspeed": engine is not None}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in sorted(p for p in root.glob("step-*") if p != final)[:-1]:  # keep the last two
-            shutil.rmtree(old, ignore_errors=True)
-        self.log(f"checkpoint {final}")
+        if parts.engine is None:  # under DeepSpeed its engine saves model, optimizer and scheduler (every rank)
+            state["model"] = parts.model.state_dict()
+            state["optimizer"] = parts.optimizer.state_dict()
+            state["scheduler"] = parts.scheduler.state_dict()
+            state["scaler"] = parts.scaler.state_dict() if parts.scaler else None
+        self._checkpointer(root).save(self.progress.step, state, parts.engine)
 
-    def _resume(self, path: Path, parts: Parts) -> None:
-        model, optimizer, scheduler, scaler, engine = (
-            parts.model,
-            parts.optimizer,
-            parts.scheduler,
-            parts.scaler,
-            parts.engine,
-        )
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        if engine is not None:
-            engine.load_checkpoint(str(path.parent / "deepspeed"), tag=path.name)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
+    def _resume(self, root: Path, parts: Parts) -> None:
+        """Continue from the newest checkpoint under ``root`` that verifies and loads, if any."""
+        state = self._checkpointer(root).resume(lambda folder: self._load(folder, parts))
+        if state is None:
+            return
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         random.setstate(state["rng"]["python"])
         self.progress = Progress.from_state(state["progress"])
         self.resumed_from = self.progress.step
-        self.log(f"resumed from {path} (step {self.progress.step})")
+
+    @staticmethod
+    def _load(folder: Path, parts: Parts) -> dict[str, Any]:
+        """Read checkpoint ``folder`` into the model, optimizer and scheduler (or the engine); state.pt's content."""
+        state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+        # a corrupt or truncated state.pt raises above, before anything changed; from here on the model changes
+        try:
+            if parts.engine is not None:
+                loaded, _ = parts.engine.load_checkpoint(str(folder.parent / DEEPSPEED), tag=folder.name)
+                if loaded is None:  # DeepSpeed warns and returns None for a missing tag folder
+                    raise TrainingError(f"DeepSpeed found no checkpoint {folder.name} in {folder.parent / DEEPSPEED}")
+            else:
+                parts.model.load_state_dict(state["model"])
+                parts.optimizer.load_state_dict(state["optimizer"])
+                parts.scheduler.load_state_dict(state["scheduler"])
+                if parts.scaler is not None and state.get("scaler"):
+                    parts.scaler.load_state_dict(state["scaler"])
+        except Exception as err:
+            raise PartlyLoadedError(f"{type(err).__name__}: {err}") from err
+        return state
 
 
 def main(argv: Sequence[str] | None = None) -> int:
