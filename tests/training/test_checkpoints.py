@@ -255,3 +255,31 @@ def test_a_load_that_fails_after_changing_the_engine_never_starts_fresh(tmp_path
     # When it resumes, Then it refuses to train on from a half-loaded model instead of starting fresh
     with pytest.raises(train.TrainingError, match="already overwritten part of the model"):
         bench._resume(tmp_path, parts)
+
+
+def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -> None:
+    from gpuscout.errors import ManifestError
+    from gpuscout.plan.planner import plan
+    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.spec.manifest import validate_manifest_data
+
+    catalog = load_catalog()
+    data: dict[str, Any] = {
+        "name": "keep", "model": {"preset": "qwen2-tiny"}, "dataset": {"source": "bundled:hebrew-bible"},
+        "sequence_length": 256, "training": {"max_steps": 20, "checkpoint_interval": 5, "checkpoint_keep": 3},
+        "targets": [{"instance_type": "ml.g5.8xlarge"}], "variants": [{"name": "v"}],
+        "constraints": {"budget_usd": 100},
+    }  # fmt: skip
+    # Given training.checkpoint_keep: 3, When planned, Then train.py receives it
+    job = plan(validate_manifest_data(data, "keep.yaml", catalog), catalog, run_id="r1").jobs[0]
+    assert job.hyperparameters["checkpoint_keep"] == "3"
+    hp = train.parse_hyperparameters(
+        [], {"SM_HPS": json.dumps(job.hyperparameters), "SM_INPUT_CONFIG_DIR": "/nonexistent"}
+    )
+    assert hp.checkpoint_keep == 3
+    # And a value below 1 is refused with its field path, in the manifest and in train.py alike
+    data["training"]["checkpoint_keep"] = 0
+    with pytest.raises(ManifestError, match=r"training\.checkpoint_keep"):
+        validate_manifest_data(data, "keep.yaml", catalog)
+    with pytest.raises(train.TrainingError, match="checkpoint_keep must be at least 1"):
+        train.parse_hyperparameters(["--checkpoint_keep", "0"], {"SM_INPUT_CONFIG_DIR": "/nonexistent"})
