@@ -283,3 +283,22 @@ def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -
         validate_manifest_data(data, "keep.yaml", catalog)
     with pytest.raises(train.TrainingError, match="checkpoint_keep must be at least 1"):
         train.parse_hyperparameters(["--checkpoint_keep", "0"], {"SM_INPUT_CONFIG_DIR": "/nonexistent"})
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [{"step": 4, "deepspeed": False}, {"step": 4, "files": [{"path": "step-00000004/state.pt"}]}, "not json"],
+    ids=["old-train-py-marker", "entry-without-size", "unreadable"],
+)
+def test_a_marker_without_a_usable_manifest_is_not_trusted(tmp_path: Path, marker: Any) -> None:
+    import checkpoints
+
+    # Given a checkpoint whose files are all there but whose marker lists no usable manifest
+    folder = tmp_path / "step-00000004"
+    folder.mkdir()
+    (folder / "state.pt").write_bytes(b"x" * 10)
+    (folder / "complete").write_text(marker if isinstance(marker, str) else json.dumps(marker))
+    # Then it does not verify (and resume would fall back past it)
+    assert checkpoints.complete_steps(tmp_path) == [4]
+    problems = checkpoints.verify(tmp_path, 4)
+    assert len(problems) == 1 and "lists no files" in problems[0]
