@@ -3,7 +3,8 @@
 Hyperparameters come from SageMaker (/opt/ml/input/config/hyperparameters.json or the SM_HPS variable) and/or
 the command line (``--name value``); names are those of docs/internals.md and an unknown name is an error.
 Reads the prepared dataset from SM_CHANNEL_TRAIN, writes SM_OUTPUT_DATA_DIR/benchmark.json (status completed or
-failed), checkpoints to /opt/ml/checkpoints (GPUSCOUT_CHECKPOINT_DIR) and resumes from the latest one there.
+failed), checkpoints to /opt/ml/checkpoints (GPUSCOUT_CHECKPOINT_DIR) and resumes from the newest one there that
+verifies against its marker's file manifest and loads (checkpoints.py).
 Run it with ``python train.py`` on one device or under torchrun (launcher.py) on several.
 """
 
@@ -16,7 +17,6 @@ import os
 import platform
 import random
 import resource
-import shutil
 import sys
 import tempfile
 import time
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
+from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs, unpack_blocks
 
@@ -55,7 +56,6 @@ from gpuscout.spec.metric_lines import format_metric_line
 from gpuscout.spec.models import PRESETS, Architecture
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
-DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
 CPU_NOTE = "n/a on CPU: no dense tensor-core peak"
 
@@ -90,6 +90,7 @@ class Hyperparameters:
     min_timed_steps: int = 10
     eval_interval: int = 0  # 0 = validate only at the end
     checkpoint_interval: int = 0  # 0 = no checkpoints
+    checkpoint_keep: int = 2  # complete checkpoints kept; 2 = one survives a failed write of the next
     validation_batches: int = 8
 
     def validate(self) -> None:
@@ -114,6 +115,8 @@ class Hyperparameters:
         for name in ("dataloader_num_workers", "eval_interval", "checkpoint_interval", "validation_batches"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
+        if self.checkpoint_keep < 1:
+            problems.append("checkpoint_keep must be at least 1")
         if self.max_steps < 2:
             problems.append("max_steps must be at least 2 (one warmup step and one timed step)")
         if problems:
@@ -198,6 +201,18 @@ class Dist:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
@@ -493,7 +508,7 @@ def token_counts(seg: torch.Tensor, packing: bool) -> tuple[int, int]:
     return tokens, targets
 
 
-# ---------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------- validation
 
 
 def validation_starts(blocks: int, batch: int, world: int, rank: int, max_batches: int) -> list[int | None]:
@@ -506,17 +521,6 @@ def validation_starts(blocks: int, batch: int, world: int, rank: int, max_batche
         start = (r * world + rank) * batch
         starts.append(start if start < blocks else None)
     return starts
-
-
-def checkpoint_root() -> Path:
-    return Path(os.environ.get("GPUSCOUT_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR))
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if (p / "complete").is_file())
-    return done[-1] if done else None
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -551,6 +555,42 @@ class Progress:
             validation_loss=[LossPoint(**p) for p in state["validation_loss"]],
             records=[StepRecord(**r) for r in state["records"]],
         )
+
+
+@dataclass
+class Splits:
+    """The prepared blocks (token ids, document segment ids) in the sequence length trained on."""
+
+    train_ids: np.ndarray
+    train_seg: np.ndarray
+    val_ids: np.ndarray
+    val_seg: np.ndarray
+
+
+@dataclass
+class Parts:
+    """What the step loop drives and checkpoints save."""
+
+    model: CausalLMWithLoss  # the module checkpoints save
+    wrapped: Any  # what the forward runs through: the model, DDP or the DeepSpeed engine
+    optimizer: Any
+    scheduler: Any
+    warmup: int  # benchmark warmup steps (also the LR warmup length)
+    engine: Any = None  # DeepSpeed's engine, which owns optimizer and scheduler steps
+    scaler: Any = None  # fp16 without DeepSpeed
+    autocast: Any = field(default_factory=nullcontext)
+    compute_dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class StepWork:
+    """One rank's counters of one optimizer step."""
+
+    loss_sum: torch.Tensor
+    tokens: int = 0
+    samples: int = 0
+    wait: float = 0.0
+    grad_norm: float | None = None
 
 
 class Benchmark:
@@ -656,6 +696,32 @@ class Benchmark:
     # ------------------------------------------------------------ run
 
     def run(self) -> BenchmarkResult:
+        """Set-up (data, model, optimizer, engine), resume, the timed step loop, the final validation, the result."""
+        self._seed_and_check()
+        data = self._load_data()
+        parts = self._set_up()
+        ckpt_root = checkpoint_root()
+        self._resume(ckpt_root, parts)
+        stats = StepStats(warmup_steps=parts.warmup, records=list(self.progress.records))
+        first_step = self.progress.step + 1
+        loader = self._loader(data, first_step)
+        self.log(
+            f"model {self.model_name}: {self.params_total / 1e6:.2f} M parameters, {self.precision}, "
+            f"{self.dist.world_size} rank(s) on {self.dist.device.type}; {len(data.train_ids)} train blocks of "
+            f"{self.sequence_length}; T_eff {self.t_eff:.1f}; warmup {parts.warmup} steps; "
+            f"steps {first_step}..{self.hp.max_steps}"
+        )
+        startup_s = time.perf_counter() - self.started
+        self.sampler.start()
+        stop_reason = self._train(parts, data, stats, iter(loader), ckpt_root)
+        self._validate(parts, data)
+        if os.environ.get("GPUSCOUT_SAVE_MODEL") == "1" and self.dist.is_main and parts.engine is None:
+            parts.model.lm.save_pretrained(str(self.model_dir))  # type: ignore[operator]
+        return self._result(stats, parts.warmup, startup_s, stop_reason)
+
+    # ------------------------------------------------------------ set-up: data, model, optimizer, engine
+
+    def _seed_and_check(self) -> None:
         hp, dist = self.hp, self.dist
         torch.manual_seed(hp.seed)
         random.seed(hp.seed)
@@ -666,6 +732,9 @@ class Benchmark:
             raise TrainingError("DeepSpeed ZeRO needs CUDA GPUs; use deepspeed_stage=0 on CPU")
         if self.precision_note:
             self.log(self.precision_note)
+
+    def _load_data(self) -> Splits:
+        hp = self.hp
         self.summary = load_summary(self.data_dir)
         train_ids, train_seg = load_split(self.data_dir, "train")
         val_ids, val_seg = load_split(self.data_dir, "validation")
@@ -679,7 +748,24 @@ class Benchmark:
             raise TrainingError(f"{self.data_dir}: the train split is empty")
         # Each token attends within its own document piece either way (document mask or a row of its own).
         self.t_eff = flops.effective_context(piece_lengths(train_seg))
+        return Splits(train_ids, train_seg, val_ids, val_seg)
 
+    def _set_up(self) -> Parts:
+        model = self._build_model()
+        warmup = self.hp.warmup_steps if self.hp.warmup_steps is not None else default_warmup_steps(self.hp.max_steps)
+        if warmup >= self.hp.max_steps:
+            raise TrainingError(f"warmup_steps={warmup} leaves no timed step with max_steps={self.hp.max_steps}")
+        optimizer, scheduler = self._optimizer(model, warmup)
+        parts = self._wrap(model, optimizer, scheduler, warmup)
+        cuda_autocast = self.dist.device.type == "cuda" and self.precision != "fp32" and parts.engine is None
+        if cuda_autocast:
+            parts.autocast = torch.autocast("cuda", dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+        parts.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        return parts
+
+    def _build_model(self) -> CausalLMWithLoss:
+        hp, dist = self.hp, self.dist
+        assert self.summary is not None
         with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
             lm, self.arch, self.model_name = build_model(hp, self.summary, Path(work))
         self.params_total = sum(p.numel() for p in lm.parameters())
@@ -697,16 +783,16 @@ class Benchmark:
         if hp.torch_compile:
             model.compile()
             self.optimizations.append("torch_compile")
+        return model
 
-        warmup = hp.warmup_steps if hp.warmup_steps is not None else default_warmup_steps(hp.max_steps)
-        if warmup >= hp.max_steps:
-            raise TrainingError(f"warmup_steps={warmup} leaves no timed step with max_steps={hp.max_steps}")
+    def _optimizer(self, model: CausalLMWithLoss, warmup: int) -> tuple[Any, Any]:
+        hp, cuda = self.hp, self.dist.device.type == "cuda"
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         adam_kwargs: dict[str, Any] = {"lr": hp.learning_rate, "betas": (0.9, 0.95), "eps": 1e-8}
         if hp.fused_adamw:
-            adam_kwargs["fused" if dist.device.type == "cuda" else "foreach"] = True
-            self.optimizations.append("fused_adamw" if dist.device.type == "cuda" else "foreach_adamw")
+            adam_kwargs["fused" if cuda else "foreach"] = True
+            self.optimizations.append("fused_adamw" if cuda else "foreach_adamw")
         else:
             adam_kwargs["foreach"] = False
         optimizer = torch.optim.AdamW(
@@ -714,175 +800,176 @@ class Benchmark:
             **adam_kwargs,
         )
         lr_warmup = max(1, warmup)
-        scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / lr_warmup))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / lr_warmup))
+        return optimizer, scheduler
 
-        engine: Any = None
-        scaler: Any = None
-        wrapped: Any = model
+    def _wrap(self, model: CausalLMWithLoss, optimizer: Any, scheduler: Any, warmup: int) -> Parts:
+        """DeepSpeed's engine (it owns optimizer and scheduler), DDP across ranks, or the model itself."""
+        hp, dist = self.hp, self.dist
         if hp.deepspeed_stage:
             import deepspeed
 
+            assert self.arch is not None
             self.optimizations.append(f"deepspeed_zero{hp.deepspeed_stage}")
             ds_config = deepspeed_config(hp, self.precision, dist.world_size, self.arch.hidden_size)
             engine, optimizer, _, scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
             )
-            wrapped = engine
-        else:
-            if dist.world_size > 1:
-                wrapped = torch.nn.parallel.DistributedDataParallel(
-                    model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None
-                )
-            if self.precision == "fp16":
-                scaler = torch.amp.GradScaler("cuda")
+            return Parts(model, engine, optimizer, scheduler, warmup, engine=engine)
+        wrapped: Any = model
+        if dist.world_size > 1:
+            wrapped = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None
+            )
+        scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        return Parts(model, wrapped, optimizer, scheduler, warmup, scaler=scaler)
 
-        ckpt_root = checkpoint_root()
-        latest = latest_checkpoint(ckpt_root)
-        if latest is not None:
-            self._resume(latest, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, engine=engine)
-        first_step = self.progress.step + 1
-        stats = StepStats(warmup_steps=warmup, records=list(self.progress.records))
-
-        pinned = hp.pin_memory and dist.device.type == "cuda"
+    def _loader(self, data: Splits, first_step: int) -> torch.utils.data.DataLoader[Any]:
+        hp = self.hp
+        pinned = hp.pin_memory and self.dist.device.type == "cuda"
         if pinned:  # with pageable memory a non_blocking host-to-device copy is synchronous
             self.optimizations.append("pinned_memory")
-        loader = torch.utils.data.DataLoader(
-            Blocks(train_ids, train_seg),
-            batch_sampler=StepBatches(len(train_ids), hp, dist, first_step),
+        return torch.utils.data.DataLoader(
+            Blocks(data.train_ids, data.train_seg),
+            batch_sampler=StepBatches(len(data.train_ids), hp, self.dist, first_step),
             num_workers=hp.dataloader_num_workers,
             collate_fn=collate,
             pin_memory=pinned,
             persistent_workers=False,
         )
-        autocast: Any = (
-            torch.autocast("cuda", dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
-            if dist.device.type == "cuda" and self.precision != "fp32" and engine is None
-            else nullcontext()
-        )
-        compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
-        watch = Stopwatch(dist.synchronize)
+
+    # ------------------------------------------------------------ the timed step loop
+
+    def _train(self, parts: Parts, data: Splits, stats: StepStats, batches: Iterator[Any], ckpt_root: Path) -> str:
+        """Steps from the one after the resumed step to max_steps (or steady state); returns why it stopped."""
+        hp = self.hp
+        watch = Stopwatch(self.dist.synchronize)
         exit_after = int(os.environ.get("GPUSCOUT_EXIT_AFTER_STEP", "0"))
-        flops_per_token = flops.model_flops_per_token(self.arch, self.t_eff)
-        self.log(
-            f"model {self.model_name}: {self.params_total / 1e6:.2f} M parameters, {self.precision}, "
-            f"{dist.world_size} rank(s) on {dist.device.type}; {len(train_ids)} train blocks of "
-            f"{self.sequence_length}; T_eff {self.t_eff:.1f}; warmup {warmup} steps; steps {first_step}..{hp.max_steps}"
-        )
-        startup_s = time.perf_counter() - self.started
-        self.sampler.start()
-        model.train()
-        batches = iter(loader)
-        stop_reason = "max_steps reached"
-        step = first_step - 1
+        parts.model.train()
+        first_step = self.progress.step + 1
         for steps_here, step in enumerate(range(first_step, hp.max_steps + 1), start=1):
             t0 = watch.now()
-            wait = 0.0
-            tokens = targets = samples = 0
-            loss_sum = torch.zeros((), device=dist.device)
-            for micro in range(hp.gradient_accumulation_steps):
-                tw = time.perf_counter()
-                ids, seg = next(batches)
-                wait += time.perf_counter() - tw
-                n_tok, n_tgt = token_counts(seg, hp.packing)
-                tokens, targets, samples = tokens + n_tok, targets + n_tgt, samples + len(ids)
-                ids = ids.to(dist.device, non_blocking=True)
-                seg = seg.to(dist.device, non_blocking=True)
-                inputs = make_inputs(
-                    ids, seg, packing=hp.packing, attention=hp.attention_implementation, dtype=compute_dtype
-                )
-                last = micro == hp.gradient_accumulation_steps - 1
-                sync = nullcontext() if last or engine is not None or dist.world_size == 1 else wrapped.no_sync()
-                with sync, autocast:
-                    loss = wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
-                if engine is not None:
-                    engine.backward(loss)
-                    engine.step()
-                else:
-                    scaled = loss / hp.gradient_accumulation_steps
-                    (scaler.scale(scaled) if scaler else scaled).backward()
-                loss_sum += loss.detach()
-            grad_norm: float | None = None
-            if engine is None:
-                if scaler:
-                    scaler.unscale_(optimizer)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            t1 = watch.now()
-            seconds = t1 - t0
-            total_tokens, total_samples, total_loss = dist.all_reduce_sum(
-                [tokens, samples, float(loss_sum) / hp.gradient_accumulation_steps]
-            )
-            mean_loss = total_loss / dist.world_size
-            if not math.isfinite(mean_loss):
-                raise TrainingError(f"loss is {mean_loss} at step {step}; lower learning_rate or use bf16")
-            stats.add(
-                StepRecord(
-                    step=step,
-                    seconds=seconds,
-                    tokens=int(total_tokens),
-                    samples=int(total_samples),
-                    dataloader_wait_s=wait,
-                    loss=mean_loss,
-                    timed=not stats.is_warmup(steps_here),
-                )
-            )
-            prog = self.progress
-            prog.step, prog.records = step, stats.records
-            prog.tokens += int(total_tokens)
-            prog.train_time_s += seconds
-            prog.train_loss.append(
-                LossPoint(step=step, tokens=prog.tokens, elapsed_s=prog.train_time_s, loss=mean_loss)
-            )
-            if dist.is_main:
-                mem = torch.cuda.max_memory_allocated(dist.device) / 1e9 if dist.device.type == "cuda" else None
-                print(
-                    format_metric_line(
-                        {
-                            "step": step,
-                            "loss": mean_loss,
-                            "tokens_per_s": total_tokens / seconds,
-                            "samples_per_s": total_samples / seconds,
-                            "step_time_s": seconds,
-                            "lr": float(scheduler.get_last_lr()[0]),
-                            "grad_norm": grad_norm,  # None under DeepSpeed (it clips internally)
-                            "gpu_mem_gb": mem,
-                        }
-                    ),
-                    flush=True,
-                )
+            work = self._micro_batches(parts, batches)
+            work.grad_norm = self._optimizer_step(parts)
+            seconds = watch.now() - t0
+            self._record_step(step, work, stats, parts, seconds=seconds, timed=not stats.is_warmup(steps_here))
             if hp.eval_interval and step % hp.eval_interval == 0 and step < hp.max_steps:
-                self._validate(wrapped, val_ids, val_seg, autocast, compute_dtype)
+                self._validate(parts, data)
             if hp.checkpoint_interval and step % hp.checkpoint_interval == 0:
-                self._save(
-                    ckpt_root, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, engine=engine
-                )
+                self._save(ckpt_root, parts)
             if exit_after and step == exit_after:
                 self.log(f"GPUSCOUT_EXIT_AFTER_STEP={exit_after}: exiting hard (interruption test)")
                 sys.stdout.flush()
                 os._exit(3)
-            if hp.stop_rule == "steady_state":
-                done, reason = stats.steady_state_reached(
-                    ci_tolerance=hp.ci_tolerance, min_timed_steps=hp.min_timed_steps
-                )
-                if dist.world_size > 1:  # every rank stops on rank 0's decision
-                    flag = torch.tensor([1.0 if done else 0.0], device=dist.device)
-                    torch.distributed.broadcast(flag, 0)
-                    done = bool(flag.item())
-                if done:
-                    stop_reason = reason or "throughput steady on rank 0"
-                    break
+            reason = self._steady_state(stats)
+            if reason:
+                return reason
+        return "max_steps reached"
 
-        self._validate(wrapped, val_ids, val_seg, autocast, compute_dtype)
-        if os.environ.get("GPUSCOUT_SAVE_MODEL") == "1" and dist.is_main and engine is None:
-            model.lm.save_pretrained(str(self.model_dir))  # type: ignore[operator]
-        s = stats.summary()
-        tokens_per_s = float(s["tokens_per_s"])
+    def _micro_batches(self, parts: Parts, batches: Iterator[Any]) -> StepWork:
+        """Forward and backward of the step's micro-batches (DeepSpeed steps its optimizer inside)."""
+        hp, dist = self.hp, self.dist
+        work = StepWork(loss_sum=torch.zeros((), device=dist.device))
+        for micro in range(hp.gradient_accumulation_steps):
+            tw = time.perf_counter()
+            ids, seg = next(batches)
+            work.wait += time.perf_counter() - tw
+            n_tok, _ = token_counts(seg, hp.packing)
+            work.tokens, work.samples = work.tokens + n_tok, work.samples + len(ids)
+            ids = ids.to(dist.device, non_blocking=True)
+            seg = seg.to(dist.device, non_blocking=True)
+            inputs = make_inputs(
+                ids, seg, packing=hp.packing, attention=hp.attention_implementation, dtype=parts.compute_dtype
+            )
+            last = micro == hp.gradient_accumulation_steps - 1
+            no_sync = not last and parts.engine is None and dist.world_size > 1
+            with parts.wrapped.no_sync() if no_sync else nullcontext(), parts.autocast:
+                loss = parts.wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+            if parts.engine is not None:
+                parts.engine.backward(loss)
+                parts.engine.step()
+            else:
+                scaled = loss / hp.gradient_accumulation_steps
+                (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
+            work.loss_sum += loss.detach()
+        return work
+
+    def _optimizer_step(self, parts: Parts) -> float | None:
+        """Clip, step and zero the gradients; the gradient norm (None under DeepSpeed: it clips internally)."""
+        if parts.engine is not None:
+            return None
+        optimizer, scaler = parts.optimizer, parts.scaler
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parts.model.parameters(), 1.0))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        parts.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _record_step(
+        self, step: int, work: StepWork, stats: StepStats, parts: Parts, *, seconds: float, timed: bool
+    ) -> None:
+        """Sum the step's counters over the ranks, record them and print rank 0's metric line."""
+        hp, dist = self.hp, self.dist
+        total_tokens, total_samples, total_loss = dist.all_reduce_sum(
+            [work.tokens, work.samples, float(work.loss_sum) / hp.gradient_accumulation_steps]
+        )
+        mean_loss = total_loss / dist.world_size
+        if not math.isfinite(mean_loss):
+            raise TrainingError(f"loss is {mean_loss} at step {step}; lower learning_rate or use bf16")
+        stats.add(
+            StepRecord(
+                step=step,
+                seconds=seconds,
+                tokens=int(total_tokens),
+                samples=int(total_samples),
+                dataloader_wait_s=work.wait,
+                loss=mean_loss,
+                timed=timed,
+            )
+        )
+        prog = self.progress
+        prog.step, prog.records = step, stats.records
+        prog.tokens += int(total_tokens)
+        prog.train_time_s += seconds
+        prog.train_loss.append(LossPoint(step=step, tokens=prog.tokens, elapsed_s=prog.train_time_s, loss=mean_loss))
+        if dist.is_main:
+            mem = torch.cuda.max_memory_allocated(dist.device) / 1e9 if dist.device.type == "cuda" else None
+            metrics = {
+                "step": step,
+                "loss": mean_loss,
+                "tokens_per_s": total_tokens / seconds,
+                "samples_per_s": total_samples / seconds,
+                "step_time_s": seconds,
+                "lr": float(parts.scheduler.get_last_lr()[0]),
+                "grad_norm": work.grad_norm,  # None under DeepSpeed (it clips internally)
+                "gpu_mem_gb": mem,
+            }
+            print(format_metric_line(metrics), flush=True)
+
+    def _steady_state(self, stats: StepStats) -> str | None:
+        """Why to stop now under stop_rule=steady_state (every rank follows rank 0's decision), else None."""
+        hp, dist = self.hp, self.dist
+        if hp.stop_rule != "steady_state":
+            return None
+        done, reason = stats.steady_state_reached(ci_tolerance=hp.ci_tolerance, min_timed_steps=hp.min_timed_steps)
+        if dist.world_size > 1:  # every rank stops on rank 0's decision
+            flag = torch.tensor([1.0 if done else 0.0], device=dist.device)
+            torch.distributed.broadcast(flag, 0)
+            done = bool(flag.item())
+        return (reason or "throughput steady on rank 0") if done else None
+
+    # ------------------------------------------------------------ the result
+
+    def _efficiency(self, tokens_per_s: float) -> Efficiency:
+        hp, dist = self.hp, self.dist
+        assert self.arch is not None
+        flops_per_token = flops.model_flops_per_token(self.arch, self.t_eff)
         hw_flops = flops.hardware_flops_per_token(self.arch, self.t_eff, activation_recompute=hp.gradient_checkpointing)
         peak = self.hardware.peak_tflops_per_gpu
         gpus = dist.world_size if dist.device.type == "cuda" else 0
@@ -893,6 +980,22 @@ class Benchmark:
         else:
             mfu = hfu = None
             note = CPU_NOTE if dist.device.type != "cuda" else f"no dense peak known for {self.hardware.gpu_name}"
+        return Efficiency(
+            flops_per_token=flops_per_token,
+            hardware_flops_per_token=hw_flops,
+            t_eff=self.t_eff,
+            mfu=mfu,
+            hfu=hfu,
+            note=note,
+        )
+
+    def _result(self, stats: StepStats, warmup: int, startup_s: float, stop_reason: str) -> BenchmarkResult:
+        hp = self.hp
+        s = stats.summary()
+        tokens_per_s = float(s["tokens_per_s"])
+        gpus = self.dist.world_size if self.dist.device.type == "cuda" else 0
+        efficiency = self._efficiency(tokens_per_s)
+        progress = self.progress
         result = BenchmarkResult(
             status="completed",
             job_name=hp.job_name,
@@ -905,7 +1008,7 @@ class Benchmark:
             timing=Timing(
                 warmup_steps=warmup,
                 timed_steps=int(s["timed_steps"]),
-                total_steps=self.progress.step,
+                total_steps=progress.step,
                 step_time_mean_s=s["step_time_mean_s"],
                 step_time_p50_s=s["step_time_p50_s"],
                 step_time_p90_s=s["step_time_p90_s"],
@@ -921,49 +1024,37 @@ class Benchmark:
                 samples_per_s=s["samples_per_s"],
                 tokens_timed=int(s["tokens_timed"]),
             ),
-            efficiency=Efficiency(
-                flops_per_token=flops_per_token,
-                hardware_flops_per_token=hw_flops,
-                t_eff=self.t_eff,
-                mfu=mfu,
-                hfu=hfu,
-                note=note,
-            ),
+            efficiency=efficiency,
             memory=self.memory(),
             loss=Loss(
-                train=self.progress.train_loss,
-                validation=self.progress.validation_loss,
-                final_train_loss=self.progress.train_loss[-1].loss if self.progress.train_loss else None,
-                final_validation_loss=self.progress.validation_loss[-1].loss if self.progress.validation_loss else None,
+                train=progress.train_loss,
+                validation=progress.validation_loss,
+                final_train_loss=progress.train_loss[-1].loss if progress.train_loss else None,
+                final_validation_loss=progress.validation_loss[-1].loss if progress.validation_loss else None,
             ),
             stop=StopInfo(
-                rule=hp.stop_rule,
-                reason=stop_reason,
-                steps=self.progress.step,
-                resumed_from_step=self.resumed_from,
+                rule=hp.stop_rule, reason=stop_reason, steps=progress.step, resumed_from_step=self.resumed_from
             ),
         )
-        if dist.is_main:
-            print(
-                format_metric_line(
-                    {
-                        "tokens_per_s": tokens_per_s,
-                        "mfu": mfu,
-                        "hfu": hfu,
-                        "step_time_p50_s": s["step_time_p50_s"],
-                        "step_time_p90_s": s["step_time_p90_s"],
-                        "peak_gpu_mem_gb": result.memory.peak_allocated_gb,
-                        "final_loss": result.loss.final_train_loss if result.loss else None,
-                        "final_val_loss": result.loss.final_validation_loss if result.loss else None,
-                    },
-                    summary=True,
-                ),
-                flush=True,
-            )
+        if self.dist.is_main:
+            summary = {
+                "tokens_per_s": tokens_per_s,
+                "mfu": efficiency.mfu,
+                "hfu": efficiency.hfu,
+                "step_time_p50_s": s["step_time_p50_s"],
+                "step_time_p90_s": s["step_time_p90_s"],
+                "peak_gpu_mem_gb": result.memory.peak_allocated_gb,
+                "final_loss": result.loss.final_train_loss if result.loss else None,
+                "final_val_loss": result.loss.final_validation_loss if result.loss else None,
+            }
+            print(format_metric_line(summary, summary=True), flush=True)
         return result
 
-    def _validate(self, wrapped: Any, ids: np.ndarray, seg: np.ndarray, autocast: Any, dtype: torch.dtype) -> None:
+    # ------------------------------------------------------------ validation and checkpoints
+
+    def _validate(self, parts: Parts, data: Splits) -> None:
         hp, dist = self.hp, self.dist
+        wrapped, ids, seg = parts.wrapped, data.val_ids, data.val_seg
         if hp.validation_batches == 0 or len(ids) == 0:
             return
         b = hp.per_device_train_batch_size
@@ -981,9 +1072,9 @@ class Benchmark:
                 _, targets = token_counts(seg_b, hp.packing)
                 inputs = make_inputs(
                     ids_b.to(dist.device), seg_b.to(dist.device), packing=hp.packing,
-                    attention=hp.attention_implementation, dtype=dtype,
+                    attention=hp.attention_implementation, dtype=parts.compute_dtype,
                 )  # fmt: skip
-                with autocast:
+                with parts.autocast:
                     loss = wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
                 if real and targets > 0:
                     loss_sum += float(loss) * targets
@@ -997,9 +1088,10 @@ class Benchmark:
             if dist.is_main:
                 print(format_metric_line({"step": p.step, "val_loss": value}), flush=True)
 
-    def _save(self, root: Path, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, engine: Any) -> None:
-        step = self.progress.step
-        final = root / f"step-{step:08d}"
+    def _checkpointer(self, root: Path) -> Checkpointer:
+        return Checkpointer(root, self.dist, self.hp.checkpoint_keep, self.log)
+
+    def _save(self, root: Path, parts: Parts) -> None:
         state: dict[str, Any] = {
             "progress": self.progress.to_state(),
             "rng": {
@@ -1008,45 +1100,44 @@ class Benchmark:
                 "python": random.getstate(),
             },
         }
-        if engine is not None:  # every rank writes its ZeRO partition
-            engine.save_checkpoint(str(root / "deepspeed"), tag=f"step-{step:08d}", client_state=state)
-        if self.dist.world_size > 1:
-            torch.distributed.barrier()
-        if not self.dist.is_main:
-            return
-        tmp = root / f".step-{step:08d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if engine is None:
-            state["model"] = model.state_dict()
-            state["optimizer"] = optimizer.state_dict()
-            state["scheduler"] = scheduler.state_dict()
-            state["scaler"] = scaler.state_dict() if scaler else None
-        torch.save(state, tmp / "state.pt")
-        (tmp / "complete").write_text(json.dumps({"step": step, "deepspeed": engine is not None}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in sorted(p for p in root.glob("step-*") if p != final)[:-1]:  # keep the last two
-            shutil.rmtree(old, ignore_errors=True)
-        self.log(f"checkpoint {final}")
+        if parts.engine is None:  # under DeepSpeed its engine saves model, optimizer and scheduler (every rank)
+            state["model"] = parts.model.state_dict()
+            state["optimizer"] = parts.optimizer.state_dict()
+            state["scheduler"] = parts.scheduler.state_dict()
+            state["scaler"] = parts.scaler.state_dict() if parts.scaler else None
+        self._checkpointer(root).save(self.progress.step, state, parts.engine)
 
-    def _resume(self, path: Path, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, engine: Any) -> None:
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        if engine is not None:
-            engine.load_checkpoint(str(path.parent / "deepspeed"), tag=path.name)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
+    def _resume(self, root: Path, parts: Parts) -> None:
+        """Continue from the newest checkpoint under ``root`` that verifies and loads, if any."""
+        state = self._checkpointer(root).resume(lambda folder: self._load(folder, parts))
+        if state is None:
+            return
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         random.setstate(state["rng"]["python"])
         self.progress = Progress.from_state(state["progress"])
         self.resumed_from = self.progress.step
-        self.log(f"resumed from {path} (step {self.progress.step})")
+
+    @staticmethod
+    def _load(folder: Path, parts: Parts) -> dict[str, Any]:
+        """Read checkpoint ``folder`` into the model, optimizer and scheduler (or the engine); state.pt's content."""
+        state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+        # a corrupt or truncated state.pt raises above, before anything changed; from here on the model changes
+        try:
+            if parts.engine is not None:
+                loaded, _ = parts.engine.load_checkpoint(str(folder.parent / DEEPSPEED), tag=folder.name)
+                if loaded is None:  # DeepSpeed warns and returns None for a missing tag folder
+                    raise TrainingError(f"DeepSpeed found no checkpoint {folder.name} in {folder.parent / DEEPSPEED}")
+            else:
+                parts.model.load_state_dict(state["model"])
+                parts.optimizer.load_state_dict(state["optimizer"])
+                parts.scheduler.load_state_dict(state["scheduler"])
+                if parts.scaler is not None and state.get("scaler"):
+                    parts.scaler.load_state_dict(state["scaler"])
+        except Exception as err:
+            raise PartlyLoadedError(f"{type(err).__name__}: {err}") from err
+        return state
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -403,6 +403,7 @@ def hyperparameters(
             "min_timed_steps": str(t.stop_rule.min_timed_steps),
             "eval_interval": str(t.eval_interval),
             "checkpoint_interval": str(t.checkpoint_interval),
+            "checkpoint_keep": str(t.checkpoint_keep),
             "validation_batches": str(t.validation_batches),
         }
     )

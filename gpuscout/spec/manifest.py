@@ -159,6 +159,7 @@ class TrainingSpec(_Strict):
     stop_rule: StopRule = Field(default_factory=StopRule)
     eval_interval: int = Field(default=0, ge=0)  # optimizer steps between validation passes; 0 = only at the end
     checkpoint_interval: int = Field(default=0, ge=0)  # optimizer steps between checkpoints; 0 = none
+    checkpoint_keep: int = Field(default=2, ge=1, le=100)  # complete checkpoints kept; older ones are deleted
     validation_batches: int = Field(default=8, ge=0)  # batches per validation pass
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ HP_KEYS = {
     "gradient_accumulation_steps", "max_steps", "learning_rate", "weight_decay", "seed", "precision", "packing",
     "attention_implementation", "gradient_checkpointing", "torch_compile", "dataloader_num_workers",
     "deepspeed_stage", "fused_cross_entropy", "fused_adamw", "stop_rule", "ci_tolerance", "min_timed_steps",
-    "eval_interval", "checkpoint_interval", "validation_batches",
+    "eval_interval", "checkpoint_interval", "checkpoint_keep", "validation_batches",
 }  # fmt: skip
 
 
