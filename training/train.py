@@ -390,7 +390,10 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
         config._attn_implementation = attention
         return Qwen2ForCausalLM(config), arch, hp.model_preset
     source = hp.model_name_or_path
-    if source.startswith("s3://"):
+    channel = os.environ.get("SM_CHANNEL_MODEL")  # an S3 model the control plane passed as the "model" channel
+    if source.startswith("s3://") and channel and Path(channel).is_dir() and any(Path(channel).iterdir()):
+        source = channel
+    elif source.startswith("s3://"):
         source = str(_download_s3_model(source, workdir / "model"))
     model: Any
     try:

@@ -36,6 +36,7 @@ from botocore.exceptions import (
     TokenRetrievalError,
 )
 
+from gpuscout.cloud.sources import source_problems, target_problems
 from gpuscout.errors import GpuscoutError, ManifestError, Problem, RunNotFoundError
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
@@ -176,15 +177,6 @@ def local_etag(body: bytes) -> str:
     return hashlib.md5(body, usedforsecurity=False).hexdigest()
 
 
-def cloud_problems(manifest: Manifest) -> list[Problem]:
-    """What is valid locally but never runs in the cloud (the Validate step rejects it too)."""
-    return [
-        Problem(f"targets[{i}].instance_type", "'local' runs only with `gpuscout local`")
-        for i, target in enumerate(manifest.targets)
-        if target.instance_type == "local"
-    ]
-
-
 class CloudStack:
     """One deployed gpuscout stack, reached with the caller's AWS session."""
 
@@ -272,7 +264,7 @@ class CloudStack:
         """
         path = Path(manifest_path)
         manifest = load_manifest(path, catalog=catalog or load_catalog())
-        problems = cloud_problems(manifest)
+        problems = target_problems(manifest)
         if problems:
             raise ManifestError(str(path), problems)
         try:
@@ -280,6 +272,9 @@ class CloudStack:
         except OSError as err:
             raise ManifestError(str(path), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
         outputs = self.outputs
+        problems = source_problems(manifest, data_bucket=outputs.data_bucket)  # what the stack's role can read
+        if problems:
+            raise ManifestError(str(path), problems)
         key = manifest_key(manifest, path)
         expected_run_id = make_run_id(manifest.name, key=key, etag=local_etag(body))
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded

@@ -31,6 +31,7 @@ from gpuscout.cloud.sagemaker_requests import (
     training_job_request,
 )
 from gpuscout.cloud.settings import LambdaSettings, get_settings
+from gpuscout.cloud.sources import cloud_problems
 from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem, RunNotFoundError
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
@@ -122,20 +123,10 @@ def data_source_of(manifest: Manifest) -> DataSource:
 
 
 def _cloud_problems(manifest: Manifest, settings: LambdaSettings) -> list[Problem]:
-    """What a valid manifest may still not do in this stack: run locally, or use a type the stack disallows."""
-    problems: list[Problem] = []
-    allowed = settings.allowed_instance_types
-    for i, target in enumerate(manifest.targets):
-        if target.instance_type == "local":
-            problems.append(Problem(f"targets[{i}].instance_type", "'local' runs only with `gpuscout local`"))
-        elif allowed and target.instance_type not in allowed:
-            problems.append(
-                Problem(
-                    f"targets[{i}].instance_type",
-                    f"{target.instance_type} is not allowed by this stack; allowed: {', '.join(allowed)}",
-                )
-            )
-    return problems
+    """What a valid manifest may still not do in this stack (gpuscout.cloud.sources)."""
+    return cloud_problems(
+        manifest, data_bucket=settings.data_bucket, allowed_instance_types=settings.allowed_instance_types
+    )
 
 
 def _read_object(s3: Any, bucket: str, key: str) -> tuple[bytes, str]:
@@ -168,9 +159,9 @@ def validate_manifest(
         if len(body) > MAX_MANIFEST_BYTES:
             raise ManifestError(source, [Problem("", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")])
         manifest = parse_manifest(body, source, catalog)
-        cloud_problems = _cloud_problems(manifest, settings)
-        if cloud_problems:
-            raise ManifestError(source, cloud_problems)
+        refused = _cloud_problems(manifest, settings)
+        if refused:
+            raise ManifestError(source, refused)
     except ManifestError as err:
         run_id = make_run_id(manifest.name if manifest else stem, key=key, etag=etag)
         report = {**err.to_dict(), "run_id": run_id, "etag": etag, "rejected_at": utcnow().isoformat()}

@@ -104,6 +104,19 @@ def max_wait_seconds(max_runtime_seconds: int, requested_seconds: int | None = N
     return min(max(wanted, max_runtime_seconds + 1), MAX_WAIT_LIMIT_SECONDS)
 
 
+MODEL_CHANNEL = "model"
+
+
+def _model_channel(spec: JobSpec) -> list[dict[str, Any]]:
+    """An S3 model (model.path) as the ``model`` input channel: SageMaker downloads it with the job's role before
+    the container starts (train.py reads SM_CHANNEL_MODEL), so it loads under network isolation too."""
+    uri = spec.hyperparameters.get("model_name_or_path", "")
+    if not uri.startswith("s3://"):
+        return []
+    source = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
+    return [{"ChannelName": MODEL_CHANNEL, "DataSource": {"S3DataSource": source}, "InputMode": "File"}]
+
+
 def training_job_request(
     spec: JobSpec,
     settings: RequestSettings,
@@ -144,7 +157,8 @@ def training_job_request(
                     }
                 },
                 "InputMode": "File",
-            }
+            },
+            *_model_channel(spec),
         ],
         "OutputDataConfig": {"S3OutputPath": output_uri(settings, spec.run_id)},
         "ResourceConfig": {

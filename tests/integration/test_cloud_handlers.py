@@ -92,6 +92,17 @@ def test_instance_types_the_stack_does_not_allow_are_rejected(cloud: Cloud) -> N
         validate_handler.handler(cloud.submit(text), cloud.context)
 
 
+def test_sources_the_sagemaker_role_cannot_read_are_rejected(cloud: Cloud) -> None:
+    # Given a manifest whose dataset lives in another bucket (the role reads only raw/ of the data bucket)
+    text = cloud_manifest().replace("bundled:hebrew-bible", "s3://someone-elses-bucket/datasets/he/")
+    assert "someone-elses-bucket" in text
+    # When it is validated, Then it is rejected with the copy command, before any job row exists
+    with pytest.raises(ManifestRejected, match=rf"dataset.source: .*s3://{DATA_BUCKET}/raw/he/"):
+        validate_handler.handler(cloud.submit(text, "elsewhere"), cloud.context)
+    ok = cloud_manifest().replace("bundled:hebrew-bible", f"s3://{DATA_BUCKET}/raw/he/")
+    assert validate_handler.handler(cloud.submit(ok, "raw-ok"), cloud.context)["run_id"]
+
+
 def test_plan_writes_rows_and_returns_complete_requests(cloud: Cloud) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
     run_id = planned["run_id"]

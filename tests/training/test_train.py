@@ -165,6 +165,25 @@ def test_hub_model_offline_fails_clearly(dataset: Path, tmp_path: Path, monkeypa
         train.build_model(hp, dp.load_summary(dataset), tmp_path)
 
 
+def test_an_s3_model_loads_from_its_input_channel_without_network(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # Given an S3 model that SageMaker already downloaded as the "model" channel (network isolation: no S3 calls)
+    channel = tmp_path / "opt/ml/input/data/model"
+    config = Qwen2Config(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(channel)
+    monkeypatch.setenv("SM_CHANNEL_MODEL", str(channel))
+    monkeypatch.setattr(train, "_download_s3_model", lambda *_a: pytest.fail("downloaded although the channel has it"))
+    hp = train.Hyperparameters(model_name_or_path="s3://gpuscout-data-1/raw/models/tiny/")
+    # When train.py builds the model, Then it loads the channel's copy
+    model, arch, name = train.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
+    assert arch.hidden_size == 32 and name == "s3://gpuscout-data-1/raw/models/tiny/"
+    assert model.config.num_hidden_layers == 1
+
+
 def test_deepspeed_configs_fill_every_auto() -> None:
     hp = train.Hyperparameters(model_preset="qwen2-tiny", per_device_train_batch_size=2, gradient_accumulation_steps=4)
     for stage in (2, 3):

@@ -41,6 +41,8 @@ DATA_BUCKET = "gpuscout-data-test"
 ARTIFACTS_BUCKET = "gpuscout-artifacts-test"
 TABLE = "gpuscout-results-test"
 VALID = MANIFESTS_DIR / "p4d-to-p5en.yaml"
+# the shipped example with its placeholder bucket replaced by the deployed stack's data bucket, as its comment says
+VALID_TEXT = VALID.read_text().replace("s3://your-data-bucket/", f"s3://{DATA_BUCKET}/")
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -132,7 +134,7 @@ def deployed(aws_env: None) -> Iterator[Deployed]:
 
 def _manifest(tmp_path: Path, text: str | None = None, name: str = "bench.yaml") -> Path:
     path = tmp_path / name
-    path.write_text(text if text is not None else VALID.read_text())
+    path.write_text(text if text is not None else VALID_TEXT)
     return path
 
 
@@ -194,9 +196,7 @@ def test_submit_without_an_execution_yet_links_the_state_machine(deployed: Deplo
 
 
 def test_an_invalid_manifest_never_leaves_the_machine(deployed: Deployed, tmp_path: Path) -> None:
-    bad = (
-        VALID.read_text().replace("name: qwen7b-p4d-to-p5en", "name: Bad Name").replace("max_steps: 60", "max_stp: 60")
-    )
+    bad = VALID_TEXT.replace("name: qwen7b-p4d-to-p5en", "name: Bad Name").replace("max_steps: 60", "max_stp: 60")
     code, _, err = invoke("submit", str(_manifest(tmp_path, bad)), "--wait", "0")
     assert code == 2
     assert "name" in err and "training.max_stp" in err
@@ -204,7 +204,7 @@ def test_an_invalid_manifest_never_leaves_the_machine(deployed: Deployed, tmp_pa
 
 
 def test_a_local_target_is_refused_before_upload(deployed: Deployed, tmp_path: Path) -> None:
-    text = VALID.read_text().replace(
+    text = VALID_TEXT.replace(
         "  - instance_type: ml.p4d.24xlarge\n", "  - instance_type: local\n    price_per_hour_usd: 2.0\n", 1
     )
     with pytest.raises(ManifestError) as info:
@@ -216,7 +216,7 @@ def test_a_local_target_is_refused_before_upload(deployed: Deployed, tmp_path: P
 def test_a_json_manifest_keeps_its_suffix(deployed: Deployed, tmp_path: Path) -> None:
     import yaml
 
-    text = json.dumps(yaml.safe_load(VALID.read_text()))
+    text = json.dumps(yaml.safe_load(VALID_TEXT))
     submission = CloudStack().submit(_manifest(tmp_path, text, "bench.json"), wait_seconds=0)
     assert submission.key == "manifests/qwen7b-p4d-to-p5en.json"
     assert _keys(deployed.s3, "manifests/") == [submission.key]
@@ -461,7 +461,7 @@ def test_runs_results_and_report_of_a_cloud_run_through_the_main_cli(deployed: D
 
 def test_submit_refuses_exactly_what_plan_refuses_before_uploading(deployed: Deployed, tmp_path: Path) -> None:
     # Given a valid manifest whose plan is refused: a batch that cannot fit a 24 GB A10G
-    data = yaml.safe_load(VALID.read_text())
+    data = yaml.safe_load(VALID_TEXT)
     data["targets"] = [{"instance_type": "ml.g5.8xlarge"}]
     data["variants"] = [{"name": "big", "per_device_batch_size": 64}]
     path = tmp_path / "refused.yaml"
@@ -472,4 +472,16 @@ def test_submit_refuses_exactly_what_plan_refuses_before_uploading(deployed: Dep
     code, _, err = invoke("submit", str(path), "--wait", "0")
     assert plan_code == code == 3, err
     assert " ".join(err.split()).split(":", 1)[1] == " ".join(plan_err.split()).split(":", 1)[1]
+    assert _keys(deployed.s3) == []
+
+
+def test_the_example_as_shipped_is_refused_with_the_copy_command_before_upload(
+    deployed: Deployed, tmp_path: Path
+) -> None:
+    # Given p4d-to-p5en.yaml with its placeholder bucket (the role of a real stack could never read it)
+    with pytest.raises(ManifestError) as info:
+        CloudStack().submit(_manifest(tmp_path, VALID.read_text()), wait_seconds=0)
+    # Then submit refuses it, names the field and the fix, and uploads nothing
+    [problem] = info.value.problems
+    assert problem.path == "dataset.source" and f"s3://{DATA_BUCKET}/raw/hebrew-text/" in problem.message
     assert _keys(deployed.s3) == []

@@ -113,3 +113,21 @@ def test_cache_key_depends_on_what_changes_the_processed_bytes() -> None:
         DataSource("s3://raw-b/corpus/", "qwen", 2048, None),
     ):
         assert other.cache_key != DATA.cache_key
+
+
+def test_an_s3_model_is_the_model_input_channel() -> None:
+    # Given a job whose model is an S3 prefix (model.path), When its request is built
+    spec = _spec(False)
+    spec = spec.model_copy(
+        update={"hyperparameters": {**spec.hyperparameters, "model_name_or_path": "s3://data-b/raw/models/q/"}}
+    )
+    request = training_job_request(spec, SETTINGS, DATA, enable_network_isolation=True)
+    _assert_valid("CreateTrainingJob", request)
+    # Then SageMaker downloads it as the "model" channel (train.py reads SM_CHANNEL_MODEL): no network needed
+    channels = {c["ChannelName"]: c for c in request["InputDataConfig"]}
+    assert set(channels) == {"train", "model"}
+    assert channels["model"]["DataSource"]["S3DataSource"]["S3Uri"] == "s3://data-b/raw/models/q/"
+    # and a preset or hub model adds no channel
+    assert (
+        len(training_job_request(_spec(False), SETTINGS, DATA, enable_network_isolation=False)["InputDataConfig"]) == 1
+    )

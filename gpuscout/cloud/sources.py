@@ -1,0 +1,103 @@
+"""What a valid manifest may still not do in a deployed stack, refused before anything runs (by `gpuscout submit`
+and by the workflow's Validate step), each with the fix in the message.
+
+- ``local`` targets run only with `gpuscout local`; a stack may allow only some instance types.
+- Every S3 source (dataset, model, tokenizer) must be under ``s3://<data bucket>/raw/``: the SageMaker role reads
+  nothing else (stacks/roles.py, ReadDatasets). Local paths do not exist in the cloud.
+- ``network_isolation: true`` gives the training container no network: a hub model (``model.hf_id``) cannot
+  download. An S3 ``model.path`` works either way: it reaches the job as the ``model`` input channel, which
+  SageMaker downloads with the role before the container starts (sagemaker_requests.training_job_request).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+
+from gpuscout.errors import Problem
+from gpuscout.spec.manifest import Manifest
+
+RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMaker role reads sources from
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _s3_problem(field: str, uri: str, data_bucket: str, what: str) -> Problem | None:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if bucket == data_bucket and key.startswith(RAW_PREFIX):
+        return None
+    name = key.rstrip("/").rsplit("/", 1)[-1] or what
+    target = f"s3://{data_bucket}/{RAW_PREFIX}{name}/"
+    return Problem(
+        field,
+        f"the stack's SageMaker role reads {what}s only under s3://{data_bucket}/{RAW_PREFIX}, not {uri}; copy it "
+        f"there (aws s3 sync {uri.rstrip('/')}/ {target}) and set {field}: {target}",
+    )
+
+
+def _local_problem(field: str, path: str, data_bucket: str, what: str) -> Problem:
+    name = path.rstrip("/").rsplit("/", 1)[-1] or what
+    target = f"s3://{data_bucket}/{RAW_PREFIX}{name}/"
+    return Problem(
+        field,
+        f"{path!r} is a local path, which a cloud job cannot read; upload it (aws s3 sync {path} {target}) and set "
+        f"{field}: {target}",
+    )
+
+
+def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
+    """Dataset, model and tokenizer sources the stack's jobs could never read (module docstring)."""
+    problems: list[Problem] = []
+    source = manifest.dataset.source
+    if source.startswith("s3://"):
+        problems += [p for p in [_s3_problem("dataset.source", source, data_bucket, "dataset")] if p]
+    elif not source.startswith("bundled:"):
+        problems.append(_local_problem("dataset.source", source, data_bucket, "dataset"))
+    model = manifest.model
+    if model.path is not None:
+        if model.path.startswith("s3://"):
+            problems += [p for p in [_s3_problem("model.path", model.path, data_bucket, "model")] if p]
+        else:
+            problems.append(_local_problem("model.path", model.path, data_bucket, "model"))
+    if model.hf_id is not None and manifest.network_isolation:
+        name = model.hf_id.rsplit("/", 1)[-1]
+        problems.append(
+            Problem(
+                "model.hf_id",
+                f"network_isolation: true leaves the training container without network, so {model.hf_id} cannot "
+                f"download from the Hugging Face Hub; upload the model (huggingface-cli download {model.hf_id} "
+                f"--local-dir {name} && aws s3 sync {name} s3://{data_bucket}/{RAW_PREFIX}models/{name}/) and set "
+                f"model.path: s3://{data_bucket}/{RAW_PREFIX}models/{name}/ instead of hf_id",
+            )
+        )
+    tokenizer = manifest.tokenizer.path
+    if tokenizer is not None:
+        if tokenizer.startswith("s3://"):
+            problems += [p for p in [_s3_problem("tokenizer.path", tokenizer, data_bucket, "tokenizer")] if p]
+        elif not _HUB_ID_RE.match(tokenizer) or tokenizer.startswith((".", "/", "~")):
+            problems.append(_local_problem("tokenizer.path", tokenizer, data_bucket, "tokenizer"))
+    return problems
+
+
+def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[str] = ()) -> list[Problem]:
+    """`local` targets, and types the stack does not allow (an empty allow-list allows every catalogued type)."""
+    problems: list[Problem] = []
+    for i, target in enumerate(manifest.targets):
+        if target.instance_type == "local":
+            problems.append(Problem(f"targets[{i}].instance_type", "'local' runs only with `gpuscout local`"))
+        elif allowed_instance_types and target.instance_type not in allowed_instance_types:
+            problems.append(
+                Problem(
+                    f"targets[{i}].instance_type",
+                    f"{target.instance_type} is not allowed by this stack; allowed: "
+                    f"{', '.join(allowed_instance_types)}",
+                )
+            )
+    return problems
+
+
+def cloud_problems(
+    manifest: Manifest, *, data_bucket: str, allowed_instance_types: Collection[str] = ()
+) -> list[Problem]:
+    return target_problems(manifest, allowed_instance_types=allowed_instance_types) + source_problems(
+        manifest, data_bucket=data_bucket
+    )

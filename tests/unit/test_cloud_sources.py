@@ -1,0 +1,85 @@
+"""Sources a deployed stack's jobs could never read are refused before anything runs, with the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuscout.cloud.sources import cloud_problems, source_problems
+from gpuscout.spec.catalog import load_catalog
+from gpuscout.spec.manifest import Manifest, parse_manifest
+
+BUCKET = "gpuscout-data-123456789012"
+BASE = """
+name: sources
+model: {MODEL}
+tokenizer: {TOKENIZER}
+dataset: {{source: {SOURCE}}}
+sequence_length: 256
+training: {{max_steps: 20}}
+targets: [{{instance_type: ml.g5.8xlarge}}]
+variants: [{{name: b4, per_device_batch_size: 4}}]
+constraints: {{budget_usd: 50}}
+network_isolation: {ISOLATION}
+"""
+
+
+def _manifest(
+    source: str = "bundled:hebrew-bible",
+    model: str = "{preset: qwen2.5-0.5b}",
+    tokenizer: str = "{kind: qwen}",
+    isolation: bool = False,
+) -> Manifest:
+    text = BASE.format(MODEL=model, TOKENIZER=tokenizer, SOURCE=source, ISOLATION=str(isolation).lower())
+    return parse_manifest(text, "m.yaml", load_catalog())
+
+
+@pytest.mark.parametrize(
+    "source", ["bundled:hebrew-bible", "bundled:hebrew-chatterbot", f"s3://{BUCKET}/raw/datasets/he/"]
+)
+def test_readable_dataset_sources_pass(source: str) -> None:
+    assert source_problems(_manifest(source=source), data_bucket=BUCKET) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("s3://gpuscout-data-example/datasets/hebrew-text/", f"s3://{BUCKET}/raw/hebrew-text/"),
+        (f"s3://{BUCKET}/datasets/he/", f"aws s3 sync s3://{BUCKET}/datasets/he/ s3://{BUCKET}/raw/he/"),
+        (f"s3://{BUCKET}/processed/x/", "reads datasets only under"),
+        ("/home/me/corpus", "is a local path"),
+    ],
+)
+def test_unreadable_dataset_sources_are_refused_with_the_copy_command(source: str, says: str) -> None:
+    # Given a dataset outside raw/ of the stack's data bucket (another bucket, another prefix, a local path)
+    (problem,) = source_problems(_manifest(source=source), data_bucket=BUCKET)
+    # Then the problem names the field and the fix
+    assert problem.path == "dataset.source"
+    assert says in problem.message and f"s3://{BUCKET}/raw/" in problem.message
+
+
+def test_models_and_tokenizers_follow_the_same_rule() -> None:
+    ok = _manifest(model=f"{{path: 's3://{BUCKET}/raw/models/q/', architecture: qwen2.5-0.5b}}",
+                   tokenizer=f"{{kind: hf, path: 's3://{BUCKET}/raw/tok/'}}")  # fmt: skip
+    assert source_problems(ok, data_bucket=BUCKET) == []
+    bad = _manifest(model="{path: 's3://elsewhere/models/q/', architecture: qwen2.5-0.5b}",
+                    tokenizer="{kind: hf, path: ./my-tokenizer}")  # fmt: skip
+    assert {p.path for p in source_problems(bad, data_bucket=BUCKET)} == {"model.path", "tokenizer.path"}
+    hub_tokenizer = _manifest(tokenizer="{kind: hf, path: Qwen/Qwen2.5-0.5B}")
+    assert source_problems(hub_tokenizer, data_bucket=BUCKET) == []
+
+
+def test_a_hub_model_under_network_isolation_is_refused() -> None:
+    isolated = _manifest(model="{hf_id: Qwen/Qwen2.5-0.5B}", isolation=True)
+    (problem,) = source_problems(isolated, data_bucket=BUCKET)
+    assert problem.path == "model.hf_id" and "network_isolation: true" in problem.message
+    assert f"model.path: s3://{BUCKET}/raw/models/Qwen2.5-0.5B/" in problem.message
+    # without isolation the job downloads it itself; an S3 model under isolation arrives as a channel
+    assert source_problems(_manifest(model="{hf_id: Qwen/Qwen2.5-0.5B}"), data_bucket=BUCKET) == []
+    s3_isolated = _manifest(model=f"{{path: 's3://{BUCKET}/raw/models/q/', architecture: qwen2.5-0.5b}}",
+                            isolation=True)  # fmt: skip
+    assert source_problems(s3_isolated, data_bucket=BUCKET) == []
+
+
+def test_targets_and_sources_together() -> None:
+    problems = cloud_problems(_manifest(source="/data"), data_bucket=BUCKET, allowed_instance_types=("ml.p5.48xlarge",))
+    assert [p.path for p in problems] == ["targets[0].instance_type", "dataset.source"]
