@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sns as sns
@@ -28,5 +28,21 @@ class Notifications(Construct):
         )
         self.key.grant(iam.ServicePrincipal("cloudwatch.amazonaws.com"), "kms:Decrypt", "kms:GenerateDataKey*")
         self.topic = sns.Topic(self, "Topic", display_name="gpuscout", master_key=self.key, enforce_ssl=True)
+        # enforce_ssl gives the topic a resource policy, which replaces SNS's default one: without this Allow,
+        # CloudWatch alarms (a service principal, no identity policy) could not publish. Only this account's alarms.
+        self.topic.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="CloudWatchAlarmsPublish",
+                principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+                actions=["sns:Publish"],
+                resources=[self.topic.topic_arn],
+                conditions={
+                    "StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID},
+                    "ArnLike": {
+                        "aws:SourceArn": f"arn:{Aws.PARTITION}:cloudwatch:{Aws.REGION}:{Aws.ACCOUNT_ID}:alarm:*"
+                    },
+                },
+            )
+        )
         if email:
             self.topic.add_subscription(subscriptions.EmailSubscription(email))

@@ -24,6 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp
+from gpuscout.cloud.notify import publish, run_summary
 from gpuscout.cloud.sagemaker_requests import (
     DataSource,
     RequestSettings,
@@ -75,6 +76,7 @@ class Services:
     s3: Any
     sagemaker: Any
     pricing: Any  # AWS Price List API client (its endpoint is in us-east-1)
+    sns: Any = None  # the run-summary notification (analyze)
 
 
 @lru_cache(maxsize=1)
@@ -86,6 +88,7 @@ def services() -> Services:
         s3=boto3.client("s3"),
         sagemaker=boto3.client("sagemaker"),
         pricing=boto3.client("pricing", region_name=PRICE_LIST_REGION),
+        sns=boto3.client("sns"),
     )
 
 
@@ -328,9 +331,11 @@ def analyze(
     prices: PriceBook | None = None,
     pricing_client: Any = None,
     work_dir: Path | None = None,
+    sns: Any = None,
 ) -> dict[str, Any]:
-    """Analyze step: RunAnalysis + report files in ``reports/<run_id>/`` of the data bucket + RESULT row. The state
-    machine's Notify state publishes the returned summary (so this step sends no notification itself)."""
+    """Analyze step: RunAnalysis + report files in ``reports/<run_id>/`` of the data bucket + RESULT row + the final
+    run status; then, when the stack has a topic (NOTIFICATION_TOPIC_ARN) and ``sns`` is given, the run summary is
+    published to it (gpuscout.cloud.notify). ``notified`` in the result says whether it was sent, or why not."""
     # Imported here: report rendering pulls in matplotlib, which only the analyze Lambda needs at cold start.
     from gpuscout.analysis.report import write_report
 
@@ -366,4 +371,9 @@ def analyze(
         else:
             store.update_run(run_id, status=RunStatus.FAILED, error=f"none of the {len(jobs)} job(s) completed")
     summary = analysis.recommendation.summary
-    return {"run_id": run_id, "recommendation": summary, "report_uri": report_uri}
+    notified: bool | str = False
+    if settings.notification_topic_arn and sns is not None:
+        notice = run_summary(store.get_run(run_id), jobs, recommendation=summary, report_uri=report_uri)
+        problem = publish(sns, settings.notification_topic_arn, notice)
+        notified = problem or True
+    return {"run_id": run_id, "recommendation": summary, "report_uri": report_uri, "notified": notified}

@@ -36,7 +36,10 @@ def handler(event: AnalyzeRequest, context: LambdaContext) -> dict[str, Any]:
         s3=services.s3,
         settings=services.settings,
         pricing_client=services.pricing,
+        sns=services.sns,
     )
     metrics.add_metric(name="RunsAnalyzed", unit=MetricUnit.Count, value=1)
+    if isinstance(result["notified"], str):  # the run is analysed either way; a lost e-mail is worth an error log
+        logger.error("run summary not published", extra={"reason": result["notified"]})
     logger.info("run analyzed", extra={"report_uri": result["report_uri"]})
     return result

@@ -115,6 +115,11 @@ def test_topic_is_encrypted_tls_only_and_cloudwatch_may_use_its_key(synthesized:
     assert any(
         s["Effect"] == "Deny" and s.get("Condition") == {"Bool": {"aws:SecureTransport": "false"}} for s in topic_policy
     )
+    # the resource policy replaces SNS's default one: CloudWatch alarms need their own Allow, for this account only
+    (allow,) = [st for st in topic_policy if st["Effect"] == "Allow"]
+    assert allow["Principal"] == {"Service": "cloudwatch.amazonaws.com"} and allow["Action"] == "sns:Publish"
+    assert set(allow["Condition"]) == {"StringEquals", "ArnLike"}
+    assert allow["Condition"]["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}
     # no address configured in cdk.json: no subscription
     assert not synthesized.resources("AWS::SNS::Subscription")
 

@@ -435,3 +435,42 @@ def test_analyze_prices_with_todays_aws_list_price_and_falls_back_per_instance(c
     assert any("ml.p4d.24xlarge" in note and "AccessDenied" in note for note in result.price_snapshot["notes"])
     g5 = next(j for j in result.analysis["jobs"] if j["instance_type"] == "ml.g5.8xlarge" and j["tokens_per_s"])
     assert g5["usd_per_million_tokens"] == pytest.approx(2.9 / 3600 / g5["tokens_per_s"] * 1e6)
+
+
+def test_analyze_publishes_the_run_summary_to_the_topic(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a stack with a notification topic (an SQS queue subscribed to read what was sent) and a finished run
+    sns = boto3.client("sns", region_name="us-east-1")
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    topic = sns.create_topic(Name="gpuscout-notifications")["TopicArn"]
+    queue = sqs.create_queue(QueueName="inbox")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
+    settings = cloud.services.settings.model_copy(update={"notification_topic_arn": topic})
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id = planned["run_id"]
+    job = planned["jobs"][0]["job_name"]
+    job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=job), cloud.context)
+    # When the run is analysed
+    result = control_plane.analyze(
+        {"run_id": run_id}, store=cloud.services.store, s3=cloud.s3, settings=settings, sns=sns
+    )
+    # Then one summary went to the topic: the run, its status, the recommendation and the report
+    assert result["notified"] is True
+    [message] = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10)["Messages"]
+    body = json.loads(message["Body"])
+    assert body["Subject"].startswith("gpuscout: run cloud-smoke ") and len(body["Subject"]) <= 100
+    assert run_id in body["Message"] and result["report_uri"] in body["Message"]
+    assert result["recommendation"] in body["Message"]
+
+
+def test_a_failed_publish_does_not_fail_the_analysis(cloud: Cloud) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    settings = cloud.services.settings.model_copy(
+        update={"notification_topic_arn": "arn:aws:sns:us-east-1:123456789012:no-such-topic"}
+    )
+    sns = boto3.client("sns", region_name="us-east-1")
+    result = control_plane.analyze(
+        {"run_id": planned["run_id"]}, store=cloud.services.store, s3=cloud.s3, settings=settings, sns=sns
+    )
+    assert isinstance(result["notified"], str) and "cannot publish the run summary" in result["notified"]
+    assert cloud.services.store.get_result(planned["run_id"]) is not None
