@@ -32,7 +32,7 @@ from gpuscout.cloud.sagemaker_requests import (
     training_job_request,
 )
 from gpuscout.cloud.settings import LambdaSettings, get_settings
-from gpuscout.cloud.sources import cloud_problems
+from gpuscout.cloud.sources import STATE_PAYLOAD_LIMIT_BYTES, cloud_problems
 from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem, RunNotFoundError
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
@@ -49,6 +49,8 @@ from gpuscout.store.base import (
 from gpuscout.store.dynamodb import DynamoDbStore
 
 MAX_MANIFEST_BYTES = 1024 * 1024
+# The plan step's output, at most: the rest of the 256 KiB state is the manifest and the data-preparation result.
+MAX_PLAN_BYTES = STATE_PAYLOAD_LIMIT_BYTES - 48 * 1024
 REJECTED_PREFIX = "rejected/"
 REPORTS_PREFIX = "reports/"
 
@@ -262,15 +264,26 @@ def plan_jobs(
             enable_network_isolation=manifest.network_isolation,
             spot_max_wait_seconds=max_wait,
         )
-        store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
         jobs_out.append({"job_name": spec.job_name, "request": request})
-    store.put_run(run)  # last: a run row means every job row exists
-    return {
+    output = {
         "run_id": run_id,
         "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
         "jobs": jobs_out,
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
+    size = len(json.dumps(output, separators=(",", ":")).encode())
+    if size > MAX_PLAN_BYTES:  # before any row: an oversized state fails the execution uncatchably
+        error = (
+            f"the plan of {len(jobs_out)} jobs is {size / 1024:.0f} KiB; Step Functions passes at most "
+            f"{STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB between states (this step keeps {MAX_PLAN_BYTES // 1024} KiB "
+            "for the rest of the state); split the manifest into several runs"
+        )
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": error}))
+        raise PlanRefused(f"{source}: {error}")
+    for spec in the_plan.jobs:
+        store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
+    store.put_run(run)  # last: a run row means every job row exists
+    return output
 
 
 def _describe_from_cause(cause: str) -> dict[str, Any]:

@@ -17,6 +17,11 @@ from collections.abc import Collection
 from gpuscout.errors import Problem
 from gpuscout.spec.manifest import Manifest
 
+# Step Functions passes at most 256 KiB between states, and the plan carries every job's CreateTrainingJob request
+# (about 4.5 KiB each with a deployed stack's ARNs): 40 jobs leave room for the data-preparation result and the
+# manifest (tests/integration/test_cloud_handlers.py::test_the_largest_allowed_plan_fits_the_state_payload).
+MAX_JOBS_PER_RUN = 40
+STATE_PAYLOAD_LIMIT_BYTES = 256 * 1024
 RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMaker role reads sources from
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -81,6 +86,16 @@ def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
 def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[str] = ()) -> list[Problem]:
     """`local` targets, and types the stack does not allow (an empty allow-list allows every catalogued type)."""
     problems: list[Problem] = []
+    jobs = len(manifest.targets) * len(manifest.variants) * manifest.repetitions
+    if jobs > MAX_JOBS_PER_RUN:
+        problems.append(
+            Problem(
+                "targets x variants x repetitions",
+                f"{len(manifest.targets)} x {len(manifest.variants)} x {manifest.repetitions} = {jobs} jobs; a cloud "
+                f"run takes at most {MAX_JOBS_PER_RUN} (Step Functions passes at most 256 KiB between states); split "
+                "the manifest into several (each its own run) or lower repetitions",
+            )
+        )
     for i, target in enumerate(manifest.targets):
         if target.instance_type == "local":
             problems.append(Problem(f"targets[{i}].instance_type", "'local' runs only with `gpuscout local`"))

@@ -474,3 +474,54 @@ def test_a_failed_publish_does_not_fail_the_analysis(cloud: Cloud) -> None:
     )
     assert isinstance(result["notified"], str) and "cannot publish the run summary" in result["notified"]
     assert cloud.services.store.get_result(planned["run_id"]) is not None
+
+
+def _wide_manifest(variants: int, repetitions: int = 1) -> str:
+    targets = "\n".join(f"  - instance_type: {t}" for t in ("ml.g5.8xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge",
+                                                                "ml.p5.48xlarge"))  # fmt: skip
+    names = "\n".join(
+        f"  - name: b{i % 8 + 1}-a{i:02d}-ckpt-compiled-flex-attention-x\n    per_device_batch_size: {i % 8 + 1}"
+        for i in range(variants)
+    )
+    head = cloud_manifest(budget=100000).split("targets:")[0]
+    tail = f"repetitions: {repetitions}\nconstraints:\n  budget_usd: 100000\n"
+    return f"{head}targets:\n{targets}\nvariants:\n{names}\n{tail}"
+
+
+def test_the_largest_allowed_plan_fits_the_state_payload(cloud: Cloud) -> None:
+    from gpuscout.cloud.sources import MAX_JOBS_PER_RUN, STATE_PAYLOAD_LIMIT_BYTES
+
+    # Given a deployed stack's real-length ARNs (a CDK asset image URI) and a manifest of exactly the job limit
+    settings = cloud.services.settings.model_copy(
+        update={
+            "training_image_uri": "123456789012.dkr.ecr.ap-southeast-2.amazonaws.com/cdk-hnb659fds-container-assets-"
+            "123456789012-ap-southeast-2:" + "f" * 64,
+            "sagemaker_role_arn": "arn:aws:iam::123456789012:role/Gpuscout-RolesSageMakerExecution0A1B2C3D-" + "X" * 12,
+        }
+    )
+    text = _wide_manifest(variants=MAX_JOBS_PER_RUN // 4)
+    validated = validate_handler.handler(cloud.submit(text, "wide"), cloud.context)
+    # When it is planned
+    planned = control_plane.plan_jobs(validated, store=cloud.services.store, s3=cloud.s3, settings=settings)
+    # Then its output, with room for the data-preparation result, stays under Step Functions' 256 KiB
+    assert len(planned["jobs"]) == MAX_JOBS_PER_RUN
+    size = len(json.dumps(planned, separators=(",", ":")).encode())
+    assert size <= control_plane.MAX_PLAN_BYTES < STATE_PAYLOAD_LIMIT_BYTES, size
+
+
+def test_a_plan_over_the_job_limit_is_rejected_before_any_row(cloud: Cloud) -> None:
+    # Given 4 targets x 6 variants x 2 repetitions = 48 jobs (the limit is 40)
+    with pytest.raises(ManifestRejected, match=r"4 x 6 x 2 = 48 jobs; a cloud run takes at most 40"):
+        validate_handler.handler(cloud.submit(_wide_manifest(variants=6, repetitions=2), "too-wide"), cloud.context)
+    [run] = cloud.services.store.list_runs()
+    assert run.status is RunStatus.REJECTED and cloud.services.store.list_jobs(run.run_id) == []
+
+
+def test_an_oversized_plan_is_refused_before_any_job_row(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a plan step whose output would exceed what the state may carry (the backstop behind the job limit)
+    monkeypatch.setattr(control_plane, "MAX_PLAN_BYTES", 8 * 1024)
+    validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
+    with pytest.raises(PlanRefused, match="Step Functions passes at most 256 KiB"):
+        plan_handler.handler(validated, cloud.context)
+    run = cloud.services.store.get_run(validated["run_id"])
+    assert run.status is RunStatus.REFUSED and cloud.services.store.list_jobs(run.run_id) == []
