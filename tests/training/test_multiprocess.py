@@ -82,6 +82,20 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def deepspeed_cpu_ops() -> None:
+    """DeepSpeed's CPU communication op (deepspeed_shm_comm), compiled once into ~/.cache/torch_extensions.
+
+    Every DeepSpeed process on CPU loads it; the first one on a machine compiles it (g++ and ninja: ~140 s on 2 busy
+    cores, ~5 s once cached). Done here, once, under its own deadline, so a job's deadline measures the job."""
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=420, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -284,6 +298,7 @@ def losses(result: BenchmarkResult) -> tuple[dict[int, float], dict[int, float]]
 
 # ---------------------------------------------------------------- the tests
 
+deepspeed_ops = pytest.mark.usefixtures("deepspeed_cpu_ops")
 VARIANTS = [
     pytest.param({}, id="ddp"),
     pytest.param({"deepspeed_stage": "2"}, id="zero2", marks=needs_deepspeed_on_cpu),
@@ -304,8 +319,10 @@ def cleanup() -> Iterator[list[Job]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_two_ranks_validate_checkpoint_survive_a_kill_resume_identically_and_stop_steady(
-    dataset: Path, tmp_path: Path, variant: dict[str, str], cleanup: list[Job]
+    dataset: Path, tmp_path: Path, variant: dict[str, str], cleanup: list[Job], request: pytest.FixtureRequest
 ) -> None:
+    if "deepspeed_stage" in variant:
+        request.getfixturevalue("deepspeed_cpu_ops")
     hps = {**HPS, **variant}
     # Given one SageMaker CPU host whose launcher starts 2 gloo ranks, When the job runs uninterrupted
     full = one_host(tmp_path / "full", dataset, hps)
@@ -376,8 +393,9 @@ def test_two_hosts_on_localhost_train_like_two_ranks_on_one_host(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @needs_deepspeed_on_cpu
+@deepspeed_ops
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_single_process_deepspeed_resumes_after_a_kill(
     dataset: Path, tmp_path: Path, stage: str, cleanup: list[Job]
