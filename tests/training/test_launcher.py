@@ -70,3 +70,67 @@ def test_multi_node_jobs_get_sagemakers_efa_and_nccl_environment(
 def test_a_single_process_gets_no_nccl_environment(tmp_path: Path) -> None:
     topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": "1"})
     assert launcher.build_command(topo, [], python="py")[1:3] != ["-m", "torch.distributed.run"]
+
+
+def _cpu_host(tmp_path: Path, hyperparameters: dict[str, object], **env: str) -> launcher.Topology:
+    (tmp_path / "resourceconfig.json").write_text(json.dumps({"current_host": "algo-1", "hosts": ["algo-1"]}))
+    (tmp_path / "hyperparameters.json").write_text(json.dumps(hyperparameters))
+    return launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "0", **env})
+
+
+@pytest.mark.parametrize("value", ["2", '"2"', 2], ids=["string", "sdk-json-encoded", "number"])
+def test_processes_per_host_hyperparameter_starts_torchrun_on_a_cpu_host(tmp_path: Path, value: object) -> None:
+    # Given a CPU host (SM_NUM_GPUS=0) whose job sets SageMaker's processes-per-host hyperparameter
+    topo = _cpu_host(tmp_path, {"max_steps": "5", "sagemaker_mpi_num_of_processes_per_host": value})
+    # When the launcher builds its command
+    cmd = launcher.build_command(topo, [], python="py", environ={})
+    # Then torchrun starts 2 ranks on this host, with the rendezvous on 127.0.0.1 (one host: no name lookup)
+    assert topo.processes_per_host == 2 and topo.world_size == 2
+    assert cmd == [
+        "py", "-m", "torch.distributed.run", "--nnodes=1", "--node_rank=0", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", "--master_port=29500", str(launcher.TRAIN_SCRIPT),
+    ]  # fmt: skip
+
+
+def test_cpu_host_without_the_hyperparameter_runs_one_process(tmp_path: Path) -> None:
+    topo = _cpu_host(tmp_path, {"max_steps": "5"})
+    assert topo.processes_per_host == 1
+    assert launcher.build_command(topo, [], python="py", environ={}) == ["py", str(launcher.TRAIN_SCRIPT)]
+
+
+def test_sm_hps_overrides_hyperparameters_json_for_processes_per_host(tmp_path: Path) -> None:
+    hps = json.dumps({"sagemaker_mpi_num_of_processes_per_host": "3"})
+    topo = _cpu_host(tmp_path, {"sagemaker_mpi_num_of_processes_per_host": "2"}, SM_HPS=hps)
+    assert topo.processes_per_host == 3
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", ""])
+def test_a_bad_processes_per_host_is_a_clear_launcher_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    (tmp_path / "hyperparameters.json").write_text(json.dumps({"sagemaker_mpi_num_of_processes_per_host": value}))
+    monkeypatch.setattr(launcher.os, "environ", {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "0"})
+    monkeypatch.setattr(launcher.os, "execv", lambda path, cmd: pytest.fail("must not start anything"))
+    assert launcher.main([]) == 2
+    assert "sagemaker_mpi_num_of_processes_per_host" in capsys.readouterr().err
+
+
+def test_one_host_of_eight_gpus_meets_on_localhost_like_sagemakers_toolkit(tmp_path: Path) -> None:
+    # Given one 8-GPU host named algo-1 (the toolkit's torchrun command has no --master_addr for one host)
+    (tmp_path / "resourceconfig.json").write_text(json.dumps({"current_host": "algo-1", "hosts": ["algo-1"]}))
+    topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "8"})
+    # When / Then the rendezvous is torchrun's default address, not a host name that must resolve
+    cmd = launcher.build_command(topo, [], python="py", environ={})
+    assert "--master_addr=127.0.0.1" in cmd and "--nproc_per_node=8" in cmd
+
+
+def test_master_address_and_port_overrides_for_several_hosts_on_one_machine(tmp_path: Path) -> None:
+    topo = _topology(tmp_path, "algo-2", "1")
+    # Without the overrides the first host is the master (production: SageMaker resolves algo-1)
+    assert launcher.rendezvous(topo, {}) == ("algo-1", 29500)
+    # With them (tests run algo-1 and algo-2 on localhost) both hosts meet there
+    env = {"GPUSCOUT_MASTER_ADDR": "127.0.0.1", "GPUSCOUT_MASTER_PORT": "41234"}
+    cmd = launcher.build_command(topo, [], python="py", environ=env)
+    assert "--master_addr=127.0.0.1" in cmd and "--master_port=41234" in cmd and "--node_rank=1" in cmd
+    with pytest.raises(launcher.TrainingError, match="GPUSCOUT_MASTER_PORT"):
+        launcher.rendezvous(topo, {"GPUSCOUT_MASTER_PORT": "http"})
