@@ -37,12 +37,7 @@ CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 LAUNCHER = TRAINING_DIR / "launcher.py"
 JOB_TIMEOUT_S = 150  # one launch; the slowest (ZeRO-3, 2 ranks, 12 steps) takes ~20 s on 2 busy cores
 MAX_STEPS = 12
-# train.py refused DeepSpeed without CUDA; ZeRO-2/3 run on CPU with gloo (DeepSpeed's CPU accelerator, fp32, torch
-# AdamW) once that refusal is gone. Until then the DeepSpeed cases skip, saying why.
-DEEPSPEED_REFUSED = "DeepSpeed ZeRO needs CUDA" in (TRAINING_DIR / "train.py").read_text()
-needs_deepspeed_on_cpu = pytest.mark.skipif(
-    DEEPSPEED_REFUSED, reason="train.py still refuses DeepSpeed ZeRO without CUDA ('DeepSpeed ZeRO needs CUDA')"
-)
+# ZeRO-2/3 run on CPU with gloo (DeepSpeed's CPU accelerator, fp32, torch AdamW): the same engine code as on GPUs.
 
 # 8 train blocks, 6 validation blocks of 64 tokens. Batch 2 on 2 ranks: validation rounds of 4 blocks, so rank 0
 # has blocks 0-1 and 4-5 and rank 1 only 2-3 (its second forward has no batch of its own): an uneven split.
@@ -301,8 +296,8 @@ def losses(result: BenchmarkResult) -> tuple[dict[int, float], dict[int, float]]
 deepspeed_ops = pytest.mark.usefixtures("deepspeed_cpu_ops")
 VARIANTS = [
     pytest.param({}, id="ddp"),
-    pytest.param({"deepspeed_stage": "2"}, id="zero2", marks=needs_deepspeed_on_cpu),
-    pytest.param({"deepspeed_stage": "3"}, id="zero3", marks=needs_deepspeed_on_cpu),
+    pytest.param({"deepspeed_stage": "2"}, id="zero2"),
+    pytest.param({"deepspeed_stage": "3"}, id="zero3"),
 ]
 
 
@@ -394,7 +389,6 @@ def test_two_hosts_on_localhost_train_like_two_ranks_on_one_host(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@needs_deepspeed_on_cpu
 @deepspeed_ops
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_single_process_deepspeed_resumes_after_a_kill(

@@ -142,22 +142,6 @@ def test_hyperparameters_from_sagemaker_and_cli(tmp_path: Path) -> None:
         train.parse_hyperparameters(["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], env)
 
 
-def test_deepspeed_on_cpu_fails_with_a_clear_benchmark_json(
-    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("SM_INPUT_CONFIG_DIR", str(tmp_path / "none"))
-    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(dataset))
-    monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(tmp_path / "output/data"))
-    monkeypatch.setenv("GPUSCOUT_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
-    monkeypatch.delenv("SM_HPS", raising=False)
-    code = train.main(["--model_preset", "qwen2-tiny", "--deepspeed_stage", "2", "--job_name", "gs-ds"])
-    assert code == 1
-    failed = BenchmarkResult.model_validate_json((tmp_path / "output/data/benchmark.json").read_text())
-    assert failed.status == "failed" and failed.job_name == "gs-ds"
-    assert failed.failure_reason is not None and "DeepSpeed ZeRO needs CUDA" in failed.failure_reason
-    assert (tmp_path / "output/failure").read_text().startswith("DeepSpeed ZeRO needs CUDA")
-
-
 def test_hub_model_offline_fails_clearly(dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hp = train.Hyperparameters(model_name_or_path="Qwen/Qwen2.5-0.5B")
