@@ -18,6 +18,7 @@ from constructs import Construct
 from stacks.roles import JOB_NAME_PREFIX
 from stacks.storage import MANIFESTS_PREFIX
 
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")  # what the Validate step parses
 TRAINING_STATE_CHANGE = "SageMaker Training Job State Change"
 
 
@@ -42,13 +43,14 @@ class EventRules(Construct):
         self.manifest_uploaded = events.Rule(
             self,
             "ManifestUploaded",
-            description="A manifest written under manifests/ starts a benchmark run",
+            description="A manifest (.yaml, .yml, .json) written under manifests/ starts a benchmark run",
             event_pattern=events.EventPattern(
                 source=["aws.s3"],
                 detail_type=["Object Created"],
                 detail={
                     "bucket": {"name": [data_bucket.bucket_name]},
-                    "object": {"key": [{"prefix": MANIFESTS_PREFIX}]},
+                    # only manifests: a folder marker or a README under manifests/ starts nothing
+                    "object": {"key": [{"wildcard": f"{MANIFESTS_PREFIX}*{suffix}"} for suffix in MANIFEST_SUFFIXES]},
                 },
             ),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -140,8 +141,24 @@ def test_manifest_upload_starts_the_state_machine(synthesized: Synthesized) -> N
     assert pattern == {
         "source": ["aws.s3"],
         "detail-type": ["Object Created"],
-        "detail": {"bucket": {"name": [{"Ref": data}]}, "object": {"key": [{"prefix": "manifests/"}]}},
+        "detail": {
+            "bucket": {"name": [{"Ref": data}]},
+            "object": {
+                "key": [
+                    {"wildcard": "manifests/*.yaml"},
+                    {"wildcard": "manifests/*.yml"},
+                    {"wildcard": "manifests/*.json"},
+                ]
+            },
+        },
     }
+    # EventBridge wildcard semantics ("*" matches any run of characters, the filters of a list are alternatives):
+    # manifests start a run, a folder marker or a README does not
+    filters = [re.compile(re.escape(f["wildcard"]).replace(r"\*", ".*")) for f in pattern["detail"]["object"]["key"]]
+    keys = ("manifests/a.yaml", "manifests/b.yml", "manifests/team/c.json", "manifests/", "manifests/README.md",
+            "raw/d.yaml", "manifests/e.yaml.bak")  # fmt: skip
+    starts = {k: any(f.fullmatch(k) for f in filters) for k in keys}
+    assert [k for k, v in starts.items() if v] == ["manifests/a.yaml", "manifests/b.yml", "manifests/team/c.json"]
     (target,) = rule["Properties"]["Targets"]
     machine = next(iter(synthesized.resources("AWS::StepFunctions::StateMachine")))
     assert target["Arn"] == {"Ref": machine}
