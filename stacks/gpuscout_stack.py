@@ -19,12 +19,10 @@ from stacks.functions import FUNCTION_NAMES, Functions
 from stacks.monitoring import Monitoring
 from stacks.notifications import Notifications
 from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
-from stacks.roles import METRIC_NAMESPACE, TRAINING_JOBS_ARN, Roles
+from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, Roles
 from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, REJECTED_PREFIX, REPORTS_PREFIX, Storage
 from stacks.training_image import TrainingImage
 from stacks.workflow import BenchmarkWorkflow
-
-SERVICE_NAME = "gpuscout"
 
 
 def acknowledge(scope: IConstruct, rule_id: str, reason: str) -> None:

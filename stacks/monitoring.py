@@ -13,13 +13,20 @@ from aws_cdk import aws_sqs as sqs
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from stacks.roles import METRIC_NAMESPACE
+from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME
 
-# Emitted by lambdas/job_events with Powertools Metrics (namespace "gpuscout", dimension InstanceType).
+# Emitted by lambdas/job_events with Powertools Metrics (namespace "gpuscout"); Powertools adds the "service"
+# dimension to every metric, so a widget that leaves it out shows nothing. The dashboard queries exactly these
+# dimension sets (tests/integration/test_cloud_handlers.py compares them with what the handler emits).
 THROUGHPUT_METRIC = "TokensPerSecond"
 JOB_STATUS_METRIC = "TrainingJobStatus"
-JOB_STATUSES = ("InProgress", "Completed", "Failed", "Stopped")
+JOB_STATUSES = ("InProgress", "Completed", "Failed", "Stopping", "Stopped")  # SageMaker's TrainingJobStatus values
 INSTANCE_TYPE_DIMENSION = "InstanceType"
+STATUS_DIMENSION = "Status"
+DASHBOARD_DIMENSIONS = {
+    THROUGHPUT_METRIC: ("service", INSTANCE_TYPE_DIMENSION),
+    JOB_STATUS_METRIC: ("service", STATUS_DIMENSION),
+}
 
 
 class Monitoring(Construct):
@@ -96,7 +103,7 @@ class Monitoring(Construct):
                     cloudwatch.Metric(
                         namespace=METRIC_NAMESPACE,
                         metric_name=JOB_STATUS_METRIC,
-                        dimensions_map={"Status": status},
+                        dimensions_map={"service": SERVICE_NAME, STATUS_DIMENSION: status},
                         statistic=cloudwatch.Stats.SUM,
                         period=hour,
                         label=status,
@@ -113,7 +120,7 @@ class Monitoring(Construct):
                     cloudwatch.Metric(
                         namespace=METRIC_NAMESPACE,
                         metric_name=THROUGHPUT_METRIC,
-                        dimensions_map={INSTANCE_TYPE_DIMENSION: instance_type},
+                        dimensions_map={"service": SERVICE_NAME, INSTANCE_TYPE_DIMENSION: instance_type},
                         statistic=cloudwatch.Stats.AVERAGE,
                         period=hour,
                         label=instance_type,

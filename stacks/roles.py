@@ -24,6 +24,8 @@ SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
 # Namespaces the SageMaker role may write metrics to: SageMaker's own (MetricDefinitions) and gpuscout's.
 METRIC_NAMESPACE = "gpuscout"
+# POWERTOOLS_SERVICE_NAME of every Lambda: Powertools adds it as the "service" dimension of every metric it emits.
+SERVICE_NAME = "gpuscout"
 SAGEMAKER_METRIC_NAMESPACES = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs", METRIC_NAMESPACE)
 # The managed EventBridge rules Step Functions creates to learn that a .sync SageMaker job finished.
 SYNC_RULES = (

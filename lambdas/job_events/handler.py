@@ -1,7 +1,8 @@
 """Lambda: SageMaker "Training Job State Change" events -> JOB rows, benchmark results, budget guard.
 
-Idempotent and order-safe (see gpuscout.cloud.events). Emits TokensPerSecond (dimension InstanceType) when a job ends
-with a benchmark.
+Idempotent and order-safe (see gpuscout.cloud.events). Emits, each as its own metric (so dimensions do not mix;
+Powertools adds "service" to both): TrainingJobStatus (dimension Status, SageMaker's status) for every event, and
+TokensPerSecond (dimension InstanceType) when a job ends with a benchmark. stacks/monitoring.py graphs exactly these.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from aws_lambda_powertools import Logger, Metrics, Tracer
-from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from aws_lambda_powertools.utilities.parser import envelopes, parse
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
@@ -19,7 +20,8 @@ from gpuscout.cloud.events import EventError, TrainingJobStateChange, handle_tra
 
 logger = Logger()
 tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
+NAMESPACE = "gpuscout"
+metrics = Metrics(namespace=NAMESPACE)
 
 
 @logger.inject_lambda_context
@@ -41,9 +43,13 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         artifacts_bucket=services.settings.artifacts_bucket,
         default_budget_usd=services.settings.default_budget_usd,
     )
+    with single_metric(name="TrainingJobStatus", unit=MetricUnit.Count, value=1, namespace=NAMESPACE) as metric:
+        metric.add_dimension(name="Status", value=detail.training_job_status)
     if outcome.tokens_per_s is not None and outcome.instance_type:
-        metrics.add_dimension(name="InstanceType", value=outcome.instance_type)
-        metrics.add_metric(name="TokensPerSecond", unit=MetricUnit.CountPerSecond, value=outcome.tokens_per_s)
+        with single_metric(
+            name="TokensPerSecond", unit=MetricUnit.CountPerSecond, value=outcome.tokens_per_s, namespace=NAMESPACE
+        ) as metric:
+            metric.add_dimension(name="InstanceType", value=outcome.instance_type)
     if outcome.stopped_jobs:
         logger.warning(
             "budget guard stopped running jobs",

@@ -261,6 +261,9 @@ def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
         assert needle in body, needle
     for instance_type in synthesized.stack.config.allowed_instance_types:
         assert instance_type in body
+    # Powertools puts "service" on every metric it emits: the widgets query it too, or they stay empty
+    flat = body.replace("\\", "")
+    assert flat.count('"service","gpuscout"') == len(synthesized.stack.config.allowed_instance_types) + 5
     alarms = synthesized.resources("AWS::CloudWatch::Alarm").values()
     topic = synthesized.logical_id(synthesized.stack.notifications.topic)
     metrics = {a["Properties"]["MetricName"] for a in alarms}

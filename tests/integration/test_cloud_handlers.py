@@ -239,6 +239,43 @@ def test_job_events_update_the_row_and_store_the_benchmark(cloud: Cloud) -> None
     assert store.get_job(run_id, job) == row
 
 
+def _emitted_metrics(output: str) -> dict[str, set[tuple[str, ...]]]:
+    """Metric name -> the dimension sets of the CloudWatch embedded-metric-format lines a handler printed."""
+    found: dict[str, set[tuple[str, ...]]] = {}
+    for line in output.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for directive in record.get("_aws", {}).get("CloudWatchMetrics", []):
+            for metric in directive["Metrics"]:
+                for dimensions in directive["Dimensions"]:
+                    found.setdefault(metric["Name"], set()).add(tuple(sorted(dimensions)))
+    return found
+
+
+def test_job_events_emit_the_metrics_the_dashboard_graphs(
+    cloud: Cloud, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stacks.monitoring import DASHBOARD_DIMENSIONS, JOB_STATUSES
+
+    monkeypatch.setenv("POWERTOOLS_SERVICE_NAME", "gpuscout")  # as the stack sets it
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    capsys.readouterr()
+    # Given a job that trains and completes with a benchmark
+    job_events_handler.handler(job_event("training_inprogress_training", run_id=run_id, job_name=job), cloud.context)
+    cloud.upload_benchmark(run_id, job, benchmark_for(job, run_id, "ml.g5.8xlarge"))
+    job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=job), cloud.context)
+    # Then every metric the dashboard graphs is emitted with exactly the dimensions it queries
+    emitted = _emitted_metrics(capsys.readouterr().out)
+    for name, dimensions in DASHBOARD_DIMENSIONS.items():
+        assert emitted.get(name) == {tuple(sorted(dimensions))}, (name, emitted.get(name))
+    statuses = {e["detail"]["TrainingJobStatus"] for e in (load_event("training_inprogress_training"),
+                                                            load_event("training_completed"))}  # fmt: skip
+    assert statuses <= set(JOB_STATUSES)
+
+
 @pytest.mark.parametrize(
     ("fixture", "status"),
     [
