@@ -16,7 +16,7 @@ from gpuscout.spec.catalog import load_catalog
 from stacks.config import ConfigError, load_config
 from stacks.gpuscout_stack import GpuscoutStack
 
-STACK_NAME = "Gpuscout"
+STACK_NAME = "Gpuscout"  # the default; context stack_name overrides it
 CDK_JSON = Path(__file__).resolve().parent / "cdk.json"
 
 
@@ -35,7 +35,7 @@ def build_app(app: cdk.App | None = None) -> tuple[cdk.App, GpuscoutStack]:
     # Account and region come from the CLI's credentials/profile; unset, the stack stays environment-agnostic.
     account, region = os.environ.get("CDK_DEFAULT_ACCOUNT"), os.environ.get("CDK_DEFAULT_REGION")
     env = cdk.Environment(account=account, region=region) if account or region else None
-    stack = GpuscoutStack(app, STACK_NAME, config=config, env=env)
+    stack = GpuscoutStack(app, config.stack_name, config=config, env=env)
     cdk.Tags.of(stack).add("project", "gpuscout")
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return app, stack

@@ -23,6 +23,7 @@ CONTEXT_KEYS = (
     "execution_timeout_hours",
     "log_retention_days",
     "training_image_base",
+    "stack_name",
 )
 
 _INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
@@ -55,6 +56,14 @@ LOG_RETENTION_DAYS = {
     3288: "NINE_YEARS",
     3653: "TEN_YEARS",
 }
+
+
+def processing_instance_types() -> frozenset[str]:
+    """The instance types CreateProcessingJob accepts, from botocore's SageMaker service model."""
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    return frozenset(model.shape_for("ProcessingInstanceType").enum)
 
 
 class ConfigError(ValueError):
@@ -107,6 +116,8 @@ class StackConfig(BaseModel):
     execution_timeout_hours: int = Field(default=72, ge=1, le=24 * 365)
     log_retention_days: int = 90
     training_image_base: str | None = None  # None: training/Dockerfile's default BASE_IMAGE
+    # CloudFormation stack name; another name deploys a second, independent stack in the same account and region
+    stack_name: str = Field(default="Gpuscout", pattern=r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
 
     @field_validator("training_image_base")
     @classmethod
@@ -133,6 +144,12 @@ class StackConfig(BaseModel):
     def _processing_type(cls, v: str) -> str:
         if not _INSTANCE_TYPE_RE.match(v):
             raise ValueError(f"{v!r} is not a SageMaker instance type (expected ml.<family>.<size>)")
+        allowed = processing_instance_types()
+        if v not in allowed:
+            raise ValueError(
+                f"{v!r} cannot run SageMaker Processing jobs (CreateProcessingJob's ProcessingInstanceType); data "
+                "preparation needs CPUs, e.g. ml.m5.xlarge, ml.m5.4xlarge or ml.c5.4xlarge"
+            )
         return v
 
     @field_validator("notification_email", mode="before")

@@ -76,8 +76,15 @@ class Roles(Construct):
         role = iam.Role(
             self,
             "SageMakerExecution",
-            # Only the state machine may hand this role to SageMaker (iam:PassRole, see _state_machine_role).
-            assumed_by=iam.ServicePrincipal(SAGEMAKER_SERVICE),
+            # Only the state machine may hand this role to SageMaker (iam:PassRole, see _state_machine_role), and
+            # SageMaker may assume it only for jobs of this account and region (confused-deputy protection).
+            assumed_by=iam.ServicePrincipal(
+                SAGEMAKER_SERVICE,
+                conditions={
+                    "StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID},
+                    "ArnLike": {"aws:SourceArn": f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:*"},
+                },
+            ),
             description="gpuscout SageMaker training and processing jobs",
         )
         statements = [

@@ -100,6 +100,15 @@ def test_state_machine_role_trusts_states_of_this_account_only(synthesized: Synt
     assert trust["Condition"] == {"StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}}
 
 
+def test_sagemaker_role_trusts_sagemaker_jobs_of_this_account_only(synthesized: Synthesized) -> None:
+    role = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.roles.sagemaker)]
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"Service": "sagemaker.amazonaws.com"}
+    assert trust["Condition"]["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}
+    source_arn = json.dumps(trust["Condition"]["ArnLike"]["aws:SourceArn"])
+    assert "AWS::Partition" in source_arn and ":sagemaker:" in source_arn and "AWS::Region" in source_arn
+
+
 def test_sagemaker_role_is_scoped_to_stack_resources(synthesized: Synthesized) -> None:
     statements = {s["Sid"]: s for s in policy_statements(synthesized, synthesized.stack.roles.sagemaker)}
     data = synthesized.logical_id(synthesized.stack.storage.data)

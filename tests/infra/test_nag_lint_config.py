@@ -89,6 +89,8 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(vpc={"subnet_ids": ["subnet-1"], "security_group_ids": ["sg-0123abcd"]}), "vpc.subnet_ids"),
         (_context(log_retention_days=10), "log_retention_days"),
         (_context(training_image_base=PRIVATE_DLC), "training_image_base"),
+        (_context(processing_instance_type="ml.p4d.24xlarge"), "cannot run SageMaker Processing jobs"),
+        (_context(stack_name="1-bad_name"), "stack_name"),
         (_context(map_max_concurency=4), "did you mean 'map_max_concurrency'"),
         ({}, "allowed_instance_types"),
     ],
@@ -161,3 +163,14 @@ def test_the_default_image_has_no_build_args(synthesized: Synthesized) -> None:
     assets = json.loads((synthesized.outdir / f"{synthesized.stack.stack_name}.assets.json").read_text())
     (spec,) = assets["dockerImages"].values()
     assert "dockerBuildArgs" not in spec["source"]
+
+
+def test_a_second_stack_gets_its_own_name(tmp_path: Path) -> None:
+    import app as cdk_app
+
+    # Given context stack_name (one deployment per name, several per account and region)
+    context = cdk_app.cdk_json_context() | {"stack_name": "GpuscoutTeamB"}
+    _, stack = cdk_app.build_app(cdk.App(outdir=str(tmp_path), context=context))
+    # Then the stack is named so (no resource has a fixed physical name to collide with the first stack's)
+    assert stack.stack_name == "GpuscoutTeamB"
+    assert load_config(cdk_app.cdk_json_context()).stack_name == cdk_app.STACK_NAME == "Gpuscout"
