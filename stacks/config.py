@@ -63,7 +63,8 @@ def processing_instance_types() -> frozenset[str]:
     import botocore.session
 
     model = botocore.session.get_session().get_service_model("sagemaker")
-    return frozenset(model.shape_for("ProcessingInstanceType").enum)
+    shape = model.shape_for("ProcessingInstanceType")
+    return frozenset(getattr(shape, "enum", ()))  # a StringShape; botocore's stubs type it as Shape
 
 
 class ConfigError(ValueError):
