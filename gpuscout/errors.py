@@ -76,6 +76,13 @@ class RunNotFoundError(StoreError):
         super().__init__(f"no run with id {run_id!r}; `gpuscout runs` lists the known runs")
 
 
+class RunExistsError(StoreError):
+    def __init__(self, run_id: str, status: str) -> None:
+        self.run_id = run_id
+        self.status = status
+        super().__init__(f"run {run_id!r} already exists ({status})")
+
+
 class DataPreparationError(GpuscoutError):
     """Raw data could not be read, cleaned or tokenized."""
 

@@ -33,7 +33,14 @@ from gpuscout.cloud.sagemaker_requests import (
 )
 from gpuscout.cloud.settings import LambdaSettings, get_settings
 from gpuscout.cloud.sources import STATE_PAYLOAD_LIMIT_BYTES, cloud_problems
-from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem, RunNotFoundError
+from gpuscout.errors import (
+    BudgetExceededError,
+    GpuscoutError,
+    ManifestError,
+    Problem,
+    RunExistsError,
+    RunNotFoundError,
+)
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
 from gpuscout.spec.manifest import Manifest, parse_manifest, validate_manifest_data
@@ -282,7 +289,13 @@ def plan_jobs(
         raise PlanRefused(f"{source}: {error}")
     for spec in the_plan.jobs:
         store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
-    store.put_run(run)  # last: a run row means every job row exists
+    try:
+        store.create_run(run)  # last: a run row means every job row exists; atomic, so one of two racers wins
+    except RunExistsError as err:
+        raise PlanRefused(
+            f"{source} (this exact object) was planned concurrently as run {run_id} ({err.status}); nothing was "
+            "launched again"
+        ) from err
     return output
 
 
@@ -378,11 +391,12 @@ def analyze(
         )
     )
     completed = sum(1 for j in jobs if j.status is JobStatus.COMPLETED)
-    if run.status is not RunStatus.STOPPED:
-        if completed:
-            store.update_run(run_id, status=RunStatus.SUCCEEDED)
-        else:
-            store.update_run(run_id, status=RunStatus.FAILED, error=f"none of the {len(jobs)} job(s) completed")
+    # unless_status: a run the budget guard stopped meanwhile stays STOPPED (the check and the write are one call)
+    if completed:
+        store.update_run(run_id, unless_status=(RunStatus.STOPPED,), status=RunStatus.SUCCEEDED)
+    else:
+        error = f"none of the {len(jobs)} job(s) completed"
+        store.update_run(run_id, unless_status=(RunStatus.STOPPED,), status=RunStatus.FAILED, error=error)
     summary = analysis.recommendation.summary
     notified: bool | str = False
     if settings.notification_topic_arn and sns is not None:

@@ -11,6 +11,7 @@ It returns whether the event changed the row.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -154,8 +155,15 @@ class ResultStore(Protocol):
         """Newest first."""
         ...
 
-    def update_run(self, run_id: str, **fields: Any) -> RunRecord:
-        """Set the given RunRecord fields (and updated_at); raises RunNotFoundError."""
+    def create_run(self, run: RunRecord, *, replace: Collection[RunStatus] = ()) -> None:
+        """Write a new run row atomically: raises RunExistsError when the run exists, unless its status is in
+        ``replace`` (then the row is replaced). Two planners racing for one run id: exactly one wins."""
+        ...
+
+    def update_run(self, run_id: str, *, unless_status: Collection[RunStatus] = (), **fields: Any) -> RunRecord:
+        """Set only the given RunRecord fields (and updated_at), atomically, leaving every other field as it is
+        (no lost updates between concurrent writers). When the run's status is in ``unless_status`` nothing is
+        written and the current row is returned. Raises RunNotFoundError."""
         ...
 
     def put_job(self, job: JobRecord) -> None:

@@ -14,6 +14,7 @@ updated in place. ``last_event_time`` is stored as a Number (epoch microseconds)
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ValidationError
 
-from gpuscout.errors import RunNotFoundError, StoreError
+from gpuscout.errors import RunExistsError, RunNotFoundError, StoreError
 from gpuscout.store.base import (
     JOB_STATUS_RANK,
     TERMINAL_JOB_STATUSES,
@@ -31,6 +32,7 @@ from gpuscout.store.base import (
     JobStatus,
     ResultRecord,
     RunRecord,
+    RunStatus,
     utcnow,
 )
 
@@ -99,6 +101,10 @@ def _encode_fields(fields: dict[str, Any]) -> dict[str, dict[str, Any]]:
         else:
             out[name] = _to_dynamo_value(value)
     return out
+
+
+def _conditional_check_failed(err: ClientError) -> bool:
+    return bool(err.response.get("Error", {}).get("Code") == "ConditionalCheckFailedException")
 
 
 def _decode_item(item: dict[str, Any], model: type[M]) -> M:
@@ -184,19 +190,75 @@ class DynamoDbStore:
         )
         return [_decode_item(item, RunRecord) for item in response.get("Items", [])]
 
-    def update_run(self, run_id: str, **fields: Any) -> RunRecord:
+    def create_run(self, run: RunRecord, *, replace: Collection[RunStatus] = ()) -> None:
+        condition = "attribute_not_exists(pk)"
+        values: dict[str, Any] = {}
+        if replace:
+            values = {f":r{i}": {"S": RunStatus(status).value} for i, status in enumerate(replace)}
+            condition += f" OR #status IN ({', '.join(values)})"
+        kwargs: dict[str, Any] = {"ConditionExpression": condition}
+        if values:
+            kwargs.update(ExpressionAttributeNames={"#status": "status"}, ExpressionAttributeValues=values)
+        try:
+            self._call("put_item", Item=self._run_item(run), **kwargs)
+        except ClientError as err:
+            if not _conditional_check_failed(err):
+                raise
+            existing = self._get_item(_run_pk(run.run_id), "RUN") or {}
+            raise RunExistsError(run.run_id, str(existing.get("status", {}).get("S", "unknown"))) from err
+
+    def update_run(self, run_id: str, *, unless_status: Collection[RunStatus] = (), **fields: Any) -> RunRecord:
         current = self.get_run(run_id)
         unknown = set(fields) - set(RunRecord.model_fields)
         if unknown:
             raise StoreError(f"unknown run field(s): {', '.join(sorted(unknown))}")
+        if current.status in set(unless_status):
+            return current
         try:
             updated = RunRecord.model_validate({**current.model_dump(), **fields, "updated_at": utcnow()})
         except ValidationError as err:
             raise StoreError(f"invalid update of run {run_id!r}: {err}") from err
+        # Only the given fields (and updated_at) are written: a concurrent writer's other fields survive.
+        dumped = updated.model_dump(mode="json")
+        changed = [*fields, "updated_at"]
+        names = {f"#f{i}": name for i, name in enumerate(changed)}
+        values: dict[str, Any] = {}
+        sets: list[str] = []
+        removes: list[str] = []
+        for alias, name in names.items():
+            encoded = _encode_fields({name: dumped[name]})
+            if name in encoded:
+                values[f":v{alias[2:]}"] = encoded[name]
+                sets.append(f"{alias} = :v{alias[2:]}")
+            else:
+                removes.append(alias)
+        if "created_at" in fields:  # the runs index sorts by it
+            names["#gsi1sk"] = "gsi1sk"
+            values[":gsi1sk"] = {"S": f"{_sortable_time(updated.created_at)}#{run_id}"}
+            sets.append("#gsi1sk = :gsi1sk")
+        condition = "attribute_exists(pk)"
+        if unless_status:
+            names["#status_now"] = "status"
+            guards = {f":u{i}": {"S": RunStatus(status).value} for i, status in enumerate(unless_status)}
+            values.update(guards)
+            condition += f" AND NOT #status_now IN ({', '.join(guards)})"
+        expression = ("SET " + ", ".join(sets) if sets else "") + (" REMOVE " + ", ".join(removes) if removes else "")
         try:
-            self._call("put_item", Item=self._run_item(updated), ConditionExpression="attribute_exists(pk)")
+            self._call(
+                "update_item",
+                Key={"pk": {"S": _run_pk(run_id)}, "sk": {"S": "RUN"}},
+                UpdateExpression=expression.strip(),
+                ConditionExpression=condition,
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues=values,
+            )
         except ClientError as err:
-            raise RunNotFoundError(run_id) from err
+            if not _conditional_check_failed(err):
+                raise
+            now = self.get_run(run_id)  # RunNotFoundError when it is gone
+            if now.status in set(unless_status):
+                return now
+            raise StoreError(f"update of run {run_id!r} was refused: {err}") from err
         return updated
 
     # -- jobs --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import closing, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpuscout.errors import RunNotFoundError, StoreError
+from gpuscout.errors import RunExistsError, RunNotFoundError, StoreError
 from gpuscout.store.base import (
     JOB_STATUS_RANK,
     TERMINAL_JOB_STATUSES,
@@ -26,6 +26,7 @@ from gpuscout.store.base import (
     JobStatus,
     ResultRecord,
     RunRecord,
+    RunStatus,
     utcnow,
 )
 
@@ -152,15 +153,27 @@ class SqliteStore:
             ).fetchall()
         return [RunRecord.model_validate_json(r[0]) for r in rows]
 
-    def update_run(self, run_id: str, **fields: Any) -> RunRecord:
+    def create_run(self, run: RunRecord, *, replace: Collection[RunStatus] = ()) -> None:
+        with self._transaction(immediate=True) as conn:
+            row = conn.execute("SELECT status FROM runs WHERE run_id = ?", (run.run_id,)).fetchone()
+            if row is not None and row[0] not in {RunStatus(s).value for s in replace}:
+                raise RunExistsError(run.run_id, row[0])
+            conn.execute(
+                "INSERT OR REPLACE INTO runs (run_id, created_at, status, payload) VALUES (?, ?, ?, ?)",
+                (run.run_id, _sort_key(run.created_at), run.status.value, run.model_dump_json()),
+            )
+
+    def update_run(self, run_id: str, *, unless_status: Collection[RunStatus] = (), **fields: Any) -> RunRecord:
         unknown = sorted(set(fields) - set(RunRecord.model_fields))
         if unknown:
             raise StoreError(f"update_run: a run has no field {', '.join(unknown)}")
-        with self._transaction(immediate=True) as conn:
+        with self._transaction(immediate=True) as conn:  # one writer at a time: nothing is lost
             row = conn.execute("SELECT payload FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
                 raise RunNotFoundError(run_id)
             current = RunRecord.model_validate_json(row[0])
+            if current.status in set(unless_status):
+                return current
             try:
                 updated = RunRecord.model_validate(
                     {**current.model_dump(), **fields, "updated_at": fields.get("updated_at", utcnow())}

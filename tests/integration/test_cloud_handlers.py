@@ -562,3 +562,43 @@ def test_an_oversized_plan_is_refused_before_any_job_row(cloud: Cloud, monkeypat
         plan_handler.handler(validated, cloud.context)
     run = cloud.services.store.get_run(validated["run_id"])
     assert run.status is RunStatus.REFUSED and cloud.services.store.list_jobs(run.run_id) == []
+
+
+def test_two_plans_of_one_object_launch_once(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given the same manifest event delivered twice, both plans past the "already planned?" read at once
+    validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
+    store = cloud.services.store
+    real_get_run = store.get_run
+
+    def nothing_yet(run_id: str) -> Any:
+        raise RunNotFoundError(run_id)
+
+    monkeypatch.setattr(store, "get_run", nothing_yet)
+    first = control_plane.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
+    # When the second one writes its run row, Then it is refused: exactly one execution launches jobs
+    with pytest.raises(PlanRefused, match="planned concurrently"):
+        control_plane.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
+    monkeypatch.setattr(store, "get_run", real_get_run)
+    assert store.get_run(first["run_id"]).status is RunStatus.PLANNED
+
+
+def test_a_run_the_budget_guard_stops_during_analysis_stays_stopped(
+    cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    store = cloud.services.store
+    store.update_run(run_id, status=RunStatus.RUNNING)
+    cloud.upload_benchmark(run_id, job, benchmark_for(job, run_id, "ml.g5.8xlarge"))
+    job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=job), cloud.context)
+    real_list_jobs = store.list_jobs
+
+    def guard_fires_meanwhile(rid: str) -> Any:  # the analysis read the run as RUNNING; now the guard stops it
+        store.update_run(rid, status=RunStatus.STOPPED, error="budget guard")
+        return real_list_jobs(rid)
+
+    monkeypatch.setattr(store, "list_jobs", guard_fires_meanwhile)
+    control_plane.analyze({"run_id": run_id}, store=store, s3=cloud.s3, settings=cloud.services.settings)
+    monkeypatch.setattr(store, "list_jobs", real_list_jobs)
+    run = store.get_run(run_id)
+    assert run.status is RunStatus.STOPPED and run.error == "budget guard"

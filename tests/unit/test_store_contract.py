@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from store_factories import STORE_FACTORIES
 
-from gpuscout.errors import RunNotFoundError
+from gpuscout.errors import RunExistsError, RunNotFoundError
 from gpuscout.store.base import (
     JOB_STATUS_RANK,
     JobRecord,
@@ -94,6 +94,47 @@ def test_update_run_sets_fields_and_updated_at(store: ResultStore) -> None:
     assert updated.updated_at > T0
     assert updated.created_at == run.created_at
     assert store.get_run("run-a") == updated
+
+
+def test_update_run_writes_only_its_fields(store: ResultStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given two writers that both read the run before either wrote (the budget guard and the analysis, say)
+    store.put_run(make_run())
+    stale = store.get_run("run-a")
+    store.update_run("run-a", error="budget guard: measured spend $51 > $50")
+    monkeypatch.setattr(store, "get_run", lambda _run_id: stale)  # the second writer still sees the old row
+    store.update_run("run-a", run_dir="s3://reports/run-a/")
+    monkeypatch.undo()
+    # Then neither write lost the other's field
+    got = store.get_run("run-a")
+    assert got.error == "budget guard: measured spend $51 > $50" and got.run_dir == "s3://reports/run-a/"
+    store.update_run("run-a", error=None)
+    assert store.get_run("run-a").error is None and store.get_run("run-a").run_dir == "s3://reports/run-a/"
+
+
+def test_update_run_unless_status_leaves_a_final_status_alone(store: ResultStore) -> None:
+    # Given a run the budget guard already STOPPED
+    store.put_run(make_run(status=RunStatus.STOPPED, error="budget"))
+    # When the analysis would mark it SUCCEEDED unless it was stopped
+    got = store.update_run("run-a", unless_status=(RunStatus.STOPPED,), status=RunStatus.SUCCEEDED)
+    # Then it stays STOPPED, and the current row is returned
+    assert got.status is RunStatus.STOPPED and store.get_run("run-a").status is RunStatus.STOPPED
+    store.put_run(make_run(status=RunStatus.RUNNING))
+    assert store.update_run("run-a", unless_status=(RunStatus.STOPPED,), status=RunStatus.SUCCEEDED).status is (
+        RunStatus.SUCCEEDED
+    )
+
+
+def test_create_run_lets_exactly_one_planner_win(store: ResultStore) -> None:
+    store.create_run(make_run())
+    with pytest.raises(RunExistsError) as info:
+        store.create_run(make_run(status=RunStatus.RUNNING))
+    assert info.value.status == "PLANNED" and store.get_run("run-a").status is RunStatus.PLANNED
+    # a FAILED run may be planned again when the caller says so
+    store.update_run("run-a", status=RunStatus.FAILED, error="data preparation failed")
+    store.create_run(make_run(), replace=(RunStatus.FAILED, RunStatus.REFUSED))
+    assert store.get_run("run-a").status is RunStatus.PLANNED and store.get_run("run-a").error is None
+    with pytest.raises(RunExistsError):
+        store.create_run(make_run(), replace=(RunStatus.FAILED,))
 
 
 def test_put_run_replaces(store: ResultStore) -> None:
