@@ -65,6 +65,11 @@ FUNCTION_SPECS = (
     ),
     FunctionSpec("record_job_failure", "Classify a failed job (capacity, quota, failure) into its JOB row"),
     FunctionSpec(
+        "record_job_result",
+        "Record a finished training job's status, timings and benchmark before the run is analyzed",
+        timeout_minutes=2,
+    ),
+    FunctionSpec(
         "job_events",
         "Record SageMaker training job state changes and metrics; emit throughput metrics",
         timeout_minutes=2,

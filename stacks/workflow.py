@@ -90,10 +90,10 @@ def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Resource": TRAINING_RESOURCE,
         "Parameters": parameters,
         "Retry": SAGEMAKER_RETRY,
-        # The DescribeTrainingJob result is dropped by OutputPath: the Map keeps only job names, the table
-        # (via job_events) holds the results. (CustomState drops a None ResultPath, so no "ResultPath": null.)
+        # Only the job's ARN of the DescribeTrainingJob result stays in the state: "Record job result" describes the
+        # job itself, so the state stays small whatever SageMaker returns.
+        "ResultSelector": {"TrainingJobArn.$": "$.TrainingJobArn"},
         "ResultPath": "$.job",
-        "OutputPath": "$.job_name",
     }
 
 
@@ -180,6 +180,32 @@ class BenchmarkWorkflow(Construct):
             comment="Capacity, quota or job failure: recorded, the benchmark goes on",
         )
         train.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+        # The .sync task returns on the same SageMaker event that asynchronously triggers job_events: record the
+        # finished job here (same conditional write as job_events), so Analyze never sees a finished job as
+        # still running. If recording fails, job_events still records the job from SageMaker's event.
+        record_result = tasks.LambdaInvoke(
+            self,
+            "Record job result",
+            lambda_function=functions["record_job_result"],
+            payload=sfn.TaskInput.from_object(
+                {"run_id": sfn.JsonPath.string_at("$.run_id"), "job_name": sfn.JsonPath.string_at("$.job_name")}
+            ),
+            payload_response_only=True,
+            result_path=sfn.JsonPath.DISCARD,
+            output_path="$.job_name",
+            comment="Final status, timings and benchmark of the finished job, before Analyze reads them",
+        )
+        record_result.add_catch(
+            sfn.Pass(
+                self,
+                "Result left to job_events",
+                comment="Recording failed; job_events records the job from SageMaker's own event",
+                output_path="$.job_name",
+            ),
+            errors=["States.ALL"],
+            result_path="$.record_error",
+        )
+        train.next(record_result)
 
         # Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
         # crosses the budget; each Map iteration reads the run's status right before launching, so jobs that

@@ -147,8 +147,11 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     assert "/processed/*" in actions_of("plan_jobs")["s3:GetObject"]
     assert "/reports/*" in actions_of("analyze_run")["s3:PutObject"]
     assert "sns:Publish" in actions_of("analyze_run")
-    assert ":training-job/gs-*" in actions_of("job_events")["sagemaker:StopTrainingJob"]
-    assert "s3:PutObject" not in actions_of("job_events")
+    for recorder in ("job_events", "record_job_result"):
+        assert ":training-job/gs-*" in actions_of(recorder)["sagemaker:StopTrainingJob"]
+        assert ":training-job/gs-*" in actions_of(recorder)["sagemaker:DescribeTrainingJob"]
+        assert "/output/*" in actions_of(recorder)["s3:GetObject"]
+        assert "s3:PutObject" not in actions_of(recorder)
     assert set(actions_of("record_job_failure")) <= {
         "dynamodb:GetItem",
         "dynamodb:PutItem",

@@ -88,7 +88,15 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     train = processor["States"]["Train"]
     assert train["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
     assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS}
-    assert train["ResultPath"] == "$.job" and train["OutputPath"] == "$.job_name"
+    assert train["ResultSelector"] == {"TrainingJobArn.$": "$.TrainingJobArn"} and train["ResultPath"] == "$.job"
+    # A finished job is recorded inside the Map (not only by job_events, which runs asynchronously).
+    assert train["Next"] == "Record job result"
+    recorded = processor["States"]["Record job result"]
+    assert recorded["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name"}
+    assert recorded["ResultPath"] is None and recorded["OutputPath"] == "$.job_name" and recorded["End"] is True
+    assert recorded["Catch"] == [
+        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.record_error", "Next": "Result left to job_events"}
+    ]
     assert "EnableNetworkIsolation.$" in train["Parameters"]
     retries = {tuple(r["ErrorEquals"]): r for r in train["Retry"]}
     throttled = retries[("SageMaker.AmazonSageMakerException",)]
@@ -178,7 +186,14 @@ def test_job_state_changes_of_gs_jobs_reach_job_events(synthesized: Synthesized)
 def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None:
     functions = synthesized.stack.functions.functions
     layer = synthesized.logical_id(synthesized.stack.functions.layer)
-    assert set(functions) == {"validate_manifest", "plan_jobs", "record_job_failure", "job_events", "analyze_run"}
+    assert set(functions) == {
+        "validate_manifest",
+        "plan_jobs",
+        "record_job_failure",
+        "record_job_result",
+        "job_events",
+        "analyze_run",
+    }
     for name, function in functions.items():
         props = synthesized.template_json["Resources"][synthesized.logical_id(function)]["Properties"]
         assert props["Runtime"] == "python3.12"
@@ -206,7 +221,7 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
 
 def test_log_groups_have_retention(synthesized: Synthesized) -> None:
     groups = synthesized.resources("AWS::Logs::LogGroup")
-    assert len(groups) == 6  # five functions + the state machine
+    assert len(groups) == len(synthesized.stack.functions.functions) + 1  # one per function + the state machine
     assert {g["Properties"]["RetentionInDays"] for g in groups.values()} == {90}
 
 
@@ -217,7 +232,7 @@ def test_function_bundles_hold_sources_and_the_layer_holds_dependencies(synthesi
     ]
     bundles = [f for f in folders if (f / "lambdas").is_dir()]
     (layer,) = [f for f in folders if (f / "python").is_dir()]
-    assert len(bundles) == 5
+    assert len(bundles) == len(synthesized.stack.functions.functions)
     for bundle in bundles:
         assert (bundle / "gpuscout" / "__init__.py").is_file()
         assert (bundle / "configs" / "instances").is_dir()
