@@ -76,6 +76,11 @@ FUNCTION_SPECS = (
         invoked_async=True,
     ),
     FunctionSpec(
+        "mark_run_failed",
+        "Mark the run of a failed, timed-out or aborted workflow execution FAILED (Catch and EventBridge)",
+        invoked_async=True,
+    ),
+    FunctionSpec(
         "analyze_run",
         "Cost analysis, ranking, recommendation and report of a finished run",
         memory_mb=2048,

@@ -28,7 +28,14 @@ SERVICE_NAME = "gpuscout"
 # The functions that record a finished training job (same code path, same grants).
 JOB_RECORDERS = ("job_events", "record_job_result")
 # The functions the state machine invokes (everything but the EventBridge targets).
-WORKFLOW_FUNCTIONS = ("validate_manifest", "plan_jobs", "record_job_failure", "record_job_result", "analyze_run")
+WORKFLOW_FUNCTIONS = (
+    "validate_manifest",
+    "plan_jobs",
+    "record_job_failure",
+    "record_job_result",
+    "mark_run_failed",
+    "analyze_run",
+)
 
 
 def acknowledge(scope: IConstruct, rule_id: str, reason: str) -> None:
@@ -101,6 +108,7 @@ class GpuscoutStack(Stack):
             data_bucket=self.storage.data,
             state_machine=self.workflow.state_machine,
             job_events_function=self.functions.functions["job_events"],
+            mark_run_failed_function=self.functions.functions["mark_run_failed"],
             removal_policy=removal,
         )
         self.monitoring = Monitoring(

@@ -69,10 +69,42 @@ SAGEMAKER_RETRY = [
         "BackoffRate": 2.0,
     },
 ]
+# Lambda's transient errors (throttling, service errors) as Step Functions names them; a function's own exceptions
+# (ManifestRejected, PlanRefused, ...) are not retried.
+LAMBDA_TRANSIENT_ERRORS = [
+    "Lambda.TooManyRequestsException",
+    "Lambda.ServiceException",
+    "Lambda.AWSLambdaException",
+    "Lambda.SdkClientException",
+    "Lambda.ClientExecutionTimeoutException",
+]
+LAMBDA_RETRY: dict[str, Any] = {
+    "errors": LAMBDA_TRANSIENT_ERRORS,
+    "interval": Duration.seconds(2),
+    "max_attempts": 6,
+    "backoff_rate": 2.0,
+    "max_delay": Duration.seconds(60),
+    "jitter_strategy": sfn.JitterType.FULL,
+}
+# The run-status read inside the Map: throttling and DynamoDB's transient server errors.
+DYNAMODB_RETRY: dict[str, Any] = {
+    "errors": [
+        "DynamoDB.ProvisionedThroughputExceededException",
+        "DynamoDB.RequestLimitExceeded",
+        "DynamoDB.ThrottlingException",
+        "DynamoDB.InternalServerErrorException",
+        "DynamoDB.AmazonDynamoDBException",
+    ],
+    "interval": Duration.seconds(1),
+    "max_attempts": 5,
+    "backoff_rate": 2.0,
+    "jitter_strategy": sfn.JitterType.FULL,
+}
 # Run statuses after which no further training job may start (the budget guard in job_events sets STOPPED).
 RUN_STATUSES_THAT_STOP_LAUNCHES = ("STOPPED", "FAILED")
 MANIFEST_REJECTED = "ManifestRejected"
 PLAN_REFUSED = "PlanRefused"
+RUN_FAILED = "RunFailed"
 
 
 def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
@@ -131,11 +163,9 @@ class BenchmarkWorkflow(Construct):
         removal_policy: RemovalPolicy,
     ) -> None:
         super().__init__(scope, construct_id)
-        validate = tasks.LambdaInvoke(
-            self,
+        validate = self._lambda_step(
             "Validate manifest",
-            lambda_function=functions["validate_manifest"],
-            payload_response_only=True,
+            function=functions["validate_manifest"],
             comment="Parse the manifest; a bad one is written to rejected/ and ends the run",
         )
         validate.add_catch(
@@ -143,11 +173,20 @@ class BenchmarkWorkflow(Construct):
             errors=[MANIFEST_REJECTED],
             result_path="$.error",
         )
-        plan = tasks.LambdaInvoke(
-            self,
+        plan = self._lambda_step(
             "Plan jobs",
-            lambda_function=functions["plan_jobs"],
-            payload_response_only=True,
+            function=functions["plan_jobs"],
+            # validate's output plus the execution's ARN, recorded on the run so that mark_run_failed touches only
+            # the run this execution planned.
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "bucket": sfn.JsonPath.string_at("$.bucket"),
+                    "key": sfn.JsonPath.string_at("$.key"),
+                    "manifest": sfn.JsonPath.object_at("$.manifest"),
+                    "execution_arn": sfn.JsonPath.execution_id,
+                }
+            ),
             comment="Job requests, predicted cost; refuses a run over budget",
         )
         plan.add_catch(
@@ -155,18 +194,34 @@ class BenchmarkWorkflow(Construct):
             errors=[PLAN_REFUSED],
             result_path="$.error",
         )
-        prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
-        prepare.add_catch(
-            sfn.Fail(self, "Data preparation failed", error="DataPreparationFailed", cause_path="$.error.Cause"),
-            errors=["States.ALL"],
-            result_path="$.error",
+        # Any failure after planning (data preparation, the Map, analysis) marks the run FAILED with the cause, then
+        # fails the execution (RunFailed, with the original cause). What no Catch sees (timeout, abort,
+        # DataLimitExceeded) is covered by the EventBridge rule on execution status changes (events.py), which
+        # calls the same function.
+        mark_failed = self._lambda_step(
+            "Mark run failed",
+            function=functions["mark_run_failed"],
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "execution_arn": sfn.JsonPath.execution_id,
+                    "error": sfn.JsonPath.object_at("$.error"),
+                }
+            ),
+            result_path=sfn.JsonPath.DISCARD,
+            comment="The run row ends FAILED with the error and cause; then the execution fails (RunFailed)",
         )
+        # A fixed error name: the caught one may be a reserved States.* name, which a Fail state may not raise; the
+        # run row keeps it ("<Error>: <reason>").
+        mark_failed.next(sfn.Fail(self, "Run failed", error=RUN_FAILED, cause_path="$.error.Cause"))
+
+        prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
+        prepare.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
         train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc))
-        record_failure = tasks.LambdaInvoke(
-            self,
+        record_failure = self._lambda_step(
             "Record job failure",
-            lambda_function=functions["record_job_failure"],
+            function=functions["record_job_failure"],
             payload=sfn.TaskInput.from_object(
                 {
                     "run_id": sfn.JsonPath.string_at("$.run_id"),
@@ -174,7 +229,6 @@ class BenchmarkWorkflow(Construct):
                     "error": sfn.JsonPath.object_at("$.error"),
                 }
             ),
-            payload_response_only=True,
             result_path=sfn.JsonPath.DISCARD,
             output_path="$.job_name",
             comment="Capacity, quota or job failure: recorded, the benchmark goes on",
@@ -183,14 +237,12 @@ class BenchmarkWorkflow(Construct):
         # The .sync task returns on the same SageMaker event that asynchronously triggers job_events: record the
         # finished job here (same conditional write as job_events), so Analyze never sees a finished job as
         # still running. If recording fails, job_events still records the job from SageMaker's event.
-        record_result = tasks.LambdaInvoke(
-            self,
+        record_result = self._lambda_step(
             "Record job result",
-            lambda_function=functions["record_job_result"],
+            function=functions["record_job_result"],
             payload=sfn.TaskInput.from_object(
                 {"run_id": sfn.JsonPath.string_at("$.run_id"), "job_name": sfn.JsonPath.string_at("$.job_name")}
             ),
-            payload_response_only=True,
             result_path=sfn.JsonPath.DISCARD,
             output_path="$.job_name",
             comment="Final status, timings and benchmark of the finished job, before Analyze reads them",
@@ -228,6 +280,7 @@ class BenchmarkWorkflow(Construct):
             result_path="$.run",
             comment="A run stopped by the budget guard launches no further job",
         )
+        check_run.add_retry(**DYNAMODB_RETRY)
         skipped = sfn.Pass(
             self,
             "Skip job (run stopped)",
@@ -257,15 +310,15 @@ class BenchmarkWorkflow(Construct):
             result_path=sfn.JsonPath.DISCARD,
         )
         jobs.item_processor(check_run.next(launch_or_skip))
+        jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
-        analyze = tasks.LambdaInvoke(
-            self,
+        analyze = self._lambda_step(
             "Analyze run",
-            lambda_function=functions["analyze_run"],
+            function=functions["analyze_run"],
             payload=sfn.TaskInput.from_object({"run_id": sfn.JsonPath.string_at("$.run_id")}),
-            payload_response_only=True,
             comment="Costs, ranking, recommendation, report",
         )
+        analyze.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         prepare_needed = (
             sfn.Choice(self, "Processed data cached?")
             .when(sfn.Condition.boolean_equals("$.prepare.skip", True), jobs)
@@ -288,3 +341,17 @@ class BenchmarkWorkflow(Construct):
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
             comment="gpuscout benchmark: validate, plan, prepare data, train on every target, analyze",
         )
+
+    def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:
+        """A Lambda Task returning the function's payload, retried on Lambda's own transient errors (throttling
+        included, which CDK's default retry leaves out); the function's own errors are not retried."""
+        step = tasks.LambdaInvoke(
+            self,
+            construct_id,
+            lambda_function=function,
+            payload_response_only=True,
+            retry_on_service_exceptions=False,
+            **kwargs,
+        )
+        step.add_retry(**LAMBDA_RETRY)
+        return step

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from aws_cdk.assertions import Match
 
 from stacks.workflow import PROCESSING_REQUEST_FIELDS, TRAINING_REQUEST_FIELDS
 from tests.infra.conftest import Synthesized, state_machine_definition
@@ -54,15 +55,69 @@ def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> No
         assert states[task]["Catch"] == [{"ErrorEquals": [error], "ResultPath": "$.error", "Next": fail}]
         assert states[fail] == {"Type": "Fail", "Error": error, "CausePath": "$.error.Cause"}
         assert states[task]["Resource"].startswith("<Functions")
-    # A failed data preparation ends the run before any training job is launched.
-    assert states["Prepare data"]["Catch"] == [
-        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Data preparation failed"}
-    ]
-    assert states["Data preparation failed"] == {
-        "Type": "Fail",
-        "Error": "DataPreparationFailed",
-        "CausePath": "$.error.Cause",
+
+
+def test_every_failure_after_planning_marks_the_run_failed(asl: dict[str, Any]) -> None:
+    # A failed data preparation, Map or analysis marks the run FAILED, then fails the execution with the cause.
+    states = asl["States"]
+    for state in ("Prepare data", "Run jobs", "Analyze run"):
+        assert states[state]["Catch"] == [
+            {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Mark run failed"}
+        ], state
+    mark = states["Mark run failed"]
+    assert mark["Parameters"] == {"run_id.$": "$.run_id", "execution_arn.$": "$$.Execution.Id", "error.$": "$.error"}
+    assert mark["ResultPath"] is None and mark["Next"] == "Run failed"
+    assert states["Run failed"] == {"Type": "Fail", "Error": "RunFailed", "CausePath": "$.error.Cause"}
+    # Plan records which execution planned the run (mark_run_failed touches only that execution's run).
+    assert states["Plan jobs"]["Parameters"]["execution_arn.$"] == "$$.Execution.Id"
+
+
+def test_lambda_steps_retry_lambdas_transient_errors_and_the_status_read_retries_throttling(
+    asl: dict[str, Any],
+) -> None:
+    states = dict(asl["States"])
+    processor = states["Run jobs"]["ItemProcessor"]["States"]
+    lambda_steps = {
+        name: state
+        for name, state in {**states, **processor}.items()
+        if state.get("Type") == "Task" and str(state["Resource"]).startswith("<Functions")
     }
+    assert len(lambda_steps) == 6
+    for name, state in lambda_steps.items():
+        [retry] = state["Retry"]
+        assert {"Lambda.TooManyRequestsException", "Lambda.ServiceException"} <= set(retry["ErrorEquals"]), name
+        assert "States.ALL" not in retry["ErrorEquals"] and retry["JitterStrategy"] == "FULL"
+    [retry] = processor["Read run status"]["Retry"]
+    assert "DynamoDB.ProvisionedThroughputExceededException" in retry["ErrorEquals"]
+
+
+def test_failed_timed_out_and_aborted_executions_reach_mark_run_failed(synthesized: Synthesized) -> None:
+    machine = synthesized.logical_id(synthesized.stack.workflow.state_machine)
+    function = synthesized.logical_id(synthesized.stack.functions.functions["mark_run_failed"])
+    queue = synthesized.logical_id(synthesized.stack.events.execution_failed_dead_letters)
+    synthesized.template.has_resource_properties(
+        "AWS::Events::Rule",
+        {
+            "EventPattern": {
+                "source": ["aws.states"],
+                "detail-type": ["Step Functions Execution Status Change"],
+                "detail": {"status": ["FAILED", "TIMED_OUT", "ABORTED"], "stateMachineArn": [{"Ref": machine}]},
+            },
+            "State": "ENABLED",
+            "Targets": [
+                {
+                    "Arn": {"Fn::GetAtt": [function, "Arn"]},
+                    "Id": Match.any_value(),
+                    "DeadLetterConfig": {"Arn": {"Fn::GetAtt": [queue, "Arn"]}},
+                    "RetryPolicy": {"MaximumRetryAttempts": 8, "MaximumEventAgeInSeconds": 6 * 3600},
+                }
+            ],
+        },
+    )
+    synthesized.template.has_resource_properties(
+        "AWS::Lambda::Permission",
+        {"Action": "lambda:InvokeFunction", "Principal": "events.amazonaws.com", "FunctionName": Match.any_value()},
+    )
 
 
 def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str, Any]) -> None:
@@ -191,6 +246,7 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
         "plan_jobs",
         "record_job_failure",
         "record_job_result",
+        "mark_run_failed",
         "job_events",
         "analyze_run",
     }
@@ -264,7 +320,7 @@ def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
     metrics = {a["Properties"]["MetricName"] for a in alarms}
     assert {"ExecutionsFailed", "ApproximateNumberOfMessagesVisible", "Errors"} <= metrics
     dlq_alarms = [a for a in alarms if a["Properties"]["MetricName"] == "ApproximateNumberOfMessagesVisible"]
-    assert len(dlq_alarms) == 3
+    assert len(dlq_alarms) == 4
     for alarm in dlq_alarms:
         assert alarm["Properties"]["Threshold"] == 0
         assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanThreshold"

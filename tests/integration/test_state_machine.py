@@ -66,6 +66,7 @@ from conftest import (
     cloud_manifest,
 )
 from moto import mock_aws
+from moto.sagemaker.exceptions import ValidationError
 from moto.sagemaker.models import SageMakerModelBackend
 from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
 
@@ -237,12 +238,15 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
         placeholder["record_job_failure"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
         # Its output is discarded (ResultPath null); what it records is covered by the in-process tests below.
         placeholder["record_job_result"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
+        # Reached only through the Catches after planning; never entered on this success path.
+        placeholder["mark_run_failed"]: {"runs": []},
     }
     role_arns = {planned["prepare"]["request"]["RoleArn"]} | {job["request"]["RoleArn"] for job in planned["jobs"]}
     assert role_arns == {ROLE_ARN}
     definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
     assert sorted(lambda_states) == [
         "Analyze run",
+        "Mark run failed",
         "Plan jobs",
         "Record job failure",
         "Record job result",
@@ -279,6 +283,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
     [analyze_input] = _entered_inputs(events, "Analyze run")
     assert analyze_input["run_id"] == run_id
     assert _entered_inputs(events, "Record job failure") == []
+    assert _entered_inputs(events, "Mark run failed") == []
     assert _entered_inputs(events, "Skip job (run stopped)") == []
 
     # Data preparation: one processing job, sent exactly as planned.
@@ -524,3 +529,28 @@ def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not
     result = store.get_result(run.run_id)
     assert result is not None and result.report_uri == f"s3://{DATA_BUCKET}/reports/{run.run_id}/"
     assert job.job_name in json.dumps(result.analysis)
+
+
+def test_a_failed_data_preparation_marks_the_run_failed_and_fails_the_execution(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given SageMaker refuses the data-preparation job,
+    def refuse(backend: SageMakerModelBackend, *args: Any, **kwargs: Any) -> Any:
+        raise ValidationError(message="Processing job failed: AlgorithmError: exit code 2")
+
+    monkeypatch.setattr(SageMakerModelBackend, "create_processing_job", refuse)
+    run = _execute_live(cloud, synthesized, monkeypatch, ONE_JOB_MANIFEST)
+    # then the Catch marked the run FAILED with the error and cause before the execution failed with that cause,
+    assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
+    assert [name for name, _ in run.lambdas.calls] == ["validate_manifest", "plan_jobs", "mark_run_failed"]
+    [caught] = run.lambdas.called("mark_run_failed")
+    assert caught["run_id"] == run.run_id and caught["execution_arn"] == run.described["executionArn"]
+    stored = cloud.services.store.get_run(run.run_id)
+    assert stored.status is RunStatus.FAILED and stored.error is not None and "exit code 2" in stored.error
+    assert stored.execution_arn == run.described["executionArn"]
+    assert run.described["error"] == "RunFailed" and "exit code 2" in run.described["cause"]
+    assert stored.error.startswith(f"{caught['error']['Error']}: ")
+    # and no training job was launched.
+    assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
