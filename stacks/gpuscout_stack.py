@@ -97,6 +97,7 @@ class GpuscoutStack(Stack):
             table=self.results.table,
             role=self.roles.state_machine,
             map_max_concurrency=config.map_max_concurrency,
+            quota_wait_hours=config.quota_wait_hours,
             vpc=config.vpc,
             timeout=Duration.hours(config.execution_timeout_hours),
             log_retention=retention,

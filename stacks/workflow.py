@@ -50,25 +50,36 @@ PROCESSING_REQUEST_FIELDS = (
 )
 TRAINING_RESOURCE = "arn:aws:states:::sagemaker:createTrainingJob.sync"
 PROCESSING_RESOURCE = "arn:aws:states:::sagemaker:createProcessingJob.sync"
-# Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors) arrive
-# as SageMaker.AmazonSageMakerException; an account quota hit (e.g. instances per type) as
-# SageMaker.ResourceLimitExceededException. Quotas free up as sibling jobs finish, so that one waits longer.
-SAGEMAKER_RETRY = [
-    {
-        "ErrorEquals": ["SageMaker.AmazonSageMakerException"],
-        "IntervalSeconds": 5,
-        "MaxAttempts": 6,
-        "BackoffRate": 2.0,
-        "MaxDelaySeconds": 120,
-        "JitterStrategy": "FULL",
-    },
-    {
+# Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors, which
+# include ValidationException: Retry cannot tell them apart by name, so a bad request costs at most these few short
+# retries before the Catch records it) arrive as SageMaker.AmazonSageMakerException; an account quota hit (e.g.
+# instances per type, on-demand and spot counted separately) as SageMaker.ResourceLimitExceededException.
+THROTTLING_RETRY: dict[str, Any] = {
+    "ErrorEquals": ["SageMaker.AmazonSageMakerException"],
+    "IntervalSeconds": 5,
+    "MaxAttempts": 6,
+    "BackoffRate": 2.0,
+    "MaxDelaySeconds": 120,
+    "JitterStrategy": "FULL",
+}
+# Quotas free up only as sibling jobs finish (30+ minutes each): wait long and flat, not exponentially.
+QUOTA_RETRY_MINUTES = 5
+
+
+def quota_retry(quota_wait_hours: int) -> dict[str, Any]:
+    """Retry ResourceLimitExceeded every QUOTA_RETRY_MINUTES for ``quota_wait_hours`` (0: do not retry)."""
+    return {
         "ErrorEquals": ["SageMaker.ResourceLimitExceededException"],
-        "IntervalSeconds": 60,
-        "MaxAttempts": 4,
-        "BackoffRate": 2.0,
-    },
-]
+        "IntervalSeconds": QUOTA_RETRY_MINUTES * 60,
+        "MaxAttempts": quota_wait_hours * 60 // QUOTA_RETRY_MINUTES,
+        "BackoffRate": 1.0,
+    }
+
+
+def sagemaker_retry(quota_wait_hours: int) -> list[dict[str, Any]]:
+    return [THROTTLING_RETRY, quota_retry(quota_wait_hours)]
+
+
 # Lambda's transient errors (throttling, service errors) as Step Functions names them; a function's own exceptions
 # (ManifestRejected, PlanRefused, ...) are not retried.
 LAMBDA_TRANSIENT_ERRORS = [
@@ -112,7 +123,7 @@ def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
     return {f"{field}.$": f"{prefix}.{field}" for field in fields}
 
 
-def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
+def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
     parameters: dict[str, Any] = _copy_fields(TRAINING_REQUEST_FIELDS, "$.request")
     if vpc is not None:
         parameters["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
@@ -121,7 +132,7 @@ def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Comment": "One benchmark job; waits for the job to end (.sync)",
         "Resource": TRAINING_RESOURCE,
         "Parameters": parameters,
-        "Retry": SAGEMAKER_RETRY,
+        "Retry": sagemaker_retry(quota_wait_hours),
         # Only the job's ARN of the DescribeTrainingJob result stays in the state: "Record job result" describes the
         # job itself, so the state stays small whatever SageMaker returns.
         "ResultSelector": {"TrainingJobArn.$": "$.TrainingJobArn"},
@@ -140,7 +151,8 @@ def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Comment": "Clean, tokenize and pack the dataset once on a CPU instance (.sync)",
         "Resource": PROCESSING_RESOURCE,
         "Parameters": parameters,
-        "Retry": SAGEMAKER_RETRY,
+        # The processing instance (ml.m5.xlarge) has its own quota, rarely exhausted: an hour of quota retries.
+        "Retry": sagemaker_retry(1),
         "ResultPath": "$.prepare.job",  # keeps run_id and jobs for the Map
     }
 
@@ -157,6 +169,7 @@ class BenchmarkWorkflow(Construct):
         table: dynamodb.ITable,
         role: iam.IRole,
         map_max_concurrency: int,
+        quota_wait_hours: int,
         vpc: VpcSettings | None,
         timeout: Duration,
         log_retention: logs.RetentionDays,
@@ -218,7 +231,7 @@ class BenchmarkWorkflow(Construct):
         prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
         prepare.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
-        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc))
+        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc, quota_wait_hours))
         record_failure = self._lambda_step(
             "Record job failure",
             function=functions["record_job_failure"],

@@ -248,6 +248,24 @@ def run_id_to_plan(store: ResultStore, run_id: str, source: str) -> str:
     raise PlanRefused(f"{source} (this exact object) failed {MAX_ATTEMPTS} times; change the manifest to run it")
 
 
+def interleave_by_instance_type(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Round-robin over instance types (in order of first appearance), keeping each type's own order.
+
+    The Map starts jobs in list order, MaxConcurrency at a time. Account quotas are per instance type and often
+    1-2 instances, so consecutive jobs of one type would fill the Map's slots with jobs waiting for that quota
+    while other types sit idle; interleaved, each type's jobs are spread over the slots."""
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for job in jobs:
+        by_type.setdefault(str(job["request"]["ResourceConfig"]["InstanceType"]), []).append(job)
+    queues = list(by_type.values())
+    ordered: list[dict[str, Any]] = []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                ordered.append(queue.pop(0))
+    return ordered
+
+
 def plan_jobs(
     validated: dict[str, Any],
     *,
@@ -299,7 +317,7 @@ def plan_jobs(
     return {
         "run_id": run_id,
         "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
-        "jobs": jobs_out,
+        "jobs": interleave_by_instance_type(jobs_out),
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
 

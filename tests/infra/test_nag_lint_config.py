@@ -88,6 +88,7 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(notification_email="not-an-address"), "notification_email"),
         (_context(vpc={"subnet_ids": ["subnet-1"], "security_group_ids": ["sg-0123abcd"]}), "vpc.subnet_ids"),
         (_context(log_retention_days=10), "log_retention_days"),
+        (_context(quota_wait_hours=96), "quota_wait_hours .96. exceeds execution_timeout_hours"),
         (_context(training_image_base=PRIVATE_DLC), "training_image_base"),
         (_context(map_max_concurency=4), "did you mean 'map_max_concurrency'"),
         ({}, "allowed_instance_types"),

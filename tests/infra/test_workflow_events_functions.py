@@ -156,8 +156,11 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     retries = {tuple(r["ErrorEquals"]): r for r in train["Retry"]}
     throttled = retries[("SageMaker.AmazonSageMakerException",)]
     assert throttled["BackoffRate"] == 2 and throttled["MaxAttempts"] >= 3 and throttled["JitterStrategy"] == "FULL"
+    # Quota waits are long and flat (sibling jobs run 30+ minutes): every 5 minutes for quota_wait_hours (24).
     quota = retries[("SageMaker.ResourceLimitExceededException",)]
-    assert quota["IntervalSeconds"] >= 60 and quota["BackoffRate"] == 2
+    assert quota["IntervalSeconds"] == 300 and quota["BackoffRate"] == 1
+    assert quota["IntervalSeconds"] * quota["MaxAttempts"] == synthesized.stack.config.quota_wait_hours * 3600
+    assert synthesized.stack.config.quota_wait_hours == 24
     assert train["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Record job failure"}]
     record = processor["States"]["Record job failure"]
     assert record["End"] is True

@@ -504,3 +504,13 @@ def test_the_same_manifest_uploaded_again_after_a_failed_run_is_planned_again(cl
     # and a duplicate delivery while the new attempt is planned is still refused.
     with pytest.raises(PlanRefused, match=r"already planned as run .*-r2"):
         plan_handler.handler(validate_handler.handler(dict(execution_input), cloud.context), cloud.context)
+
+
+def test_jobs_are_ordered_so_the_map_interleaves_instance_types(cloud: Cloud) -> None:
+    # Quotas are per instance type (often 1-2): the Map's first slots must not all wait on one type's quota.
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    types = [job["request"]["ResourceConfig"]["InstanceType"] for job in planned["jobs"]]
+    assert types == ["ml.g5.8xlarge", "ml.p4d.24xlarge", "ml.g5.8xlarge", "ml.p4d.24xlarge"]
+    assert {j["job_name"] for j in planned["jobs"]} == {
+        j.job_name for j in cloud.services.store.list_jobs(planned["run_id"])
+    }
