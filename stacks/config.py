@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONTEXT_KEYS = (
     "allowed_instance_types",
@@ -21,6 +21,7 @@ CONTEXT_KEYS = (
     "vpc",
     "checkpoint_expiry_days",
     "execution_timeout_hours",
+    "quota_wait_hours",
     "log_retention_days",
     "training_image_base",
     "stack_name",
@@ -115,6 +116,9 @@ class StackConfig(BaseModel):
     vpc: VpcSettings | None = None
     checkpoint_expiry_days: int = Field(default=14, ge=1, le=3650)
     execution_timeout_hours: int = Field(default=72, ge=1, le=24 * 365)
+    # How long a training job whose launch hits an account quota (ResourceLimitExceeded) keeps retrying, every
+    # QUOTA_RETRY_MINUTES, while sibling jobs free the quota; at most the execution timeout.
+    quota_wait_hours: int = Field(default=24, ge=0, le=24 * 365)
     log_retention_days: int = 90
     training_image_base: str | None = None  # None: training/Dockerfile's default BASE_IMAGE
     # CloudFormation stack name; another name deploys a second, independent stack in the same account and region
@@ -168,6 +172,15 @@ class StackConfig(BaseModel):
         if v not in LOG_RETENTION_DAYS:
             raise ValueError(f"CloudWatch Logs accepts only {list(LOG_RETENTION_DAYS)} days, not {v}")
         return v
+
+    @model_validator(mode="after")
+    def _quota_wait_within_timeout(self) -> StackConfig:
+        if self.quota_wait_hours > self.execution_timeout_hours:
+            raise ValueError(
+                f"quota_wait_hours ({self.quota_wait_hours}) exceeds execution_timeout_hours "
+                f"({self.execution_timeout_hours}): the execution would time out first"
+            )
+        return self
 
     def check_catalog(self, *, training_types: Collection[str], known_types: Collection[str]) -> None:
         """Every allowed type must be a catalogued training instance (facts and prices exist for it)."""

@@ -20,10 +20,14 @@ from stacks.storage import MANIFESTS_PREFIX
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")  # what the Validate step parses
 TRAINING_STATE_CHANGE = "SageMaker Training Job State Change"
+EXECUTION_STATUS_CHANGE = "Step Functions Execution Status Change"
+# Execution ends that leave a run to be closed (a Catch may have closed it already; marking is idempotent).
+FAILED_EXECUTION_STATUSES = ("FAILED", "TIMED_OUT", "ABORTED")
 
 
 class EventRules(Construct):
-    """`manifest_uploaded` and `job_state_changed` rules, with `dead_letter_queues` (one per target)."""
+    """`manifest_uploaded`, `job_state_changed` and `execution_failed` rules, with `dead_letter_queues` (one per
+    target)."""
 
     def __init__(
         self,
@@ -33,12 +37,18 @@ class EventRules(Construct):
         data_bucket: s3.IBucket,
         state_machine: sfn.IStateMachine,
         job_events_function: lambda_.IFunction,
+        mark_run_failed_function: lambda_.IFunction,
         removal_policy: RemovalPolicy,
     ) -> None:
         super().__init__(scope, construct_id)
         self.manifest_dead_letters = self._queue("ManifestDeadLetters", removal_policy)
         self.job_event_dead_letters = self._queue("JobEventDeadLetters", removal_policy)
-        self.dead_letter_queues = (self.manifest_dead_letters, self.job_event_dead_letters)
+        self.execution_failed_dead_letters = self._queue("ExecutionFailedDeadLetters", removal_policy)
+        self.dead_letter_queues = (
+            self.manifest_dead_letters,
+            self.job_event_dead_letters,
+            self.execution_failed_dead_letters,
+        )
 
         self.manifest_uploaded = events.Rule(
             self,
@@ -84,6 +94,30 @@ class EventRules(Construct):
             targets.LambdaFunction(
                 job_events_function,
                 dead_letter_queue=self.job_event_dead_letters,
+                retry_attempts=8,
+                max_event_age=Duration.hours(6),
+            )
+        )
+
+        # Every way an execution ends without success (a Fail state, an uncaught error, the execution timeout, an
+        # abort, States.DataLimitExceeded) must leave its run final: mark_run_failed closes it, idempotently.
+        self.execution_failed = events.Rule(
+            self,
+            "ExecutionFailed",
+            description="gpuscout executions that failed, timed out or were aborted: their run becomes FAILED",
+            event_pattern=events.EventPattern(
+                source=["aws.states"],
+                detail_type=[EXECUTION_STATUS_CHANGE],
+                detail={
+                    "status": list(FAILED_EXECUTION_STATUSES),
+                    "stateMachineArn": [state_machine.state_machine_arn],
+                },
+            ),
+        )
+        self.execution_failed.add_target(
+            targets.LambdaFunction(
+                mark_run_failed_function,
+                dead_letter_queue=self.execution_failed_dead_letters,
                 retry_attempts=8,
                 max_event_age=Duration.hours(6),
             )

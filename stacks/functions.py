@@ -65,9 +65,19 @@ FUNCTION_SPECS = (
     ),
     FunctionSpec("record_job_failure", "Classify a failed job (capacity, quota, failure) into its JOB row"),
     FunctionSpec(
+        "record_job_result",
+        "Record a finished training job's status, timings and benchmark before the run is analyzed",
+        timeout_minutes=2,
+    ),
+    FunctionSpec(
         "job_events",
         "Record SageMaker training job state changes and metrics; emit throughput metrics",
         timeout_minutes=2,
+        invoked_async=True,
+    ),
+    FunctionSpec(
+        "mark_run_failed",
+        "Mark the run of a failed, timed-out or aborted workflow execution FAILED (Catch and EventBridge)",
         invoked_async=True,
     ),
     FunctionSpec(

@@ -24,6 +24,18 @@ from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, REJECTED_PREFIX, 
 from stacks.training_image import TrainingImage
 from stacks.workflow import BenchmarkWorkflow
 
+# The functions that record a finished training job (same code path, same grants).
+JOB_RECORDERS = ("job_events", "record_job_result")
+# The functions the state machine invokes (everything but the EventBridge targets).
+WORKFLOW_FUNCTIONS = (
+    "validate_manifest",
+    "plan_jobs",
+    "record_job_failure",
+    "record_job_result",
+    "mark_run_failed",
+    "analyze_run",
+)
+
 
 def acknowledge(scope: IConstruct, rule_id: str, reason: str) -> None:
     """One cdk-nag acknowledgment, on the construct it concerns."""
@@ -84,6 +96,7 @@ class GpuscoutStack(Stack):
             table=self.results.table,
             role=self.roles.state_machine,
             map_max_concurrency=config.map_max_concurrency,
+            quota_wait_hours=config.quota_wait_hours,
             vpc=config.vpc,
             timeout=Duration.hours(config.execution_timeout_hours),
             log_retention=retention,
@@ -95,6 +108,7 @@ class GpuscoutStack(Stack):
             data_bucket=self.storage.data,
             state_machine=self.workflow.state_machine,
             job_events_function=self.functions.functions["job_events"],
+            mark_run_failed_function=self.functions.functions["mark_run_failed"],
             removal_policy=removal,
         )
         self.monitoring = Monitoring(
@@ -156,27 +170,30 @@ class GpuscoutStack(Stack):
         lambdas["plan_jobs"].add_to_policy(
             iam.PolicyStatement(sid="TellMissingFromForbidden", actions=["s3:ListBucket"], resources=[data.bucket_arn])
         )
-        # job_events reads benchmark.json from job output and stops jobs when measured spend crosses the budget.
-        lambdas["job_events"].add_to_policy(
-            iam.PolicyStatement(
-                sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
+        # job_events (SageMaker's events) and record_job_result (inside the Map, describing the job) record finished
+        # jobs with the same code: both read benchmark.json from job output, stop jobs when measured spend crosses
+        # the budget and emit throughput metrics; record_job_result also describes the job it records.
+        for name in JOB_RECORDERS:
+            lambdas[name].add_to_policy(
+                iam.PolicyStatement(
+                    sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
+                )
             )
-        )
-        lambdas["job_events"].add_to_policy(
-            iam.PolicyStatement(
-                sid="BudgetGuard",
-                actions=["sagemaker:StopTrainingJob", "sagemaker:DescribeTrainingJob"],
-                resources=[TRAINING_JOBS_ARN],
+            lambdas[name].add_to_policy(
+                iam.PolicyStatement(
+                    sid="BudgetGuard",
+                    actions=["sagemaker:StopTrainingJob", "sagemaker:DescribeTrainingJob"],
+                    resources=[TRAINING_JOBS_ARN],
+                )
             )
-        )
-        lambdas["job_events"].add_to_policy(
-            iam.PolicyStatement(
-                sid="ThroughputMetrics",
-                actions=["cloudwatch:PutMetricData"],
-                resources=["*"],
-                conditions={"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
+            lambdas[name].add_to_policy(
+                iam.PolicyStatement(
+                    sid="ThroughputMetrics",
+                    actions=["cloudwatch:PutMetricData"],
+                    resources=["*"],
+                    conditions={"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
+                )
             )
-        )
         lambdas["analyze_run"].add_to_policy(
             iam.PolicyStatement(
                 sid="WriteReports", actions=["s3:PutObject"], resources=[data.arn_for_objects(f"{REPORTS_PREFIX}*")]
@@ -263,8 +280,11 @@ class GpuscoutStack(Stack):
             extra = {
                 "plan_jobs": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
                 "analyze_run": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
-                "job_events": "; cloudwatch:PutMetricData has none either and is limited by a cloudwatch:namespace "
-                "condition to the gpuscout namespace",
+                **{
+                    recorder: "; cloudwatch:PutMetricData has none either and is limited by a cloudwatch:namespace "
+                    "condition to the gpuscout namespace"
+                    for recorder in JOB_RECORDERS
+                },
             }.get(name, "")
             acknowledge(role, "AwsSolutions-IAM5[Resource::*]", xray + extra + ".")
         acknowledge(
@@ -283,17 +303,18 @@ class GpuscoutStack(Stack):
             "Checks whether processed/<content hash>/dataset.json exists to skip data preparation; the hash is "
             "computed at run time.",
         )
-        for name in ("job_events", "analyze_run"):
+        for name in (*JOB_RECORDERS, "analyze_run"):
             acknowledge(
                 lambdas[name],
                 f"AwsSolutions-IAM5[Resource::{artifacts_ref}/output/*]",
                 "Reads output/<run_id>/<job_name>/output/output.tar.gz (benchmark.json) of jobs named at run time.",
             )
-        acknowledge(
-            lambdas["job_events"],
-            f"AwsSolutions-IAM5[Resource::{training_jobs}]",
-            f"Budget guard stops running training jobs of a run. {job_names}.",
-        )
+        for name in JOB_RECORDERS:
+            acknowledge(
+                lambdas[name],
+                f"AwsSolutions-IAM5[Resource::{training_jobs}]",
+                f"Describes the finished job and, as budget guard, stops running training jobs of a run. {job_names}.",
+            )
         acknowledge(
             lambdas["analyze_run"],
             f"AwsSolutions-IAM5[Resource::{data_ref}/reports/*]",
@@ -324,7 +345,7 @@ class GpuscoutStack(Stack):
             f"AwsSolutions-IAM5[Resource::{processing_jobs}]",
             f"Creates, describes and stops the data-preparation processing job (.sync). {job_names}.",
         )
-        for name in ("validate_manifest", "plan_jobs", "record_job_failure", "analyze_run"):
+        for name in WORKFLOW_FUNCTIONS:
             function = self.functions.functions[name]
             acknowledge(
                 state_machine_role,

@@ -50,29 +50,72 @@ PROCESSING_REQUEST_FIELDS = (
 )
 TRAINING_RESOURCE = "arn:aws:states:::sagemaker:createTrainingJob.sync"
 PROCESSING_RESOURCE = "arn:aws:states:::sagemaker:createProcessingJob.sync"
-# Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors) arrive
-# as SageMaker.AmazonSageMakerException; an account quota hit (e.g. instances per type) as
-# SageMaker.ResourceLimitExceededException. Quotas free up as sibling jobs finish, so that one waits longer.
-SAGEMAKER_RETRY = [
-    {
-        "ErrorEquals": ["SageMaker.AmazonSageMakerException"],
-        "IntervalSeconds": 5,
-        "MaxAttempts": 6,
-        "BackoffRate": 2.0,
-        "MaxDelaySeconds": 120,
-        "JitterStrategy": "FULL",
-    },
-    {
+# Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors, which
+# include ValidationException: Retry cannot tell them apart by name, so a bad request costs at most these few short
+# retries before the Catch records it) arrive as SageMaker.AmazonSageMakerException; an account quota hit (e.g.
+# instances per type, on-demand and spot counted separately) as SageMaker.ResourceLimitExceededException.
+THROTTLING_RETRY: dict[str, Any] = {
+    "ErrorEquals": ["SageMaker.AmazonSageMakerException"],
+    "IntervalSeconds": 5,
+    "MaxAttempts": 6,
+    "BackoffRate": 2.0,
+    "MaxDelaySeconds": 120,
+    "JitterStrategy": "FULL",
+}
+# Quotas free up only as sibling jobs finish (30+ minutes each): wait long and flat, not exponentially.
+QUOTA_RETRY_MINUTES = 5
+
+
+def quota_retry(quota_wait_hours: int) -> dict[str, Any]:
+    """Retry ResourceLimitExceeded every QUOTA_RETRY_MINUTES for ``quota_wait_hours`` (0: do not retry)."""
+    return {
         "ErrorEquals": ["SageMaker.ResourceLimitExceededException"],
-        "IntervalSeconds": 60,
-        "MaxAttempts": 4,
-        "BackoffRate": 2.0,
-    },
+        "IntervalSeconds": QUOTA_RETRY_MINUTES * 60,
+        "MaxAttempts": quota_wait_hours * 60 // QUOTA_RETRY_MINUTES,
+        "BackoffRate": 1.0,
+    }
+
+
+def sagemaker_retry(quota_wait_hours: int) -> list[dict[str, Any]]:
+    return [THROTTLING_RETRY, quota_retry(quota_wait_hours)]
+
+
+# Lambda's transient errors (throttling, service errors) as Step Functions names them; a function's own exceptions
+# (ManifestRejected, PlanRefused, ...) are not retried.
+LAMBDA_TRANSIENT_ERRORS = [
+    "Lambda.TooManyRequestsException",
+    "Lambda.ServiceException",
+    "Lambda.AWSLambdaException",
+    "Lambda.SdkClientException",
+    "Lambda.ClientExecutionTimeoutException",
 ]
+LAMBDA_RETRY: dict[str, Any] = {
+    "errors": LAMBDA_TRANSIENT_ERRORS,
+    "interval": Duration.seconds(2),
+    "max_attempts": 6,
+    "backoff_rate": 2.0,
+    "max_delay": Duration.seconds(60),
+    "jitter_strategy": sfn.JitterType.FULL,
+}
+# The run-status read inside the Map: throttling and DynamoDB's transient server errors.
+DYNAMODB_RETRY: dict[str, Any] = {
+    "errors": [
+        "DynamoDB.ProvisionedThroughputExceededException",
+        "DynamoDB.RequestLimitExceeded",
+        "DynamoDB.ThrottlingException",
+        "DynamoDB.InternalServerErrorException",
+        "DynamoDB.AmazonDynamoDBException",
+    ],
+    "interval": Duration.seconds(1),
+    "max_attempts": 5,
+    "backoff_rate": 2.0,
+    "jitter_strategy": sfn.JitterType.FULL,
+}
 # Run statuses after which no further training job may start (the budget guard in job_events sets STOPPED).
 RUN_STATUSES_THAT_STOP_LAUNCHES = ("STOPPED", "FAILED")
 MANIFEST_REJECTED = "ManifestRejected"
 PLAN_REFUSED = "PlanRefused"
+RUN_FAILED = "RunFailed"
 
 
 def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
@@ -80,7 +123,7 @@ def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
     return {f"{field}.$": f"{prefix}.{field}" for field in fields}
 
 
-def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
+def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
     parameters: dict[str, Any] = _copy_fields(TRAINING_REQUEST_FIELDS, "$.request")
     if vpc is not None:
         parameters["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
@@ -89,11 +132,11 @@ def training_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Comment": "One benchmark job; waits for the job to end (.sync)",
         "Resource": TRAINING_RESOURCE,
         "Parameters": parameters,
-        "Retry": SAGEMAKER_RETRY,
-        # The DescribeTrainingJob result is dropped by OutputPath: the Map keeps only job names, the table
-        # (via job_events) holds the results. (CustomState drops a None ResultPath, so no "ResultPath": null.)
+        "Retry": sagemaker_retry(quota_wait_hours),
+        # Only the job's ARN of the DescribeTrainingJob result stays in the state: "Record job result" describes the
+        # job itself, so the state stays small whatever SageMaker returns.
+        "ResultSelector": {"TrainingJobArn.$": "$.TrainingJobArn"},
         "ResultPath": "$.job",
-        "OutputPath": "$.job_name",
     }
 
 
@@ -108,7 +151,8 @@ def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
         "Comment": "Clean, tokenize and pack the dataset once on a CPU instance (.sync)",
         "Resource": PROCESSING_RESOURCE,
         "Parameters": parameters,
-        "Retry": SAGEMAKER_RETRY,
+        # The processing instance (ml.m5.xlarge) has its own quota, rarely exhausted: an hour of quota retries.
+        "Retry": sagemaker_retry(1),
         "ResultPath": "$.prepare.job",  # keeps run_id and jobs for the Map
     }
 
@@ -125,17 +169,16 @@ class BenchmarkWorkflow(Construct):
         table: dynamodb.ITable,
         role: iam.IRole,
         map_max_concurrency: int,
+        quota_wait_hours: int,
         vpc: VpcSettings | None,
         timeout: Duration,
         log_retention: logs.RetentionDays,
         removal_policy: RemovalPolicy,
     ) -> None:
         super().__init__(scope, construct_id)
-        validate = tasks.LambdaInvoke(
-            self,
+        validate = self._lambda_step(
             "Validate manifest",
-            lambda_function=functions["validate_manifest"],
-            payload_response_only=True,
+            function=functions["validate_manifest"],
             comment="Parse the manifest; a bad one is written to rejected/ and ends the run",
         )
         validate.add_catch(
@@ -143,11 +186,20 @@ class BenchmarkWorkflow(Construct):
             errors=[MANIFEST_REJECTED],
             result_path="$.error",
         )
-        plan = tasks.LambdaInvoke(
-            self,
+        plan = self._lambda_step(
             "Plan jobs",
-            lambda_function=functions["plan_jobs"],
-            payload_response_only=True,
+            function=functions["plan_jobs"],
+            # validate's output plus the execution's ARN, recorded on the run so that mark_run_failed touches only
+            # the run this execution planned.
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "bucket": sfn.JsonPath.string_at("$.bucket"),
+                    "key": sfn.JsonPath.string_at("$.key"),
+                    "manifest": sfn.JsonPath.object_at("$.manifest"),
+                    "execution_arn": sfn.JsonPath.execution_id,
+                }
+            ),
             comment="Job requests, predicted cost; refuses a run over budget",
         )
         plan.add_catch(
@@ -155,18 +207,34 @@ class BenchmarkWorkflow(Construct):
             errors=[PLAN_REFUSED],
             result_path="$.error",
         )
-        prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
-        prepare.add_catch(
-            sfn.Fail(self, "Data preparation failed", error="DataPreparationFailed", cause_path="$.error.Cause"),
-            errors=["States.ALL"],
-            result_path="$.error",
+        # Any failure after planning (data preparation, the Map, analysis) marks the run FAILED with the cause, then
+        # fails the execution (RunFailed, with the original cause). What no Catch sees (timeout, abort,
+        # DataLimitExceeded) is covered by the EventBridge rule on execution status changes (events.py), which
+        # calls the same function.
+        mark_failed = self._lambda_step(
+            "Mark run failed",
+            function=functions["mark_run_failed"],
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "execution_arn": sfn.JsonPath.execution_id,
+                    "error": sfn.JsonPath.object_at("$.error"),
+                }
+            ),
+            result_path=sfn.JsonPath.DISCARD,
+            comment="The run row ends FAILED with the error and cause; then the execution fails (RunFailed)",
         )
+        # A fixed error name: the caught one may be a reserved States.* name, which a Fail state may not raise; the
+        # run row keeps it ("<Error>: <reason>").
+        mark_failed.next(sfn.Fail(self, "Run failed", error=RUN_FAILED, cause_path="$.error.Cause"))
 
-        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc))
-        record_failure = tasks.LambdaInvoke(
-            self,
+        prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
+        prepare.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
+
+        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc, quota_wait_hours))
+        record_failure = self._lambda_step(
             "Record job failure",
-            lambda_function=functions["record_job_failure"],
+            function=functions["record_job_failure"],
             payload=sfn.TaskInput.from_object(
                 {
                     "run_id": sfn.JsonPath.string_at("$.run_id"),
@@ -174,12 +242,35 @@ class BenchmarkWorkflow(Construct):
                     "error": sfn.JsonPath.object_at("$.error"),
                 }
             ),
-            payload_response_only=True,
             result_path=sfn.JsonPath.DISCARD,
             output_path="$.job_name",
             comment="Capacity, quota or job failure: recorded, the benchmark goes on",
         )
         train.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+        # The .sync task returns on the same SageMaker event that asynchronously triggers job_events: record the
+        # finished job here (same conditional write as job_events), so Analyze never sees a finished job as
+        # still running. If recording fails, job_events still records the job from SageMaker's event.
+        record_result = self._lambda_step(
+            "Record job result",
+            function=functions["record_job_result"],
+            payload=sfn.TaskInput.from_object(
+                {"run_id": sfn.JsonPath.string_at("$.run_id"), "job_name": sfn.JsonPath.string_at("$.job_name")}
+            ),
+            result_path=sfn.JsonPath.DISCARD,
+            output_path="$.job_name",
+            comment="Final status, timings and benchmark of the finished job, before Analyze reads them",
+        )
+        record_result.add_catch(
+            sfn.Pass(
+                self,
+                "Result left to job_events",
+                comment="Recording failed; job_events records the job from SageMaker's own event",
+                output_path="$.job_name",
+            ),
+            errors=["States.ALL"],
+            result_path="$.record_error",
+        )
+        train.next(record_result)
 
         # Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
         # crosses the budget; each Map iteration reads the run's status right before launching, so jobs that
@@ -202,6 +293,7 @@ class BenchmarkWorkflow(Construct):
             result_path="$.run",
             comment="A run stopped by the budget guard launches no further job",
         )
+        check_run.add_retry(**DYNAMODB_RETRY)
         skipped = sfn.Pass(
             self,
             "Skip job (run stopped)",
@@ -231,15 +323,15 @@ class BenchmarkWorkflow(Construct):
             result_path=sfn.JsonPath.DISCARD,
         )
         jobs.item_processor(check_run.next(launch_or_skip))
+        jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
-        analyze = tasks.LambdaInvoke(
-            self,
+        analyze = self._lambda_step(
             "Analyze run",
-            lambda_function=functions["analyze_run"],
+            function=functions["analyze_run"],
             payload=sfn.TaskInput.from_object({"run_id": sfn.JsonPath.string_at("$.run_id")}),
-            payload_response_only=True,
             comment="Costs, ranking, recommendation, report",
         )
+        analyze.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         prepare_needed = (
             sfn.Choice(self, "Processed data cached?")
             .when(sfn.Condition.boolean_equals("$.prepare.skip", True), jobs)
@@ -262,3 +354,17 @@ class BenchmarkWorkflow(Construct):
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
             comment="gpuscout benchmark: validate, plan, prepare data, train on every target, analyze",
         )
+
+    def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:
+        """A Lambda Task returning the function's payload, retried on Lambda's own transient errors (throttling
+        included, which CDK's default retry leaves out); the function's own errors are not retried."""
+        step = tasks.LambdaInvoke(
+            self,
+            construct_id,
+            lambda_function=function,
+            payload_response_only=True,
+            retry_on_service_exceptions=False,
+            **kwargs,
+        )
+        step.add_retry(**LAMBDA_RETRY)
+        return step

@@ -36,8 +36,9 @@ from botocore.exceptions import (
     TokenRetrievalError,
 )
 
+from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.sources import source_problems, target_problems
-from gpuscout.errors import GpuscoutError, ManifestError, Problem, RunNotFoundError
+from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
 from gpuscout.spec.manifest import Manifest, load_manifest
@@ -279,15 +280,15 @@ class CloudStack:
         expected_run_id = make_run_id(manifest.name, key=key, etag=local_etag(body))
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
         plan(manifest, catalog or load_catalog(), run_id=expected_run_id).check_budget()
+        # The control plane plans a new attempt (<run id>-r2, ...) after a FAILED or REFUSED run of this exact
+        # object, and refuses it otherwise: the same rule here, so the printed run id is the one that will run.
         try:
-            existing = self.store.get_run(expected_run_id)
-        except RunNotFoundError:
-            existing = None
-        if existing is not None:
+            expected_run_id = run_id_to_plan(self.store, expected_run_id, f"s3://{outputs.data_bucket}/{key}")
+        except PlanRefused as err:
             raise AlreadySubmittedError(
-                f"this exact manifest was already submitted as run {expected_run_id} ({existing.status.value}); "
-                f"see `gpuscout status {expected_run_id}`, or change the manifest (e.g. training.seed) to run again"
-            )
+                f"this exact manifest was already submitted: {err}; see `gpuscout status <run id>`, or change the "
+                "manifest (e.g. training.seed) to run again"
+            ) from err
 
         started_after = datetime.now().astimezone() - CLOCK_SKEW
         with aws_errors(f"upload {path} to s3://{outputs.data_bucket}/{key}"):
@@ -299,6 +300,8 @@ class CloudStack:
             )
         etag = str(response.get("ETag", "")).strip('"')
         run_id = make_run_id(manifest.name, key=key, etag=etag)
+        if etag == local_etag(body):  # the id (or the next attempt's) computed before the upload
+            run_id = expected_run_id
         execution_arn = self.find_execution(key, etag, started_after=started_after, wait_seconds=wait_seconds)
         console_url = (
             execution_console_url(outputs.region, execution_arn)

@@ -5,7 +5,14 @@ Each function is what one Lambda handler calls; inputs and outputs are the state
 
 Idempotency: the run id is deterministic from the manifest object (key + ETag, ``planner.make_run_id``). A second
 delivery of the same object reaches ``plan_jobs``, finds the run already planned and raises PlanRefused without
-launching anything or touching the first run's rows.
+launching anything or touching the first run's rows. A run that ended FAILED or REFUSED may be tried again: the same
+object uploaded again is planned as ``<run_id>-r2`` (then ``-r3``, ...), a new run with its own rows and job names
+(SageMaker job names cannot be reused), the failed attempt's rows left as they were.
+
+Every way an execution can end must leave its run final: the state machine catches failures after planning into
+``mark_run_failed``; an EventBridge rule on "Step Functions Execution Status Change" (FAILED, TIMED_OUT, ABORTED)
+covers what cannot be caught (timeouts, aborts, States.DataLimitExceeded) through ``fail_run_of_execution``. Both
+only ever move a non-final run of *their* execution (the run row records the execution that planned it) to FAILED.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
 from gpuscout.spec.manifest import Manifest, parse_manifest, validate_manifest_data
 from gpuscout.store.base import (
+    FINAL_RUN_STATUSES,
     JobRecord,
     JobStatus,
     ResultRecord,
@@ -58,6 +66,12 @@ from gpuscout.store.dynamodb import DynamoDbStore
 MAX_MANIFEST_BYTES = 1024 * 1024
 # The plan step's output, at most: the rest of the 256 KiB state is the manifest and the data-preparation result.
 MAX_PLAN_BYTES = STATE_PAYLOAD_LIMIT_BYTES - 48 * 1024
+# A run that ended like this may be planned again from the same manifest object (as <run_id>-r<attempt>).
+RETRYABLE_RUN_STATUSES = frozenset({RunStatus.FAILED, RunStatus.REFUSED})
+MAX_ATTEMPTS = 20
+# How many of the newest runs fail_run_of_execution searches for the run of a failed execution.
+RUNS_SEARCHED_FOR_AN_EXECUTION = 200
+MAX_ERROR_CHARS = 4000
 REJECTED_PREFIX = "rejected/"
 REPORTS_PREFIX = "reports/"
 
@@ -219,6 +233,42 @@ def _object_exists(s3: Any, bucket: str, key: str) -> bool:
     return True
 
 
+def run_id_to_plan(store: ResultStore, run_id: str, source: str) -> str:
+    """The run id this delivery of the manifest object plans: the object's own id the first time, else the next
+    ``<run_id>-r<n>`` after attempts that ended FAILED or REFUSED. Raises PlanRefused when an attempt is planned,
+    running or ended otherwise (a duplicate delivery, or a run that already concluded)."""
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        candidate = run_id if attempt == 1 else f"{run_id}-r{attempt}"
+        try:
+            existing = store.get_run(candidate)
+        except RunNotFoundError:
+            return candidate
+        if existing.status not in RETRYABLE_RUN_STATUSES:
+            raise PlanRefused(
+                f"{source} (this exact object) was already planned as run {candidate} ({existing.status.value}); "
+                "nothing was launched again"
+            )
+    raise PlanRefused(f"{source} (this exact object) failed {MAX_ATTEMPTS} times; change the manifest to run it")
+
+
+def interleave_by_instance_type(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Round-robin over instance types (in order of first appearance), keeping each type's own order.
+
+    The Map starts jobs in list order, MaxConcurrency at a time. Account quotas are per instance type and often
+    1-2 instances, so consecutive jobs of one type would fill the Map's slots with jobs waiting for that quota
+    while other types sit idle; interleaved, each type's jobs are spread over the slots."""
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for job in jobs:
+        by_type.setdefault(str(job["request"]["ResourceConfig"]["InstanceType"]), []).append(job)
+    queues = list(by_type.values())
+    ordered: list[dict[str, Any]] = []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                ordered.append(queue.pop(0))
+    return ordered
+
+
 def plan_jobs(
     validated: dict[str, Any],
     *,
@@ -229,17 +279,9 @@ def plan_jobs(
 ) -> dict[str, Any]:
     """Plan step: job specs -> requests; RUN + JOB rows (PLANNED). Raises PlanRefused over budget (REFUSED run)
     or when this manifest object was already planned (nothing is written then)."""
-    run_id = str(validated["run_id"])
     source = f"s3://{validated['bucket']}/{validated['key']}"
-    try:
-        existing = store.get_run(run_id)
-    except RunNotFoundError:
-        existing = None
-    if existing is not None:
-        raise PlanRefused(
-            f"{source} (this exact object) was already planned as run {run_id} ({existing.status.value}); "
-            "nothing was launched again"
-        )
+    run_id = run_id_to_plan(store, str(validated["run_id"]), source)
+    execution_arn = validated.get("execution_arn") or None
     catalog = catalog or load_catalog()
     manifest = validate_manifest_data(validated["manifest"], source, catalog)
     the_plan = plan(manifest, catalog, run_id=run_id)
@@ -250,6 +292,7 @@ def plan_jobs(
         manifest_source=source,
         manifest=manifest.model_dump(mode="json"),
         predicted_cost_usd=the_plan.predicted_cost_usd,
+        execution_arn=execution_arn,
     )
     try:
         the_plan.check_budget()
@@ -275,7 +318,7 @@ def plan_jobs(
     output = {
         "run_id": run_id,
         "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
-        "jobs": jobs_out,
+        "jobs": interleave_by_instance_type(jobs_out),
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
     size = len(json.dumps(output, separators=(",", ":")).encode())
@@ -332,6 +375,49 @@ def record_job_failure(failure: dict[str, Any], *, store: ResultStore) -> dict[s
         fields["billable_seconds"] = billable
     applied = store.apply_job_event(run_id, job_name, status, event_time, **fields)
     return {"run_id": run_id, "job_name": job_name, "status": status.value, "applied": applied}
+
+
+def mark_run_failed(
+    run_id: str, reason: str, *, store: ResultStore, execution_arn: str | None = None
+) -> dict[str, Any]:
+    """Move a run that is not final yet to FAILED with ``reason``. Idempotent: a missing run, a final one, or a run
+    planned by another execution than ``execution_arn`` (when both are known) is left alone (``applied: false``)."""
+    try:
+        run = store.get_run(run_id)
+    except RunNotFoundError:
+        return {"run_id": run_id, "applied": False, "status": None, "ignored_reason": "no such run"}
+    ignored: str | None = None
+    if run.status in FINAL_RUN_STATUSES:
+        ignored = f"already final ({run.status.value})"
+    elif execution_arn and run.execution_arn and run.execution_arn != execution_arn:
+        ignored = "planned by another execution"
+    if ignored is not None:
+        return {"run_id": run_id, "applied": False, "status": run.status.value, "ignored_reason": ignored}
+    store.update_run(run_id, status=RunStatus.FAILED, error=reason[:MAX_ERROR_CHARS])
+    return {"run_id": run_id, "applied": True, "status": RunStatus.FAILED.value, "ignored_reason": None}
+
+
+def caught_failure_reason(error_name: str, cause: str) -> str:
+    """One line for the run row from a Catch's {"Error", "Cause"} (the Cause may be a long JSON description)."""
+    described = _describe_from_cause(cause)
+    reason = str(described.get("FailureReason") or cause or "no cause given")
+    return f"{error_name or 'error'}: {reason}"
+
+
+def fail_run_of_execution(
+    execution_arn: str,
+    status: str,
+    *,
+    store: ResultStore,
+    error: str | None = None,
+    cause: str | None = None,
+) -> list[dict[str, Any]]:
+    """An execution ended FAILED, TIMED_OUT or ABORTED: mark the runs it planned FAILED (usually one; none when it
+    ended before planning, or when planning refused it). Runs are found among the newest
+    RUNS_SEARCHED_FOR_AN_EXECUTION by the execution ARN plan_jobs recorded."""
+    reason = f"the workflow execution ended {status}" + (f" ({error}: {cause or 'no cause given'})" if error else "")
+    runs = [r for r in store.list_runs(limit=RUNS_SEARCHED_FOR_AN_EXECUTION) if r.execution_arn == execution_arn]
+    return [mark_run_failed(r.run_id, reason, store=store, execution_arn=execution_arn) for r in runs]
 
 
 def _upload_report(s3: Any, bucket: str, run_id: str, folder: Path) -> str:

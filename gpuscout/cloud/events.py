@@ -323,3 +323,45 @@ def handle_training_job_event(
         outcome.budget_usd = budget
         outcome.stopped_jobs = stopped
     return outcome
+
+
+class TrainingJobDescriber(TrainingJobStopper, Protocol):
+    def describe_training_job(self, *, TrainingJobName: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+
+
+def record_described_job(
+    run_id: str,
+    job_name: str,
+    *,
+    store: ResultStore,
+    s3: ObjectReader,
+    sagemaker: TrainingJobDescriber,
+    artifacts_bucket: str,
+    default_budget_usd: float | None = None,
+) -> JobEventOutcome:
+    """Record a job's final state from DescribeTrainingJob, right after the state machine's ``.sync`` task saw it end.
+
+    The ``.sync`` task returns on the same SageMaker event that asynchronously triggers job_events, so nothing after
+    the Map may assume job_events has run. A DescribeTrainingJob response has the shape of that event's detail, so
+    it goes through ``handle_training_job_event``: the same status mapping, benchmark read, conditional write
+    (event time + status rank: whichever of the two arrives second is a no-op or a newer snapshot, never a
+    downgrade) and budget guard.
+    """
+    try:
+        described = sagemaker.describe_training_job(TrainingJobName=job_name)
+    except (ClientError, BotoCoreError) as err:
+        raise EventError(f"cannot describe training job {job_name}: {err}") from err
+    fields = {k: v for k, v in described.items() if k != "ResponseMetadata"}
+    fields["Tags"] = {RUN_ID_TAG: run_id}  # DescribeTrainingJob carries no tags; the state machine knows the run
+    detail = TrainingJobStateChange.model_validate(fields)
+    if detail.training_job_name != job_name:
+        raise EventError(f"DescribeTrainingJob({job_name}) answered for {detail.training_job_name}")
+    return handle_training_job_event(
+        detail,
+        detail.last_modified_time or datetime.now(UTC),
+        store=store,
+        s3=s3,
+        sagemaker=sagemaker,
+        artifacts_bucket=artifacts_bucket,
+        default_budget_usd=default_budget_usd,
+    )

@@ -1,6 +1,7 @@
 """Lambda: expand a validated manifest into SageMaker requests (Cloud contract: plan_jobs).
 
-Over budget, or for a manifest object that was already planned, it raises PlanRefused and launches nothing.
+Over budget, or for a manifest object that was already planned, it raises PlanRefused and launches nothing; an object
+whose run ended FAILED or REFUSED is planned again as <run_id>-r<n>.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ metrics = Metrics(namespace="gpuscout")
 
 
 class ValidatedManifest(BaseModel):
-    """validate_manifest's output."""
+    """validate_manifest's output, plus the execution's ARN (recorded on the run, see mark_run_failed)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -29,6 +30,7 @@ class ValidatedManifest(BaseModel):
     bucket: str
     key: str
     manifest: dict[str, Any]
+    execution_arn: str | None = None
 
 
 @logger.inject_lambda_context

@@ -27,6 +27,18 @@ NO_RESOURCE_LEVEL = {
 }
 
 
+TABLE_LOGS_AND_TRACES = {
+    "dynamodb:GetItem",
+    "dynamodb:PutItem",
+    "dynamodb:UpdateItem",
+    "dynamodb:Query",
+    "logs:CreateLogStream",
+    "logs:PutLogEvents",
+    "xray:PutTraceSegments",
+    "xray:PutTelemetryRecords",
+}
+
+
 def _all_roles(synthesized: Synthesized) -> dict[str, Any]:
     roles = synthesized.stack.roles
     return {"sagemaker": roles.sagemaker, "state_machine": roles.state_machine, **roles.lambdas}
@@ -156,15 +168,11 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     assert "/processed/*" in actions_of("plan_jobs")["s3:GetObject"]
     assert "/reports/*" in actions_of("analyze_run")["s3:PutObject"]
     assert "sns:Publish" in actions_of("analyze_run")
-    assert ":training-job/gs-*" in actions_of("job_events")["sagemaker:StopTrainingJob"]
-    assert "s3:PutObject" not in actions_of("job_events")
-    assert set(actions_of("record_job_failure")) <= {
-        "dynamodb:GetItem",
-        "dynamodb:PutItem",
-        "dynamodb:UpdateItem",
-        "dynamodb:Query",
-        "logs:CreateLogStream",
-        "logs:PutLogEvents",
-        "xray:PutTraceSegments",
-        "xray:PutTelemetryRecords",
-    }
+    for recorder in ("job_events", "record_job_result"):
+        assert ":training-job/gs-*" in actions_of(recorder)["sagemaker:StopTrainingJob"]
+        assert ":training-job/gs-*" in actions_of(recorder)["sagemaker:DescribeTrainingJob"]
+        assert "/output/*" in actions_of(recorder)["s3:GetObject"]
+        assert "s3:PutObject" not in actions_of(recorder)
+    assert set(actions_of("record_job_failure")) <= TABLE_LOGS_AND_TRACES
+    # mark_run_failed is also an EventBridge target: its failed async invocations go to the functions' DLQ.
+    assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"}

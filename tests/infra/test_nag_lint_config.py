@@ -88,6 +88,7 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(notification_email="not-an-address"), "notification_email"),
         (_context(vpc={"subnet_ids": ["subnet-1"], "security_group_ids": ["sg-0123abcd"]}), "vpc.subnet_ids"),
         (_context(log_retention_days=10), "log_retention_days"),
+        (_context(quota_wait_hours=96), "quota_wait_hours .96. exceeds execution_timeout_hours"),
         (_context(training_image_base=PRIVATE_DLC), "training_image_base"),
         (_context(processing_instance_type="ml.p4d.24xlarge"), "cannot run SageMaker Processing jobs"),
         (_context(stack_name="1-bad_name"), "stack_name"),

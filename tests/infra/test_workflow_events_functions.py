@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import pytest
+from aws_cdk.assertions import Match
 
 from stacks.workflow import PROCESSING_REQUEST_FIELDS, TRAINING_REQUEST_FIELDS
 from tests.infra.conftest import Synthesized, state_machine_definition
@@ -55,15 +56,69 @@ def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> No
         assert states[task]["Catch"] == [{"ErrorEquals": [error], "ResultPath": "$.error", "Next": fail}]
         assert states[fail] == {"Type": "Fail", "Error": error, "CausePath": "$.error.Cause"}
         assert states[task]["Resource"].startswith("<Functions")
-    # A failed data preparation ends the run before any training job is launched.
-    assert states["Prepare data"]["Catch"] == [
-        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Data preparation failed"}
-    ]
-    assert states["Data preparation failed"] == {
-        "Type": "Fail",
-        "Error": "DataPreparationFailed",
-        "CausePath": "$.error.Cause",
+
+
+def test_every_failure_after_planning_marks_the_run_failed(asl: dict[str, Any]) -> None:
+    # A failed data preparation, Map or analysis marks the run FAILED, then fails the execution with the cause.
+    states = asl["States"]
+    for state in ("Prepare data", "Run jobs", "Analyze run"):
+        assert states[state]["Catch"] == [
+            {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Mark run failed"}
+        ], state
+    mark = states["Mark run failed"]
+    assert mark["Parameters"] == {"run_id.$": "$.run_id", "execution_arn.$": "$$.Execution.Id", "error.$": "$.error"}
+    assert mark["ResultPath"] is None and mark["Next"] == "Run failed"
+    assert states["Run failed"] == {"Type": "Fail", "Error": "RunFailed", "CausePath": "$.error.Cause"}
+    # Plan records which execution planned the run (mark_run_failed touches only that execution's run).
+    assert states["Plan jobs"]["Parameters"]["execution_arn.$"] == "$$.Execution.Id"
+
+
+def test_lambda_steps_retry_lambdas_transient_errors_and_the_status_read_retries_throttling(
+    asl: dict[str, Any],
+) -> None:
+    states = dict(asl["States"])
+    processor = states["Run jobs"]["ItemProcessor"]["States"]
+    lambda_steps = {
+        name: state
+        for name, state in {**states, **processor}.items()
+        if state.get("Type") == "Task" and str(state["Resource"]).startswith("<Functions")
     }
+    assert len(lambda_steps) == 6
+    for name, state in lambda_steps.items():
+        [retry] = state["Retry"]
+        assert {"Lambda.TooManyRequestsException", "Lambda.ServiceException"} <= set(retry["ErrorEquals"]), name
+        assert "States.ALL" not in retry["ErrorEquals"] and retry["JitterStrategy"] == "FULL"
+    [retry] = processor["Read run status"]["Retry"]
+    assert "DynamoDB.ProvisionedThroughputExceededException" in retry["ErrorEquals"]
+
+
+def test_failed_timed_out_and_aborted_executions_reach_mark_run_failed(synthesized: Synthesized) -> None:
+    machine = synthesized.logical_id(synthesized.stack.workflow.state_machine)
+    function = synthesized.logical_id(synthesized.stack.functions.functions["mark_run_failed"])
+    queue = synthesized.logical_id(synthesized.stack.events.execution_failed_dead_letters)
+    synthesized.template.has_resource_properties(
+        "AWS::Events::Rule",
+        {
+            "EventPattern": {
+                "source": ["aws.states"],
+                "detail-type": ["Step Functions Execution Status Change"],
+                "detail": {"status": ["FAILED", "TIMED_OUT", "ABORTED"], "stateMachineArn": [{"Ref": machine}]},
+            },
+            "State": "ENABLED",
+            "Targets": [
+                {
+                    "Arn": {"Fn::GetAtt": [function, "Arn"]},
+                    "Id": Match.any_value(),
+                    "DeadLetterConfig": {"Arn": {"Fn::GetAtt": [queue, "Arn"]}},
+                    "RetryPolicy": {"MaximumRetryAttempts": 8, "MaximumEventAgeInSeconds": 6 * 3600},
+                }
+            ],
+        },
+    )
+    synthesized.template.has_resource_properties(
+        "AWS::Lambda::Permission",
+        {"Action": "lambda:InvokeFunction", "Principal": "events.amazonaws.com", "FunctionName": Match.any_value()},
+    )
 
 
 def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str, Any]) -> None:
@@ -89,13 +144,24 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     train = processor["States"]["Train"]
     assert train["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
     assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS}
-    assert train["ResultPath"] == "$.job" and train["OutputPath"] == "$.job_name"
+    assert train["ResultSelector"] == {"TrainingJobArn.$": "$.TrainingJobArn"} and train["ResultPath"] == "$.job"
+    # A finished job is recorded inside the Map (not only by job_events, which runs asynchronously).
+    assert train["Next"] == "Record job result"
+    recorded = processor["States"]["Record job result"]
+    assert recorded["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name"}
+    assert recorded["ResultPath"] is None and recorded["OutputPath"] == "$.job_name" and recorded["End"] is True
+    assert recorded["Catch"] == [
+        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.record_error", "Next": "Result left to job_events"}
+    ]
     assert "EnableNetworkIsolation.$" in train["Parameters"]
     retries = {tuple(r["ErrorEquals"]): r for r in train["Retry"]}
     throttled = retries[("SageMaker.AmazonSageMakerException",)]
     assert throttled["BackoffRate"] == 2 and throttled["MaxAttempts"] >= 3 and throttled["JitterStrategy"] == "FULL"
+    # Quota waits are long and flat (sibling jobs run 30+ minutes): every 5 minutes for quota_wait_hours (24).
     quota = retries[("SageMaker.ResourceLimitExceededException",)]
-    assert quota["IntervalSeconds"] >= 60 and quota["BackoffRate"] == 2
+    assert quota["IntervalSeconds"] == 300 and quota["BackoffRate"] == 1
+    assert quota["IntervalSeconds"] * quota["MaxAttempts"] == synthesized.stack.config.quota_wait_hours * 3600
+    assert synthesized.stack.config.quota_wait_hours == 24
     assert train["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Record job failure"}]
     record = processor["States"]["Record job failure"]
     assert record["End"] is True
@@ -195,7 +261,15 @@ def test_job_state_changes_of_gs_jobs_reach_job_events(synthesized: Synthesized)
 def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None:
     functions = synthesized.stack.functions.functions
     layer = synthesized.logical_id(synthesized.stack.functions.layer)
-    assert set(functions) == {"validate_manifest", "plan_jobs", "record_job_failure", "job_events", "analyze_run"}
+    assert set(functions) == {
+        "validate_manifest",
+        "plan_jobs",
+        "record_job_failure",
+        "record_job_result",
+        "mark_run_failed",
+        "job_events",
+        "analyze_run",
+    }
     for name, function in functions.items():
         props = synthesized.template_json["Resources"][synthesized.logical_id(function)]["Properties"]
         assert props["Runtime"] == "python3.12"
@@ -223,7 +297,7 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
 
 def test_log_groups_have_retention(synthesized: Synthesized) -> None:
     groups = synthesized.resources("AWS::Logs::LogGroup")
-    assert len(groups) == 6  # five functions + the state machine
+    assert len(groups) == len(synthesized.stack.functions.functions) + 1  # one per function + the state machine
     assert {g["Properties"]["RetentionInDays"] for g in groups.values()} == {90}
 
 
@@ -234,7 +308,7 @@ def test_function_bundles_hold_sources_and_the_layer_holds_dependencies(synthesi
     ]
     bundles = [f for f in folders if (f / "lambdas").is_dir()]
     (layer,) = [f for f in folders if (f / "python").is_dir()]
-    assert len(bundles) == 5
+    assert len(bundles) == len(synthesized.stack.functions.functions)
     for bundle in bundles:
         assert (bundle / "gpuscout" / "__init__.py").is_file()
         assert (bundle / "configs" / "instances").is_dir()
@@ -269,7 +343,7 @@ def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
     metrics = {a["Properties"]["MetricName"] for a in alarms}
     assert {"ExecutionsFailed", "ApproximateNumberOfMessagesVisible", "Errors"} <= metrics
     dlq_alarms = [a for a in alarms if a["Properties"]["MetricName"] == "ApproximateNumberOfMessagesVisible"]
-    assert len(dlq_alarms) == 3
+    assert len(dlq_alarms) == 4
     for alarm in dlq_alarms:
         assert alarm["Properties"]["Threshold"] == 0
         assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanThreshold"

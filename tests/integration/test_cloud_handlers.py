@@ -27,6 +27,7 @@ from gpuscout.errors import RunNotFoundError
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
+from lambdas.mark_run_failed import handler as mark_failed_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
@@ -602,3 +603,92 @@ def test_a_run_the_budget_guard_stops_during_analysis_stays_stopped(
     monkeypatch.setattr(store, "list_jobs", real_list_jobs)
     run = store.get_run(run_id)
     assert run.status is RunStatus.STOPPED and run.error == "budget guard"
+
+
+# ----------------------------------------------------------------- failed executions leave no run open (item 8)
+
+
+def _planned_by(cloud: Cloud, execution_arn: str, text: str | None = None) -> dict[str, Any]:
+    validated = validate_handler.handler(cloud.submit(text or cloud_manifest()), cloud.context)
+    planned: dict[str, Any] = plan_handler.handler({**validated, "execution_arn": execution_arn}, cloud.context)
+    return planned
+
+
+def test_a_timed_out_execution_marks_its_run_failed_once(cloud: Cloud) -> None:
+    # Given the EventBridge event AWS sends when an execution times out (documented shape, tests/fixtures/events),
+    event = load_event("sfn_execution_timed_out")
+    execution_arn = event["detail"]["executionArn"]
+    run_id = _planned_by(cloud, execution_arn)["run_id"]
+    store = cloud.services.store
+    assert store.get_run(run_id).execution_arn == execution_arn
+    # when mark_run_failed receives it, the run that execution planned ends FAILED with the reason,
+    outcome = mark_failed_handler.handler(event, cloud.context)
+    assert outcome == {"runs": [{"run_id": run_id, "applied": True, "status": "FAILED", "ignored_reason": None}]}
+    run = store.get_run(run_id)
+    assert run.status is RunStatus.FAILED and run.error is not None and "TIMED_OUT" in run.error
+    # and a second delivery changes nothing.
+    again = mark_failed_handler.handler(event, cloud.context)
+    assert again["runs"][0]["applied"] is False and store.get_run(run_id).updated_at == run.updated_at
+
+
+def test_a_failed_execution_never_touches_a_run_it_did_not_plan_or_a_final_run(cloud: Cloud) -> None:
+    store = cloud.services.store
+    event = load_event("sfn_execution_timed_out")
+    # A duplicate delivery's execution fails with PlanRefused: the run belongs to the first execution.
+    run_id = _planned_by(cloud, "arn:aws:states:us-east-1:123456789012:execution:sm:first")["run_id"]
+    assert mark_failed_handler.handler(event, cloud.context) == {"runs": []}
+    assert store.get_run(run_id).status is RunStatus.PLANNED
+    # A run that already concluded keeps its status.
+    other = _planned_by(cloud, event["detail"]["executionArn"], cloud_manifest(name="done"))["run_id"]
+    store.update_run(other, status=RunStatus.SUCCEEDED)
+    [outcome] = mark_failed_handler.handler(event, cloud.context)["runs"]
+    assert outcome["applied"] is False and store.get_run(other).status is RunStatus.SUCCEEDED
+    # A SUCCEEDED or RUNNING status change is no failure.
+    for status in ("SUCCEEDED", "RUNNING"):
+        event["detail"]["status"] = status
+        assert mark_failed_handler.handler(event, cloud.context) == {"runs": []}
+
+
+def test_the_catch_payload_marks_the_run_failed_with_the_jobs_reason(cloud: Cloud) -> None:
+    execution_arn = "arn:aws:states:us-east-1:123456789012:execution:sm:run"
+    run_id = _planned_by(cloud, execution_arn)["run_id"]
+    cause = json.dumps({"ProcessingJobStatus": "Failed", "FailureReason": "AlgorithmError: exit code 2"})
+    caught = {"run_id": run_id, "execution_arn": execution_arn, "error": {"Error": "States.TaskFailed", "Cause": cause}}
+    [outcome] = mark_failed_handler.handler(caught, cloud.context)["runs"]
+    assert outcome["applied"] is True
+    assert cloud.services.store.get_run(run_id).error == "States.TaskFailed: AlgorithmError: exit code 2"
+
+
+@pytest.mark.parametrize("ended", [RunStatus.FAILED, RunStatus.REFUSED])
+def test_the_same_manifest_uploaded_again_after_a_failed_run_is_planned_again(cloud: Cloud, ended: RunStatus) -> None:
+    # Given a run that ended FAILED (or REFUSED),
+    execution_input = cloud.submit(cloud_manifest())
+    first = plan_handler.handler(validate_handler.handler(dict(execution_input), cloud.context), cloud.context)
+    store = cloud.services.store
+    store.update_run(first["run_id"], status=ended, error="data preparation failed")
+    # when the same object arrives again, it is planned as a new attempt with its own rows and job names
+    again = validate_handler.handler(dict(execution_input), cloud.context)
+    second = plan_handler.handler(again, cloud.context)
+    assert second["run_id"] == f"{first['run_id']}-r2"
+    assert store.get_run(second["run_id"]).status is RunStatus.PLANNED
+    first_names = {j["job_name"] for j in first["jobs"]}
+    second_names = {j["job_name"] for j in second["jobs"]}
+    assert len(second_names) == len(first_names) and not first_names & second_names  # SageMaker names are unique
+    assert second["prepare"]["request"]["ProcessingJobName"] != first["prepare"]["request"]["ProcessingJobName"]
+    assert {j.job_name for j in store.list_jobs(second["run_id"])} == second_names
+    # the failed attempt stays as it was,
+    assert store.get_run(first["run_id"]).status is ended
+    assert {j.job_name for j in store.list_jobs(first["run_id"])} == first_names
+    # and a duplicate delivery while the new attempt is planned is still refused.
+    with pytest.raises(PlanRefused, match=r"already planned as run .*-r2"):
+        plan_handler.handler(validate_handler.handler(dict(execution_input), cloud.context), cloud.context)
+
+
+def test_jobs_are_ordered_so_the_map_interleaves_instance_types(cloud: Cloud) -> None:
+    # Quotas are per instance type (often 1-2): the Map's first slots must not all wait on one type's quota.
+    planned = _validate_and_plan(cloud, cloud_manifest())
+    types = [job["request"]["ResourceConfig"]["InstanceType"] for job in planned["jobs"]]
+    assert types == ["ml.g5.8xlarge", "ml.p4d.24xlarge", "ml.g5.8xlarge", "ml.p4d.24xlarge"]
+    assert {j["job_name"] for j in planned["jobs"]} == {
+        j.job_name for j in cloud.services.store.list_jobs(planned["run_id"])
+    }

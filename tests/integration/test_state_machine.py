@@ -43,19 +43,34 @@ iteration read the run's status first. With the run STOPPED (what the budget gua
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 import boto3
 import pytest
-from conftest import ARTIFACTS_BUCKET, DATA_BUCKET, IMAGE_URI, REGION, ROLE_ARN, TABLE, Cloud, cloud_manifest
+from conftest import (
+    ARTIFACTS_BUCKET,
+    DATA_BUCKET,
+    IMAGE_URI,
+    REGION,
+    ROLE_ARN,
+    TABLE,
+    Cloud,
+    benchmark_for,
+    cloud_manifest,
+)
 from moto import mock_aws
+from moto.sagemaker.exceptions import ValidationError
+from moto.sagemaker.models import SageMakerModelBackend
+from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
 
-from gpuscout.store.base import RunStatus
+from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.validate_manifest import handler as validate_handler
@@ -79,19 +94,30 @@ def _walk_states(definition: dict[str, Any], visit: Callable[[str, dict[str, Any
 
 
 def runnable_in_moto(
-    definition: dict[str, Any], results: dict[str, Any], role_arn: str, table_name: str = TABLE
+    definition: dict[str, Any],
+    results: dict[str, Any],
+    role_arn: str,
+    table_name: str = TABLE,
+    *,
+    invoked: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The substitutions of the module docstring. ``results`` maps a Lambda Task's resource placeholder
-    ('<LogicalId.Arn>') to the handler output its Pass state returns; ``role_arn`` is the value of the requests'
-    RoleArn; ``table_name`` replaces the results table's Ref in DynamoDB tasks (whose resource ARN's partition
-    pseudo-parameter becomes ``aws``). Returns the new ASL and state name -> placeholder."""
+    ('<LogicalId.Arn>') to the handler output its Pass state returns; ``invoked`` maps a placeholder to a Lambda ARN
+    instead: that Task stays a Task (Retry and Catch included) and is invoked in process (``InProcessLambdas``).
+    ``role_arn`` is the value of the requests' RoleArn; ``table_name`` replaces the results table's Ref in DynamoDB
+    tasks (whose resource ARN's partition pseudo-parameter becomes ``aws``). Returns the new ASL and state name ->
+    placeholder."""
     rewritten = copy.deepcopy(definition)
     lambda_states: dict[str, str] = {}
+    invoked = invoked or {}
 
     def visit(name: str, state: dict[str, Any]) -> dict[str, Any]:
         if state.get("Type") != "Task":
             return state
         resource = str(state["Resource"])
+        if resource in invoked:
+            lambda_states[name] = resource
+            return {**state, "Resource": invoked[resource]}
         if resource in results:
             lambda_states[name] = resource
             passed = {key: state[key] for key in PASS_FIELDS if key in state}
@@ -210,11 +236,22 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
         placeholder["analyze_run"]: analyzed,
         # Reached only through the Map's Catch; moto SageMaker accepts every request, so it is never entered here.
         placeholder["record_job_failure"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
+        # Its output is discarded (ResultPath null); what it records is covered by the in-process tests below.
+        placeholder["record_job_result"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
+        # Reached only through the Catches after planning; never entered on this success path.
+        placeholder["mark_run_failed"]: {"runs": []},
     }
     role_arns = {planned["prepare"]["request"]["RoleArn"]} | {job["request"]["RoleArn"] for job in planned["jobs"]}
     assert role_arns == {ROLE_ARN}
     definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
-    assert sorted(lambda_states) == ["Analyze run", "Plan jobs", "Record job failure", "Validate manifest"]
+    assert sorted(lambda_states) == [
+        "Analyze run",
+        "Mark run failed",
+        "Plan jobs",
+        "Record job failure",
+        "Record job result",
+        "Validate manifest",
+    ]
     if stop_run_before_start:
         # What job_events' budget guard does when measured spend crosses the budget.
         cloud.services.store.update_run(run_id, status=RunStatus.STOPPED, error="budget reached")
@@ -246,6 +283,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
     [analyze_input] = _entered_inputs(events, "Analyze run")
     assert analyze_input["run_id"] == run_id
     assert _entered_inputs(events, "Record job failure") == []
+    assert _entered_inputs(events, "Mark run failed") == []
     assert _entered_inputs(events, "Skip job (run stopped)") == []
 
     # Data preparation: one processing job, sent exactly as planned.
@@ -347,4 +385,172 @@ def test_a_run_stopped_by_the_budget_guard_launches_no_further_job(cloud: Cloud,
     assert sorted(item["job_name"] for item in skipped) == sorted(job["job_name"] for job in run.planned["jobs"])
     assert all(item["run"] == {"status": "STOPPED"} for item in skipped)
     assert _scheduled(run.events, "createTrainingJob") == []
+    assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Executions whose Lambda steps run for real, in process, while the execution runs.
+#
+# moto's interpreter invokes a Lambda Task through ``lambda_eval_utils._invoke_lambda_function`` (the Lambda Invoke
+# API, which moto cannot serve without Docker). ``InProcessLambdas`` stands in for that one call: it calls the real
+# handler (lambdas/<name>/handler.py) with the Task's payload and answers as the Invoke API does, a raised exception
+# becoming FunctionError "Unhandled" with the Python runtime's payload ({"errorType": <class name>, ...}), so the
+# synthesized Retry and Catch fields (which these Tasks keep) see the error names they see in AWS. Every other state
+# runs as in the tests above. SageMaker still completes jobs instantly and sends no events: job_events never runs.
+
+FUNCTION_ARN = "arn:aws:lambda:us-east-1:123456789012:function:gpuscout-{name}"
+
+ONE_JOB_MANIFEST = """\
+name: one-job
+model:
+  preset: qwen2-tiny
+tokenizer:
+  kind: bpe
+  vocab_size: 4096
+dataset:
+  source: bundled:hebrew-bible
+  max_documents: 400
+sequence_length: 256
+training:
+  max_steps: 30
+targets:
+  - instance_type: ml.g5.8xlarge
+variants:
+  - name: b4
+    per_device_batch_size: 4
+constraints:
+  budget_usd: 50
+"""
+
+
+@dataclass
+class InProcessLambdas:
+    """The Lambda Invoke API of a running execution, served by the real handlers (one invocation at a time, as
+    separate Lambda sandboxes would not share the handlers' module state)."""
+
+    context: Any
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, parameters: dict[str, Any], region: str, state_credentials: Any) -> dict[str, Any]:
+        name = str(parameters["FunctionName"]).rsplit(":", 1)[-1].removeprefix("gpuscout-")
+        payload = json.loads(parameters["Payload"])
+        handler = importlib.import_module(f"lambdas.{name}.handler").handler
+        with self._lock:
+            self.calls.append((name, payload))
+            try:
+                output = handler(payload, self.context)
+            except Exception as err:  # what the Python runtime reports for an unhandled exception
+                error = {"errorType": type(err).__name__, "errorMessage": str(err)}
+                return {"StatusCode": 200, "FunctionError": "Unhandled", "Payload": error}
+        return {"StatusCode": 200, "Payload": json.loads(json.dumps(output))}
+
+    def called(self, name: str) -> list[dict[str, Any]]:
+        return [payload for called, payload in self.calls if called == name]
+
+
+@dataclass
+class LiveRun:
+    execution_input: dict[str, str]
+    described: dict[str, Any]
+    events: list[dict[str, Any]]
+    lambdas: InProcessLambdas
+
+    @property
+    def run_id(self) -> str:
+        [planned] = self.lambdas.called("plan_jobs")
+        return str(planned["run_id"])
+
+
+def _execute_live(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    manifest: str,
+    *,
+    name: str = "one-job",
+    execution_input: dict[str, str] | None = None,
+) -> LiveRun:
+    """Run the synthesized state machine on moto with every Lambda step served by its real handler. Each training
+    job SageMaker creates writes its benchmark.json where a real job's output lands (moto's jobs end at once)."""
+    execution_input = execution_input or cloud.submit(manifest, name=name)
+    functions = synthesized.stack.functions.functions
+    invoked = {f"<{synthesized.logical_id(fn)}.Arn>": FUNCTION_ARN.format(name=n) for n, fn in functions.items()}
+    definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), {}, ROLE_ARN, invoked=invoked)
+    assert "Record job result" in lambda_states
+    lambdas = InProcessLambdas(cloud.context)
+    assert callable(lambda_eval_utils._invoke_lambda_function)  # the one moto function replaced here
+    monkeypatch.setattr(lambda_eval_utils, "_invoke_lambda_function", lambdas)
+
+    create_training_job = SageMakerModelBackend.create_training_job
+
+    def create_and_finish(backend: SageMakerModelBackend, *args: Any, **kwargs: Any) -> Any:
+        job = create_training_job(backend, *args, **kwargs)
+        job_name = str(kwargs.get("training_job_name") or args[0])
+        run_id = next(t["Value"] for t in kwargs["tags"] if t["Key"] == "gpuscout:run-id")
+        instance_type = kwargs["resource_config"]["InstanceType"]
+        cloud.upload_benchmark(run_id, job_name, benchmark_for(job_name, run_id, instance_type))
+        return job
+
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", create_and_finish)
+    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
+        sfn = boto3.client("stepfunctions", region_name=REGION)
+        machine_arn = sfn.create_state_machine(
+            name=f"gpuscout-live-{time.monotonic_ns()}", definition=asl_json(definition), roleArn=SFN_ROLE_ARN
+        )["stateMachineArn"]
+        execution_arn = sfn.start_execution(stateMachineArn=machine_arn, input=json.dumps(execution_input))[
+            "executionArn"
+        ]
+        described = _wait_for(sfn, execution_arn)
+        events = _history(sfn, execution_arn)
+    return LiveRun(execution_input, described, events, lambdas)
+
+
+def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not_run(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a one-job run whose job SageMaker finishes, and no job_events invocation before Analyze
+    # (the .sync task returns on the same event that triggers job_events asynchronously),
+    run = _execute_live(cloud, synthesized, monkeypatch, ONE_JOB_MANIFEST)
+    assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
+    assert run.lambdas.called("job_events") == []
+    order = [name for name, _ in run.lambdas.calls]
+    assert order == ["validate_manifest", "plan_jobs", "record_job_result", "analyze_run"]
+
+    # then the Map recorded the job as COMPLETED with its benchmark before Analyze read it,
+    store = cloud.services.store
+    [job] = store.list_jobs(run.run_id)
+    assert job.status is JobStatus.COMPLETED
+    assert job.benchmark is not None and job.benchmark["job_name"] == job.job_name
+    # and the run was analysed as a success with that job ranked.
+    assert store.get_run(run.run_id).status is RunStatus.SUCCEEDED
+    result = store.get_result(run.run_id)
+    assert result is not None and result.report_uri == f"s3://{DATA_BUCKET}/reports/{run.run_id}/"
+    assert job.job_name in json.dumps(result.analysis)
+
+
+def test_a_failed_data_preparation_marks_the_run_failed_and_fails_the_execution(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given SageMaker refuses the data-preparation job,
+    def refuse(backend: SageMakerModelBackend, *args: Any, **kwargs: Any) -> Any:
+        raise ValidationError(message="Processing job failed: AlgorithmError: exit code 2")
+
+    monkeypatch.setattr(SageMakerModelBackend, "create_processing_job", refuse)
+    run = _execute_live(cloud, synthesized, monkeypatch, ONE_JOB_MANIFEST)
+    # then the Catch marked the run FAILED with the error and cause before the execution failed with that cause,
+    assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
+    assert [name for name, _ in run.lambdas.calls] == ["validate_manifest", "plan_jobs", "mark_run_failed"]
+    [caught] = run.lambdas.called("mark_run_failed")
+    assert caught["run_id"] == run.run_id and caught["execution_arn"] == run.described["executionArn"]
+    stored = cloud.services.store.get_run(run.run_id)
+    assert stored.status is RunStatus.FAILED and stored.error is not None and "exit code 2" in stored.error
+    assert stored.execution_arn == run.described["executionArn"]
+    assert run.described["error"] == "RunFailed" and "exit code 2" in run.described["cause"]
+    assert stored.error.startswith(f"{caught['error']['Error']}: ")
+    # and no training job was launched.
     assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []

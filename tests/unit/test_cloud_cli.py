@@ -233,8 +233,22 @@ def test_the_same_manifest_twice_is_refused_with_the_existing_run(deployed: Depl
             manifest_source=first.manifest_uri,
         )
     )
-    with pytest.raises(AlreadySubmittedError, match=f"already submitted as run {first.run_id} \\(RUNNING\\)"):
+    with pytest.raises(AlreadySubmittedError, match=f"already planned as run {first.run_id} \\(RUNNING\\)"):
         CloudStack().submit(path, wait_seconds=0)
+
+
+def test_the_same_manifest_after_a_failed_run_is_submitted_as_the_next_attempt(
+    deployed: Deployed, tmp_path: Path
+) -> None:
+    # Given a run of this exact manifest that FAILED (data preparation, say)
+    path = _manifest(tmp_path)
+    first = CloudStack().submit(path, wait_seconds=0)
+    failed = RunRecord(run_id=first.run_id, name=first.manifest_name, status=RunStatus.FAILED,
+                       manifest_source=first.manifest_uri)  # fmt: skip
+    deployed.store.put_run(failed)
+    # When it is submitted again, Then it goes, under the id the control plane will plan it as
+    again = CloudStack().submit(path, wait_seconds=0)
+    assert again.run_id == f"{first.run_id}-r2"
 
 
 def test_cli_defaults_match_the_client_and_the_cdk_app() -> None:

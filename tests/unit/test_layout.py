@@ -138,7 +138,14 @@ def test_no_import_cycles_between_modules() -> None:
     assert find_cycle(graph) == [], "import cycle: " + " -> ".join(find_cycle(graph))
 
 
-LIGHT_LAMBDAS = ["validate_manifest", "plan_jobs", "job_events", "record_job_failure"]
+LIGHT_LAMBDAS = [
+    "validate_manifest",
+    "plan_jobs",
+    "job_events",
+    "record_job_failure",
+    "record_job_result",
+    "mark_run_failed",
+]
 
 
 @pytest.mark.parametrize("function", LIGHT_LAMBDAS)

@@ -1,0 +1,85 @@
+"""Lambda: leave a run whose workflow failed in a final state (Cloud contract: mark_run_failed).
+
+Two callers, one rule (gpuscout.cloud.control_plane.mark_run_failed: only a non-final run of this execution moves to
+FAILED, idempotently):
+
+- the state machine's Catch after planning: ``{"run_id", "execution_arn", "error": {"Error", "Cause"}}``;
+- EventBridge "Step Functions Execution Status Change" (FAILED, TIMED_OUT, ABORTED) for what no Catch sees
+  (execution timeout, abort, States.DataLimitExceeded, a failing Catch step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import envelopes, parse
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuscout.cloud import control_plane
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics(namespace="gpuscout")
+
+
+class CaughtError(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    error: str = Field(default="", alias="Error")
+    cause: str = Field(default="", alias="Cause")
+
+
+class CaughtRunFailure(BaseModel):
+    """What the state machine's Catch hands over."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(min_length=1)
+    execution_arn: str | None = None
+    error: CaughtError
+
+
+class ExecutionStatusChange(BaseModel):
+    """The ``detail`` of a "Step Functions Execution Status Change" event (the fields used here)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    execution_arn: str = Field(alias="executionArn", min_length=1)
+    state_machine_arn: str = Field(alias="stateMachineArn")
+    status: Literal["RUNNING", "SUCCEEDED", "FAILED", "TIMED_OUT", "ABORTED", "PENDING_REDRIVE"]
+    error: str | None = None
+    cause: str | None = None
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    services = control_plane.services()
+    if "detail-type" in event:
+        change = parse(event=event, model=ExecutionStatusChange, envelope=envelopes.EventBridgeEnvelope)
+        if not isinstance(change, ExecutionStatusChange):
+            raise TypeError(f"not a single execution status change: {type(change).__name__}")
+        logger.append_keys(execution_arn=change.execution_arn, execution_status=change.status)
+        if change.status not in {"FAILED", "TIMED_OUT", "ABORTED"}:
+            outcomes: list[dict[str, Any]] = []
+        else:
+            outcomes = control_plane.fail_run_of_execution(
+                change.execution_arn, change.status, store=services.store, error=change.error, cause=change.cause
+            )
+    else:
+        caught = parse(event=event, model=CaughtRunFailure)
+        logger.append_keys(run_id=caught.run_id, execution_arn=caught.execution_arn)
+        reason = control_plane.caught_failure_reason(caught.error.error, caught.error.cause)
+        outcomes = [
+            control_plane.mark_run_failed(
+                caught.run_id, reason, store=services.store, execution_arn=caught.execution_arn
+            )
+        ]
+    applied = sum(1 for o in outcomes if o["applied"])
+    metrics.add_metric(name="RunsMarkedFailed", unit=MetricUnit.Count, value=applied)
+    logger.info("run failure recorded", extra={"outcomes": outcomes})
+    return {"runs": outcomes}
