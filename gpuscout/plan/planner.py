@@ -9,12 +9,9 @@ Prediction (docs/manifest.md "How the planner predicts"):
   (forward recomputed), so the predicted MFU drops by model/hardware FLOPs.
 * ``local`` on CPU (or a GPU gpuscout has no SKU for) times a short matmul on the device (~0.3 s) and assumes
   :data:`MEASURED_EFFICIENCY` of that rate for training; ``mfu_assumed`` is None there.
-* Memory: weights + gradients + Adam states at 16 bytes/parameter (mixed precision: 2 weight + 2 grad + 4 fp32
-  master + 8 Adam, or 4+4+8 in fp32), divided by the data-parallel size for what ZeRO shards (stage 2: grads and
-  optimizer; stage 3: everything), + activations (Korthikanti et al. 2022: 34 x s x b x h bytes per layer with
-  16-bit activations and fused attention; with checkpointing one layer's worth plus 2 x s x b x h per layer kept) +
-  logits (6 bytes per token per vocab entry unless the cross-entropy is fused) + 1.5 GB CUDA context. Must fit in
-  90 % of the GPU memory, else PlanError.
+* Memory: :mod:`gpuscout.plan.memory` (states at 16 bytes/parameter sharded by ZeRO, autocast weight copies,
+  activations and loss bytes measured on the model code by training/memory_probe.py, the dense mask, 1.5 GB CUDA
+  context). Must fit in 90 % of the GPU memory (host memory on CPU), else PlanError, which says what would fit.
 * Cost = (training + overhead) / 3600 x price x instance_count; overhead = 360 s in the cloud (provisioning, image
   pull, data download, upload), 0 locally. A spot target without a spot price is planned at the on-demand price.
 * max_runtime_seconds = 3 x predicted training + overhead + 10 min, clamped to [30 min, 5 days].
@@ -29,13 +26,16 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
 
 from gpuscout.errors import BudgetExceededError, PlanError
+from gpuscout.plan import memory
+from gpuscout.plan.memory import StepSettings
 from gpuscout.spec.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
-from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token, total_params
+from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token
 from gpuscout.spec.jobspec import JOB_NAME_RE, JobSpec, Prediction
 from gpuscout.spec.manifest import Manifest, Target, Variant
 from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
@@ -62,7 +62,6 @@ RUNTIME_MARGIN_S = 600
 MIN_RUNTIME_S = 1800
 MAX_RUNTIME_S = 5 * 24 * 3600
 MEMORY_USABLE_FRACTION = 0.90
-CUDA_CONTEXT_GB = 1.5
 DEEPSPEED_CONFIGS = {2: "zero2.json", 3: "zero3.json"}
 
 
@@ -161,27 +160,76 @@ def _architecture(manifest: Manifest) -> Architecture:
     return arch.with_vocab(training_vocab(arch.name, arch.vocab_size, tokenizer_vocab))
 
 
+def step_settings(variant: Variant, *, precision: str) -> StepSettings:
+    return StepSettings(
+        precision=precision,
+        attention=variant.attention,
+        gradient_checkpointing=variant.gradient_checkpointing,
+        fused_cross_entropy=variant.fused_cross_entropy,
+        packing=variant.packing,
+        deepspeed_stage=variant.deepspeed_stage,
+    )
+
+
 def memory_per_gpu_gb(
-    arch: Architecture, *, seq: int, batch: int, precision: str, stage: int, world: int, variant: Variant
+    arch: Architecture,
+    *,
+    seq: int,
+    batch: int,
+    precision: str,
+    stage: int,
+    world: int,
+    variant: Variant,
+    device: str = "cuda",
 ) -> float:
-    """Rough peak memory per GPU in GB (module docstring)."""
-    params = total_params(arch)
-    state_bytes = 16.0
-    if stage == 3:
-        states = params * state_bytes / world
-    elif stage == 2:
-        weights = params * (2.0 if precision != "fp32" else 4.0)
-        states = weights + (params * state_bytes - weights) / world
-    else:
-        states = params * state_bytes
-    act_bytes = 2.0 if precision != "fp32" else 4.0
-    per_layer_full = 17.0 * act_bytes * seq * batch * arch.hidden_size  # 34 bytes at 16 bit
-    if variant.gradient_checkpointing:
-        activations = arch.num_hidden_layers * act_bytes * seq * batch * arch.hidden_size + per_layer_full
-    else:
-        activations = arch.num_hidden_layers * per_layer_full
-    logits = 0.0 if variant.fused_cross_entropy else 6.0 * seq * batch * arch.vocab_size
-    return (states + activations + logits) / 1e9 + CUDA_CONTEXT_GB
+    """Peak memory per GPU (the host's on ``device="cpu"``) in GB: the calibrated model of
+    :mod:`gpuscout.plan.memory`. ``stage`` overrides the variant's deepspeed_stage."""
+    settings = replace(step_settings(variant, precision=precision), deepspeed_stage=stage)
+    return memory.estimate(arch, seq=seq, batch=batch, settings=settings, world=world, device=device).total_gb
+
+
+def what_fits(
+    arch: Architecture, *, seq: int, batch: int, precision: str, world: int, variant: Variant, device: str,
+    limit_gb: float,
+) -> list[str]:  # fmt: skip
+    """Changes to ``variant`` that would bring its peak under ``limit_gb``, most similar first."""
+
+    def fits(v: Variant, b: int) -> bool:
+        need = memory_per_gpu_gb(
+            arch, seq=seq, batch=b, precision=precision, stage=v.deepspeed_stage, world=world, variant=v, device=device
+        )
+        return need <= limit_gb
+
+    def largest_batch(v: Variant) -> int:
+        low, high = 0, batch  # fits(low) (or low == 0), not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(v, mid) else (low, mid)
+        return low
+
+    out: list[str] = []
+    most = largest_batch(variant)
+    same_global = max((d for d in range(1, most + 1) if batch % d == 0), default=0)
+    if same_global:
+        note = f"; up to {most} fits" if most > same_global else ""
+        out.append(f"per_device_batch_size {same_global} with {batch // same_global}x the "
+                   f"gradient_accumulation_steps (the same global batch{note})")  # fmt: skip
+    changes: list[tuple[str, dict[str, object]]] = []
+    if not variant.gradient_checkpointing:
+        changes.append(("gradient_checkpointing: true", {"gradient_checkpointing": True}))
+    if not variant.fused_cross_entropy:
+        changes.append(("fused_cross_entropy: true", {"fused_cross_entropy": True}))
+    if device == "cuda" and world > 1 and variant.deepspeed_stage != 3:
+        changes.append(("deepspeed_stage: 3", {"deepspeed_stage": 3}))
+    for text, change in changes:
+        if fits(variant.model_copy(update=change), batch):
+            out.append(text)
+    if not out and len(changes) > 1:
+        both = variant.model_copy(update={k: v for _, c in changes for k, v in c.items()})
+        b = largest_batch(both) if not fits(both, batch) else batch
+        if b:
+            out.append(" + ".join(text for text, _ in changes) + f" at per_device_batch_size {b}")
+    return out
 
 
 def _predict_tokens_per_s(
@@ -276,16 +324,19 @@ def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: L
                 stage=variant.deepspeed_stage,
                 world=world,
                 variant=variant,
+                device=device,
             )
             host_gb = hw.memory_gib * 2**30 / 1e9 if hw is not None and hw.memory_gib else None
             capacity = gpu_memory_gb if device == "cuda" else host_gb
             if capacity is not None and need > MEMORY_USABLE_FRACTION * capacity:
+                fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
+                                  device=device, limit_gb=MEMORY_USABLE_FRACTION * capacity)  # fmt: skip
+                advice = "would fit: " + "; or ".join(fixes) if fixes else "nothing but a larger instance would fit"
                 raise PlanError(
                     f"{where}, variant {variant.name!r}: needs ~{need:.1f} GB per "
                     f"{'GPU' if device == 'cuda' else 'host'} but {capacity:.0f} GB is available "
                     f"({MEMORY_USABLE_FRACTION:.0%} usable) for {arch.name} at "
-                    f"sequence_length {seq}, per_device_batch_size {batch}; try deepspeed_stage 3, "
-                    "gradient_checkpointing: true, fused_cross_entropy: true, a smaller batch, or a larger instance"
+                    f"sequence_length {seq}, per_device_batch_size {batch}; {advice}"
                 )
             tokens_per_step = batch * accum * world * seq
             max_steps = training.max_steps or math.ceil((training.max_tokens or 0) / tokens_per_step)

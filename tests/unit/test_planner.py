@@ -5,13 +5,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuscout.errors import BudgetExceededError, PlanError
+from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.plan.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan
 from gpuscout.spec.catalog import LocalHardware, load_catalog
 from gpuscout.spec.jobspec import JOB_NAME_RE
-from gpuscout.spec.manifest import validate_manifest_data
+from gpuscout.spec.manifest import load_manifest, validate_manifest_data
 
 CATALOG = load_catalog()
 CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
+H100 = LocalHardware(device="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_sku="H100-SXM5-80GB", gpu_count=1,
+                     gpu_memory_gb=79.6, cpu_count=16, memory_gib=128)  # fmt: skip
 HP_KEYS = {
     "run_id", "job_name", "instance_type", "sequence_length", "per_device_train_batch_size",
     "gradient_accumulation_steps", "max_steps", "learning_rate", "weight_decay", "seed", "precision", "packing",
@@ -29,7 +32,7 @@ def manifest(**over):
         "sequence_length": 2048,
         "training": {"max_steps": 50, "precision": "bf16"},
         "targets": [{"instance_type": "ml.p5.48xlarge"}],
-        "variants": [{"name": "b8-a2", "per_device_batch_size": 8, "gradient_accumulation_steps": 2}],
+        "variants": [{"name": "b2-a8", "per_device_batch_size": 2, "gradient_accumulation_steps": 8}],
         "constraints": {"budget_usd": 100},
     }
     data.update(over)
@@ -45,7 +48,7 @@ def test_prediction_hand_checked():
     assert p.tokens_per_s == pytest.approx(0.38 * 8 * 989.4e12 / 10_318_381_056, rel=1e-9)
     assert p.tokens_per_s == pytest.approx(291_496.9, rel=1e-6)
     assert p.mfu_assumed == pytest.approx(0.38)
-    tokens_per_step = 8 * 2 * 8 * 2048
+    tokens_per_step = 2 * 8 * 8 * 2048
     assert p.training_seconds == pytest.approx(50 * tokens_per_step / p.tokens_per_s)
     assert p.training_seconds == pytest.approx(44.965, abs=1e-3)
     assert p.overhead_seconds == 360
@@ -60,7 +63,7 @@ def test_hyperparameters_contract():
     hp = job.hyperparameters
     assert set(hp) == HP_KEYS | {"model_preset", "warmup_steps"}
     assert all(isinstance(v, str) for v in hp.values())
-    assert hp["max_steps"] == str(-(-10_000_000 // (8 * 2 * 8 * 2048)))
+    assert hp["max_steps"] == str(-(-10_000_000 // (2 * 8 * 8 * 2048)))
     assert hp["packing"] == "true" and hp["deepspeed_stage"] == "0" and hp["warmup_steps"] == "3"
     auto = plan(manifest(), CATALOG, run_id="r1").jobs[0].hyperparameters
     assert "warmup_steps" not in auto
@@ -90,14 +93,54 @@ def test_budget_refusal():
 
 def test_memory_refusal():
     m = manifest(model={"preset": "qwen2.5-7b"}, targets=[{"instance_type": "ml.g5.8xlarge"}])
-    with pytest.raises(PlanError, match=r"needs ~\d+\.\d GB per GPU but 24 GB.*deepspeed_stage 3"):
+    # one 24 GB GPU: 7B's states alone are 16 B x 7.6 G parameters; no ZeRO without a second GPU
+    with pytest.raises(PlanError, match=r"needs ~\d+\.\d GB per GPU but 24 GB.*nothing but a larger instance") as info:
         plan(m, CATALOG, run_id="r")
+    assert "deepspeed_stage" not in str(info.value)
     zero3_7b = manifest(
         model={"preset": "qwen2.5-7b"},
         targets=[{"instance_type": "ml.p4d.24xlarge"}],
         variants=[{"name": "z3", "deepspeed_stage": 3, "per_device_batch_size": 1, "gradient_checkpointing": True}],
     )
     assert plan(zero3_7b, CATALOG, run_id="r").jobs  # 7B fits on 8x 40 GB with ZeRO-3
+
+
+SINGLE_CHANGES = {
+    "gradient_checkpointing: true": {"gradient_checkpointing": True},
+    "fused_cross_entropy: true": {"fused_cross_entropy": True},
+    "deepspeed_stage: 3": {"deepspeed_stage": 3},
+}
+
+
+def test_the_memory_refusal_says_what_would_fit_and_it_does():
+    # the HF Trainer baseline of the issue: Qwen2.5-1.5B, micro-batch 4 x 4,096 tokens, plain loss, no checkpointing
+    big = {"name": "b4", "per_device_batch_size": 4, "gradient_accumulation_steps": 4}
+
+    def planned(**change):
+        return plan(manifest(sequence_length=4096, variants=[{**big, **change}]), CATALOG, run_id="r")
+
+    with pytest.raises(PlanError, match=r"needs ~\d+\.\d GB per GPU but 80 GB.*would fit: ") as info:
+        planned()
+    text = " ".join(str(info.value).split())
+    batch = int(re.search(r"would fit: per_device_batch_size (\d+) with (\d+)x", text).group(1))
+    assert 1 <= batch < 4 and 4 % batch == 0
+    assert planned(per_device_batch_size=batch, gradient_accumulation_steps=4 * 4 // batch).jobs
+    with pytest.raises(PlanError):
+        planned(per_device_batch_size=batch + 1)
+    assert "gradient_checkpointing: true" in text
+    for words, change in SINGLE_CHANGES.items():  # what it suggests fits, what it leaves out does not
+        if words in text:
+            assert planned(**change).jobs, words
+        else:
+            with pytest.raises(PlanError):
+                planned(**change)
+
+
+@pytest.mark.parametrize("path", sorted(MANIFESTS_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_manifest_plans(path):
+    # `local` is the 2-core CPU box for the quickstart; hopper-h100.yaml is written for one rented H100
+    local = H100 if path.name.startswith("hopper") else CPU
+    assert plan(load_manifest(path, CATALOG), CATALOG, run_id="r", local_hardware=local).jobs
 
 
 def test_local_cpu_prediction_is_measured():
@@ -180,8 +223,8 @@ def test_job_names_unique_and_valid(data, run_name):
 def test_repetitions_run_interleaved_across_variants():
     # r0 of every target x variant, then r1: a slow period of a shared machine hits every variant, not one.
     variants = [
-        {"name": "b8-a2", "per_device_batch_size": 8, "gradient_accumulation_steps": 2},
-        {"name": "b4-a4", "per_device_batch_size": 4, "gradient_accumulation_steps": 4},
+        {"name": "b8-a2", "per_device_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_checkpointing": True},
+        {"name": "b4-a4", "per_device_batch_size": 4, "gradient_accumulation_steps": 4, "fused_cross_entropy": True},
         {"name": "b2-a8", "per_device_batch_size": 2, "gradient_accumulation_steps": 8},
     ]
     jobs = plan(manifest(variants=variants, repetitions=2), CATALOG, run_id="r").jobs

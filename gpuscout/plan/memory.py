@@ -1,0 +1,220 @@
+"""Peak memory of one training step per GPU, from coefficients measured on the real model code.
+
+The activation and loss bytes come from configs/memory/calibration.json, which training/memory_probe.py writes: it
+runs train.py's model wrapping (CausalLMWithLoss, make_inputs with packing and the dense 4D document mask, fp32
+master weights under bf16 autocast, non-reentrant checkpointing) on CPU and counts the bytes autograd saves for
+backward. docs/performance.md ("Memory model") says how, on what, and what still needs a GPU to confirm.
+
+Peak = states + weight copies + activations + mask + loss + CUDA context, where (T = batch x sequence tokens)
+
+* states: 16 bytes/parameter (fp32 weights 4 + fp32 gradients 4 + AdamW 8; DeepSpeed's bf16 2 + 2 + master 4 +
+  Adam 8 is the same), ZeRO-2 shards all but the weights over the data-parallel size, ZeRO-3 everything;
+* weight copies: under autocast (bf16/fp16 without DeepSpeed) every matmul weight gets a 16-bit copy, cached for the
+  forward pass and saved for backward: 2 bytes per matmul parameter;
+* activations: per layer ``layer_bytes_per_token(h, i, kv_width, heads) x T + layer_bytes_per_batch_seq2 x batch x
+  seq^2`` (the attention mask sdpa converts per layer, or eager's attention probabilities), plus the model-level
+  ``model_bytes_per_token x T`` (embeddings, final norm, lm_head input). With checkpointing every layer keeps only
+  its checkpointed input, and one layer's full activations (and weight copies) are recomputed at a time in the
+  backward pass, after the loss: the peak is the larger of that moment and the loss's;
+* mask: the dense [batch, 1, seq, seq] mask make_inputs builds for packing (bool for sdpa, the compute dtype for
+  eager); flex attention's block mask is small, so flex is modelled as sdpa without either mask term;
+* loss: the measured peak of the loss alone, per token and vocabulary entry: the full logits (bf16, a contiguous
+  copy, the fp32 upcast, log-softmax and their gradients) for the plain loss, one 4,096-token chunk of them for the
+  fused (chunked, or on CUDA Liger's smaller chunks: an upper bound) loss;
+* CUDA context: 1.5 GB (not seen by torch.cuda.max_memory_allocated).
+
+No allocator fragmentation factor is added: the planner compares against 90 % of the GPU memory, and what the
+caching allocator reserves beyond what it allocates has not been measured on a GPU here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuscout.errors import PlanError
+from gpuscout.paths import MEMORY_DIR
+from gpuscout.spec.flops import matmul_params, total_params
+from gpuscout.spec.models import Architecture
+
+CALIBRATION_PATH = MEMORY_DIR / "calibration.json"
+STATE_BYTES_PER_PARAM = 16.0
+WEIGHT_COPY_BYTES_PER_PARAM = 2.0
+CUDA_CONTEXT_GB = 1.5
+CHUNK_TOKENS = 4096  # training/packing.py chunked_cross_entropy's chunk_tokens
+
+
+@dataclass(frozen=True)
+class Calibration:
+    settings: dict[str, dict[str, Any]]
+    loss_peak: dict[str, Any]
+    versions: dict[str, str]
+
+    def setting(self, key: str) -> dict[str, Any]:
+        try:
+            return self.settings[key]
+        except KeyError:
+            raise PlanError(f"{CALIBRATION_PATH}: no memory calibration for {key}") from None
+
+
+@functools.cache
+def load_calibration(path: Path = CALIBRATION_PATH) -> Calibration:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise PlanError(f"cannot read the memory calibration {path}: {err}") from err
+    return Calibration(settings=doc["settings"], loss_peak=doc["loss_peak"], versions=doc["versions"])
+
+
+def shape_features(arch: Architecture) -> dict[str, float]:
+    head_dim = arch.attention_head_dim
+    return {
+        "hidden": arch.hidden_size,
+        "intermediate": arch.intermediate_size,
+        "kv_width": arch.num_key_value_heads * head_dim,
+        "heads": arch.num_attention_heads,
+        "head_dim": head_dim,
+        "one": 1.0,
+    }
+
+
+def _linear(coefficients: dict[str, float], features: dict[str, float]) -> float:
+    return sum(c * features[name] for name, c in coefficients.items())
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The training settings that change activation memory (train.py's hyperparameters of the same names)."""
+
+    precision: str = "bf16"  # bf16 | fp16 | fp32
+    attention: str = "sdpa"  # sdpa | eager | flex
+    gradient_checkpointing: bool = False
+    fused_cross_entropy: bool = False
+    packing: bool = True
+    deepspeed_stage: int = 0
+
+    @property
+    def calibration_key(self) -> str:
+        precision = "fp32" if self.precision == "fp32" else "bf16"  # fp16 saves the same bytes as bf16
+        attention = "eager" if self.attention == "eager" else "sdpa"
+        layers = "ckpt" if self.gradient_checkpointing else "full"
+        return f"{precision}/{attention}/{layers}/{'chunked' if self.fused_cross_entropy else 'plain'}"
+
+    def with_checkpointing(self, value: bool) -> StepSettings:
+        return StepSettings(**{**self.__dict__, "gradient_checkpointing": value})
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU by part; ``total`` is the step's peak, the larger of two moments: the loss (every weight copy,
+    every saved activation and the loss transient at once) and, with checkpointing, a layer's recomputation in the
+    backward pass (the saved inputs, one layer's full activations and its weight copies)."""
+
+    states: float
+    weight_copies: float
+    activations: float  # saved for backward at the end of the forward pass
+    mask: float
+    loss: float
+    recompute: float  # one layer's activations and weight copies while it is recomputed (checkpointing), else 0
+    cuda_context: float
+
+    @property
+    def total(self) -> float:
+        transient = max(self.weight_copies + self.loss, self.recompute)
+        return self.states + self.activations + self.mask + transient + self.cuda_context
+
+    @property
+    def total_gb(self) -> float:
+        return self.total / 1e9
+
+
+def state_bytes(arch: Architecture, *, precision: str, stage: int, world: int) -> float:
+    params = total_params(arch)
+    full = params * STATE_BYTES_PER_PARAM
+    if stage == 3:
+        return full / world
+    if stage == 2:
+        weights = params * (2.0 if precision != "fp32" else 4.0)
+        return weights + (full - weights) / world
+    return full
+
+
+def _dense_mask_applies(s: StepSettings) -> bool:
+    return s.packing and s.attention != "flex"
+
+
+def layer_activation_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
+    """Bytes one decoder layer saves for backward without checkpointing (the recomputed layer's, with it)."""
+    c = load_calibration().setting(settings.with_checkpointing(False).calibration_key)
+    per_token = _linear(c["layer_bytes_per_token"], shape_features(arch))
+    per_seq2 = _linear(c["layer_bytes_per_batch_seq2"], shape_features(arch))
+    if settings.attention != "eager" and not _dense_mask_applies(settings):
+        per_seq2 = 0.0  # sdpa without a dense mask (flex, or unpacked rows with a padding mask) keeps no L^2 term
+    return per_token * batch * seq + per_seq2 * batch * seq * seq
+
+
+def saved_activation_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
+    """What the forward pass leaves saved for backward: every layer's activations (or checkpointed inputs) and the
+    model-level ones, logits excluded (the loss term covers them)."""
+    c = load_calibration().setting(settings.calibration_key)
+    features = shape_features(arch)
+    tokens = batch * seq
+    model_level = _linear(c["model_bytes_per_token"], features) * tokens
+    if settings.gradient_checkpointing:
+        return arch.num_hidden_layers * _linear(c["layer_bytes_per_token"], features) * tokens + model_level
+    return arch.num_hidden_layers * layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings) + model_level
+
+
+def saved_logit_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
+    """Bytes of logits the loss saves for backward (the plain loss's fp32 log-softmax; none when fused)."""
+    c = load_calibration().setting(settings.calibration_key)
+    return float(c["bytes_per_token_per_vocab"]) * batch * (seq - 1) * arch.vocab_size
+
+
+def loss_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
+    """Peak bytes of the loss: all prediction rows' logits at once (plain) or one chunk of them (fused)."""
+    precision = "fp32" if settings.precision == "fp32" else "bf16"
+    kind = "chunked" if settings.fused_cross_entropy else "plain"
+    per = float(load_calibration().loss_peak[f"{precision}/{kind}"]["bytes_per_token_per_vocab"])
+    rows = batch * (seq - 1)
+    if settings.fused_cross_entropy:
+        rows = min(rows, CHUNK_TOKENS)
+    return per * rows * arch.vocab_size
+
+
+def mask_bytes(*, seq: int, batch: int, settings: StepSettings) -> float:
+    if not _dense_mask_applies(settings):
+        return 0.0
+    entry = 1.0 if settings.attention != "eager" else (4.0 if settings.precision == "fp32" else 2.0)
+    return entry * batch * seq * seq
+
+
+def estimate(
+    arch: Architecture, *, seq: int, batch: int, settings: StepSettings, world: int, device: str = "cuda"
+) -> MemoryEstimate:
+    """Peak memory per GPU (or of the host, ``device="cpu"``) for one training step (module docstring)."""
+    autocast = settings.precision != "fp32" and settings.deepspeed_stage == 0 and device == "cuda"
+    if device != "cuda":  # train.py autocasts on CUDA only: on the CPU the model computes in fp32
+        settings = StepSettings(**{**settings.__dict__, "precision": "fp32"})
+    copies = WEIGHT_COPY_BYTES_PER_PARAM * matmul_params(arch) if autocast else 0.0
+    recompute = 0.0
+    if settings.gradient_checkpointing:
+        layer_copies = (copies - WEIGHT_COPY_BYTES_PER_PARAM * arch.hidden_size * arch.vocab_size) / max(
+            arch.num_hidden_layers, 1
+        )
+        # + the layer's backward: a new fp32 gradient of its largest weight and the accumulated sum (8 B x h x i)
+        backward = 8.0 * arch.hidden_size * arch.intermediate_size
+        recompute = layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings) + max(layer_copies, 0.0)
+        recompute += backward
+    return MemoryEstimate(
+        states=state_bytes(arch, precision=settings.precision, stage=settings.deepspeed_stage, world=world),
+        weight_copies=copies,
+        activations=saved_activation_bytes(arch, seq=seq, batch=batch, settings=settings),
+        mask=mask_bytes(seq=seq, batch=batch, settings=settings),
+        loss=loss_bytes(arch, seq=seq, batch=batch, settings=settings),
+        recompute=recompute,
+        cuda_context=CUDA_CONTEXT_GB * 1e9 if device == "cuda" else 0.0,
+    )

@@ -1,0 +1,128 @@
+"""The planner's memory model against the bytes the real model code saves for backward (training/memory_probe.py),
+re-measured here on CPU with the presets' layer shapes (two layers, short sequences: bytes are per token per layer),
+and configs/memory/calibration.json against what the probe produces today."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gpuscout.plan import memory
+from gpuscout.plan.memory import StepSettings, load_calibration
+from gpuscout.spec.flops import matmul_params
+from gpuscout.spec.models import PRESETS
+
+memory_probe = pytest.importorskip("memory_probe")
+
+BATCH, SEQ, VOCAB, LAYERS = 2, 96, 1024, 2
+
+
+def small(preset: str):
+    return dataclasses.replace(PRESETS[preset], num_hidden_layers=LAYERS, vocab_size=VOCAB)
+
+
+def predicted_saved(preset: str, setting) -> float:
+    s = StepSettings(
+        precision=setting.precision,
+        attention=setting.attention,
+        gradient_checkpointing=setting.checkpointing,
+        fused_cross_entropy=setting.loss == "chunked",
+    )
+    a = small(preset)
+    return memory.saved_activation_bytes(a, seq=SEQ, batch=BATCH, settings=s) + memory.saved_logit_bytes(
+        a, seq=SEQ, batch=BATCH, settings=s
+    )
+
+
+CASES = [
+    pytest.param(preset, memory_probe.Setting(attention, ckpt, loss, "bf16"), id=f"{preset}-{attention}-{tag}-{loss}")
+    for preset in ("qwen2.5-0.5b", "qwen2.5-1.5b")
+    for attention in ("sdpa",)
+    for ckpt, tag in ((False, "full"), (True, "ckpt"))
+    for loss in ("plain", "chunked")
+] + [
+    pytest.param("qwen2.5-0.5b", memory_probe.Setting("eager", False, "plain", "bf16"), id="qwen2.5-0.5b-eager"),
+    pytest.param("qwen2.5-0.5b", memory_probe.Setting("sdpa", False, "plain", "fp32"), id="qwen2.5-0.5b-fp32"),
+]
+
+
+@pytest.mark.parametrize(("preset", "setting"), CASES)
+def test_the_estimate_is_within_15_percent_of_the_measured_saved_bytes(preset, setting):
+    shape = memory_probe.preset_shape(preset)
+    measured = memory_probe.saved_bytes(shape, setting, layers=LAYERS, batch=BATCH, seq=SEQ, vocab=VOCAB)
+    predicted = predicted_saved(preset, setting)
+    assert predicted == pytest.approx(measured.activations, rel=0.15), (
+        f"predicted {predicted / 1e6:.2f} MB, measured {measured.activations / 1e6:.2f} MB"
+    )
+    if setting.precision == "bf16" and not setting.checkpointing:  # autocast's copies: 2 B per matmul weight
+        a = PRESETS[preset]
+        layer_params = (matmul_params(a) - a.hidden_size * a.vocab_size) / a.num_hidden_layers
+        # the plain loss saves the lm_head's copy too; the chunked one recomputes it in backward
+        expected = LAYERS * 2 * layer_params + (2 * a.hidden_size * VOCAB if setting.loss == "plain" else 0)
+        assert measured.weight_copies == pytest.approx(expected, rel=0.01)
+
+
+def test_the_calibration_file_is_what_the_probe_measures_now():
+    setting = memory_probe.Setting("sdpa", False, "plain", "bf16")
+    shape = memory_probe.preset_shape("qwen2.5-1.5b")
+    row = memory_probe.probe_shape(shape, setting, batch=2, seqs=(32, 64), vocabs=(512, 1024))
+    stored = load_calibration().setting(setting.key)
+    recorded = stored["measurements"]["qwen2.5-1.5b"]
+    assert row["layer_bytes_per_token"] == pytest.approx(recorded["layer_bytes_per_token"], rel=0.01)
+    assert row["bytes_per_token_per_vocab"] == pytest.approx(stored["bytes_per_token_per_vocab"], rel=0.02)
+    # and the fitted formula reproduces the measurement of this preset's shape
+    fitted = memory._linear(stored["layer_bytes_per_token"], memory.shape_features(PRESETS["qwen2.5-1.5b"]))
+    assert fitted == pytest.approx(row["layer_bytes_per_token"], rel=0.02)
+    assert memory._linear(stored["layer_bytes_per_batch_seq2"], memory.shape_features(PRESETS["qwen2.5-1.5b"])) == (
+        pytest.approx(row["layer_bytes_per_batch_seq2"], abs=0.5)
+    )
+
+
+@pytest.mark.parametrize("loss", ["plain", "chunked"])
+def test_the_loss_peak_is_what_the_calibration_says(loss):
+    calibration = load_calibration().loss_peak
+    peaks = [memory_probe.loss_peak_bytes(loss=loss, precision="bf16", batch=2, seq=s, hidden=64, vocab=4096)
+             for s in (64, 128)]  # fmt: skip
+    per = (peaks[1] - peaks[0]) / (2 * 64 * 4096)
+    assert per == pytest.approx(calibration[f"bf16/{loss}"]["bytes_per_token_per_vocab"], rel=0.05)
+    # the full logits upcast to fp32 cost far more than the 6 bytes the old model assumed
+    assert per > 10
+
+
+@pytest.mark.parametrize(
+    ("preset", "ckpt", "loss"),
+    [("qwen2.5-0.5b", False, "plain"), ("qwen2.5-0.5b", True, "plain"), ("qwen2.5-1.5b", False, "chunked"),
+     pytest.param("qwen2.5-1.5b", True, "chunked", marks=pytest.mark.xfail(strict=True, reason=(
+         "known gap: the checkpointed backward of a 1.5B layer holds ~130 MB (at 1,024 tokens) more than the "
+         "recompute term models (predicted 356 MB, measured 487 MB); not yet explained")))],
+)  # fmt: skip
+def test_a_micro_batchs_peak_is_within_15_percent(preset, ckpt, loss):
+    """The whole forward + backward of a second micro-batch (gradients already there, as under gradient
+    accumulation), every storage it creates tracked until freed: the estimate less states and CUDA context."""
+    import torch
+    from packing import make_inputs
+
+    batch, seq, vocab = 4, 256, 8192
+    setting = memory_probe.Setting("sdpa", ckpt, loss, "bf16")
+    model = memory_probe.build_model(memory_probe.preset_shape(preset), layers=LAYERS, vocab=vocab, setting=setting)
+    ids, seg = memory_probe.packed_batch(batch, seq, vocab)
+
+    def micro_batch() -> None:
+        inputs = make_inputs(ids, seg, packing=True, attention="sdpa", dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels).backward()
+
+    micro_batch()
+    tracker = memory_probe.LiveBytes([p.grad for p in model.parameters() if p.grad is not None])
+    with tracker:
+        micro_batch()
+    measured = tracker.peak - tracker.baseline
+    a = dataclasses.replace(PRESETS[preset], num_hidden_layers=LAYERS, vocab_size=vocab)
+    settings = StepSettings(gradient_checkpointing=ckpt, fused_cross_entropy=loss == "chunked")
+    e = memory.estimate(a, seq=seq, batch=batch, settings=settings, world=1)
+    predicted = e.total - e.states - e.cuda_context
+    print(f"{preset} ckpt={ckpt} {loss}: predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB")
+    assert predicted == pytest.approx(measured, rel=0.15), (
+        f"predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB"
+    )

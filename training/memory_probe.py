@@ -1,0 +1,432 @@
+"""Measure, on CPU, the memory a training step of train.py holds for backward, and write the planner's calibration.
+
+The planner (gpuscout/plan/memory.py) predicts activation and logit memory from coefficients measured here rather
+than assumed. This probe builds ``Qwen2ForCausalLM`` decoder layers with real layer shapes (the presets' hidden,
+intermediate, head and key/value-head sizes, plus synthetic shapes that vary one dimension at a time), wraps the
+model exactly as train.py does (``CausalLMWithLoss``, ``make_inputs`` with packing and the dense 4D document mask,
+fp32 master weights, gradient checkpointing with ``use_reentrant=False``) and runs one forward pass under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` (or in fp32) and its backward pass.
+
+What is measured:
+
+* **saved bytes**: every tensor autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
+  counted once per untyped storage (``data_ptr``), parameter storages excluded. Saved tensors derived from a
+  parameter through a chain of single-input ops (autocast's bf16 weight copies and their transposes) are counted
+  apart as *weight copies*: they scale with parameters, not tokens.
+* **loss peak**: the largest number of bytes alive at once while the loss alone (hidden states -> lm_head -> loss)
+  runs forward and backward, tracked op by op with a ``TorchDispatchMode`` that adds every new output storage and
+  subtracts it when the storage is freed (a CPU stand-in for ``torch.cuda.max_memory_allocated``).
+
+Bytes are exactly linear in tokens per layer plus a term in sequence^2 per layer (the attention mask), so a few
+layers and short sequences determine them: per decoder layer = saved(2 layers) - saved(1 layer), solved at two
+sequence lengths for the per-token and per-(batch x seq^2) terms; per vocabulary entry = the difference between
+two vocabulary sizes. The per-token-per-layer bytes of all shapes are fitted (least squares) as a linear function
+of hidden, intermediate, key/value width (kv_heads x head_dim) and heads, which is the formula the planner uses.
+
+Attention: "sdpa" and "eager" are probed. Flex attention's compiled block mask exists on CUDA only; the planner
+models flex as sdpa without the dense mask. Loss: "plain" and "chunked" are probed; Liger's fused linear
+cross-entropy is CUDA-only and, like the chunked loss, never stores full logits: the planner uses the chunked
+coefficients for it.
+
+    PYTHONPATH=. python training/memory_probe.py --output configs/memory/calibration.json   # ~15 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from packing import CausalLMWithLoss, chunked_cross_entropy, make_inputs, plain_cross_entropy
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from gpuscout.spec.models import PRESETS
+
+LAYER_FEATURES = ("hidden", "intermediate", "kv_width", "heads", "one")
+MASK_FEATURES = ("heads", "one")
+MODEL_FEATURES = ("hidden", "head_dim", "one")
+# Shapes that vary one dimension at a time around a small base, so the fit can tell the dimensions apart
+# (in the presets the query width always equals hidden).
+SYNTHETIC_SHAPES = (
+    (256, 512, 4, 2),
+    (256, 1024, 4, 2),
+    (512, 512, 8, 2),
+    (256, 512, 4, 4),
+    (256, 512, 8, 2),
+    (384, 768, 6, 3),
+)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def features(self) -> dict[str, float]:
+        return {
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "kv_width": self.kv_heads * self.head_dim,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "one": 1,
+        }
+
+
+def preset_shape(name: str) -> LayerShape:
+    a = PRESETS[name]
+    return LayerShape(name, a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads)
+
+
+@dataclass(frozen=True)
+class Setting:
+    attention: str = "sdpa"  # sdpa | eager
+    checkpointing: bool = False
+    loss: str = "plain"  # plain | chunked
+    precision: str = "bf16"  # bf16 (autocast over fp32 weights) | fp32
+
+    @property
+    def key(self) -> str:
+        return f"{self.precision}/{self.attention}/{'ckpt' if self.checkpointing else 'full'}/{self.loss}"
+
+
+@dataclass
+class Saved:
+    activations: int  # bytes of saved storages that are neither parameters nor derived from one
+    weight_copies: int  # bytes of saved storages derived from a parameter (autocast's bf16 casts)
+
+
+def _from_parameter(t: torch.Tensor, depth: int = 4) -> bool:
+    """True if ``t`` is a parameter seen through single-input ops of the same size (a cast, a transpose, a view);
+    an embedding lookup also has one input that needs a gradient, but a different size."""
+    node = t.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1:
+            return False
+        node = nexts[0]
+        if type(node).__name__ == "AccumulateGrad":
+            parameter: torch.Tensor = getattr(node, "variable")  # noqa: B009 (not in the Node stubs)
+            return parameter.numel() == t.numel()
+    return False
+
+
+def build_model(shape: LayerShape, *, layers: int, vocab: int, setting: Setting) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=vocab,
+                         tie_word_embeddings=True, use_cache=False, max_position_embeddings=4096)  # fmt: skip
+    config._attn_implementation = setting.attention
+    lm = Qwen2ForCausalLM(config).train()  # fp32 master weights, as train.py keeps them
+    if setting.checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return CausalLMWithLoss(lm, loss=setting.loss)
+
+
+def packed_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and segment ids: two document pieces per row (the mask is dense either way)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    seg = torch.ones(batch, seq, dtype=torch.long)
+    seg[:, seq // 2 :] = 2
+    return ids, seg
+
+
+def _autocast(precision: str) -> Any:
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def saved_bytes(shape: LayerShape, setting: Setting, *, layers: int, batch: int, seq: int, vocab: int) -> Saved:
+    """Bytes autograd saves for backward in one training forward pass (module docstring)."""
+    model = build_model(shape, layers=layers, vocab=vocab, setting=setting)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids, seg = packed_batch(batch, seq, vocab)
+    dtype = torch.bfloat16 if setting.precision == "bf16" else torch.float32
+    inputs = make_inputs(ids, seg, packing=True, attention=setting.attention, dtype=dtype)
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = (storage.nbytes(), _from_parameter(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(setting.precision):
+        loss = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+    loss.backward()  # runs the checkpointed recomputation too (its saved tensors are not held at once)
+    return Saved(
+        activations=sum(n for n, weight in seen.values() if not weight),
+        weight_copies=sum(n for n, weight in seen.values() if weight),
+    )
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created under this mode and still alive; ``peak`` is the most at once.
+
+    Tensors that exist before (``adopt``) are followed too, so that one replaced under the mode (autograd
+    accumulating into an existing ``.grad`` out of place) does not count twice; ``peak`` is above what they held.
+    """
+
+    def __init__(self, adopt: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.live = 0
+        self._refs: dict[int, Any] = {}
+        for t in adopt:
+            self._track(t)
+        self.peak = self.live
+        self.baseline = self.live
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        size = storage.nbytes()
+        if key in self._refs or size == 0:
+            return
+
+        def freed(_: Any, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(getattr(self, "peak", 0), self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def loss_peak_bytes(*, loss: str, precision: str, batch: int, seq: int, hidden: int, vocab: int) -> int:
+    """Peak bytes alive while the loss alone runs forward and backward from fp32 hidden states (the residual stream
+    train.py's final norm hands the head under autocast), head weight and its gradient included."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    hidden_states = torch.randn(batch, seq, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq))
+    tracker = LiveBytes()
+    with tracker:
+        with _autocast(precision):
+            if loss == "plain":
+                value = plain_cross_entropy(head(hidden_states), labels)
+            else:
+                value = chunked_cross_entropy(hidden_states, head, labels)
+        value.backward()
+    return tracker.peak
+
+
+def _solve_layer_terms(per_layer: dict[int, int], batch: int) -> tuple[float, float]:
+    """Per-token and per-(batch x seq^2) bytes of one decoder layer from its bytes at two sequence lengths."""
+    (s1, b1), (s2, b2) = sorted(per_layer.items())
+    a = np.array([[batch * s1, batch * s1 * s1], [batch * s2, batch * s2 * s2]], dtype=float)
+    per_token, per_seq2 = np.linalg.solve(a, np.array([b1, b2], dtype=float))
+    return float(per_token), float(per_seq2)
+
+
+def probe_shape(shape: LayerShape, setting: Setting, *, batch: int, seqs: Sequence[int], vocabs: Sequence[int]) -> dict:
+    """Raw measurements and derived per-layer, per-model and per-vocabulary terms for one shape and setting."""
+    v1, v2 = sorted(vocabs)
+    raw: dict[str, int] = {}
+    per_layer: dict[int, int] = {}
+    one_layer: dict[int, Saved] = {}
+    weight_copies = 0
+    for seq in seqs:
+        one = saved_bytes(shape, setting, layers=1, batch=batch, seq=seq, vocab=v1)
+        two = saved_bytes(shape, setting, layers=2, batch=batch, seq=seq, vocab=v1)
+        raw[f"layers1_seq{seq}_vocab{v1}"] = one.activations
+        raw[f"layers2_seq{seq}_vocab{v1}"] = two.activations
+        per_layer[seq] = two.activations - one.activations
+        one_layer[seq] = one
+        weight_copies = two.weight_copies - one.weight_copies
+    per_token, per_seq2 = _solve_layer_terms(per_layer, batch)
+    s1 = min(seqs)
+    wide = saved_bytes(shape, setting, layers=1, batch=batch, seq=s1, vocab=v2)
+    raw[f"layers1_seq{s1}_vocab{v2}"] = wide.activations
+    rows = batch * (s1 - 1)  # the plain loss's rows: every position but the last predicts the next token
+    per_vocab = (wide.activations - one_layer[s1].activations) / (rows * (v2 - v1))
+    model_per_token = {
+        seq: (one_layer[seq].activations - per_layer[seq] - per_vocab * batch * (seq - 1) * v1) / (batch * seq)
+        for seq in seqs
+    }
+    return {
+        "shape": dataclasses.asdict(shape),
+        "raw_saved_bytes": raw,
+        "layer_weight_copy_bytes": weight_copies,
+        "layer_bytes_per_token": per_token,
+        "layer_bytes_per_batch_seq2": per_seq2,
+        "model_bytes_per_token": {str(k): v for k, v in model_per_token.items()},
+        "bytes_per_token_per_vocab": per_vocab,
+    }
+
+
+def fit(rows: Sequence[dict], target: str, features: Sequence[str]) -> dict[str, float]:
+    """Least-squares coefficients of ``target`` (a key of each row, or a callable path) on the shape features."""
+    x = np.array([[LayerShape(**r["shape"]).features()[f] for f in features] for r in rows], dtype=float)
+    y = np.array([_value(r, target) for r in rows], dtype=float)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {f: round(float(c), 4) for f, c in zip(features, coef, strict=True)}
+
+
+def _value(row: dict, target: str) -> float:
+    value = row[target]
+    if isinstance(value, dict):  # model_bytes_per_token per sequence length: the longest is the least rounded
+        return float(value[max(value, key=int)])
+    return float(value)
+
+
+def settings() -> Iterator[Setting]:
+    """bf16 autocast (GPU training; fp16 saves the same bytes) and fp32 (CPU training, where train.py runs without
+    autocast), sdpa and eager, each with and without checkpointing, with the plain and the chunked loss."""
+    for precision in ("bf16", "fp32"):
+        for attention in ("sdpa", "eager"):
+            for checkpointing in (False, True):
+                for loss in ("plain", "chunked"):
+                    yield Setting(attention, checkpointing, loss, precision)
+
+
+def calibrate(
+    shapes: Sequence[LayerShape],
+    *,
+    batch: int,
+    seqs: Sequence[int],
+    vocabs: Sequence[int],
+    setting_list: Sequence[Setting],
+    loss_vocab: int,
+    loss_seqs: Sequence[int],
+) -> dict[str, Any]:
+    """Every setting's coefficients (fitted over ``shapes``) and raw measurements, plus the loss peaks."""
+    out: dict[str, Any] = {}
+    for setting in setting_list:
+        rows = [probe_shape(s, setting, batch=batch, seqs=seqs, vocabs=vocabs) for s in shapes]
+        print(f"{setting.key}: " + ", ".join(f"{r['shape']['name']} {r['layer_bytes_per_token']:.0f}" for r in rows),
+              flush=True)  # fmt: skip
+        out[setting.key] = {
+            "layer_bytes_per_token": fit(rows, "layer_bytes_per_token", LAYER_FEATURES),
+            "layer_bytes_per_batch_seq2": fit(rows, "layer_bytes_per_batch_seq2", MASK_FEATURES),
+            "model_bytes_per_token": fit(rows, "model_bytes_per_token", MODEL_FEATURES),
+            "bytes_per_token_per_vocab": round(float(np.mean([r["bytes_per_token_per_vocab"] for r in rows])), 4),
+            "measurements": {r["shape"]["name"]: r for r in rows},
+        }
+    peaks: dict[str, Any] = {}
+    for precision in ("bf16", "fp32"):
+        for loss in ("plain", "chunked"):
+            measured = {
+                str(seq): loss_peak_bytes(loss=loss, precision=precision, batch=batch, seq=seq, hidden=64,
+                                          vocab=loss_vocab)
+                for seq in loss_seqs
+            }  # fmt: skip
+            (s1, p1), (s2, p2) = sorted((int(k), v) for k, v in measured.items())
+            peaks[f"{precision}/{loss}"] = {
+                "peak_bytes": measured,
+                "bytes_per_token_per_vocab": round((p2 - p1) / (batch * (s2 - s1) * loss_vocab), 4),
+            }
+    return {"settings": out, "loss_peak": {"hidden": 64, "vocab": loss_vocab, "batch": batch, **peaks}}
+
+
+@dataclass
+class ProbeArguments:
+    output: str = "configs/memory/calibration.json"
+    presets: str = "qwen2.5-0.5b,qwen2.5-1.5b"
+    synthetic: bool = True
+    batch: int = 2
+    seq_lengths: str = "32,64"
+    vocab_sizes: str = "512,1024"
+    loss_vocab: int = 8192
+    loss_seq_lengths: str = "64,128"
+    threads: int = 2
+
+
+def parse_args(argv: Sequence[str] | None) -> ProbeArguments:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    for f in dataclasses.fields(ProbeArguments):
+        kinds: dict[str, Callable[[str], Any]] = {"bool": _flag, "int": int, "str": str}
+        kind = kinds[str(f.type)]
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default)
+    return ProbeArguments(**vars(parser.parse_args(argv)))
+
+
+def _flag(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import transformers
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = [preset_shape(p) for p in args.presets.split(",") if p]
+    if args.synthetic:
+        shapes += [LayerShape(f"synthetic-h{h}-i{i}-n{n}-kv{kv}", h, i, n, kv) for h, i, n, kv in SYNTHETIC_SHAPES]
+    result = calibrate(
+        shapes,
+        batch=args.batch,
+        seqs=_ints(args.seq_lengths),
+        vocabs=_ints(args.vocab_sizes),
+        setting_list=list(settings()),
+        loss_vocab=args.loss_vocab,
+        loss_seqs=_ints(args.loss_seq_lengths),
+    )
+    doc = {
+        "about": (
+            "Activation and logit bytes of train.py's training step, measured on CPU by training/memory_probe.py "
+            "(saved_tensors_hooks, storages deduplicated, parameters and their autocast copies excluded); "
+            "gpuscout/plan/memory.py reads it. Keys: precision/attention/checkpointing/loss."
+        ),
+        "command": "python training/memory_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+        },
+        "probe": {
+            "batch": args.batch,
+            "seq_lengths": _ints(args.seq_lengths),
+            "vocab_sizes": _ints(args.vocab_sizes),
+            "layers": [1, 2],
+            "shapes": [s.name for s in shapes],
+        },
+        **result,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
