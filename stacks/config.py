@@ -22,11 +22,15 @@ CONTEXT_KEYS = (
     "checkpoint_expiry_days",
     "execution_timeout_hours",
     "quota_wait_hours",
+    "canary_instance_type",
     "log_retention_days",
     "training_image_base",
     "stack_name",
 )
 
+QUOTA_RETRY_MINUTES = 5  # stacks/workflow.py QUOTA_RETRY_MINUTES (kept equal by a test)
+HISTORY_EVENT_BUDGET = 20_000  # of the 25,000 events an execution's history holds; the rest is the run itself
+NULL_MEANS_OFF = frozenset({"canary_instance_type"})
 _INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
 # The training image's base (training/Dockerfile ARG BASE_IMAGE): a public registry, so `cdk deploy` needs no
 # `docker login`; the default is the Dockerfile's own.
@@ -119,6 +123,9 @@ class StackConfig(BaseModel):
     # How long a training job whose launch hits an account quota (ResourceLimitExceeded) keeps retrying, every
     # QUOTA_RETRY_MINUTES, while sibling jobs free the quota; at most the execution timeout.
     quota_wait_hours: int = Field(default=24, ge=0, le=24 * 365)
+    # Before the fan-out, each distinct configuration runs 2 steps of a 2-layer cut of its model on this (one GPU,
+    # cheap) instance; a failure fails the run before any expensive job starts. null: no canary.
+    canary_instance_type: str | None = "ml.g5.8xlarge"
     log_retention_days: int = 90
     training_image_base: str | None = None  # None: training/Dockerfile's default BASE_IMAGE
     # CloudFormation stack name; another name deploys a second, independent stack in the same account and region
@@ -180,15 +187,29 @@ class StackConfig(BaseModel):
                 f"quota_wait_hours ({self.quota_wait_hours}) exceeds execution_timeout_hours "
                 f"({self.execution_timeout_hours}): the execution would time out first"
             )
+        # Every quota retry of an inline Map iteration adds about 3 events to the execution's history, which Step
+        # Functions caps at 25,000: slots all waiting out their quota for the whole wait must stay well below it.
+        events = self.map_max_concurrency * self.quota_wait_hours * (60 // QUOTA_RETRY_MINUTES) * 3
+        if events > HISTORY_EVENT_BUDGET:
+            raise ValueError(
+                f"map_max_concurrency ({self.map_max_concurrency}) x quota_wait_hours ({self.quota_wait_hours}) could "
+                f"log ~{events:,} quota retries' events, past Step Functions' 25,000-event execution history; lower "
+                "either (e.g. quota_wait_hours 6 with 8 concurrent jobs)"
+            )
         return self
 
     def check_catalog(self, *, training_types: Collection[str], known_types: Collection[str]) -> None:
-        """Every allowed type must be a catalogued training instance (facts and prices exist for it)."""
+        """Every allowed type (and the canary's) must be a catalogued training instance (facts and prices exist)."""
         problems = [
             f"  - context 'allowed_instance_types': {t!r} is not a training instance in configs/instances/"
             for t in self.allowed_instance_types
             if t not in training_types
         ]
+        if self.canary_instance_type is not None and self.canary_instance_type not in training_types:
+            problems.append(
+                f"  - context 'canary_instance_type': {self.canary_instance_type!r} is not a training instance in "
+                "configs/instances/ (null disables the canary)"
+            )
         if self.processing_instance_type not in known_types:
             problems.append(
                 f"  - context 'processing_instance_type': {self.processing_instance_type!r} is not catalogued"
@@ -221,7 +242,14 @@ def load_config(context: Mapping[str, Any]) -> StackConfig:
             for k in unknown
         ]
         raise ConfigError("unknown keys in cdk.json context (or -c overrides):\n" + "\n".join(hints))
-    raw = {key: _decode(context[key]) for key in CONTEXT_KEYS if key in context and context[key] is not None}
+    # null means "the default" for every key but those whose null means "off"
+    raw = {
+        key: _decode(context[key])
+        for key in CONTEXT_KEYS
+        if key in context and (context[key] is not None or key in NULL_MEANS_OFF)
+    }
+    if raw.get("canary_instance_type") in ("null", ""):
+        raw["canary_instance_type"] = None
     if isinstance(raw.get("allowed_instance_types"), str):
         raw["allowed_instance_types"] = [t.strip() for t in raw["allowed_instance_types"].split(",") if t.strip()]
     try:

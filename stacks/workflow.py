@@ -1,4 +1,4 @@
-"""The benchmark state machine: Validate -> Plan -> [Prepare data] -> Map(train) -> Analyze.
+"""The benchmark state machine: Validate -> Plan -> [Prepare data] -> Map(canary) -> Map(train) -> Analyze.
 
 SageMaker jobs run through Step Functions' optimized `.sync` integrations, so no Lambda ever polls. The two
 SageMaker states are raw ASL (CustomState) that copy each top-level field of the request plan_jobs built
@@ -138,6 +138,15 @@ def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> 
         "ResultSelector": {"TrainingJobArn.$": "$.TrainingJobArn"},
         "ResultPath": "$.job",
     }
+
+
+def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
+    """One canary: the training task with the canary's request; an hour of quota retries (the canary instance is
+    cheap and usually has quota); any failure is caught by the canary Map and fails the run."""
+    state = training_state_json(vpc, quota_wait_hours=1)
+    state["Comment"] = "A 2-step, 2-layer run of one configuration on the canary instance (.sync)"
+    state["ResultPath"] = "$.job"
+    return state
 
 
 def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
@@ -332,10 +341,30 @@ class BenchmarkWorkflow(Construct):
             comment="Costs, ranking, recommendation, report",
         )
         analyze.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
+        # The canary: before any expensive job, each distinct configuration runs 2 steps of a 2-layer cut of its
+        # model on the canary instance (plan_jobs builds the requests; gpuscout.plan.canary). One failure fails the
+        # run with the canary's cause before the fan-out; an empty list (no canary instance) passes straight on.
+        canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc))
+        canaries = sfn.Map(
+            self,
+            "Run canaries",
+            items_path="$.canaries",
+            item_selector={
+                "run_id": sfn.JsonPath.string_at("$.run_id"),
+                "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
+                "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
+            },
+            max_concurrency=map_max_concurrency,
+            result_path=sfn.JsonPath.DISCARD,
+            comment="Every configuration must survive 2 steps on a cheap instance before the fan-out",
+        )
+        canaries.item_processor(canary)
+        canaries.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
+        canaries.next(jobs)
         prepare_needed = (
             sfn.Choice(self, "Processed data cached?")
-            .when(sfn.Condition.boolean_equals("$.prepare.skip", True), jobs)
-            .otherwise(prepare.next(jobs))
+            .when(sfn.Condition.boolean_equals("$.prepare.skip", True), canaries)
+            .otherwise(prepare.next(canaries))
         )
         definition = validate.next(plan).next(prepare_needed)
         jobs.next(analyze).next(sfn.Succeed(self, "Done"))

@@ -56,6 +56,7 @@ from gpuscout.spec.metric_lines import format_metric_line
 from gpuscout.spec.models import PRESETS, Architecture
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
+MODEL_CHANNEL_DIR = "/opt/ml/input/data/model"  # where SageMaker puts the "model" input channel
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
 CPU_NOTE = "n/a on CPU: no dense tensor-core peak"
 
@@ -92,6 +93,8 @@ class Hyperparameters:
     checkpoint_interval: int = 0  # 0 = no checkpoints
     checkpoint_keep: int = 2  # complete checkpoints kept; 2 = one survives a failed write of the next
     validation_batches: int = 8
+    # > 0: keep only this many decoder layers (the canary: the same code path, small enough for a cheap instance)
+    canary_layers: int = 0
 
     def validate(self) -> None:
         problems = []
@@ -112,9 +115,9 @@ class Hyperparameters:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1")
-        for name in ("dataloader_num_workers", "eval_interval", "checkpoint_interval", "validation_batches"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must not be negative")
+        negative = ("dataloader_num_workers", "eval_interval", "checkpoint_interval", "validation_batches",
+                    "canary_layers")  # fmt: skip
+        problems += [f"{name} must not be negative" for name in negative if getattr(self, name) < 0]
         if self.checkpoint_keep < 1:
             problems.append("checkpoint_keep must be at least 1")
         if self.max_steps < 2:
@@ -379,6 +382,8 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
         preset = PRESETS[hp.model_preset]
         # the tiny preset takes the tokenizer's vocabulary; real presets keep their (padded) size if it fits
         arch = preset.with_vocab(vocab if hp.model_preset == "qwen2-tiny" else max(vocab, preset.vocab_size))
+        if hp.canary_layers:
+            arch = dataclasses.replace(arch, num_hidden_layers=min(hp.canary_layers, arch.num_hidden_layers))
         kwargs: dict[str, Any] = dict(arch.to_qwen2_config_kwargs())
         config = Qwen2Config(
             **kwargs,
@@ -390,14 +395,19 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
         config._attn_implementation = attention
         return Qwen2ForCausalLM(config), arch, hp.model_preset
     source = hp.model_name_or_path
-    channel = os.environ.get("SM_CHANNEL_MODEL")  # an S3 model the control plane passed as the "model" channel
-    if source.startswith("s3://") and channel and Path(channel).is_dir() and any(Path(channel).iterdir()):
+    # an S3 model the control plane passed as the "model" channel; the image's entry point is not SageMaker's
+    # training toolkit, so SM_CHANNEL_MODEL is usually unset: the channel's fixed path is the default
+    channel = os.environ.get("SM_CHANNEL_MODEL", MODEL_CHANNEL_DIR)
+    if source.startswith("s3://") and Path(channel).is_dir() and any(Path(channel).iterdir()):
         source = channel
     elif source.startswith("s3://"):
         source = str(_download_s3_model(source, workdir / "model"))
     model: Any
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attention, dtype=torch.float32)
+        layers: dict[str, Any] = {"num_hidden_layers": hp.canary_layers} if hp.canary_layers else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            source, attn_implementation=attention, dtype=torch.float32, **layers
+        )
     except (OSError, ValueError) as err:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1: hub models need network; use model_preset or a local path)" if offline else ""

@@ -48,8 +48,10 @@ from gpuscout.errors import (
     RunExistsError,
     RunNotFoundError,
 )
+from gpuscout.plan.canary import plan_cloud_canaries
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
+from gpuscout.spec.jobspec import JobSpec
 from gpuscout.spec.manifest import Manifest, parse_manifest, validate_manifest_data
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
@@ -318,6 +320,7 @@ def plan_jobs(
     output = {
         "run_id": run_id,
         "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
+        "canaries": _canary_requests(the_plan.jobs, manifest, settings, catalog),
         "jobs": interleave_by_instance_type(jobs_out),
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
@@ -340,6 +343,34 @@ def plan_jobs(
             "launched again"
         ) from err
     return output
+
+
+def _canary_requests(
+    specs: list[JobSpec], manifest: Manifest, settings: LambdaSettings, catalog: Catalog
+) -> list[dict[str, Any]]:
+    """One CreateTrainingJob request per distinct configuration, on the stack's canary instance
+    (gpuscout.plan.canary); none when the stack has no canary instance type."""
+    if not settings.canary_instance_type:
+        return []
+    instance = catalog.get(settings.canary_instance_type)
+    canaries = plan_cloud_canaries(
+        specs,
+        instance_type=instance.instance_type,
+        gpus_per_instance=instance.gpu_count,
+        price_per_hour_usd=instance.on_demand_usd_per_hour or 0.0,
+    )
+    req_settings = request_settings(settings)
+    data = data_source_of(manifest)
+    return [
+        {
+            "job_name": c.spec.job_name,
+            "covers": list(c.covers),
+            "request": training_job_request(
+                c.spec, req_settings, data, enable_network_isolation=manifest.network_isolation
+            ),
+        }
+        for c in canaries
+    ]
 
 
 def _describe_from_cause(cause: str) -> dict[str, Any]:

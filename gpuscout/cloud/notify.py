@@ -14,7 +14,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.store.base import JobRecord, RunRecord
 
-SUBJECT_LIMIT = 100  # SNS: at most 100 printable ASCII characters, no line breaks
+SUBJECT_LIMIT = 99  # SNS: printable ASCII, no line breaks, "less than 100 characters" (botocore's PublishInput)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ def _model_channel(spec: JobSpec) -> list[dict[str, Any]]:
     uri = spec.hyperparameters.get("model_name_or_path", "")
     if not uri.startswith("s3://"):
         return []
+    uri = uri if uri.endswith("/") else uri + "/"  # raw/models/q must not also pull raw/models/q-7b/
     source = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
     return [{"ChannelName": MODEL_CHANNEL, "DataSource": {"S3DataSource": source}, "InputMode": "File"}]
 

@@ -28,6 +28,8 @@ class LambdaSettings(BaseModel):
     sagemaker_role_arn: str = Field(alias="SAGEMAKER_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
     training_image_uri: str = Field(alias="TRAINING_IMAGE_URI", min_length=1)
     processing_instance_type: str = Field(alias="PROCESSING_INSTANCE_TYPE", default="ml.m5.xlarge")
+    # the instance every distinct configuration's canary runs on before the fan-out; empty: no canary
+    canary_instance_type: str | None = Field(alias="CANARY_INSTANCE_TYPE", default=None)
     allowed_instance_types: tuple[str, ...] = Field(alias="ALLOWED_INSTANCE_TYPES", default=())
     default_budget_usd: float = Field(alias="DEFAULT_BUDGET_USD", default=100.0, gt=0)
     service_name: str = Field(alias="POWERTOOLS_SERVICE_NAME", default="gpuscout")
@@ -41,7 +43,7 @@ class LambdaSettings(BaseModel):
             return tuple(part.strip() for part in v.split(",") if part.strip())
         return v
 
-    @field_validator("notification_topic_arn", mode="before")
+    @field_validator("notification_topic_arn", "canary_instance_type", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if v == "" else v

@@ -84,3 +84,51 @@ def plan_canaries(specs: Sequence[JobSpec]) -> list[Canary]:
         Canary(canary_spec(members[0], index), tuple(s.job_name for s in members))
         for index, members in enumerate(groups.values(), start=1)
     ]
+
+
+# The cloud canary runs on one small instance (stack context canary_instance_type), so the model is cut to a few
+# decoder layers and the micro-batch to 1: the same code path (attention, loss, compile, ZeRO stage, precision,
+# packing, checkpointing, the image and its libraries), at a size any one-GPU instance holds.
+CLOUD_CANARY_LAYERS = 2
+
+
+def cloud_canary_spec(
+    spec: JobSpec, index: int, *, instance_type: str, gpus_per_instance: int, price_per_hour_usd: float
+) -> JobSpec:
+    """The job's canary for the cloud workflow: canary_spec, on ``instance_type`` (one instance, on-demand),
+    CLOUD_CANARY_LAYERS layers, micro-batch 1 without accumulation."""
+    small = canary_spec(spec, index)
+    hp = {
+        **small.hyperparameters,
+        "instance_type": instance_type,
+        "per_device_train_batch_size": "1",
+        "gradient_accumulation_steps": "1",
+        "canary_layers": str(CLOUD_CANARY_LAYERS),
+    }
+    return small.model_copy(
+        update={
+            "instance_type": instance_type,
+            "instance_count": 1,
+            "gpus_per_instance": gpus_per_instance,
+            "spot": False,
+            "spot_price_per_hour_usd": None,
+            "price_per_hour_usd": price_per_hour_usd,
+            "hyperparameters": hp,
+        }
+    )
+
+
+def plan_cloud_canaries(
+    specs: Sequence[JobSpec], *, instance_type: str, gpus_per_instance: int, price_per_hour_usd: float
+) -> list[Canary]:
+    """One cloud canary per distinct configuration (plan_canaries), on the canary instance."""
+    return [
+        Canary(
+            cloud_canary_spec(
+                c.spec, index, instance_type=instance_type, gpus_per_instance=gpus_per_instance,
+                price_per_hour_usd=price_per_hour_usd,
+            ),
+            c.covers,
+        )
+        for index, c in enumerate(plan_canaries(specs), start=1)
+    ]  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools import Logger, Tracer
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from aws_lambda_powertools.utilities.parser import envelopes, parse
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
@@ -20,13 +20,11 @@ from gpuscout.cloud.events import EventError, TrainingJobStateChange, handle_tra
 
 logger = Logger()
 tracer = Tracer()
-NAMESPACE = "gpuscout"
-metrics = Metrics(namespace=NAMESPACE)
+NAMESPACE = "gpuscout"  # each metric is a single_metric (no Metrics flush: it would warn on every event)
 
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
-@metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     detail = parse(event=event, model=TrainingJobStateChange, envelope=envelopes.EventBridgeEnvelope)
     if not isinstance(detail, TrainingJobStateChange):

@@ -92,6 +92,7 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(training_image_base=PRIVATE_DLC), "training_image_base"),
         (_context(processing_instance_type="ml.p4d.24xlarge"), "cannot run SageMaker Processing jobs"),
         (_context(stack_name="1-bad_name"), "stack_name"),
+        (_context(map_max_concurrency=40), "25,000-event execution history"),
         (_context(map_max_concurency=4), "did you mean 'map_max_concurrency'"),
         ({}, "allowed_instance_types"),
     ],
@@ -99,6 +100,15 @@ def test_config_defaults_and_cli_strings() -> None:
 def test_config_errors_name_the_key(context: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(context)
+
+
+def test_the_canary_instance_is_on_by_default_and_null_turns_it_off() -> None:
+    assert load_config(_context()).canary_instance_type == "ml.g5.8xlarge"
+    assert load_config(_context(canary_instance_type=None)).canary_instance_type is None
+    assert load_config(_context(canary_instance_type="null")).canary_instance_type is None  # -c key=null
+    config = load_config(_context(canary_instance_type="ml.zz.nano"))
+    with pytest.raises(ConfigError, match="canary_instance_type"):
+        config.check_catalog(training_types=["ml.g5.8xlarge"], known_types=["ml.g5.8xlarge", "ml.m5.xlarge"])
 
 
 def test_config_must_match_the_catalog() -> None:
@@ -175,3 +185,10 @@ def test_a_second_stack_gets_its_own_name(tmp_path: Path) -> None:
     # Then the stack is named so (no resource has a fixed physical name to collide with the first stack's)
     assert stack.stack_name == "GpuscoutTeamB"
     assert load_config(cdk_app.cdk_json_context()).stack_name == cdk_app.STACK_NAME == "Gpuscout"
+
+
+def test_the_quota_retry_interval_is_the_workflows() -> None:
+    from stacks import config, workflow
+
+    assert config.QUOTA_RETRY_MINUTES == workflow.QUOTA_RETRY_MINUTES
+    assert load_config(_context()).map_max_concurrency == 4  # the default passes the history check

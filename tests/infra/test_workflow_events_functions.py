@@ -38,9 +38,10 @@ def test_states_in_order(asl: dict[str, Any]) -> None:
     assert states["Plan jobs"]["Next"] == "Processed data cached?"
     choice = states["Processed data cached?"]
     assert choice["Type"] == "Choice"
-    assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Run jobs"}]
+    assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Run canaries"}]
     assert choice["Default"] == "Prepare data"
-    assert states["Prepare data"]["Next"] == "Run jobs"
+    assert states["Prepare data"]["Next"] == "Run canaries"
+    assert states["Run canaries"]["Next"] == "Run jobs"  # no expensive job before every canary passed
     assert states["Run jobs"]["Next"] == "Analyze run"
     assert states["Analyze run"]["Next"] == "Done"
     assert states["Done"]["Type"] == "Succeed"
@@ -58,10 +59,21 @@ def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> No
         assert states[task]["Resource"].startswith("<Functions")
 
 
+def test_the_canary_map_runs_each_configurations_canary_request(asl: dict[str, Any]) -> None:
+    canaries = asl["States"]["Run canaries"]
+    assert canaries["Type"] == "Map" and canaries["ItemsPath"] == "$.canaries" and canaries["ResultPath"] is None
+    (canary,) = canaries["ItemProcessor"]["States"].values()
+    assert canary["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
+    assert canary["Parameters"]["TrainingJobName.$"] == "$.request.TrainingJobName"
+    assert canary["End"] is True and "Catch" not in canary  # a failed canary fails the Map, which fails the run
+    quota = [r for r in canary["Retry"] if r["ErrorEquals"] == ["SageMaker.ResourceLimitExceededException"]]
+    assert quota and quota[0]["IntervalSeconds"] * quota[0]["MaxAttempts"] == 3600
+
+
 def test_every_failure_after_planning_marks_the_run_failed(asl: dict[str, Any]) -> None:
     # A failed data preparation, Map or analysis marks the run FAILED, then fails the execution with the cause.
     states = asl["States"]
-    for state in ("Prepare data", "Run jobs", "Analyze run"):
+    for state in ("Prepare data", "Run canaries", "Run jobs", "Analyze run"):
         assert states[state]["Catch"] == [
             {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Mark run failed"}
         ], state

@@ -554,3 +554,78 @@ def test_a_failed_data_preparation_marks_the_run_failed_and_fails_the_execution(
     assert stored.error.startswith(f"{caught['error']['Error']}: ")
     # and no training job was launched.
     assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
+
+
+TWO_CONFIGURATIONS = ONE_JOB_MANIFEST.replace(
+    "variants:\n  - name: b4\n    per_device_batch_size: 4\n",
+    "variants:\n  - name: b4\n    per_device_batch_size: 4\n  - name: b4-ckpt\n    per_device_batch_size: 4\n"
+    "    gradient_checkpointing: true\n  - name: b4-again\n    per_device_batch_size: 4\n",
+)
+
+
+@pytest.fixture
+def with_canary(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> Cloud:
+    """The stack's default: a canary instance type (CANARY_INSTANCE_TYPE) for the Lambdas."""
+    from gpuscout.cloud.control_plane import services
+    from gpuscout.cloud.settings import get_settings
+
+    monkeypatch.setenv("CANARY_INSTANCE_TYPE", "ml.g5.8xlarge")
+    get_settings.cache_clear()
+    services.cache_clear()
+    return cloud
+
+
+def _training_jobs(cloud: Cloud) -> list[str]:
+    summaries = cloud.sagemaker.list_training_jobs(MaxResults=100, SortBy="CreationTime", SortOrder="Ascending")
+    return [s["TrainingJobName"] for s in summaries["TrainingJobSummaries"]]
+
+
+def test_canaries_run_before_the_fan_out_one_per_configuration(
+    with_canary: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given three variants of which two run the same settings (two configurations), When the run executes
+    run = _execute_live(with_canary, synthesized, monkeypatch, TWO_CONFIGURATIONS, name="canaried")
+    assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
+    # Then two canaries ran first, on the canary instance, 2 steps of a 2-layer cut, and then the three jobs
+    names = _training_jobs(with_canary)
+    assert [n for n in names if "-canary" in n] == names[:2] and len(names) == 5
+    canary = with_canary.sagemaker.describe_training_job(TrainingJobName=names[0])
+    assert (
+        canary["ResourceConfig"]["InstanceType"] == "ml.g5.8xlarge" and canary["ResourceConfig"]["InstanceCount"] == 1
+    )
+    hp = canary["HyperParameters"]
+    assert (hp["max_steps"], hp["canary_layers"], hp["per_device_train_batch_size"]) == ("2", "2", "1")
+    # and canaries are not benchmark jobs: the run's jobs are the three planned ones, all analysed
+    jobs = with_canary.services.store.list_jobs(run.run_id)
+    assert sorted(j.variant_name for j in jobs) == ["b4", "b4-again", "b4-ckpt"]
+    assert with_canary.services.store.get_run(run.run_id).status is RunStatus.SUCCEEDED
+
+
+def test_a_failed_canary_fails_the_run_before_any_expensive_job(
+    with_canary: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given SageMaker fails the checkpointing configuration's canary (an error in that code path, say)
+    create = SageMakerModelBackend.create_training_job
+
+    def fail_one_canary(backend: SageMakerModelBackend, *args: Any, **kwargs: Any) -> Any:
+        name = str(kwargs.get("training_job_name") or args[0])
+        if "-canary" in name and kwargs["hyper_parameters"].get("gradient_checkpointing") == "true":
+            raise ValidationError(message="AlgorithmError: RuntimeError in checkpointed backward (canary)")
+        return create(backend, *args, **kwargs)
+
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", fail_one_canary)
+    run = _execute_live(with_canary, synthesized, monkeypatch, TWO_CONFIGURATIONS, name="canary-fails")
+    # Then the run is FAILED with the canary's cause and no benchmark job was launched
+    assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
+    stored = with_canary.services.store.get_run(run.run_id)
+    assert stored.status is RunStatus.FAILED and stored.error is not None
+    # (moto re-raises a failed Map iteration as its own States.Runtime error, so the stored cause is moto's words
+    # here; on AWS the Map fails with the iteration's error and cause, which the Catch hands to Mark run failed)
+    failed_tasks = [e for e in run.events if e["type"] == "TaskFailed"]
+    assert any("checkpointed backward (canary)" in json.dumps(e, default=str) for e in failed_tasks)
+    assert all("-canary" in n for n in _training_jobs(with_canary))
+    assert "record_job_result" not in [name for name, _ in run.lambdas.calls]

@@ -159,13 +159,23 @@ def test_an_s3_model_loads_from_its_input_channel_without_network(
     config = Qwen2Config(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(channel)
-    monkeypatch.setenv("SM_CHANNEL_MODEL", str(channel))
+    monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)  # the image's entry point is not SageMaker's toolkit
+    monkeypatch.setattr(train, "MODEL_CHANNEL_DIR", str(channel))
     monkeypatch.setattr(train, "_download_s3_model", lambda *_a: pytest.fail("downloaded although the channel has it"))
     hp = train.Hyperparameters(model_name_or_path="s3://gpuscout-data-1/raw/models/tiny/")
     # When train.py builds the model, Then it loads the channel's copy
     model, arch, name = train.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
     assert arch.hidden_size == 32 and name == "s3://gpuscout-data-1/raw/models/tiny/"
     assert model.config.num_hidden_layers == 1
+
+
+def test_canary_layers_cut_the_model_to_a_few_layers(dataset: Path, tmp_path: Path) -> None:
+    hp = train.Hyperparameters(model_preset="qwen2.5-0.5b", canary_layers=2)
+    model, arch, _ = train.build_model(hp, dp.load_summary(dataset), tmp_path)
+    assert model.config.num_hidden_layers == 2 and arch.num_hidden_layers == 2
+    assert model.config.hidden_size == 896  # the preset's layer shape, unchanged
+    with pytest.raises(TrainingError, match="canary_layers"):
+        train.parse_hyperparameters(["--model_preset", "qwen2-tiny", "--canary_layers", "-1"], {})
 
 
 def test_deepspeed_configs_fill_every_auto() -> None:

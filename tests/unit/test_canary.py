@@ -68,3 +68,26 @@ def test_a_job_without_checkpoints_has_a_canary_without_them() -> None:
     long_name = plan.jobs[0].model_copy(update={"job_name": "x" * 63})
     (canary,) = plan_canaries([long_name])
     assert len(canary.spec.job_name) == 63 and canary.spec.job_name.endswith("-canary1")
+
+
+def test_the_cloud_canary_is_a_two_layer_two_step_job_on_the_canary_instance(tmp_path: Path) -> None:
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    from gpuscout.cloud.sagemaker_requests import training_job_request
+    from gpuscout.plan.canary import CLOUD_CANARY_LAYERS, plan_cloud_canaries
+    from tests.unit.test_sagemaker_requests import DATA, SETTINGS
+
+    jobs = _jobs(tmp_path)
+    canaries = plan_cloud_canaries(jobs, instance_type="ml.g5.8xlarge", gpus_per_instance=1, price_per_hour_usd=2.45)
+    assert len(canaries) == 3
+    spec = canaries[0].spec
+    assert (spec.instance_type, spec.instance_count, spec.spot) == ("ml.g5.8xlarge", 1, False)
+    hp = spec.hyperparameters
+    assert hp["canary_layers"] == str(CLOUD_CANARY_LAYERS) and hp["max_steps"] == "2"
+    assert (hp["per_device_train_batch_size"], hp["gradient_accumulation_steps"]) == ("1", "1")
+    assert spec.job_name.startswith("gs-")  # the stack's IAM and event rules cover gs-* jobs only
+    request = training_job_request(spec, SETTINGS, DATA, enable_network_isolation=False)
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    report = ParamValidator().validate(request, model.operation_model("CreateTrainingJob").input_shape)
+    assert not report.has_errors(), report.generate_report()

@@ -79,3 +79,17 @@ def test_the_image_base_needs_no_registry_login() -> None:
     assert "dkr.ecr" not in text.replace("# ", ""), "a private ECR registry needs `docker login`"
     # and the pinned requirements are what the image installs
     assert "pip install -r /opt/ml/code/training/requirements.txt" in text
+
+
+def test_the_entrypoint_passes_sagemakers_argument_to_the_launcher() -> None:
+    import json
+    import subprocess
+
+    (entry,) = re.findall(r"^ENTRYPOINT (.+)$", _dockerfile(), re.MULTILINE)
+    argv = json.loads(entry)
+    assert argv[:2] == ["bash", "-c"] and argv[-1] == "--"
+    assert "start_cuda_compat.sh" in argv[2], "the DLC's CUDA forward compatibility, which its own entry point runs"
+    # SageMaker runs `<entrypoint> train`: the launcher must get "train" (the compat script is absent here)
+    script = argv[2].replace("exec python /opt/ml/code/training/launcher.py", "echo launcher")
+    done = subprocess.run(["bash", "-c", script, "--", "train"], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "launcher train"
