@@ -205,10 +205,10 @@ class GpuscoutStack(Stack):
                 sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
             )
         )
-        for name in ("plan_jobs", "analyze_run"):
-            lambdas[name].add_to_policy(
-                iam.PolicyStatement(sid="PriceList", actions=["pricing:GetProducts"], resources=["*"])
-            )
+        # Only the analysis reprices with today's list prices; planning uses the catalog's.
+        lambdas["analyze_run"].add_to_policy(
+            iam.PolicyStatement(sid="PriceList", actions=["pricing:GetProducts"], resources=["*"])
+        )
         self.notifications.topic.grant_publish(lambdas["analyze_run"])
         self.notifications.key.grant(lambdas["analyze_run"], "kms:Decrypt", "kms:GenerateDataKey*")
 
@@ -279,7 +279,6 @@ class GpuscoutStack(Stack):
         lambdas = self.roles.lambdas
         for name, role in lambdas.items():
             extra = {
-                "plan_jobs": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
                 "analyze_run": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
                 **{
                     recorder: "; cloudwatch:PutMetricData has none either and is limited by a cloudwatch:namespace "

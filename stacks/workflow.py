@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
@@ -48,8 +48,9 @@ PROCESSING_REQUEST_FIELDS = (
     "Environment",
     "Tags",
 )
-TRAINING_RESOURCE = "arn:aws:states:::sagemaker:createTrainingJob.sync"
-PROCESSING_RESOURCE = "arn:aws:states:::sagemaker:createProcessingJob.sync"
+# The partition follows the stack (aws, aws-cn, aws-us-gov): CDK renders the pseudo-parameter into the definition.
+TRAINING_RESOURCE = f"arn:{Aws.PARTITION}:states:::sagemaker:createTrainingJob.sync"
+PROCESSING_RESOURCE = f"arn:{Aws.PARTITION}:states:::sagemaker:createProcessingJob.sync"
 # Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors, which
 # include ValidationException: Retry cannot tell them apart by name, so a bad request costs at most these few short
 # retries before the Catch records it) arrive as SageMaker.AmazonSageMakerException; an account quota hit (e.g.

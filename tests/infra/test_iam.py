@@ -166,6 +166,8 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     assert "/manifests/*" in actions_of("validate_manifest")["s3:GetObject"]
     assert "/rejected/*" in actions_of("validate_manifest")["s3:PutObject"]
     assert "/processed/*" in actions_of("plan_jobs")["s3:GetObject"]
+    # only the analysis reprices from the Price List API (planning uses the catalog's prices)
+    assert "pricing:GetProducts" in actions_of("analyze_run") and "pricing:GetProducts" not in actions_of("plan_jobs")
     assert "/reports/*" in actions_of("analyze_run")["s3:PutObject"]
     assert "sns:Publish" in actions_of("analyze_run")
     for recorder in ("job_events", "record_job_result"):

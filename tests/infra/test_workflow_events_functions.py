@@ -63,7 +63,7 @@ def test_the_canary_map_runs_each_configurations_canary_request(asl: dict[str, A
     canaries = asl["States"]["Run canaries"]
     assert canaries["Type"] == "Map" and canaries["ItemsPath"] == "$.canaries" and canaries["ResultPath"] is None
     (canary,) = canaries["ItemProcessor"]["States"].values()
-    assert canary["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
+    assert canary["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync"
     assert canary["Parameters"]["TrainingJobName.$"] == "$.request.TrainingJobName"
     assert canary["End"] is True and "Catch" not in canary  # a failed canary fails the Map, which fails the run
     quota = [r for r in canary["Retry"] if r["ErrorEquals"] == ["SageMaker.ResourceLimitExceededException"]]
@@ -135,7 +135,7 @@ def test_failed_timed_out_and_aborted_executions_reach_mark_run_failed(synthesiz
 
 def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str, Any]) -> None:
     prepare = asl["States"]["Prepare data"]
-    assert prepare["Resource"] == "arn:aws:states:::sagemaker:createProcessingJob.sync"
+    assert prepare["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createProcessingJob.sync"
     assert prepare["Parameters"] == {f"{f}.$": f"$.prepare.request.{f}" for f in PROCESSING_REQUEST_FIELDS}
     assert prepare["ResultPath"] == "$.prepare.job"  # keeps $.run_id and $.jobs for the Map
 
@@ -154,7 +154,7 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     processor = jobs["ItemProcessor"]
     assert processor["StartAt"] == "Read run status"
     train = processor["States"]["Train"]
-    assert train["Resource"] == "arn:aws:states:::sagemaker:createTrainingJob.sync"
+    assert train["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync"
     assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS}
     assert train["ResultSelector"] == {"TrainingJobArn.$": "$.TrainingJobArn"} and train["ResultPath"] == "$.job"
     # A finished job is recorded inside the Map (not only by job_events, which runs asynchronously).

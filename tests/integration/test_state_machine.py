@@ -122,12 +122,12 @@ def runnable_in_moto(
             lambda_states[name] = resource
             passed = {key: state[key] for key in PASS_FIELDS if key in state}
             return {"Type": "Pass", **passed, "Result": results[resource]}
-        if resource.startswith("arn:aws:states:::sagemaker:") and resource.endswith(".sync"):
+        if resource.startswith("arn:<AWS::Partition>:states:::sagemaker:") and resource.endswith(".sync"):
             parameters = dict(state["Parameters"])
             assert parameters.pop("RoleArn.$").endswith("request.RoleArn")
             return {
                 **state,
-                "Resource": resource.removesuffix(".sync"),
+                "Resource": resource.removesuffix(".sync").replace("<AWS::Partition>", "aws"),
                 "Parameters": {**parameters, "RoleArn": role_arn},
             }
         if resource == "arn:<AWS::Partition>:states:::dynamodb:getItem":
@@ -357,7 +357,9 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
     assert len(reads) == len(jobs) and all(r["run"] == {"status": "PLANNED"} for r in reads)
 
 
-@pytest.mark.parametrize("resource", ["arn:aws:states:::sagemaker:createTrainingJob.sync", "arn:aws:lambda:x"])
+@pytest.mark.parametrize(
+    "resource", ["arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync", "arn:aws:lambda:x"]
+)
 def test_the_rewrite_touches_only_lambda_and_sync_tasks(resource: str) -> None:
     parameters = {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn.$": "$.request.RoleArn"}
     state = {"Type": "Task", "Resource": resource, "Parameters": parameters, "End": True}
