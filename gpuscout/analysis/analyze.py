@@ -165,7 +165,7 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             startup_time_s=float(timing.get("startup_time_s") or 0.0),
             peak_memory_gb=_opt(memory.get("peak_allocated_gb")),
             final_train_loss=_opt(loss.get("final_train_loss")),
-            dataset_tokens=int(bench["dataset"]["tokens"]),
+            dataset_tokens=int((bench.get("dataset") or {}).get("tokens") or 0),
             curve=_curve_array(train),
             curve_points=train,
             timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,

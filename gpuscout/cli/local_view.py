@@ -38,7 +38,8 @@ def plan_table(the_plan: Any) -> Table:
     table.add_column("instance", overflow="fold")
     table.add_column("variant", overflow="fold")
     table.add_column("precision")
-    table.add_column("pred. tokens/s", justify="right")
+    units = {spec.prediction.unit for spec in jobs} or {"tokens"}
+    table.add_column(f"pred. {'/'.join(sorted(units))}/s", justify="right")
     table.add_column("pred. time", justify="right")
     table.add_column("pred. $", justify="right")
     for spec in jobs:
@@ -49,7 +50,7 @@ def plan_table(the_plan: Any) -> Table:
             f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}",
             spec.variant_name,
             spec.precision,
-            f"{p.tokens_per_s:,.0f}",
+            f"{p.rate:,.0f}",
             _fmt_duration(p.training_seconds + p.overhead_seconds),
             f"{p.cost_usd:,.4f}",
         )
