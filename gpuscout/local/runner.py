@@ -599,7 +599,7 @@ def _int_or_none(value: str | None) -> int | None:
 def _stop_text(a: Mapping[str, Any]) -> str | None:
     from gpuscout.analysis.results import JobAnalysis
 
-    if a.get("tokens_per_s") is None:
+    if a.get("tokens_per_s") is None and a.get("samples_per_s") is None:
         return None
     return JobAnalysis.model_validate(a).stop_text
 
@@ -622,8 +622,15 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
         rows = []
         for a in analysis["jobs"]:
             ci = a.get("tokens_per_s_ci95") or (None, None)
+            samples_ci = a.get("samples_per_s_ci95") or (None, None)
             rows.append(
                 {
+                    "unit": a.get("unit", "tokens"),
+                    "samples_per_s": a.get("samples_per_s"),
+                    "samples_per_s_ci95_low": samples_ci[0],
+                    "samples_per_s_ci95_high": samples_ci[1],
+                    "usd_per_million_samples": a.get("usd_per_million_samples"),
+                    "usd_per_million_samples_spot": a.get("usd_per_million_samples_spot"),
                     "rank": a.get("rank"),
                     "job_name": a.get("job_name"),
                     "variant": a.get("variant_name"),
