@@ -15,7 +15,7 @@ from gpuscout.spec.catalog import LocalHardware, load_catalog
 from gpuscout.spec.manifest import load_manifest, parse_manifest
 
 sys.path.insert(0, str(TRAINING_DIR))
-import gpuscout_report  # noqa: E402
+import gpuscout_report
 
 CATALOG = load_catalog()
 EXAMPLE = REPO_DIR / "examples" / "two-tower"
