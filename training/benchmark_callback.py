@@ -65,16 +65,23 @@ class StepStats:
 
     def tokens_per_s_ci95(self) -> tuple[float, float, float]:
         """Throughput over the timed steps (total tokens / total time) and its 95 % interval."""
-        timed = [r for r in self.timed if r.seconds > 0]
-        return ratio_ci95([float(r.tokens) for r in timed], [r.seconds for r in timed])
+        return self.rate_ci95("tokens")
 
-    def steady_state_reached(self, *, ci_tolerance: float, min_timed_steps: int) -> tuple[bool, str]:
-        """Steady state: after ``min_timed_steps`` timed steps, the 95 % CI half-width of tokens/s (total tokens /
-        total time, see ratio_ci95) is within ``ci_tolerance`` (a fraction: 0.02 = +-2 %) of that estimate."""
+    def rate_ci95(self, unit: str = "tokens") -> tuple[float, float, float]:
+        """Throughput of ``unit`` ("tokens" or "samples") over the timed steps (total / total time), 95 % interval."""
+        timed = [r for r in self.timed if r.seconds > 0]
+        amounts = [float(r.samples if unit == "samples" else r.tokens) for r in timed]
+        return ratio_ci95(amounts, [r.seconds for r in timed])
+
+    def steady_state_reached(
+        self, *, ci_tolerance: float, min_timed_steps: int, unit: str = "tokens"
+    ) -> tuple[bool, str]:
+        """Steady state: after ``min_timed_steps`` timed steps, the 95 % CI half-width of the ``unit`` rate (total
+        / total time, see ratio_ci95) is within ``ci_tolerance`` (a fraction: 0.02 = +-2 %) of that estimate."""
         timed_count = sum(1 for r in self.timed if r.seconds > 0)
         if timed_count < max(2, min_timed_steps):
             return False, ""
-        mean, low, high = self.tokens_per_s_ci95()
+        mean, low, high = self.rate_ci95(unit)
         half = (high - low) / 2
         if mean > 0 and half / mean <= ci_tolerance:
             return True, (
@@ -92,6 +99,7 @@ class StepStats:
         tokens = sum(r.tokens for r in timed)
         samples = sum(r.samples for r in timed)
         rate, low, high = self.tokens_per_s_ci95()
+        _, samples_low, samples_high = self.rate_ci95("samples")
         return {
             "timed_steps": len(timed),
             "step_time_mean_s": statistics.fmean(times),
@@ -100,6 +108,8 @@ class StepStats:
             "tokens_per_s": rate,  # total tokens / total time over the timed steps
             "tokens_per_s_ci95": (low, high),  # delta-method interval around that same estimate
             "samples_per_s": samples / seconds,
+            "samples_per_s_ci95": (samples_low, samples_high),
+            "samples_timed": samples,
             "tokens_timed": tokens,
             "train_time_s": sum(r.seconds for r in self.records),
             "dataloader_wait_fraction": min(1.0, sum(r.dataloader_wait_s for r in timed) / seconds),

@@ -99,8 +99,9 @@ def _mean(values: Sequence[float]) -> float | None:
 class _Rep(NamedTuple):
     """What analysis reads from one completed benchmark.json (BenchmarkResult field names)."""
 
-    tokens_per_s: float
+    tokens_per_s: float  # the ranked rate: tokens/s, or samples/s when unit is samples
     ci95: tuple[float, float] | None
+    unit: str
     device: str
     world_size: int
     gpu_sku: str | None
@@ -143,16 +144,19 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
         if bench.get("status") != "completed":
             return f"failed: {bench.get('failure_reason') or 'benchmark.json reports a failure'}"
         throughput = bench.get("throughput")
-        if not throughput or float(throughput["tokens_per_s"]) <= 0:
+        unit = str(bench.get("unit") or "tokens")
+        key = "samples_per_s" if unit == "samples" else "tokens_per_s"
+        if not throughput or float(throughput.get(key) or 0) <= 0:
             return "failed: benchmark.json reports no throughput"
         hardware, timing = bench["hardware"], bench.get("timing") or {}
         efficiency, memory = bench.get("efficiency") or {}, bench.get("memory") or {}
         loss = bench.get("loss") or {}
         train = loss.get("train") or []
-        ci = throughput.get("tokens_per_s_ci95")
+        ci = throughput.get(f"{key}_ci95")
         return _Rep(
-            tokens_per_s=float(throughput["tokens_per_s"]),
+            tokens_per_s=float(throughput[key]),
             ci95=(float(ci[0]), float(ci[1])) if ci else None,
+            unit=unit,
             device=str(hardware["device"]),
             world_size=int(hardware["world_size"]),
             gpu_sku=hardware.get("gpu_sku"),
@@ -165,7 +169,7 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             startup_time_s=float(timing.get("startup_time_s") or 0.0),
             peak_memory_gb=_opt(memory.get("peak_allocated_gb")),
             final_train_loss=_opt(loss.get("final_train_loss")),
-            dataset_tokens=int(bench["dataset"]["tokens"]),
+            dataset_tokens=int((bench.get("dataset") or {}).get("tokens") or 0),
             curve=_curve_array(train),
             curve_points=train,
             timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,
@@ -335,18 +339,25 @@ def _measure_group(
         source=breakdowns[0][1],
     )
     dataset_tokens = reps[0].dataset_tokens
+    tokens_rate: float | None = mean_tps
+    tokens_ci = ci
+    if reps[0].unit == "samples":  # a job section's samples job: the rate and its interval are samples/s
+        fields.update(unit="samples", samples_per_s=mean_tps, samples_per_s_ci95=ci)
+        tokens_rate, tokens_ci = None, None  # tokens fields stay empty: no tokens figure is ranked or priced
     fields.update(
         gpus=world if reps[0].device == "cuda" else fields["gpus"],
         gpu_sku=reps[0].gpu_sku,
-        tokens_per_s=mean_tps,
-        tokens_per_s_ci95=ci,
+        tokens_per_s=tokens_rate,
+        tokens_per_s_ci95=tokens_ci,
         ci_method=ci_method,
         ci_kind=ci_kind,
         timed_steps=min(timed) if timed else None,
         **stop_outcome(reps, spec),
         settings_key=settings_key(first),
         contention_note=_contention_note([job for job, _ in completed]),
-        tokens_per_s_per_gpu=mean_tps / world if reps[0].device == "cuda" else None,  # no GPUs, no per-GPU figure
+        tokens_per_s_per_gpu=tokens_rate / world
+        if tokens_rate is not None and reps[0].device == "cuda"
+        else None,  # no GPUs, no per-GPU figure
         mfu=_mean([r.mfu for r in reps if r.mfu is not None]),
         hfu=_mean([r.hfu for r in reps if r.hfu is not None]),
         step_time_p50_s=_mean([r.step_p50 for r in reps if r.step_p50 is not None]),
@@ -354,7 +365,7 @@ def _measure_group(
         peak_memory_gb=max(peak) if peak else None,
         final_train_loss=_mean([r.final_train_loss for r in reps if r.final_train_loss is not None]),
         dataset_tokens=dataset_tokens,
-        epoch_seconds=costs.epoch_seconds(dataset_tokens, mean_tps) if dataset_tokens > 0 else None,
+        epoch_seconds=costs.epoch_seconds(dataset_tokens, tokens_rate) if dataset_tokens > 0 and tokens_rate else None,
         time_breakdown=breakdown,
         overhead_seconds=breakdown.overhead_seconds,
         loss_curve=list(map(_LOSS_POINT, _downsample(reps[0].curve_points, LOSS_CURVE_POINTS))),  # for the charts
@@ -436,6 +447,17 @@ def price_job(job: JobAnalysis, prices: PriceBook, spec: Mapping[str, Any] | Non
         if job.billed_seconds is not None
         else None,
     }
+    if job.samples_per_s:  # the same formula per 1M samples
+        sps = job.samples_per_s
+        update |= {
+            "usd_per_million_samples": costs.usd_per_million_tokens(on_demand, n, sps),
+            "usd_per_million_samples_spot": costs.usd_per_million_tokens(spot, n, sps) if spot is not None else None,
+            "usd_per_million_samples_ci95": _cost_ci(on_demand, n, job.samples_per_s_ci95),
+            "usd_per_million_samples_spot_ci95": _cost_ci(spot, n, job.samples_per_s_ci95)
+            if spot is not None
+            else None,
+            "overhead_usd": costs.usd_for_seconds(job.overhead_seconds or 0.0, billed_rate, n),
+        }
     if job.tokens_per_s:
         tps = job.tokens_per_s
         update |= {
@@ -552,6 +574,7 @@ def analyze_run(
         objective=objective,
         constraints=constraints,
         dataset_tokens=dataset_tokens,
+        unit="samples" if any(j.unit == "samples" for j in ranked) else "tokens",
         jobs=ranked,
         recommendation=recommendation,
         excluded=excluded,

@@ -28,12 +28,12 @@ COST_OBJECTIVES = frozenset({"cheapest_per_token", "cheapest_within_deadline"})
 
 
 def _cost(job: JobAnalysis) -> float:
-    value = job.effective_usd_per_million_tokens
+    value = job.effective_usd_per_million_units
     return value if value is not None else float("inf")
 
 
 def _speed(job: JobAnalysis) -> float:
-    return job.tokens_per_s or 0.0
+    return job.rate or 0.0
 
 
 def sort_key(job: JobAnalysis, objective: str) -> tuple[Any, ...]:
@@ -45,9 +45,9 @@ def sort_key(job: JobAnalysis, objective: str) -> tuple[Any, ...]:
 
 
 def exclusion_reason(job: JobAnalysis, objective: str, constraints: Constraints) -> str | None:
-    if job.status != "completed" or job.tokens_per_s is None:
+    if job.status != "completed" or job.rate is None:
         return job.failure or f"no result (status {job.status})"
-    if job.effective_usd_per_million_tokens is None:
+    if job.effective_usd_per_million_units is None:
         return "no price for the instance type"
     needs_workload = constraints.deadline_hours is not None or (
         objective == "fastest_within_budget" and constraints.budget_usd is not None
@@ -74,7 +74,7 @@ def exclusion_reason(job: JobAnalysis, objective: str, constraints: Constraints)
 
 def pareto_front(jobs: Sequence[JobAnalysis]) -> set[str]:
     """Job names not dominated on (higher tokens/s, lower $ per 1M tokens). O(n log n): sort, then one sweep."""
-    points = [j for j in jobs if j.tokens_per_s is not None and j.effective_usd_per_million_tokens is not None]
+    points = [j for j in jobs if j.rate is not None and j.effective_usd_per_million_units is not None]
     points.sort(key=lambda j: (-_speed(j), _cost(j)))
     front: set[str] = set()
     best_cost = float("inf")
@@ -90,17 +90,17 @@ def pareto_front(jobs: Sequence[JobAnalysis]) -> set[str]:
 
 
 def _interval(job: JobAnalysis, objective: str) -> tuple[float, float] | None:
-    return job.effective_usd_per_million_tokens_ci95 if objective in COST_OBJECTIVES else job.tokens_per_s_ci95
+    return job.effective_usd_per_million_units_ci95 if objective in COST_OBJECTIVES else job.rate_ci95
 
 
 def _metric_text(job: JobAnalysis, objective: str) -> str:
     interval = _interval(job, objective)
     if objective in COST_OBJECTIVES:
-        text = f"${_cost(job):,.4g} per 1M tokens{' (spot)' if job.spot else ''}"
+        text = f"${_cost(job):,.4g} per 1M {job.unit}{' (spot)' if job.spot else ''}"
         if interval:
             text += f" (95 % CI ${interval[0]:,.4g}-{interval[1]:,.4g})"
         return text
-    text = f"{_speed(job):,.0f} tokens/s"
+    text = f"{_speed(job):,.0f} {job.unit}/s"
     if interval:
         text += f" (95 % CI {interval[0]:,.0f}-{interval[1]:,.0f})"
     return text
@@ -120,7 +120,11 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
         )
     best = ranked[0]
     facts = _metric_text(best, objective)
-    other = f"{_speed(best):,.0f} tokens/s" if objective in COST_OBJECTIVES else f"${_cost(best):,.4g} per 1M tokens"
+    other = (
+        f"{_speed(best):,.0f} {best.unit}/s"
+        if objective in COST_OBJECTIVES
+        else f"${_cost(best):,.4g} per 1M {best.unit}"
+    )
     if best.workload_hours is not None and best.workload_usd is not None:
         other += f"; {best.workload_basis}: {best.workload_hours:,.1f} h, ${best.workload_usd:,.2f}"
     base = dict(

@@ -54,14 +54,16 @@ def _pct(value: float | None) -> str:
 
 
 def _tps(job: JobAnalysis) -> str:
-    if job.tokens_per_s is None:
+    """The ranked rate (tokens/s, or samples/s for a samples job) and its interval."""
+    rate, ci = job.rate, job.rate_ci95
+    if rate is None:
         return "–"
     if job.ci_kind == "unreliable":
-        return f"{_num(job.tokens_per_s)} (CI unreliable)"
-    if job.tokens_per_s_ci95 is None:
-        return _num(job.tokens_per_s)
-    low, high = job.tokens_per_s_ci95
-    return f"{job.tokens_per_s:,.0f} ± {max(high - job.tokens_per_s, job.tokens_per_s - low):,.0f}"
+        return f"{_num(rate)} (CI unreliable)"
+    if ci is None:
+        return _num(rate)
+    low, high = ci
+    return f"{rate:,.0f} ± {max(high - rate, rate - low):,.0f}"
 
 
 def _hours_usd(hours: float | None, usd: float | None) -> str:
@@ -85,15 +87,16 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
     target_col = (
         f"to loss {analysis.constraints.target_loss:g}" if analysis.constraints.target_loss is not None else None
     )
+    unit = analysis.unit
     header = [
         "rank",
         "instance / variant",
         "reps",
-        "tokens/s ± 95 % CI",
+        f"{unit}/s ± 95 % CI",
         "tokens/s per GPU",
         "MFU",
-        "$/1M tokens on-demand",
-        "$/1M tokens spot",
+        f"$/1M {unit} on-demand",
+        f"$/1M {unit} spot",
         "one epoch",
         *([target_col] if target_col else []),
         "benchmark billed",
@@ -111,15 +114,13 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
                 _tps(job),
                 _num(job.tokens_per_s_per_gpu),
                 _pct(job.mfu),
-                _usd(job.usd_per_million_tokens),
-                _usd(job.usd_per_million_tokens_spot),
+                _usd(job.usd_per_million_samples if unit == "samples" else job.usd_per_million_tokens),
+                _usd(job.usd_per_million_samples_spot if unit == "samples" else job.usd_per_million_tokens_spot),
                 _hours_usd(job.epoch_hours, job.epoch_usd_spot if job.spot else job.epoch_usd),
                 *([_loss_target(job)] if target_col else []),
                 _usd(job.billed_usd),
                 _num(job.peak_memory_gb, 1),
-                ("⚠ " if job.tolerance_reached is False else "") + job.stop_text
-                if job.tokens_per_s is not None
-                else "–",
+                ("⚠ " if job.tolerance_reached is False else "") + job.stop_text if job.rate is not None else "–",
                 "yes" if job.on_pareto_front else "",
             ]
         )

@@ -35,7 +35,14 @@ class JobAnalysis(BaseModel):
     repetitions_planned: int
     status: str  # "completed" or the status that stopped every repetition (FAILED, OOM, CAPACITY, ...)
     failure: str | None = None  # why no repetition completed
+    unit: Literal["tokens", "samples"] = "tokens"  # what is ranked: tokens, or samples (a job section's unit)
     # throughput and efficiency
+    samples_per_s: float | None = None  # samples jobs: the ranked rate
+    samples_per_s_ci95: tuple[float, float] | None = None
+    usd_per_million_samples: float | None = None
+    usd_per_million_samples_ci95: tuple[float, float] | None = None
+    usd_per_million_samples_spot: float | None = None
+    usd_per_million_samples_spot_ci95: tuple[float, float] | None = None
     tokens_per_s: float | None = None
     tokens_per_s_ci95: tuple[float, float] | None = None
     ci_method: str | None = None
@@ -127,6 +134,27 @@ class JobAnalysis(BaseModel):
     def effective_usd_per_million_tokens_ci95(self) -> tuple[float, float] | None:
         return self.usd_per_million_tokens_spot_ci95 if self.spot else self.usd_per_million_tokens_ci95
 
+    # the ranked unit: tokens, or samples for a job section's samples job
+    @property
+    def rate(self) -> float | None:
+        return self.samples_per_s if self.unit == "samples" else self.tokens_per_s
+
+    @property
+    def rate_ci95(self) -> tuple[float, float] | None:
+        return self.samples_per_s_ci95 if self.unit == "samples" else self.tokens_per_s_ci95
+
+    @property
+    def effective_usd_per_million_units(self) -> float | None:
+        if self.unit == "samples":
+            return self.usd_per_million_samples_spot if self.spot else self.usd_per_million_samples
+        return self.effective_usd_per_million_tokens
+
+    @property
+    def effective_usd_per_million_units_ci95(self) -> tuple[float, float] | None:
+        if self.unit == "samples":
+            return self.usd_per_million_samples_spot_ci95 if self.spot else self.usd_per_million_samples_ci95
+        return self.effective_usd_per_million_tokens_ci95
+
 
 class Recommendation(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -168,6 +196,7 @@ class RunAnalysis(BaseModel):
     objective: Objective
     constraints: Constraints
     dataset_tokens: int | None = None
+    unit: Literal["tokens", "samples"] = "tokens"
     jobs: list[JobAnalysis]
     recommendation: Recommendation
     excluded: list[Exclusion]

@@ -38,7 +38,8 @@ def plan_table(the_plan: Any) -> Table:
     table.add_column("instance", overflow="fold")
     table.add_column("variant", overflow="fold")
     table.add_column("precision")
-    table.add_column("pred. tokens/s", justify="right")
+    units = {spec.prediction.unit for spec in jobs} or {"tokens"}
+    table.add_column(f"pred. {'/'.join(sorted(units))}/s", justify="right")
     table.add_column("pred. time", justify="right")
     table.add_column("pred. $", justify="right")
     for spec in jobs:
@@ -49,7 +50,7 @@ def plan_table(the_plan: Any) -> Table:
             f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}",
             spec.variant_name,
             spec.precision,
-            f"{p.tokens_per_s:,.0f}",
+            f"{p.rate:,.0f}",
             _fmt_duration(p.training_seconds + p.overhead_seconds),
             f"{p.cost_usd:,.4f}",
         )
@@ -70,10 +71,11 @@ def _mfu_text(row: Mapping[str, Any]) -> str:
 
 
 def _tps_text(row: Mapping[str, Any]) -> str:
-    tps = row.get("tokens_per_s")
+    unit = row.get("unit") or "tokens"
+    tps = row.get(f"{unit}_per_s")
     if tps is None:
         return "-"
-    low, high = row.get("tokens_per_s_ci95_low"), row.get("tokens_per_s_ci95_high")
+    low, high = row.get(f"{unit}_per_s_ci95_low"), row.get(f"{unit}_per_s_ci95_high")
     if row.get("ci_kind") == "unreliable":
         return f"{tps:,.0f} (CI unreliable)"
     if low is None or high is None:
@@ -94,9 +96,10 @@ def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked resu
     table.add_column("rank", justify="right")
     table.add_column("variant")
     table.add_column("instance")
-    table.add_column("tokens/s ± CI95", justify="right")
+    unit = "samples" if any(row.get("unit") == "samples" for row in rows) else "tokens"
+    table.add_column(f"{unit}/s ± CI95", justify="right")
     table.add_column("MFU", justify="right")
-    table.add_column("$ / 1M tokens", justify="right")
+    table.add_column(f"$ / 1M {unit}", justify="right")
     table.add_column("status")
     table.add_column("stop", overflow="fold", max_width=34)
     table.add_column("note", overflow="fold", max_width=60)
@@ -111,7 +114,9 @@ def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked resu
             escape(f"{row.get('instance_type')}{count}{' (spot)' if row.get('spot') else ''}"),
             _tps_text(row),
             _mfu_text(row),
-            _usd_text(row.get("usd_per_million_tokens_spot") if row.get("spot") else row.get("usd_per_million_tokens")),
+            _usd_text(
+                row.get(f"usd_per_million_{unit}_spot") if row.get("spot") else row.get(f"usd_per_million_{unit}")
+            ),
             f"[{colour}]{escape(status)}[/]",
             ("[yellow]⚠[/] " if row.get("tolerance_reached") is False else "") + escape(str(row.get("stop") or "")),
             escape(note[-1] if note else ""),

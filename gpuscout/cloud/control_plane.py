@@ -137,16 +137,17 @@ def manifest_stem(key: str) -> str:
 
 
 def data_source_of(manifest: Manifest) -> DataSource:
+    _, dataset, sequence_length = manifest.builtin()
     return DataSource(
-        source=manifest.dataset.source,
+        source=dataset.source,
         tokenizer=manifest.tokenizer.kind,
-        sequence_length=manifest.sequence_length,
-        max_documents=manifest.dataset.max_documents,
+        sequence_length=sequence_length,
+        max_documents=dataset.max_documents,
         tokenizer_path=manifest.tokenizer.path,
         vocab_size=manifest.tokenizer.resolved_vocab_size,
-        text_field=manifest.dataset.text_field,
-        min_characters=manifest.dataset.min_characters,
-        validation_fraction=manifest.dataset.validation_fraction,
+        text_field=dataset.text_field,
+        min_characters=dataset.min_characters,
+        validation_fraction=dataset.validation_fraction,
     )
 
 

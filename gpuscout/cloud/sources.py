@@ -52,12 +52,20 @@ def _local_problem(field: str, path: str, data_bucket: str, what: str) -> Proble
 def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
     """Dataset, model and tokenizer sources the stack's jobs could never read (module docstring)."""
     problems: list[Problem] = []
-    source = manifest.dataset.source
+    if manifest.job is not None:
+        return [
+            Problem(
+                "job",
+                "the cloud stack runs the built-in job only for now; benchmark your own code with `gpuscout local` "
+                "(`gpuscout validate` and `gpuscout plan` accept cloud targets)",
+            )
+        ]
+    model, dataset, _ = manifest.builtin()
+    source = dataset.source
     if source.startswith("s3://"):
         problems += [p for p in [_s3_problem("dataset.source", source, data_bucket, "dataset")] if p]
     elif not source.startswith("bundled:"):
         problems.append(_local_problem("dataset.source", source, data_bucket, "dataset"))
-    model = manifest.model
     if model.path is not None:
         if model.path.startswith("s3://"):
             problems += [p for p in [_s3_problem("model.path", model.path, data_bucket, "model")] if p]

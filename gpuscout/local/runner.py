@@ -261,7 +261,7 @@ class JobFolders:
     stderr_log: Path
 
     @classmethod
-    def create(cls, root: Path, spec: JobSpec, data_dir: Path) -> JobFolders:
+    def create(cls, root: Path, spec: JobSpec, data_dir: Path | None) -> JobFolders:
         opt_ml = root / "opt" / "ml"
         folders = cls(
             root=root,
@@ -280,7 +280,8 @@ class JobFolders:
         folders.checkpoints.mkdir(parents=True, exist_ok=True)
         if folders.train_channel.is_symlink() or folders.train_channel.exists():
             folders.train_channel.unlink()
-        folders.train_channel.symlink_to(data_dir.resolve(), target_is_directory=True)
+        if data_dir is not None:  # a job section's code reads its own data: no train channel
+            folders.train_channel.symlink_to(data_dir.resolve(), target_is_directory=True)
         (folders.config / "hyperparameters.json").write_text(json.dumps(spec.hyperparameters, indent=2) + "\n")
         resource = {"current_host": CURRENT_HOST, "hosts": [CURRENT_HOST], "network_interface_name": "lo"}
         (folders.config / "resourceconfig.json").write_text(json.dumps(resource, indent=2) + "\n")
@@ -322,6 +323,8 @@ class JobProgress:
     lines: int = 0
     summary: dict[str, float] = field(default_factory=dict)
 
+    samples_per_s: float | None = None
+
     def update(self, line: str) -> None:
         self.lines += 1
         values = parse_metric_line(line)
@@ -336,11 +339,16 @@ class JobProgress:
             self.loss = values["loss"]
         if "tokens_per_s" in values:
             self.tokens_per_s = values["tokens_per_s"]
+        if "samples_per_s" in values:
+            self.samples_per_s = values["samples_per_s"]
 
     def describe(self, max_steps: int | None) -> str:
         parts = [f"step {self.step if self.step is not None else '-'}{f'/{max_steps}' if max_steps else ''}"]
         parts.append(f"loss {self.loss:.4f}" if self.loss is not None else "loss -")
-        parts.append(f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s is not None else "tok/s -")
+        if self.samples_per_s is not None:
+            parts.append(f"{self.samples_per_s:,.0f} samples/s")
+        else:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s is not None else "tok/s -")
         return "  ".join(parts)
 
 
@@ -464,15 +472,19 @@ def run_job(
     on_progress: Callable[[JobProgress], None] = lambda _progress: None,
     poll_interval_s: float = 0.25,
 ) -> JobOutcome:
-    """Run train.py for one job; never raises for a failing job (KeyboardInterrupt propagates after cleanup)."""
+    """Run train.py (or a job section's entry point) for one job; never raises for a failing job
+    (KeyboardInterrupt propagates after cleanup)."""
     command = [sys.executable, str(paths.TRAINING_DIR / "train.py")]
+    cwd, env = folders.root, folders.environment(spec)
+    if spec.job_code is not None:
+        command, cwd, env = job_code_command(spec, folders)
     started = time.monotonic()
     job_progress = JobProgress()
     with open(folders.stderr_log, "w", encoding="utf-8") as stderr:
         proc = subprocess.Popen(
             command,
-            cwd=folders.root,
-            env=_child_env(folders.environment(spec)),
+            cwd=cwd,
+            env=_child_env(env),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -499,6 +511,8 @@ def run_job(
     wall = time.monotonic() - started
     on_progress(job_progress)
     contention = monitor.summary()
+    if spec.job_code is not None and proc.returncode == 0 and not timed_out:
+        benchmark_from_log(spec, folders, env)
     benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
@@ -511,8 +525,39 @@ def run_job(
         reason = unreadable
     else:
         tail = _failure_from_stderr(folders.stderr_log, folders.stdout_log)
-        reason = f"train.py exited with code {proc.returncode}: {tail}"
+        script = spec.job_code.entry_point if spec.job_code else "train.py"
+        reason = f"{script} exited with code {proc.returncode}: {tail}"
     return JobOutcome(_classify_failure(reason), benchmark, reason, wall, contention)
+
+
+def job_code_command(spec: JobSpec, folders: JobFolders) -> tuple[list[str], Path, dict[str, str]]:
+    """A job section's command, folder and environment: a copy of the user's folder in the job folder
+    (``code/``, as SageMaker puts source_dir in /opt/ml/code), ``python ENTRY_POINT --key value ...`` with the
+    variant's hyperparameters, training/ on PYTHONPATH (``import gpuscout_report``) and the helper's GPUSCOUT_*
+    settings."""
+    code = spec.job_code
+    assert code is not None
+    target = folders.root / "code"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(code.source_dir, target, ignore=shutil.ignore_patterns("__pycache__", ".git", "*.pyc"))
+    command = [sys.executable, code.entry_point]
+    for key, value in spec.hyperparameters.items():
+        command += [f"--{key}", value]
+    env = folders.environment(spec) | code.environment | {"GPUSCOUT_ENTRY_POINT": code.entry_point}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(paths.TRAINING_DIR), str(paths.REPO_DIR), os.environ.get("PYTHONPATH", "")]
+    )
+    return command, target, env
+
+
+def benchmark_from_log(spec: JobSpec, folders: JobFolders, env: Mapping[str, str]) -> None:
+    """A job section's script that printed metric lines instead of calling the helper: the helper builds
+    benchmark.json from its log (training/gpuscout_report.py --from-log); its error, if any, lands in stderr."""
+    if (folders.output_data / "benchmark.json").is_file():
+        return
+    command = [sys.executable, str(paths.TRAINING_DIR / "gpuscout_report.py"), "--from-log", str(folders.stdout_log)]
+    with open(folders.stderr_log, "a", encoding="utf-8") as stderr:
+        subprocess.run(command, env=_child_env(env), stdout=stderr, stderr=stderr, check=False, timeout=120)
 
 
 def _wait(
@@ -554,7 +599,7 @@ def _int_or_none(value: str | None) -> int | None:
 def _stop_text(a: Mapping[str, Any]) -> str | None:
     from gpuscout.analysis.results import JobAnalysis
 
-    if a.get("tokens_per_s") is None:
+    if a.get("tokens_per_s") is None and a.get("samples_per_s") is None:
         return None
     return JobAnalysis.model_validate(a).stop_text
 
@@ -577,8 +622,15 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
         rows = []
         for a in analysis["jobs"]:
             ci = a.get("tokens_per_s_ci95") or (None, None)
+            samples_ci = a.get("samples_per_s_ci95") or (None, None)
             rows.append(
                 {
+                    "unit": a.get("unit", "tokens"),
+                    "samples_per_s": a.get("samples_per_s"),
+                    "samples_per_s_ci95_low": samples_ci[0],
+                    "samples_per_s_ci95_high": samples_ci[1],
+                    "usd_per_million_samples": a.get("usd_per_million_samples"),
+                    "usd_per_million_samples_spot": a.get("usd_per_million_samples_spot"),
                     "rank": a.get("rank"),
                     "job_name": a.get("job_name"),
                     "variant": a.get("variant_name"),
@@ -777,11 +829,20 @@ def _run_planned(
     failure: Exception | None = None
     with SignalGuard() as guard:
         try:
-            store.update_run(run_id, status=RunStatus.PREPARING)
-            data_dir = prepare_data(manifest, data_cache_dir, observer.message)
-            refused = check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
+            data_dir: Path | None = None
+            refused: set[str] = set()
+            if manifest.job is None:
+                store.update_run(run_id, status=RunStatus.PREPARING)
+                data_dir = prepare_data(manifest, data_cache_dir, observer.message)
+                refused = check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
+            elif manifest.job.requirements:
+                observer.message(
+                    f"job: {manifest.job.requirements} is not installed by `gpuscout local`; the job runs in this "
+                    f"environment ({sys.executable})",
+                    warning=True,
+                )
             store.update_run(run_id, status=RunStatus.RUNNING)
-            if canary:
+            if canary and data_dir is not None:
                 refused |= run_canaries(specs, refused, run_dir, data_dir, store=store, observer=observer)
             with observer.jobs_running():
                 for i, spec in enumerate(specs, start=1):

@@ -36,7 +36,7 @@ from gpuscout.plan import memory
 from gpuscout.plan.memory import StepSettings
 from gpuscout.spec.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
 from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token
-from gpuscout.spec.jobspec import JOB_NAME_RE, JobSpec, Prediction
+from gpuscout.spec.jobspec import JOB_NAME_RE, JobCode, JobSpec, Prediction
 from gpuscout.spec.manifest import Manifest, Target, Variant
 from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
 
@@ -152,7 +152,7 @@ def _time_matmuls(fn: Callable[[], object], n: int, seconds: float, *, sync: Cal
 
 
 def _architecture(manifest: Manifest) -> Architecture:
-    arch = manifest.model.flops_architecture()
+    arch = manifest.builtin()[0].flops_architecture()
     if arch is None:  # the manifest validator guarantees one
         raise PlanError("model has no known architecture; set model.architecture")
     tokenizer = manifest.tokenizer
@@ -276,8 +276,10 @@ def _predict_tokens_per_s(
 
 def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: LocalHardware | None = None) -> Plan:
     """Expand targets x variants x repetitions into JobSpecs with predictions; PlanError if one cannot fit."""
+    if manifest.job is not None:
+        return plan_job_section(manifest, catalog, run_id=run_id, local_hardware=local_hardware)
     arch = _architecture(manifest)
-    seq = manifest.sequence_length
+    seq = manifest.builtin()[2]
     training = manifest.training
     jobs: list[JobSpec] = []
     for ti, target in enumerate(manifest.targets):
@@ -425,7 +427,7 @@ def hyperparameters(
 ) -> dict[str, str]:
     """train.py's hyperparameters (docs/internals.md), all strings; warmup_steps omitted for auto."""
     t = manifest.training
-    model = manifest.model
+    model, _, sequence_length = manifest.builtin()
     hp: dict[str, str] = {"run_id": run_id, "job_name": job_name, "instance_type": instance_type}
     if model.preset:
         hp["model_preset"] = model.preset
@@ -433,7 +435,7 @@ def hyperparameters(
         hp["model_name_or_path"] = model.hf_id or model.path or ""
     hp.update(
         {
-            "sequence_length": str(manifest.sequence_length),
+            "sequence_length": str(sequence_length),
             "per_device_train_batch_size": str(batch),
             "gradient_accumulation_steps": str(accum),
             "max_steps": str(max_steps),
@@ -461,3 +463,126 @@ def hyperparameters(
     if t.warmup_steps is not None:
         hp["warmup_steps"] = str(t.warmup_steps)
     return hp
+
+
+# -- a job section: the user's own code ---------------------------------------------------------------------------
+
+
+def _argument_text(value: object) -> str:
+    if isinstance(value, bool):
+        return _flag(value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def job_section_environment(manifest: Manifest, *, max_steps: int) -> dict[str, str]:
+    """What the gpuscout_report helper reads (training/gpuscout_report.py): the unit, warm-up and stop rule."""
+    t = manifest.training
+    assert manifest.job is not None
+    env = {
+        "GPUSCOUT_UNIT": manifest.job.unit,
+        "GPUSCOUT_MAX_STEPS": str(max_steps),
+        "GPUSCOUT_STOP_RULE": t.stop_rule.kind,
+        "GPUSCOUT_CI_TOLERANCE": repr(t.stop_rule.ci_tolerance),
+        "GPUSCOUT_MIN_TIMED_STEPS": str(t.stop_rule.min_timed_steps),
+    }
+    if t.warmup_steps is not None:
+        env["GPUSCOUT_WARMUP_STEPS"] = str(t.warmup_steps)
+    if manifest.job.items_per_sample is not None:
+        env["GPUSCOUT_ITEMS_PER_SAMPLE"] = repr(manifest.job.items_per_sample)
+    return env
+
+
+def _job_target_devices(
+    target: Target, inst: InstanceType, local_hardware: LocalHardware | None
+) -> tuple[int, int, LocalHardware | None]:
+    """(GPUs per instance, devices in all, the local hardware) of a target."""
+    if inst.is_local:
+        hw = local_hardware or detect_local_hardware()
+        gpus = hw.gpu_count if hw.device == "cuda" else 0
+        return gpus, max(gpus, 1), hw
+    return inst.gpu_count, max(inst.gpu_count, 1) * target.instance_count, local_hardware
+
+
+def plan_job_section(
+    manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: LocalHardware | None = None
+) -> Plan:
+    """A job section's JobSpecs. There is no FLOPs model for the user's code, so the prediction is the user's own
+    estimate (job.estimate: units/s per device, per instance type when given) x devices; the method says so."""
+    job = manifest.job
+    assert job is not None
+    max_steps = manifest.training.max_steps or 0
+    estimate = job.estimate
+    env = job_section_environment(manifest, max_steps=max_steps)
+    jobs: list[JobSpec] = []
+    for ti, target in enumerate(manifest.targets):
+        inst = catalog.get(target.instance_type)
+        gpus, devices, local_hardware = _job_target_devices(target, inst, local_hardware)
+        precision = manifest.resolved_precision(target, catalog, local_hardware if inst.is_local else None)
+        price = target.price_per_hour_usd or inst.on_demand_usd_per_hour
+        if price is None:
+            raise PlanError(f"targets[{ti}] {target.instance_type}: no price; set price_per_hour_usd")
+        spot_price = target.spot_price_per_hour_usd if target.spot else None
+        billed_price = spot_price if spot_price is not None else price
+        per_device = estimate.units_per_s_by_instance_type.get(target.instance_type, estimate.units_per_s)
+        where = "for this instance type" if target.instance_type in estimate.units_per_s_by_instance_type else ""
+        rate = per_device * devices
+        overhead_s = CLOUD_OVERHEAD_S
+        if inst.is_local:
+            hw = local_hardware
+            overhead_s = hw.startup_s if hw is not None and hw.startup_s is not None else LOCAL_OVERHEAD_S
+        for vi, variant in enumerate(manifest.variants):
+            units_per_step = manifest.units_per_step(variant)
+            training_s = max_steps * units_per_step / rate
+            cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
+            runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)
+            runtime = min(max(runtime, MIN_RUNTIME_S), MAX_RUNTIME_S)
+            method = (
+                f"user's estimate (job.estimate{' ' + where if where else ''}): {per_device:,.4g} {job.unit}/s per "
+                f"device x {devices} device{'s' if devices != 1 else ''}; {units_per_step:g} {job.unit}/step; "
+                f"no FLOPs model for your own code"
+            )
+            if job.unit == "samples":
+                tokens_rate = rate * job.items_per_sample if job.items_per_sample else None
+                rates: dict[str, float | None] = {"samples_per_s": rate, "tokens_per_s": tokens_rate}
+            else:
+                rates = {"tokens_per_s": rate}
+            args = {**job.arguments, **variant.hyperparameters}
+            for rep in range(manifest.repetitions):
+                name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
+                jobs.append(
+                    JobSpec(
+                        job_name=name,
+                        run_id=run_id,
+                        target_index=ti,
+                        variant_name=variant.name,
+                        repetition=rep,
+                        instance_type=target.instance_type,
+                        instance_count=target.instance_count,
+                        gpus_per_instance=gpus,
+                        spot=target.spot,
+                        price_per_hour_usd=price,
+                        spot_price_per_hour_usd=spot_price,
+                        precision=precision,
+                        max_runtime_seconds=runtime,
+                        hyperparameters={k: _argument_text(v) for k, v in args.items()},
+                        prediction=Prediction(
+                            **rates,
+                            unit=job.unit,
+                            mfu_assumed=None,
+                            training_seconds=training_s,
+                            overhead_seconds=overhead_s,
+                            cost_usd=cost,
+                            method=method,
+                        ),
+                        job_code=JobCode(
+                            source_dir=job.source_dir,
+                            entry_point=job.entry_point,
+                            requirements=job.requirements,
+                            unit=job.unit,
+                            items_per_sample=job.items_per_sample,
+                            environment=env,
+                        ),
+                    )
+                )
+    jobs.sort(key=lambda j: j.repetition)
+    return Plan(run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs)

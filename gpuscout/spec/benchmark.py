@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
 
 
 class _Strict(BaseModel):
@@ -35,8 +35,8 @@ class Hardware(_Strict):
 
 class Software(_Strict):
     python: str
-    torch: str
-    transformers: str
+    torch: str | None = None  # None: the user's own job did not import it
+    transformers: str | None = None
     deepspeed: str | None = None
     gpuscout: str
     image_digest: str | None = None
@@ -87,11 +87,14 @@ class Timing(_Strict):
 
 
 class Throughput(_Strict):
-    tokens_per_s: float  # non-padding tokens of all ranks per second over timed steps
-    tokens_per_s_ci95: tuple[float, float]  # 95 % confidence interval of the mean
+    # tokens: non-padding tokens of all ranks per second over timed steps; None for a samples job that reports none
+    tokens_per_s: float | None
+    tokens_per_s_ci95: tuple[float, float] | None  # 95 % confidence interval of the mean
     tokens_per_s_per_gpu: float | None = None
     samples_per_s: float
-    tokens_timed: int  # non-padding tokens processed during timed steps
+    samples_per_s_ci95: tuple[float, float] | None = None  # samples jobs: the interval of the ranked rate
+    tokens_timed: int  # non-padding tokens processed during timed steps (0 when the job reports none)
+    samples_timed: int | None = None
 
 
 class Efficiency(_Strict):
@@ -113,7 +116,8 @@ class Memory(_Strict):
 
 class LossPoint(_Strict):
     step: int
-    tokens: int  # cumulative non-padding tokens (all ranks) at this step
+    tokens: int  # cumulative non-padding tokens (all ranks) at this step (0 when the job reports none)
+    samples: int | None = None  # cumulative samples (the user's own job)
     elapsed_s: float  # cumulative training time at this step
     loss: float
 
@@ -132,17 +136,28 @@ class StopInfo(_Strict):
     resumed_from_step: int | None = None
 
 
+class JobInfo(_Strict):
+    """The user's own training code (a manifest's job section) and how it reported."""
+
+    entry_point: str
+    hyperparameters: dict[str, str] = Field(default_factory=dict)
+    reporter: str  # "helper" (gpuscout_report), "hf_trainer", "lightning" or "stdout" (metric lines parsed)
+    items_per_sample: float | None = None
+
+
 class BenchmarkResult(_Strict):
     schema_version: str = SCHEMA_VERSION
     status: Literal["completed", "failed"]
+    unit: Literal["tokens", "samples"] = "tokens"  # what the ranking counts as work
+    job: JobInfo | None = None  # the user's own code; None = training/train.py
     job_name: str
     run_id: str | None = None
     instance_type: str
     failure_reason: str | None = None
     hardware: Hardware
     software: Software
-    config: TrainConfig
-    dataset: DatasetInfo
+    config: TrainConfig | None = None  # None for the user's own job (no built-in model)
+    dataset: DatasetInfo | None = None  # None for the user's own job (it reads its own data)
     timing: Timing | None = None
     throughput: Throughput | None = None
     efficiency: Efficiency | None = None

@@ -17,15 +17,40 @@ JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker Tra
 Precision = Literal["bf16", "fp16", "fp32"]
 
 
+Unit = Literal["tokens", "samples"]
+
+
 class Prediction(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tokens_per_s: float
+    tokens_per_s: float | None  # None for a samples job whose samples have no stated size
+    samples_per_s: float | None = None  # samples jobs (the job section's unit)
+    unit: Unit = "tokens"  # what the job counts as work; rate is per second of it
     mfu_assumed: float | None  # None when the prediction is not from the FLOPs model (e.g. local CPU)
     training_seconds: float
     overhead_seconds: float  # provisioning + image pull + data download + upload
     cost_usd: float
     method: str  # how the prediction was made, in words
+
+    @property
+    def rate(self) -> float:
+        """Predicted work units (``unit``) per second."""
+        value = self.samples_per_s if self.unit == "samples" else self.tokens_per_s
+        return value or 0.0
+
+
+class JobCode(BaseModel):
+    """The user's own training code (a manifest's job section), run as ``python ENTRY_POINT --key value ...``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source_dir: str  # absolute, resolved by load_manifest
+    entry_point: str  # relative to source_dir
+    requirements: str | None = None  # relative to source_dir
+    unit: Unit
+    items_per_sample: float | None = None
+    # the gpuscout_report helper's settings (warm-up, stop rule), passed as GPUSCOUT_* environment variables
+    environment: dict[str, str] = Field(default_factory=dict)
 
 
 class JobSpec(BaseModel):
@@ -47,6 +72,7 @@ class JobSpec(BaseModel):
     max_runtime_seconds: int = Field(ge=60)
     hyperparameters: dict[str, str]
     prediction: Prediction
+    job_code: JobCode | None = None  # the user's own code; None = training/train.py
 
     @field_validator("job_name")
     @classmethod

@@ -213,8 +213,77 @@ class Target(_Strict):
         return self
 
 
+HyperparameterValue = str | int | float | bool
+_HP_KEY_RE = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
+Unit = Literal["tokens", "samples"]
+
+
+class JobEstimate(_Strict):
+    """The user's own throughput estimate: the planner's prediction when there is no FLOPs model for the job."""
+
+    units_per_s: float = Field(gt=0.0)  # work units per second per device (a GPU, or this machine's CPU)
+    units_per_step: float | str = Field(default=1.0)  # a number, or the name of a hyperparameter (e.g. batch_size)
+    units_per_s_by_instance_type: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
+
+    @field_validator("units_per_step")
+    @classmethod
+    def _positive_or_name(cls, v: float | str) -> float | str:
+        if isinstance(v, str):
+            if not re.match(_HP_KEY_RE, v):
+                raise ValueError("a number > 0 or the name of a hyperparameter (letters, digits, _ . -)")
+        elif v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+
+class JobSection(_Strict):
+    """Bring your own training job: the user's code instead of the built-in Qwen job (docs/byo.md)."""
+
+    source_dir: str = Field(min_length=1, max_length=1024)  # relative to the manifest's folder
+    entry_point: str = Field(min_length=1, max_length=256)  # relative to source_dir
+    requirements: str | None = Field(default=None, min_length=1, max_length=256)  # relative to source_dir
+    arguments: dict[str, HyperparameterValue] = Field(default_factory=dict)  # every variant; variants override
+    unit: Unit = "samples"
+    items_per_sample: float | None = Field(default=None, gt=0.0)  # tokens (or items) in one sample, when fixed
+    estimate: JobEstimate
+
+    @field_validator("source_dir", "entry_point", "requirements")
+    @classmethod
+    def _clean(cls, v: str | None) -> str | None:
+        if v is not None and _CONTROL_RE.search(v):
+            raise ValueError("must not contain control characters")
+        return v
+
+    @field_validator("entry_point", "requirements")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        if v is not None and (Path(v).is_absolute() or ".." in Path(v).parts):
+            raise ValueError("a path relative to source_dir, inside it (no leading / and no ..)")
+        return v
+
+    @field_validator("entry_point")
+    @classmethod
+    def _python(cls, v: str) -> str:
+        if not v.endswith(".py"):
+            raise ValueError("a Python file (ending in .py), run as python ENTRY_POINT --key value ...")
+        return v
+
+    @field_validator("arguments")
+    @classmethod
+    def _keys(cls, v: dict[str, HyperparameterValue]) -> dict[str, HyperparameterValue]:
+        return _check_hp_keys(v)
+
+
+def _check_hp_keys(v: dict[str, HyperparameterValue]) -> dict[str, HyperparameterValue]:
+    for key in v:
+        if not re.match(_HP_KEY_RE, key):
+            raise ValueError(f"argument name {key!r}: 1-64 letters, digits, _ . - starting with a letter or _")
+    return v
+
+
 class Variant(_Strict):
     name: Slug
+    hyperparameters: dict[str, HyperparameterValue] = Field(default_factory=dict)  # job section only
     per_device_batch_size: int | None = Field(default=None, ge=1, le=4096)  # None = the instance's default
     gradient_accumulation_steps: int | None = Field(default=None, ge=1, le=4096)  # None = the instance's default
     deepspeed_stage: Literal[0, 2, 3] = 0
@@ -225,6 +294,11 @@ class Variant(_Strict):
     attention: Literal["sdpa", "eager", "flex"] = "sdpa"
     fused_cross_entropy: bool = False
     fused_adamw: bool = False
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _keys(cls, v: dict[str, HyperparameterValue]) -> dict[str, HyperparameterValue]:
+        return _check_hp_keys(v)
 
 
 class Constraints(_Strict):
@@ -239,10 +313,11 @@ Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline",
 class Manifest(_Strict):
     name: Slug
     description: str | None = Field(default=None, max_length=2000)
-    model: ModelSpec
+    job: JobSection | None = None  # the user's own training code; None = the built-in Qwen job
+    model: ModelSpec | None = None  # required without job
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
-    dataset: DatasetSpec
-    sequence_length: int = Field(ge=16, le=131072)
+    dataset: DatasetSpec | None = None  # required without job
+    sequence_length: int | None = Field(default=None, ge=16, le=131072)  # required without job
     training: TrainingSpec
     targets: list[Target] = Field(min_length=1, max_length=32)
     variants: list[Variant] = Field(min_length=1, max_length=64)
@@ -254,7 +329,7 @@ class Manifest(_Strict):
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> Manifest:
         catalog = _catalog_from(info)
-        problems: list[Problem] = []
+        problems: list[Problem] = self._job_problems() if self.job else self._builtin_problems()
         names = [v.name for v in self.variants]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -269,8 +344,8 @@ class Manifest(_Strict):
                     Problem(f"targets[{i}]", f"same instance_type, instance_count and spot as targets[{seen[key]}]")
                 )
             seen.setdefault(key, i)
-        arch = self.model.flops_architecture()
-        if arch is not None and self.sequence_length > arch.max_position_embeddings:
+        arch = self.model.flops_architecture() if self.model else None
+        if arch is not None and self.sequence_length and self.sequence_length > arch.max_position_embeddings:
             problems.append(
                 Problem(
                     "sequence_length",
@@ -280,7 +355,7 @@ class Manifest(_Strict):
             )
         if self.objective == "cheapest_within_deadline" and self.constraints.deadline_hours is None:
             problems.append(Problem("constraints.deadline_hours", f"objective {self.objective} needs deadline_hours"))
-        if self.tokenizer.kind == "bpe" and self.model.preset is None:
+        if self.tokenizer.kind == "bpe" and self.model is not None and self.model.preset is None:
             problems.append(
                 Problem("tokenizer.kind", "a trained BPE tokenizer only works with a random-init model.preset")
             )
@@ -310,6 +385,78 @@ class Manifest(_Strict):
         if problems:
             raise ManifestProblemsError(problems)
         return self
+
+    def _builtin_problems(self) -> list[Problem]:
+        """The built-in job needs a model, a dataset and a sequence length; per-variant arguments are for a job."""
+        problems = [
+            Problem(field, "required field is missing (or add a job section to benchmark your own code)")
+            for field in ("model", "dataset", "sequence_length")
+            if getattr(self, field) is None
+        ]
+        for i, v in enumerate(self.variants):
+            if v.hyperparameters:
+                problems.append(Problem(f"variants[{i}].hyperparameters", "only used with a job section"))
+        return problems
+
+    def _job_problems(self) -> list[Problem]:
+        """A job section replaces the built-in job: its model, data and Qwen-specific settings are refused."""
+        job = self.job
+        assert job is not None
+        problems = [
+            Problem(field, "not used with a job section (your script loads its own model and data)")
+            for field in ("model", "dataset", "sequence_length", "tokenizer")
+            if field in self.model_fields_set
+        ]
+        if self.training.max_steps is None:
+            problems.append(
+                Problem("training.max_steps", "a job section needs max_steps (max_tokens is built-in only)")
+            )
+        if job.unit == "samples" and self.constraints.target_loss is not None:
+            problems.append(
+                Problem("constraints.target_loss", "time to a target loss is measured for tokens jobs only")
+            )
+        allowed = {"name", "hyperparameters"}
+        for i, v in enumerate(self.variants):
+            for field in sorted(v.model_fields_set - allowed):
+                problems.append(
+                    Problem(f"variants[{i}].{field}", "built-in job setting; with a job section use hyperparameters")
+                )
+            name = job.estimate.units_per_step
+            if isinstance(name, str):
+                value = {**job.arguments, **v.hyperparameters}.get(name)
+                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                    problems.append(
+                        Problem(
+                            f"variants[{i}].hyperparameters",
+                            f"job.estimate.units_per_step names {name!r}, which must be a number > 0 in "
+                            f"job.arguments or this variant's hyperparameters",
+                        )
+                    )
+        targets = {t.instance_type for t in self.targets}
+        for key in job.estimate.units_per_s_by_instance_type:
+            if key not in targets:
+                problems.append(
+                    Problem(
+                        "job.estimate.units_per_s_by_instance_type",
+                        f"{key!r} is not a target; allowed: {', '.join(sorted(targets))}",
+                    )
+                )
+        return problems
+
+    def builtin(self) -> tuple[ModelSpec, DatasetSpec, int]:
+        """model, dataset and sequence_length of the built-in job (a manifest without a job section has all three,
+        the validator guarantees it); ValueError for a job-section manifest."""
+        if self.model is None or self.dataset is None or self.sequence_length is None:
+            raise ValueError(f"manifest {self.name!r} benchmarks its own job; it has no built-in model and dataset")
+        return self.model, self.dataset, self.sequence_length
+
+    def units_per_step(self, variant: Variant) -> float:
+        """Work units one optimizer step does, for a job section's prediction."""
+        assert self.job is not None
+        per_step = self.job.estimate.units_per_step
+        if isinstance(per_step, str):
+            return float({**self.job.arguments, **variant.hyperparameters}[per_step])
+        return float(per_step)
 
     def resolved_precision(
         self, target: Target, catalog: Catalog, local_hardware: LocalHardware | None = None
@@ -564,13 +711,36 @@ def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
         raw = p.read_bytes()
     except OSError as err:
         raise ManifestError(str(p), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
-    return _resolve_local_source(parse_manifest(raw, str(p), catalog), p)
+    manifest = parse_manifest(raw, str(p), catalog)
+    if manifest.job is not None:
+        return _resolve_job(manifest, p)
+    return _resolve_local_source(manifest, p)
+
+
+def _resolve_job(manifest: Manifest, path: Path) -> Manifest:
+    """A job's source_dir is resolved against the manifest's folder and must hold the entry point (and the
+    requirements file when named): a typo fails ``validate``, not a job seconds into ``local``."""
+    job = manifest.job
+    assert job is not None
+    source = Path(job.source_dir).expanduser()
+    resolved = source if source.is_absolute() else (path.parent / source).resolve()
+    problems: list[Problem] = []
+    if not resolved.is_dir():
+        problems.append(Problem("job.source_dir", f"{job.source_dir}: no such folder (resolved to {resolved})"))
+    else:
+        for field in ("entry_point", "requirements"):
+            name = getattr(job, field)
+            if name is not None and not (resolved / name).is_file():
+                problems.append(Problem(f"job.{field}", f"{name}: no such file in {resolved}"))
+    if problems:
+        raise ManifestError(str(path), problems)
+    return manifest.model_copy(update={"job": job.model_copy(update={"source_dir": str(resolved)})})
 
 
 def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
     """A local ``dataset.source`` is resolved against the manifest's folder (not the current directory) and must
     exist: a missing file fails ``validate`` and ``plan``, not a data preparation seconds into ``local``."""
-    if manifest.dataset.kind != "local":
+    if manifest.dataset is None or manifest.dataset.kind != "local":
         return manifest
     source = Path(manifest.dataset.source).expanduser()
     resolved = source if source.is_absolute() else (path.parent / source).resolve()
