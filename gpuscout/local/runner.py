@@ -586,6 +586,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     stop_process_group(proc, TERMINATE_GRACE_S)
 
 
+def _max_steps(spec: JobSpec) -> int | None:
+    """The job's step budget: train.py's hyperparameter, or what the gpuscout_report helper gets (user's code)."""
+    steps = _int_or_none(spec.hyperparameters.get("max_steps"))
+    if steps is None and spec.job_code is not None:
+        steps = _int_or_none(spec.job_code.environment.get("GPUSCOUT_MAX_STEPS"))
+    return steps
+
+
 def _int_or_none(value: str | None) -> int | None:
     try:
         return int(value) if value not in (None, "") else None
@@ -849,7 +857,7 @@ def _run_planned(
                     if spec.job_name in refused:
                         continue
                     current = spec
-                    max_steps = _int_or_none(spec.hyperparameters.get("max_steps"))
+                    max_steps = _max_steps(spec)
                     observer.job_started(i, len(specs), spec, max_steps)
                     store.put_job(_job_record(spec, JobStatus.TRAINING))
                     folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)

@@ -300,3 +300,14 @@ def test_ctrl_c_during_a_canary_stops_the_run_before_anything_is_timed(
     run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs")
     assert run.status is RunStatus.STOPPED
     assert {j.failure_reason for j in store.list_jobs(run.run_id)} == {"not started: run interrupted (Ctrl-C)"}
+
+
+def test_the_progress_of_a_users_own_job_knows_its_step_budget() -> None:
+    from gpuscout.spec.jobspec import JobCode
+
+    # Given a job of the user's own code: max_steps reaches its helper through the environment, not hyperparameters
+    code = JobCode(source_dir="/src", entry_point="train.py", unit="samples", environment={"GPUSCOUT_MAX_STEPS": "12"})
+    spec = _spec(job_code=code, hyperparameters={"batch_size": "128"})
+    # Then the progress bar still shows "step n/12", not "n/None"
+    assert local._max_steps(spec) == 12
+    assert local._max_steps(_spec()) == 3
