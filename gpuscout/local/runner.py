@@ -345,10 +345,13 @@ class JobProgress:
     def describe(self, max_steps: int | None) -> str:
         parts = [f"step {self.step if self.step is not None else '-'}{f'/{max_steps}' if max_steps else ''}"]
         parts.append(f"loss {self.loss:.4f}" if self.loss is not None else "loss -")
-        if self.samples_per_s is not None:
+        # the built-in job prints both rates and is measured in tokens; a user's samples job may print only samples
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        elif self.samples_per_s is not None:
             parts.append(f"{self.samples_per_s:,.0f} samples/s")
         else:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s is not None else "tok/s -")
+            parts.append("tok/s -")
         return "  ".join(parts)
 
 

@@ -302,6 +302,15 @@ def test_ctrl_c_during_a_canary_stops_the_run_before_anything_is_timed(
     assert {j.failure_reason for j in store.list_jobs(run.run_id)} == {"not started: run interrupted (Ctrl-C)"}
 
 
+def test_progress_shows_tokens_for_the_built_in_job_and_samples_for_a_samples_job() -> None:
+    builtin = JobProgress()
+    builtin.update("gpuscout_metric step=3 loss=5.1 tokens_per_s=20000 samples_per_s=78.1")
+    assert builtin.describe(20) == "step 3/20  loss 5.1000  20,000 tok/s"
+    own = JobProgress()
+    own.update("gpuscout_metric step=4 loss=0.7 samples_per_s=5100")
+    assert own.describe(12) == "step 4/12  loss 0.7000  5,100 samples/s"
+
+
 def test_the_progress_of_a_users_own_job_knows_its_step_budget() -> None:
     from gpuscout.spec.jobspec import JobCode
 
