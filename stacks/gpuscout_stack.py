@@ -74,6 +74,7 @@ class GpuscoutStack(Stack):
             "TRAINING_IMAGE_URI": self.image.image_uri,
             "PROCESSING_INSTANCE_TYPE": config.processing_instance_type,
             "CANARY_INSTANCE_TYPE": config.canary_instance_type or "",
+            "EXECUTION_TIMEOUT_HOURS": str(config.execution_timeout_hours),
             "ALLOWED_INSTANCE_TYPES": config.allowed_instance_types_csv,
             "DEFAULT_BUDGET_USD": f"{config.default_budget_usd:g}",
             "NOTIFICATION_TOPIC_ARN": self.notifications.topic.topic_arn,

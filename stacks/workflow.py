@@ -150,6 +150,26 @@ def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
     return state
 
 
+RESOURCE_IN_USE = "SageMaker.ResourceInUseException"
+LAUNCHED_POLL_S = 60
+DESCRIBE_TRAINING_JOB_RESOURCE = f"arn:{Aws.PARTITION}:states:::aws-sdk:sagemaker:describeTrainingJob"
+
+
+def describe_launched_job_json() -> dict[str, Any]:
+    """DescribeTrainingJob of the iteration's job (the state machine role may describe gs-* jobs): its status only."""
+    return {
+        "Type": "Task",
+        "Comment": "The job exists although its CreateTrainingJob failed (a lost response): follow it",
+        "Resource": DESCRIBE_TRAINING_JOB_RESOURCE,
+        "Parameters": {"TrainingJobName.$": "$.job_name"},
+        "ResultSelector": {"status.$": "$.TrainingJobStatus"},
+        "ResultPath": "$.launched",
+        "Retry": [
+            {**THROTTLING_RETRY, "ErrorEquals": ["SageMaker.SageMakerException", "SageMaker.AmazonSageMakerException"]}
+        ],
+    }
+
+
 def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
     parameters: dict[str, Any] = _copy_fields(PROCESSING_REQUEST_FIELDS, "$.prepare.request")
     if vpc is not None:
@@ -256,6 +276,11 @@ class BenchmarkWorkflow(Construct):
             output_path="$.job_name",
             comment="Capacity, quota or job failure: recorded, the benchmark goes on",
         )
+        # A retried CreateTrainingJob whose first response was lost (the job was created) gets ResourceInUse for our
+        # own job name: the job runs. Wait for it by describing it every minute, then record it like any other.
+        describe = sfn.CustomState(self, "Describe launched job", state_json=describe_launched_job_json())
+        wait = sfn.Wait(self, "Wait for launched job", time=sfn.WaitTime.duration(Duration.seconds(LAUNCHED_POLL_S)))
+        train.add_catch(describe, errors=[RESOURCE_IN_USE], result_path="$.launch_error")
         train.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
         # The .sync task returns on the same SageMaker event that asynchronously triggers job_events: record the
         # finished job here (same conditional write as job_events), so Analyze never sees a finished job as
@@ -281,6 +306,17 @@ class BenchmarkWorkflow(Construct):
             result_path="$.record_error",
         )
         train.next(record_result)
+        describe.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+        describe.next(
+            sfn.Choice(self, "Launched job still running?")
+            .when(
+                sfn.Condition.or_(
+                    *(sfn.Condition.string_equals("$.launched.status", st) for st in ("InProgress", "Stopping"))
+                ),
+                wait.next(describe),
+            )
+            .otherwise(record_result)
+        )
 
         # Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
         # crosses the budget; each Map iteration reads the run's status right before launching, so jobs that

@@ -154,7 +154,10 @@ def data_source_of(manifest: Manifest) -> DataSource:
 def _cloud_problems(manifest: Manifest, settings: LambdaSettings) -> list[Problem]:
     """What a valid manifest may still not do in this stack (gpuscout.cloud.sources)."""
     return cloud_problems(
-        manifest, data_bucket=settings.data_bucket, allowed_instance_types=settings.allowed_instance_types
+        manifest,
+        data_bucket=settings.data_bucket,
+        allowed_instance_types=settings.allowed_instance_types,
+        execution_timeout_hours=settings.execution_timeout_hours,
     )
 
 

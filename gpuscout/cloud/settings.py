@@ -30,6 +30,8 @@ class LambdaSettings(BaseModel):
     processing_instance_type: str = Field(alias="PROCESSING_INSTANCE_TYPE", default="ml.m5.xlarge")
     # the instance every distinct configuration's canary runs on before the fan-out; empty: no canary
     canary_instance_type: str | None = Field(alias="CANARY_INSTANCE_TYPE", default=None)
+    # the state machine's timeout: no job may be allowed to wait (spot) or run longer than the execution lives
+    execution_timeout_hours: float = Field(alias="EXECUTION_TIMEOUT_HOURS", default=72.0, gt=0)
     allowed_instance_types: tuple[str, ...] = Field(alias="ALLOWED_INSTANCE_TYPES", default=())
     default_budget_usd: float = Field(alias="DEFAULT_BUDGET_USD", default=100.0, gt=0)
     service_name: str = Field(alias="POWERTOOLS_SERVICE_NAME", default="gpuscout")

@@ -118,9 +118,29 @@ def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[st
     return problems
 
 
+def timeout_problems(manifest: Manifest, *, execution_timeout_hours: float) -> list[Problem]:
+    """Spot targets whose max_wait_hours outlasts the state machine's timeout: the execution would end (and the
+    run fail) while SageMaker still waits for capacity."""
+    return [
+        Problem(
+            f"targets[{i}].max_wait_hours",
+            f"{target.max_wait_hours:g} h is longer than this stack's execution timeout "
+            f"({execution_timeout_hours:g} h, context execution_timeout_hours); use at most that",
+        )
+        for i, target in enumerate(manifest.targets)
+        if target.max_wait_hours is not None and target.max_wait_hours > execution_timeout_hours
+    ]
+
+
 def cloud_problems(
-    manifest: Manifest, *, data_bucket: str, allowed_instance_types: Collection[str] = ()
+    manifest: Manifest,
+    *,
+    data_bucket: str,
+    allowed_instance_types: Collection[str] = (),
+    execution_timeout_hours: float | None = None,
 ) -> list[Problem]:
-    return target_problems(manifest, allowed_instance_types=allowed_instance_types) + source_problems(
-        manifest, data_bucket=data_bucket
-    )
+    problems = target_problems(manifest, allowed_instance_types=allowed_instance_types)
+    problems += source_problems(manifest, data_bucket=data_bucket)
+    if execution_timeout_hours is not None:
+        problems += timeout_problems(manifest, execution_timeout_hours=execution_timeout_hours)
+    return problems

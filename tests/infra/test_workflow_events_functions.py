@@ -174,7 +174,23 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     assert quota["IntervalSeconds"] == 300 and quota["BackoffRate"] == 1
     assert quota["IntervalSeconds"] * quota["MaxAttempts"] == synthesized.stack.config.quota_wait_hours * 3600
     assert synthesized.stack.config.quota_wait_hours == 24
-    assert train["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Record job failure"}]
+    assert train["Catch"] == [
+        # a retried CreateTrainingJob whose first response was lost: the job exists and runs; follow it
+        {"ErrorEquals": ["SageMaker.ResourceInUseException"], "ResultPath": "$.launch_error",
+         "Next": "Describe launched job"},
+        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Record job failure"},
+    ]  # fmt: skip
+    states = processor["States"]
+    describe = states["Describe launched job"]
+    assert describe["Resource"] == "arn:<AWS::Partition>:states:::aws-sdk:sagemaker:describeTrainingJob"
+    assert describe["Parameters"] == {"TrainingJobName.$": "$.job_name"} and describe["Next"] == (
+        "Launched job still running?"
+    )
+    assert describe["Catch"][0]["Next"] == "Record job failure"
+    choice = states["Launched job still running?"]
+    assert {c["Next"] for c in choice["Choices"]} == {"Wait for launched job"}
+    assert choice["Default"] == "Record job result"
+    assert states["Wait for launched job"] == {"Type": "Wait", "Seconds": 60, "Next": "Describe launched job"}
     record = processor["States"]["Record job failure"]
     assert record["End"] is True
     assert record["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name", "error.$": "$.error"}

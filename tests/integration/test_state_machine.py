@@ -130,6 +130,8 @@ def runnable_in_moto(
                 "Resource": resource.removesuffix(".sync").replace("<AWS::Partition>", "aws"),
                 "Parameters": {**parameters, "RoleArn": role_arn},
             }
+        if resource == "arn:<AWS::Partition>:states:::aws-sdk:sagemaker:describeTrainingJob":
+            return {**state, "Resource": resource.replace("<AWS::Partition>", "aws")}
         if resource == "arn:<AWS::Partition>:states:::dynamodb:getItem":
             assert str(state["Parameters"]["TableName"]).startswith("<ResultsTable")
             return {
@@ -472,13 +474,17 @@ def _execute_live(
     *,
     name: str = "one-job",
     execution_input: dict[str, str] | None = None,
+    rewrite: Callable[[dict[str, Any]], None] | None = None,
 ) -> LiveRun:
     """Run the synthesized state machine on moto with every Lambda step served by its real handler. Each training
     job SageMaker creates writes its benchmark.json where a real job's output lands (moto's jobs end at once)."""
     execution_input = execution_input or cloud.submit(manifest, name=name)
     functions = synthesized.stack.functions.functions
     invoked = {f"<{synthesized.logical_id(fn)}.Arn>": FUNCTION_ARN.format(name=n) for n, fn in functions.items()}
-    definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), {}, ROLE_ARN, invoked=invoked)
+    synthesized_definition = state_machine_definition(synthesized)
+    if rewrite is not None:
+        rewrite(synthesized_definition)
+    definition, lambda_states = runnable_in_moto(synthesized_definition, {}, ROLE_ARN, invoked=invoked)
     assert "Record job result" in lambda_states
     lambdas = InProcessLambdas(cloud.context)
     assert callable(lambda_eval_utils._invoke_lambda_function)  # the one moto function replaced here
@@ -631,3 +637,38 @@ def test_a_failed_canary_fails_the_run_before_any_expensive_job(
     assert any("checkpointed backward (canary)" in json.dumps(e, default=str) for e in failed_tasks)
     assert all("-canary" in n for n in _training_jobs(with_canary))
     assert "record_job_result" not in [name for name, _ in run.lambdas.calls]
+
+
+def test_a_lost_create_response_follows_the_job_that_was_launched(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from moto.sagemaker.exceptions import ResourceInUseException
+
+    # Given SageMaker created the job but the response was lost, so the retried create says the name is in use
+    create = SageMakerModelBackend.create_training_job
+
+    def created_then_in_use(backend: SageMakerModelBackend, *args: Any, **kwargs: Any) -> Any:
+        create(backend, *args, **kwargs)
+        raise ResourceInUseException(message="Training job names must be unique within an AWS account and region")
+
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", created_then_in_use)
+
+    def moto_error_names(definition: dict[str, Any]) -> None:
+        # moto names every error of a SageMaker task States.Runtime (AWS: SageMaker.ResourceInUseException), so the
+        # Catch is matched on moto's name here; everything after it runs as synthesized
+        train = definition["States"]["Run jobs"]["ItemProcessor"]["States"]["Train"]
+        (catch,) = [c for c in train["Catch"] if c["ErrorEquals"] == ["SageMaker.ResourceInUseException"]]
+        catch["ErrorEquals"] = ["States.Runtime"]
+
+    run = _execute_live(
+        cloud, synthesized, monkeypatch, ONE_JOB_MANIFEST, name="lost-response", rewrite=moto_error_names
+    )
+    # Then the iteration follows the launched job instead of recording a failure, and the run is analysed with it
+    assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
+    entered = {e["stateEnteredEventDetails"]["name"] for e in run.events if "stateEnteredEventDetails" in e}
+    assert "Describe launched job" in entered and "Record job failure" not in entered
+    [job] = cloud.services.store.list_jobs(run.run_id)
+    assert job.status is JobStatus.COMPLETED
+    assert cloud.services.store.get_run(run.run_id).status is RunStatus.SUCCEEDED

@@ -83,3 +83,15 @@ def test_a_hub_model_under_network_isolation_is_refused() -> None:
 def test_targets_and_sources_together() -> None:
     problems = cloud_problems(_manifest(source="/data"), data_bucket=BUCKET, allowed_instance_types=("ml.p5.48xlarge",))
     assert [p.path for p in problems] == ["targets[0].instance_type", "dataset.source"]
+
+
+def test_a_spot_wait_longer_than_the_execution_timeout_is_refused() -> None:
+    text = BASE.format(MODEL="{preset: qwen2.5-0.5b}", TOKENIZER="{kind: qwen}", SOURCE="bundled:hebrew-bible",
+                       ISOLATION="false").replace(
+        "targets: [{instance_type: ml.g5.8xlarge}]",
+        "targets: [{instance_type: ml.g5.8xlarge, spot: true, max_wait_hours: 96}]",
+    )  # fmt: skip
+    manifest = parse_manifest(text, "m.yaml", load_catalog())
+    (problem,) = cloud_problems(manifest, data_bucket=BUCKET, execution_timeout_hours=72)
+    assert problem.path == "targets[0].max_wait_hours" and "72 h" in problem.message
+    assert cloud_problems(manifest, data_bucket=BUCKET, execution_timeout_hours=120) == []
