@@ -356,18 +356,7 @@ class BenchmarkWorkflow(Construct):
             )
             .otherwise(train)
         )
-        jobs = sfn.Map(
-            self,
-            "Run jobs",
-            items_path="$.jobs",
-            item_selector={
-                "run_id": sfn.JsonPath.string_at("$.run_id"),
-                "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
-                "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
-            },
-            max_concurrency=map_max_concurrency,
-            result_path=sfn.JsonPath.DISCARD,
-        )
+        jobs = self._request_map("Run jobs", items_path="$.jobs", max_concurrency=map_max_concurrency)
         jobs.item_processor(check_run.next(launch_or_skip))
         jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
@@ -382,17 +371,10 @@ class BenchmarkWorkflow(Construct):
         # model on the canary instance (plan_jobs builds the requests; gpuscout.plan.canary). One failure fails the
         # run with the canary's cause before the fan-out; an empty list (no canary instance) passes straight on.
         canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc))
-        canaries = sfn.Map(
-            self,
+        canaries = self._request_map(
             "Run canaries",
             items_path="$.canaries",
-            item_selector={
-                "run_id": sfn.JsonPath.string_at("$.run_id"),
-                "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
-                "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
-            },
             max_concurrency=map_max_concurrency,
-            result_path=sfn.JsonPath.DISCARD,
             comment="Every configuration must survive 2 steps on a cheap instance before the fan-out",
         )
         canaries.item_processor(canary)
@@ -419,6 +401,25 @@ class BenchmarkWorkflow(Construct):
             # what one needs to debug a run; it stays in this log group for the configured retention.
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
             comment="gpuscout benchmark: validate, plan, prepare data, train on every target, analyze",
+        )
+
+    def _request_map(
+        self, construct_id: str, *, items_path: str, max_concurrency: int, comment: str | None = None
+    ) -> sfn.Map:
+        """A Map over plan_jobs' {job_name, request} items; each iteration sees the run id, its job name and its
+        request; nothing of the iterations' output stays in the state."""
+        return sfn.Map(
+            self,
+            construct_id,
+            items_path=items_path,
+            item_selector={
+                "run_id": sfn.JsonPath.string_at("$.run_id"),
+                "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
+                "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
+            },
+            max_concurrency=max_concurrency,
+            result_path=sfn.JsonPath.DISCARD,
+            comment=comment,
         )
 
     def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:

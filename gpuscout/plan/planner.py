@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
+from functools import partial
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -101,6 +103,44 @@ def make_run_id(name: str, *, key: str | None = None, etag: str | None = None) -
         return f"{base}-{digest}"
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"{base}-{stamp}-{secrets.token_hex(3)}"
+
+
+def _same_arguments(arguments: dict[str, str], *, job_name: str) -> dict[str, str]:
+    """A user's job passes the same arguments under every job name."""
+    return dict(arguments)
+
+
+def repeated_specs(
+    manifest: Manifest,
+    run_id: str,
+    *,
+    ti: int,
+    target: Target,
+    vi: int,
+    variant: Variant,
+    hyperparameters_for: Callable[..., dict[str, str]],
+    **fields: Any,
+) -> list[JobSpec]:
+    """One JobSpec per repetition of a target x variant: names, indices and the target's instance fields here,
+    the rest (prices, precision, runtime, prediction, ...) in ``fields``; ``hyperparameters_for(job_name=...)``."""
+    specs = []
+    for rep in range(manifest.repetitions):
+        name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
+        specs.append(
+            JobSpec(
+                job_name=name,
+                run_id=run_id,
+                target_index=ti,
+                variant_name=variant.name,
+                repetition=rep,
+                instance_type=target.instance_type,
+                instance_count=target.instance_count,
+                spot=target.spot,
+                hyperparameters=hyperparameters_for(job_name=name),
+                **fields,
+            )
+        )
+    return specs
 
 
 def job_name(run_id: str, *, target_index: int, target: Target, variant_index: int, variant: Variant, rep: int) -> str:
@@ -361,45 +401,27 @@ def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: L
             cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
             runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)
             runtime = min(max(runtime, MIN_RUNTIME_S), MAX_RUNTIME_S)
-            for rep in range(manifest.repetitions):
-                name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
-                jobs.append(
-                    JobSpec(
-                        job_name=name,
-                        run_id=run_id,
-                        target_index=ti,
-                        variant_name=variant.name,
-                        repetition=rep,
-                        instance_type=target.instance_type,
-                        instance_count=target.instance_count,
-                        gpus_per_instance=gpus_per_instance,
-                        spot=target.spot,
-                        price_per_hour_usd=price,
-                        spot_price_per_hour_usd=spot_price,
-                        precision=precision,
-                        deepspeed_config=DEEPSPEED_CONFIGS.get(variant.deepspeed_stage),
-                        max_runtime_seconds=runtime,
-                        hyperparameters=hyperparameters(
-                            manifest,
-                            run_id=run_id,
-                            job_name=name,
-                            instance_type=target.instance_type,
-                            variant=variant,
-                            batch=batch,
-                            accum=accum,
-                            max_steps=max_steps,
-                            precision=precision,
-                        ),
-                        prediction=Prediction(
-                            tokens_per_s=tokens_per_s,
-                            mfu_assumed=mfu_assumed,
-                            training_seconds=training_s,
-                            overhead_seconds=overhead_s,
-                            cost_usd=cost,
-                            method=method,
-                        ),
-                    )
-                )
+            jobs += repeated_specs(
+                manifest, run_id, ti=ti, target=target, vi=vi, variant=variant,
+                hyperparameters_for=partial(
+                    hyperparameters, manifest, run_id=run_id, instance_type=target.instance_type, variant=variant,
+                    batch=batch, accum=accum, max_steps=max_steps, precision=precision,
+                ),
+                gpus_per_instance=gpus_per_instance,
+                price_per_hour_usd=price,
+                spot_price_per_hour_usd=spot_price,
+                precision=precision,
+                deepspeed_config=DEEPSPEED_CONFIGS.get(variant.deepspeed_stage),
+                max_runtime_seconds=runtime,
+                prediction=Prediction(
+                    tokens_per_s=tokens_per_s,
+                    mfu_assumed=mfu_assumed,
+                    training_seconds=training_s,
+                    overhead_seconds=overhead_s,
+                    cost_usd=cost,
+                    method=method,
+                ),
+            )  # fmt: skip
     names = [j.job_name for j in jobs]
     if len(set(names)) != len(names):  # unique by construction (t/v/r indices in the head); guards the contract
         raise PlanError("job names are not unique")
@@ -547,42 +569,32 @@ def plan_job_section(
             else:
                 rates = {"tokens_per_s": rate}
             args = {**job.arguments, **variant.hyperparameters}
-            for rep in range(manifest.repetitions):
-                name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
-                jobs.append(
-                    JobSpec(
-                        job_name=name,
-                        run_id=run_id,
-                        target_index=ti,
-                        variant_name=variant.name,
-                        repetition=rep,
-                        instance_type=target.instance_type,
-                        instance_count=target.instance_count,
-                        gpus_per_instance=gpus,
-                        spot=target.spot,
-                        price_per_hour_usd=price,
-                        spot_price_per_hour_usd=spot_price,
-                        precision=precision,
-                        max_runtime_seconds=runtime,
-                        hyperparameters={k: _argument_text(v) for k, v in args.items()},
-                        prediction=Prediction(
-                            **rates,
-                            unit=job.unit,
-                            mfu_assumed=None,
-                            training_seconds=training_s,
-                            overhead_seconds=overhead_s,
-                            cost_usd=cost,
-                            method=method,
-                        ),
-                        job_code=JobCode(
-                            source_dir=job.source_dir,
-                            entry_point=job.entry_point,
-                            requirements=job.requirements,
-                            unit=job.unit,
-                            items_per_sample=job.items_per_sample,
-                            environment=env,
-                        ),
-                    )
-                )
+            arguments = {k: _argument_text(v) for k, v in args.items()}
+            jobs += repeated_specs(
+                manifest, run_id, ti=ti, target=target, vi=vi, variant=variant,
+                hyperparameters_for=partial(_same_arguments, arguments),
+                gpus_per_instance=gpus,
+                price_per_hour_usd=price,
+                spot_price_per_hour_usd=spot_price,
+                precision=precision,
+                max_runtime_seconds=runtime,
+                prediction=Prediction(
+                    **rates,
+                    unit=job.unit,
+                    mfu_assumed=None,
+                    training_seconds=training_s,
+                    overhead_seconds=overhead_s,
+                    cost_usd=cost,
+                    method=method,
+                ),
+                job_code=JobCode(
+                    source_dir=job.source_dir,
+                    entry_point=job.entry_point,
+                    requirements=job.requirements,
+                    unit=job.unit,
+                    items_per_sample=job.items_per_sample,
+                    environment=env,
+                ),
+            )  # fmt: skip
     jobs.sort(key=lambda j: j.repetition)
     return Plan(run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs)
