@@ -1,7 +1,9 @@
 """The two-tower example end to end through `gpuscout local` on CPU: the user's own script, the gpuscout_report
-helper, samples/s and $ per 1M samples in the stored analysis and the report."""
+helper, samples/s and $ per 1M samples in the stored analysis and the report; and the HF Trainer callback on a
+real transformers Trainer."""
 
 import time
+from pathlib import Path
 
 from gpuscout.local.runner import run_local
 from gpuscout.paths import REPO_DIR
@@ -31,3 +33,54 @@ def test_two_tower_local_end_to_end(tmp_path):
     assert all(a["tokens_per_s"] is None for a in ranked)
     report = (tmp_path / "runs" / run.run_id / "report" / "report.md").read_text()
     assert "samples/s ± 95 % CI" in report and "$/1M samples on-demand" in report
+
+
+HF_TRAINER_SCRIPT = """
+import torch
+import gpuscout_report as gs
+from transformers import Trainer, TrainingArguments
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), y)}
+
+torch.manual_seed(0)
+data = [{"x": torch.randn(4), "y": torch.randn(())} for _ in range(512)]
+args = TrainingArguments(output_dir="trainer-out", per_device_train_batch_size=8, max_steps=20, logging_steps=1,
+                         report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+trainer = Trainer(model=Regression(), args=args, train_dataset=data,
+                  callbacks=[gs.hf_trainer_callback(samples_per_step=8)])
+trainer.train()
+print("trainer stopped at step", trainer.state.global_step)
+"""
+
+
+def test_the_hf_trainer_callback_reports_every_step_and_writes_the_benchmark(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gpuscout.paths import TRAINING_DIR
+
+    # Given a plain HF Trainer script with the drop-in callback (transformers' real Trainer, on the CPU)
+    (tmp_path / "train.py").write_text(HF_TRAINER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRAINING_DIR), os.environ.get("PYTHONPATH", "")]),
+           "SM_OUTPUT_DATA_DIR": str(tmp_path / "out"), "GPUSCOUT_UNIT": "samples", "GPUSCOUT_MAX_STEPS": "20",
+           "GPUSCOUT_STOP_RULE": "fixed", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    # When it trains
+    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Then every optimizer step was reported, warm-up excluded, and benchmark.json says samples/s with the loss
+    assert "trainer stopped at step 20" in done.stdout
+    bench = json.loads((tmp_path / "out" / "benchmark.json").read_text())
+    assert bench["status"] == "completed" and bench["unit"] == "samples"
+    assert bench["timing"]["timed_steps"] == 20 - bench["timing"]["warmup_steps"] > 0
+    assert bench["throughput"]["samples_per_s"] > 0
+    assert bench["loss"]["train"] and all(p["loss"] is not None for p in bench["loss"]["train"])
+    assert "gpuscout_metric" in done.stdout
