@@ -8,7 +8,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export PYTHONDONTWRITEBYTECODE := 1
 export MPLBACKEND := Agg
 
-.PHONY: demo test check lint format types synth install clean gpu-check
+.PHONY: demo test check lint format types synth install clean gpu-check gpu-memory-probe
 
 $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,13 @@ gpu-check:
 	  $(GPU_PYTHON) -m pytest -m cuda tests/gpu -p no:cacheprovider -q
 	PYTHONPATH=$(GPU_SITE):$$PWD PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/hopper.py --models qwen2.5-0.5b \
 	  --steps 8 --rows optimized --piece gpu-check-smoke --out $(GPU_CHECK_OUT)
+
+## The planner's memory model against what CUDA really holds: peak memory of a grid of Qwen2.5-0.5B/1.5B training
+## configurations (flex, SDPA, Liger, full logits, checkpointing; the planner's prediction beside each), on the
+## machine's own torch like gpu-check; writes benchmarks/results/memory-probe-gpu-<date>.json. A few minutes.
+gpu-memory-probe:
+	PYTHONPATH=$(GPU_SITE):$$PWD PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/memory_probe_gpu.py \
+	  --models qwen2.5-0.5b,qwen2.5-1.5b --out $(GPU_CHECK_OUT)/memory-probe-gpu-$$(date -u +%F).json
 
 synth: install
 	npx cdk synth --quiet

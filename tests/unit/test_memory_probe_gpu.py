@@ -1,0 +1,35 @@
+"""benchmarks/memory_probe_gpu.py on a machine without CUDA: its grid, the planner's prediction per row, and a
+clear refusal (the measurement itself needs a GPU: `make gpu-memory-probe`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import memory_probe_gpu as probe
+
+
+def test_the_grid_covers_both_models_and_every_code_path() -> None:
+    grid = probe.grid(["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    assert {p.model for p in grid} == {"qwen2.5-0.5b", "qwen2.5-1.5b"}
+    assert {p.attention for p in grid} == {"flex", "sdpa", "sdpa-unpacked"}
+    assert {p.loss for p in grid} == {"liger", "plain"} and {p.checkpointing for p in grid} == {True, False}
+    assert len(set(grid)) == len(grid)
+
+
+def test_each_row_carries_the_planners_prediction() -> None:
+    small = probe.predicted_gb(probe.Probe("qwen2.5-1.5b", 1, 4096, "flex", "liger", True))
+    large = probe.predicted_gb(probe.Probe("qwen2.5-1.5b", 2, 4096, "sdpa", "plain", False))
+    assert 0 < small < large  # checkpointing + fused loss at batch 1 needs far less than full logits at batch 2
+
+
+def test_without_cuda_it_refuses_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe would measure")
+    assert probe.main(["--out", str(tmp_path / "m.json")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
