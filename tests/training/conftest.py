@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from gpuscout.paths import TRAINING_DIR
+from gpuscout.paths import REPO_DIR, TRAINING_DIR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,3 +27,22 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small prepared dataset (the test corpus, 64-token blocks, a 400-token BPE vocabulary, 20 % validation),
+    prepared once per test module."""
+    import data_preparation as dp
+
+    out = tmp_path_factory.mktemp("data") / "train"
+    dp.prepare(
+        dp.PrepareConfig(
+            input=str(CORPUS), output=str(out), tokenizer="bpe", vocab_size=400, sequence_length=64,
+            validation_fraction=0.2, quiet=True,
+        )
+    )  # fmt: skip
+    return out

@@ -13,15 +13,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import data_preparation as dp
 import pytest
 import torch
 import train
 
-from gpuscout.paths import REPO_DIR
 from gpuscout.spec.benchmark import BenchmarkResult
 
-CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 HPS = {
     "job_name": "gs-test-ckpt",
     "model_preset": "qwen2-tiny",
@@ -32,18 +29,6 @@ HPS = {
     "checkpoint_interval": "2",
     "validation_batches": "1",
 }
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "train"
-    dp.prepare(
-        dp.PrepareConfig(
-            input=str(CORPUS), output=str(out), tokenizer="bpe", vocab_size=400, sequence_length=64,
-            validation_fraction=0.2, quiet=True,
-        )
-    )  # fmt: skip
-    return out
 
 
 def _free_port() -> str:

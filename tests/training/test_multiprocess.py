@@ -33,7 +33,6 @@ from gpuscout.spec.benchmark import BenchmarkResult
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a job's processes in /proc")
 
-CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 LAUNCHER = TRAINING_DIR / "launcher.py"
 JOB_TIMEOUT_S = 150  # one launch; the slowest (ZeRO-3, 2 ranks, 12 steps) takes ~20 s on 2 busy cores
 MAX_STEPS = 12
@@ -64,14 +63,9 @@ STEADY_STATE = {"stop_rule": "steady_state", "max_steps": "40", "min_timed_steps
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "train"
-    dp.prepare(
-        dp.PrepareConfig(
-            input=str(CORPUS), output=str(out), tokenizer="bpe", vocab_size=400, sequence_length=64,
-            validation_fraction=0.2, quiet=True,
-        )
-    )  # fmt: skip
+def dataset(dataset: Path) -> Path:
+    """The training tests' dataset (conftest), whose split the uneven-validation cases below rely on."""
+    out = dataset
     summary = dp.load_summary(out)
     assert (summary.splits["train"].blocks, summary.splits["validation"].blocks) == (8, 6)  # the split above
     return out

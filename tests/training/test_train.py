@@ -16,11 +16,10 @@ import pytest
 import train
 
 from gpuscout.errors import TrainingError
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import TRAINING_DIR
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
 
-CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 HPS = {
     "run_id": "r-test",
     "job_name": "gs-test-tiny",
@@ -38,18 +37,6 @@ HPS = {
     "validation_batches": "2",
     "sagemaker_program": "train.py",  # SageMaker adds these; train.py ignores them
 }
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "train"
-    dp.prepare(
-        dp.PrepareConfig(
-            input=str(CORPUS), output=str(out), tokenizer="bpe", vocab_size=400, sequence_length=64,
-            validation_fraction=0.2, quiet=True,
-        )
-    )  # fmt: skip
-    return out
 
 
 def _run(root: Path, dataset: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
