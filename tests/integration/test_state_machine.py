@@ -404,27 +404,13 @@ def test_a_run_stopped_by_the_budget_guard_launches_no_further_job(cloud: Cloud,
 
 FUNCTION_ARN = "arn:aws:lambda:us-east-1:123456789012:function:gpuscout-{name}"
 
-ONE_JOB_MANIFEST = """\
-name: one-job
-model:
-  preset: qwen2-tiny
-tokenizer:
-  kind: bpe
-  vocab_size: 4096
-dataset:
-  source: bundled:hebrew-bible
-  max_documents: 400
-sequence_length: 256
-training:
-  max_steps: 30
-targets:
-  - instance_type: ml.g5.8xlarge
-variants:
-  - name: b4
-    per_device_batch_size: 4
-constraints:
-  budget_usd: 50
-"""
+# The cloud manifest of conftest cut to one on-demand target and one variant: one job.
+ONE_JOB_MANIFEST = (
+    cloud_manifest(name="one-job")
+    .replace("  - instance_type: ml.p4d.24xlarge\n    spot: true\n", "")
+    .replace("  - name: b8\n    per_device_batch_size: 8\n", "")
+)
+assert ONE_JOB_MANIFEST.count("instance_type:") == 1 and ONE_JOB_MANIFEST.count("- name:") == 1
 
 
 @dataclass
