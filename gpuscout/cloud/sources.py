@@ -26,27 +26,22 @@ RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMak
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _s3_problem(field: str, uri: str, data_bucket: str, what: str) -> Problem | None:
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    if bucket == data_bucket and key.startswith(RAW_PREFIX):
-        return None
+def _location_problems(field: str, location: str, data_bucket: str, what: str) -> list[Problem]:
+    """[] when the SageMaker role can read ``location`` (under raw/ of the data bucket), else the problem with the
+    `aws s3 sync` that puts it there: from another S3 location, or from a local path."""
+    is_s3 = location.startswith("s3://")
+    bucket, _, key = location.removeprefix("s3://").partition("/") if is_s3 else ("", "", location)
+    if is_s3 and bucket == data_bucket and key.startswith(RAW_PREFIX):
+        return []
     name = key.rstrip("/").rsplit("/", 1)[-1] or what
     target = f"s3://{data_bucket}/{RAW_PREFIX}{name}/"
-    return Problem(
-        field,
-        f"the stack's SageMaker role reads {what}s only under s3://{data_bucket}/{RAW_PREFIX}, not {uri}; copy it "
-        f"there (aws s3 sync {uri.rstrip('/')}/ {target}) and set {field}: {target}",
-    )
-
-
-def _local_problem(field: str, path: str, data_bucket: str, what: str) -> Problem:
-    name = path.rstrip("/").rsplit("/", 1)[-1] or what
-    target = f"s3://{data_bucket}/{RAW_PREFIX}{name}/"
-    return Problem(
-        field,
-        f"{path!r} is a local path, which a cloud job cannot read; upload it (aws s3 sync {path} {target}) and set "
-        f"{field}: {target}",
-    )
+    if is_s3:
+        why = f"the stack's SageMaker role reads {what}s only under s3://{data_bucket}/{RAW_PREFIX}, not {location}"
+        fix = f"copy it there (aws s3 sync {location.rstrip('/')}/ {target})"
+    else:
+        why = f"{location!r} is a local path, which a cloud job cannot read"
+        fix = f"upload it (aws s3 sync {location} {target})"
+    return [Problem(field, f"{why}; {fix} and set {field}: {target}")]
 
 
 def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
@@ -61,16 +56,10 @@ def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
             )
         ]
     model, dataset, _ = manifest.builtin()
-    source = dataset.source
-    if source.startswith("s3://"):
-        problems += [p for p in [_s3_problem("dataset.source", source, data_bucket, "dataset")] if p]
-    elif not source.startswith("bundled:"):
-        problems.append(_local_problem("dataset.source", source, data_bucket, "dataset"))
+    if not dataset.source.startswith("bundled:"):
+        problems += _location_problems("dataset.source", dataset.source, data_bucket, "dataset")
     if model.path is not None:
-        if model.path.startswith("s3://"):
-            problems += [p for p in [_s3_problem("model.path", model.path, data_bucket, "model")] if p]
-        else:
-            problems.append(_local_problem("model.path", model.path, data_bucket, "model"))
+        problems += _location_problems("model.path", model.path, data_bucket, "model")
     if model.hf_id is not None and manifest.network_isolation:
         name = model.hf_id.rsplit("/", 1)[-1]
         problems.append(
@@ -83,11 +72,9 @@ def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
             )
         )
     tokenizer = manifest.tokenizer.path
-    if tokenizer is not None:
-        if tokenizer.startswith("s3://"):
-            problems += [p for p in [_s3_problem("tokenizer.path", tokenizer, data_bucket, "tokenizer")] if p]
-        elif not _HUB_ID_RE.match(tokenizer) or tokenizer.startswith((".", "/", "~")):
-            problems.append(_local_problem("tokenizer.path", tokenizer, data_bucket, "tokenizer"))
+    hub_id = tokenizer is not None and _HUB_ID_RE.match(tokenizer) and not tokenizer.startswith((".", "/", "~"))
+    if tokenizer is not None and not hub_id:  # a hub id downloads in the (networked) data-preparation job
+        problems += _location_problems("tokenizer.path", tokenizer, data_bucket, "tokenizer")
     return problems
 
 
