@@ -324,7 +324,14 @@ def plan_jobs(
     output = {
         "run_id": run_id,
         "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
-        "canaries": _canary_requests(the_plan.jobs, manifest, settings, catalog),
+        "canaries": _canary_requests(
+            the_plan.jobs,
+            manifest=manifest,
+            instance_type=settings.canary_instance_type,
+            catalog=catalog,
+            req_settings=req_settings,
+            data=data,
+        ),
         "jobs": interleave_by_instance_type(jobs_out),
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
@@ -350,21 +357,25 @@ def plan_jobs(
 
 
 def _canary_requests(
-    specs: list[JobSpec], manifest: Manifest, settings: LambdaSettings, catalog: Catalog
+    specs: list[JobSpec],
+    *,
+    manifest: Manifest,
+    instance_type: str | None,
+    catalog: Catalog,
+    req_settings: RequestSettings,
+    data: DataSource,
 ) -> list[dict[str, Any]]:
     """One CreateTrainingJob request per distinct configuration, on the stack's canary instance
     (gpuscout.plan.canary); none when the stack has no canary instance type."""
-    if not settings.canary_instance_type:
+    if not instance_type:
         return []
-    instance = catalog.get(settings.canary_instance_type)
+    instance = catalog.get(instance_type)
     canaries = plan_cloud_canaries(
         specs,
         instance_type=instance.instance_type,
         gpus_per_instance=instance.gpu_count,
         price_per_hour_usd=instance.on_demand_usd_per_hour or 0.0,
     )
-    req_settings = request_settings(settings)
-    data = data_source_of(manifest)
     return [
         {
             "job_name": c.spec.job_name,
