@@ -28,7 +28,7 @@ CONTEXT_KEYS = (
     "stack_name",
 )
 
-QUOTA_RETRY_MINUTES = 5  # stacks/workflow.py QUOTA_RETRY_MINUTES (kept equal by a test)
+QUOTA_RETRY_MINUTES = 5  # how often the workflow retries a launch that hit a quota (stacks/workflow.quota_retry)
 HISTORY_EVENT_BUDGET = 20_000  # of the 25,000 events an execution's history holds; the rest is the run itself
 NULL_MEANS_OFF = frozenset({"canary_instance_type"})
 _INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
@@ -248,7 +248,7 @@ def load_config(context: Mapping[str, Any]) -> StackConfig:
         for key in CONTEXT_KEYS
         if key in context and (context[key] is not None or key in NULL_MEANS_OFF)
     }
-    if raw.get("canary_instance_type") in ("null", ""):
+    if raw.get("canary_instance_type") == "":  # `-c canary_instance_type=` (null arrives decoded already)
         raw["canary_instance_type"] = None
     if isinstance(raw.get("allowed_instance_types"), str):
         raw["allowed_instance_types"] = [t.strip() for t in raw["allowed_instance_types"].split(",") if t.strip()]

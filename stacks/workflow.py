@@ -20,7 +20,7 @@ from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
-from stacks.config import VpcSettings
+from stacks.config import QUOTA_RETRY_MINUTES, VpcSettings
 
 TRAINING_REQUEST_FIELDS = (
     "TrainingJobName",
@@ -63,8 +63,8 @@ THROTTLING_RETRY: dict[str, Any] = {
     "MaxDelaySeconds": 120,
     "JitterStrategy": "FULL",
 }
-# Quotas free up only as sibling jobs finish (30+ minutes each): wait long and flat, not exponentially.
-QUOTA_RETRY_MINUTES = 5
+# Quotas free up only as sibling jobs finish (30+ minutes each): wait long and flat, not exponentially, every
+# QUOTA_RETRY_MINUTES (stacks/config.py, which also bounds the retries by the execution history).
 
 
 def quota_retry(quota_wait_hours: int) -> dict[str, Any]:
