@@ -19,6 +19,7 @@ so a timed-out probe keeps what it measured; an out-of-memory configuration is r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import sys
@@ -30,6 +31,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "training"), str(REPO)]
+
+from gpuscout.spec.models import PRESETS, Architecture  # noqa: E402 - after the path set-up above
 
 
 @dataclass(frozen=True)
@@ -65,18 +68,19 @@ def grid(models: list[str]) -> list[Probe]:
     return probes
 
 
+def architecture(probe: Probe) -> Architecture:
+    """The preset's architecture, cut to the probe's layer count when it sets one (measured and predicted alike)."""
+    arch = PRESETS[probe.model]
+    return dataclasses.replace(arch, num_hidden_layers=probe.layers) if probe.layers else arch
+
+
 def predicted_gb(probe: Probe) -> float:
     """The planner's peak for the probe's configuration, less the CUDA context (max_memory_allocated omits it)."""
     from gpuscout.plan.memory import CUDA_CONTEXT_GB
     from gpuscout.plan.planner import memory_per_gpu_gb
     from gpuscout.spec.manifest import Variant
-    from gpuscout.spec.models import PRESETS
 
-    arch = PRESETS[probe.model]
-    if probe.layers:
-        import dataclasses
-
-        arch = dataclasses.replace(arch, num_hidden_layers=probe.layers)
+    arch = architecture(probe)
     variant = Variant(
         name="probe", per_device_batch_size=probe.batch, gradient_checkpointing=probe.checkpointing,
         fused_cross_entropy=probe.loss == "liger", packing=probe.attention != "sdpa-unpacked",
@@ -91,12 +95,8 @@ def measure(probe: Probe) -> dict[str, Any]:
     from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from gpuscout.spec.models import PRESETS
-
-    arch = PRESETS[probe.model]
+    arch = architecture(probe)
     kwargs: dict[str, Any] = dict(arch.to_qwen2_config_kwargs())
-    if probe.layers:
-        kwargs["num_hidden_layers"] = probe.layers
     config = Qwen2Config(**kwargs, use_cache=False)
     attention = "sdpa" if probe.attention.startswith("sdpa") else "flex_attention"
     if attention == "flex_attention":
