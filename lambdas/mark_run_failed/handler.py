@@ -19,17 +19,11 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.payloads import CaughtError
 
 logger = Logger()
 tracer = Tracer()
 metrics = Metrics(namespace="gpuscout")
-
-
-class CaughtError(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    error: str = Field(default="", alias="Error")
-    cause: str = Field(default="", alias="Cause")
 
 
 class CaughtRunFailure(BaseModel):
