@@ -12,7 +12,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from gpuscout.store.base import JobRecord, RunRecord
+from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 SUBJECT_LIMIT = 99  # SNS: printable ASCII, no line breaks, "less than 100 characters" (botocore's PublishInput)
 
@@ -40,7 +40,7 @@ def run_summary(
     ]
     if run.error:
         lines.append(f"Error: {run.error}")
-    failed = [j for j in jobs if j.failure_reason and j.status.value != "COMPLETED"]
+    failed = [j for j in jobs if j.failure_reason and j.status is not JobStatus.COMPLETED]
     for job in failed[:10]:
         lines.append(f"  - {job.job_name} {job.status.value}: {job.failure_reason}")
     if len(failed) > 10:
