@@ -29,6 +29,13 @@ DASHBOARD_DIMENSIONS = {
 }
 
 
+def dashboard_dimensions(metric: str, value: str) -> dict[str, str]:
+    """The dimensions a widget queries for one series of ``metric``: the service, and ``value`` for the metric's own
+    dimension (DASHBOARD_DIMENSIONS, which the handler's emitted metrics are tested against)."""
+    service, own = DASHBOARD_DIMENSIONS[metric]
+    return {service: SERVICE_NAME, own: value}
+
+
 class Monitoring(Construct):
     """`dashboard`, `failed_executions_alarm`, `dead_letter_alarms`, `lambda_error_alarms` (all -> topic)."""
 
@@ -103,7 +110,7 @@ class Monitoring(Construct):
                     cloudwatch.Metric(
                         namespace=METRIC_NAMESPACE,
                         metric_name=JOB_STATUS_METRIC,
-                        dimensions_map={"service": SERVICE_NAME, STATUS_DIMENSION: status},
+                        dimensions_map=dashboard_dimensions(JOB_STATUS_METRIC, status),
                         statistic=cloudwatch.Stats.SUM,
                         period=hour,
                         label=status,
@@ -120,7 +127,7 @@ class Monitoring(Construct):
                     cloudwatch.Metric(
                         namespace=METRIC_NAMESPACE,
                         metric_name=THROUGHPUT_METRIC,
-                        dimensions_map={"service": SERVICE_NAME, INSTANCE_TYPE_DIMENSION: instance_type},
+                        dimensions_map=dashboard_dimensions(THROUGHPUT_METRIC, instance_type),
                         statistic=cloudwatch.Stats.AVERAGE,
                         period=hour,
                         label=instance_type,
