@@ -20,7 +20,7 @@ from stacks.monitoring import Monitoring
 from stacks.notifications import Notifications
 from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
 from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, Roles
-from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, REJECTED_PREFIX, REPORTS_PREFIX, Storage
+from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, RAW_PREFIX, REJECTED_PREFIX, REPORTS_PREFIX, Storage
 from stacks.training_image import TrainingImage
 from stacks.workflow import BenchmarkWorkflow
 
@@ -161,6 +161,12 @@ class GpuscoutStack(Stack):
                 sid="WriteRejections", actions=["s3:PutObject"], resources=[data.arn_for_objects(f"{REJECTED_PREFIX}*")]
             )
         )
+        # A job section's code folder (under raw/): Validate checks its entry point is there.
+        lambdas["validate_manifest"].add_to_policy(
+            iam.PolicyStatement(
+                sid="FindJobCode", actions=["s3:GetObject"], resources=[data.arn_for_objects(f"{RAW_PREFIX}*")]
+            )
+        )
         # plan_jobs checks whether processed data exists (HEAD needs ListBucket to tell 404 from 403).
         lambdas["plan_jobs"].add_to_policy(
             iam.PolicyStatement(
@@ -297,6 +303,12 @@ class GpuscoutStack(Stack):
             lambdas["validate_manifest"],
             f"AwsSolutions-IAM5[Resource::{data_ref}/rejected/*]",
             "Writes rejected/<manifest name>.error.json for whichever manifest was rejected.",
+        )
+        acknowledge(
+            lambdas["validate_manifest"],
+            f"AwsSolutions-IAM5[Resource::{data_ref}/raw/*]",
+            "Checks that a job section's entry point exists in its code folder, which the manifest names anywhere "
+            "under raw/ (the only prefix the SageMaker role reads); read only, never listed.",
         )
         acknowledge(
             lambdas["plan_jobs"],

@@ -11,6 +11,15 @@ runner.py ``_get_by_runner_type``): the number of GPUs, 1 on a CPU host, unless 
 one host the rendezvous is 127.0.0.1, as the toolkit's torchrun command has no ``--master_addr`` for one host
 (torch_distributed.py ``_create_command``); on several, the first host.
 
+The user's own code (a manifest's job section, docs/byo.md): when GPUSCOUT_ENTRY_POINT is set, the launcher runs
+that script from the ``code`` input channel instead of train.py (``run_job_code``): it pip-installs
+GPUSCOUT_REQUIREMENTS first, as SageMaker's toolkit does for a source directory, passes the hyperparameters as
+``--key value`` arguments, sets the toolkit's SM_* variables the script may read (the image has no toolkit entry
+point to set them), starts one process per GPU under torchrun (GPUSCOUT_DISTRIBUTION=per_gpu, the script joins the
+process group) or one per host (single), forwards SIGTERM to it, and, when the script printed metric lines instead
+of calling the gpuscout_report helper, builds benchmark.json from its output. A failure is written to
+/opt/ml/output/failure, which SageMaker shows as the job's FailureReason.
+
 GPUSCOUT_MASTER_ADDR / GPUSCOUT_MASTER_PORT replace the rendezvous address and port. SageMaker never sets them;
 they let several "hosts" run on one machine (tests/training/test_multiprocess.py starts algo-1 and algo-2 on
 localhost, where the name algo-1 does not resolve).
@@ -18,16 +27,25 @@ localhost, where the name algo-1 does not resolve).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import IO
 
 from gpuscout.errors import TrainingError
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
+REPORT_SCRIPT = Path(__file__).resolve().parent / "gpuscout_report.py"
+CODE_CHANNEL_DIR = "/opt/ml/input/data/code"  # sagemaker_requests.CODE_CHANNEL
 MASTER_PORT = 29500
 SINGLE_HOST_MASTER = "127.0.0.1"  # torchrun's own default, which SageMaker's toolkit uses on one host
 PROCESSES_PER_HOST_HP = "sagemaker_mpi_num_of_processes_per_host"  # the toolkit's name (params.py)
@@ -67,8 +85,8 @@ class Topology:
         return len(self.hosts) * self.processes_per_host
 
 
-def _processes_per_host(config_dir: Path, env: Mapping[str, str]) -> int | None:
-    """sagemaker_mpi_num_of_processes_per_host from hyperparameters.json, then SM_HPS (as train.py merges them)."""
+def read_hyperparameters(config_dir: Path, env: Mapping[str, str]) -> dict[str, object]:
+    """hyperparameters.json, then SM_HPS over it (as train.py merges them)."""
     raw: dict[str, object] = {}
     hp_file = config_dir / "hyperparameters.json"
     try:
@@ -78,6 +96,12 @@ def _processes_per_host(config_dir: Path, env: Mapping[str, str]) -> int | None:
             raw.update(json.loads(env["SM_HPS"]))
     except (ValueError, TypeError) as err:
         raise TrainingError(f"{hp_file} / SM_HPS: unreadable hyperparameters ({err})") from err
+    return raw
+
+
+def _processes_per_host(config_dir: Path, env: Mapping[str, str]) -> int | None:
+    """sagemaker_mpi_num_of_processes_per_host from the hyperparameters."""
+    raw = read_hyperparameters(config_dir, env)
     if PROCESSES_PER_HOST_HP not in raw:
         return None
     value = raw[PROCESSES_PER_HOST_HP]
@@ -169,10 +193,179 @@ def build_command(
     ]
 
 
+# -- the user's own code (a job section) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobCode:
+    entry_point: str  # relative to code_dir
+    code_dir: Path
+    requirements: str | None
+    distribution: str  # per_gpu | single
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> JobCode | None:
+        entry = env.get("GPUSCOUT_ENTRY_POINT")
+        if not entry:
+            return None
+        distribution = env.get("GPUSCOUT_DISTRIBUTION", "per_gpu")
+        if distribution not in ("per_gpu", "single"):
+            raise TrainingError(f"GPUSCOUT_DISTRIBUTION={distribution!r}: per_gpu or single")
+        code_dir = Path(env.get("SM_CHANNEL_CODE") or CODE_CHANNEL_DIR)
+        code = cls(entry, code_dir, env.get("GPUSCOUT_REQUIREMENTS") or None, distribution)
+        for name in filter(None, (code.entry_point, code.requirements)):
+            if not (code_dir / name).is_file():
+                raise TrainingError(f"{name}: no such file in the code channel {code_dir}")
+        return code
+
+
+def script_arguments(hyperparameters: Mapping[str, object]) -> list[str]:
+    """``--key value`` for every hyperparameter but SageMaker's own ``sagemaker_*`` ones."""
+    args: list[str] = []
+    for key, value in hyperparameters.items():
+        if not key.startswith("sagemaker_"):
+            args += [f"--{key}", str(value)]
+    return args
+
+
+def sagemaker_environment(topology: Topology, code: JobCode, env: Mapping[str, str]) -> dict[str, str]:
+    """The SageMaker training toolkit's variables a script may read (sagemaker-training-toolkit, environment.py),
+    for what gpuscout's jobs have: hosts, GPUs, channels, output folders, hyperparameters; each only when unset."""
+    ml = Path("/opt/ml")
+    config_dir = Path(env.get("SM_INPUT_CONFIG_DIR", ml / "input" / "config"))
+    training_dir = Path(__file__).resolve().parent
+    values = {
+        "SM_HOSTS": json.dumps(topology.hosts),
+        "SM_CURRENT_HOST": topology.current_host,
+        "SM_NUM_GPUS": str(topology.gpus_per_host),
+        "SM_CURRENT_INSTANCE_TYPE": topology.instance_type or "local",
+        "SM_INPUT_CONFIG_DIR": str(config_dir),
+        "SM_OUTPUT_DATA_DIR": str(ml / "output" / "data"),
+        "SM_MODEL_DIR": str(ml / "model"),
+        "SM_CHANNEL_CODE": str(code.code_dir),
+        "SM_HPS": json.dumps(read_hyperparameters(config_dir, env)),
+        "SM_USER_ENTRY_POINT": code.entry_point,
+    }
+    out = {key: env.get(key) or value for key, value in values.items()}
+    # the helper (gpuscout_report, benchmark_callback) and gpuscout's stdlib modules, then the user's folder
+    path = [str(code.code_dir), str(training_dir), str(training_dir.parent), env.get("PYTHONPATH", "")]
+    out["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    return out
+
+
+def build_job_code_command(
+    topology: Topology,
+    code: JobCode,
+    args: Sequence[str],
+    python: str = sys.executable,
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """``python ENTRY_POINT args`` on one process, else torchrun around it (build_command's rules)."""
+    if code.distribution == "single":
+        topology = Topology(**{**topology.__dict__, "processes_override": 1})
+    script = str(code.code_dir / code.entry_point)
+    command = build_command(topology, args, python=python, environ=environ)
+    return [*command[: command.index(str(TRAIN_SCRIPT))], script, *args]
+
+
+def _failure_file(env: Mapping[str, str]) -> Path:
+    return Path(env.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")).parent / "failure"
+
+
+def _write_failure(env: Mapping[str, str], reason: str) -> None:
+    """SageMaker reads /opt/ml/output/failure into the job's FailureReason (kept short: the API truncates it)."""
+    try:
+        path = _failure_file(env)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():  # the script's own (more specific) reason wins
+            path.write_text(reason[:1000])
+    except OSError:
+        pass
+
+
+def install_requirements(code: JobCode, python: str = sys.executable) -> None:
+    if code.requirements is None:
+        return
+    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-r", code.requirements]
+    print(f"[launcher] {' '.join(command)}", flush=True)
+    done = subprocess.run(command, cwd=code.code_dir, check=False)
+    if done.returncode != 0:
+        raise TrainingError(f"pip install -r {code.requirements} failed (exit {done.returncode}); see the job log")
+
+
+def _tee(stream: Iterable[str], log: IO[str]) -> None:
+    for line in stream:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        log.write(line)
+
+
+def run_job_code(topology: Topology, code: JobCode, args: Sequence[str], env: dict[str, str]) -> int:
+    """Run the user's script (module docstring) and return its exit status (or 1 when its result is unusable)."""
+    install_requirements(code)
+    command = build_job_code_command(topology, code, args, environ=env)
+    print(f"[launcher] host {topology.current_host}: {' '.join(command)}", flush=True)
+    output = Path(env["SM_OUTPUT_DATA_DIR"])
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
+        child = subprocess.Popen(
+            command, cwd=code.code_dir, env=env, stdout=subprocess.PIPE, text=True, encoding="utf-8",
+            errors="replace", bufsize=1, start_new_session=True,
+        )  # fmt: skip
+
+        def forward(signum: int, _frame: FrameType | None) -> None:  # StopTrainingJob / spot reclaim: SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            assert child.stdout is not None
+            _tee(child.stdout, log)
+            status = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if status != 0:
+            _write_failure(env, f"{code.entry_point} exited with code {status}")
+            return status
+        if topology.node_rank != 0 or (output / "benchmark.json").is_file():
+            return 0
+        # no benchmark.json: the script printed metric lines (docs/byo.md); the helper builds it from them
+        log.seek(0)
+        with tempfile.NamedTemporaryFile("w", suffix=".log", encoding="utf-8", delete=False) as copy:
+            shutil.copyfileobj(log, copy)
+        try:
+            built = subprocess.run(
+                [sys.executable, str(REPORT_SCRIPT), "--from-log", copy.name], env=env, capture_output=True,
+                text=True, check=False,
+            )  # fmt: skip
+        finally:
+            os.unlink(copy.name)
+    if built.returncode != 0:
+        reason = built.stderr.strip().splitlines()[-1] if built.stderr.strip() else "no benchmark.json"
+        print(reason, file=sys.stderr, flush=True)
+        _write_failure(env, f"{code.entry_point} finished without a benchmark: {reason}")
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["train"]:  # SageMaker starts training containers as `docker run IMAGE train`
         args = args[1:]
+    try:
+        code = JobCode.from_environment(os.environ)
+        if code is not None:
+            topology = read_topology()
+            env = {**os.environ, **sagemaker_environment(topology, code, os.environ)}
+            if topology.processes_per_host > 1 or len(topology.hosts) > 1:
+                for key, value in distributed_environment(topology).items():
+                    env.setdefault(key, value)
+            config_dir = Path(env["SM_INPUT_CONFIG_DIR"])
+            return run_job_code(topology, code, [*script_arguments(read_hyperparameters(config_dir, env)), *args], env)
+    except TrainingError as err:
+        print(f"launcher: error: {err}", file=sys.stderr, flush=True)
+        _write_failure(os.environ, str(err))
+        return 2
     try:
         topology = read_topology()
         command = build_command(topology, args)

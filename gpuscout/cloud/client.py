@@ -7,7 +7,8 @@ that says what to do.
 
 ``submit`` validates the manifest locally first (a bad manifest never leaves the machine), uploads it to
 ``s3://<data bucket>/manifests/<name>.yaml`` (the S3 event starts the state machine) and computes the run id exactly
-as the control plane does (``planner.make_run_id`` of the manifest name, key and ETag).
+as the control plane does (``planner.make_run_id`` of the manifest name, key and ETag). A manifest with a job section
+(the user's own code) has its ``source_dir`` uploaded first and is submitted pointing at it (gpuscout.cloud.job_code).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from botocore.exceptions import (
 )
 
 from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
+from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
 from gpuscout.cloud.sources import source_problems, target_problems
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
-from gpuscout.spec.manifest import Manifest, load_manifest
+from gpuscout.spec.manifest import Manifest, load_manifest, parse_manifest
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
 from gpuscout.store.dynamodb import DynamoDbStore
 
@@ -251,6 +253,24 @@ class CloudStack:
 
     # -- submit -------------------------------------------------------------------------------------------------
 
+    def _job_code_upload(
+        self, manifest: Manifest, path: Path, body: bytes, *, catalog: Catalog | None
+    ) -> tuple[Manifest, bytes, list[tuple[str, Path]]]:
+        """The manifest as it will be submitted (job.source_dir = the code's S3 folder, gpuscout.cloud.job_code),
+        its bytes, and the (key, file) uploads of the code folder."""
+        assert manifest.job is not None
+        folder = Path(manifest.job.source_dir)
+        try:
+            files = code_files(folder)
+            digest = code_digest(files)
+        except (OSError, ValueError) as err:
+            raise ManifestError(str(path), [folder_problem(folder, err)]) from err
+        prefix = code_prefix(manifest.name, digest)
+        uri = f"s3://{self.outputs.data_bucket}/{prefix}"
+        body = with_source_dir(body, json_format=path.suffix.lower() == ".json", source_dir=uri, origin=str(path))
+        submitted = parse_manifest(body, str(path), catalog or load_catalog())  # what is uploaded is what was checked
+        return submitted, body, [(prefix + f.relative, f.path) for f in files]
+
     def submit(
         self,
         manifest_path: Path | str,
@@ -273,6 +293,9 @@ class CloudStack:
         except OSError as err:
             raise ManifestError(str(path), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
         outputs = self.outputs
+        uploads: list[tuple[str, Path]] = []
+        if manifest.job is not None and not manifest.job.in_s3:  # the user's code folder goes up first
+            manifest, body, uploads = self._job_code_upload(manifest, path, body, catalog=catalog)
         problems = source_problems(manifest, data_bucket=outputs.data_bucket)  # what the stack's role can read
         if problems:
             raise ManifestError(str(path), problems)
@@ -290,6 +313,9 @@ class CloudStack:
                 "manifest (e.g. training.seed) to run again"
             ) from err
 
+        for object_key, file in uploads:
+            with aws_errors(f"upload {file} to s3://{outputs.data_bucket}/{object_key}"):
+                self._s3.put_object(Bucket=outputs.data_bucket, Key=object_key, Body=file.read_bytes())
         started_after = datetime.now().astimezone() - CLOCK_SKEW
         with aws_errors(f"upload {path} to s3://{outputs.data_bucket}/{key}"):
             response = self._s3.put_object(

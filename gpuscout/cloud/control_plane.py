@@ -161,6 +161,29 @@ def _cloud_problems(manifest: Manifest, settings: LambdaSettings) -> list[Proble
     )
 
 
+def _job_code_problems(s3: Any, manifest: Manifest) -> list[Problem]:
+    """A job section's entry point (and requirements file) must be in its S3 source_dir: a missing one is a rejected
+    manifest now, not a failed job after the instance started. Runs after _cloud_problems (source_dir under raw/)."""
+    job = manifest.job
+    if job is None:
+        return []
+    bucket, _, prefix = job.source_dir.removeprefix("s3://").partition("/")
+    problems = []
+    for field in ("entry_point", "requirements"):
+        name = getattr(job, field)
+        if name is None:
+            continue
+        key = prefix + name
+        try:
+            s3.head_object(Bucket=bucket, Key=key)
+        except ClientError as err:
+            # 403 too: the role may read raw/*, so a forbidden HEAD there is a missing key (no ListBucket grant)
+            if err.response.get("Error", {}).get("Code") not in {"404", "403", "NoSuchKey", "NotFound"}:
+                raise CloudStepError(f"cannot check s3://{bucket}/{key}: {err}") from err
+            problems.append(Problem(f"job.{field}", f"{name}: no such file in {job.source_dir}"))
+    return problems
+
+
 def _read_object(s3: Any, bucket: str, key: str) -> tuple[bytes, str]:
     try:
         response = s3.get_object(Bucket=bucket, Key=key)
@@ -191,7 +214,7 @@ def validate_manifest(
         if len(body) > MAX_MANIFEST_BYTES:
             raise ManifestError(source, [Problem("", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")])
         manifest = parse_manifest(body, source, catalog)
-        refused = _cloud_problems(manifest, settings)
+        refused = _cloud_problems(manifest, settings) or _job_code_problems(s3, manifest)
         if refused:
             raise ManifestError(source, refused)
     except ManifestError as err:
@@ -306,9 +329,10 @@ def plan_jobs(
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
         raise PlanRefused(f"{source}: {err}") from err
 
-    data = data_source_of(manifest)
+    # The user's own code (a job section) reads its own data: nothing to prepare.
+    data = data_source_of(manifest) if manifest.job is None else None
     req_settings = request_settings(settings)
-    skip_prepare = _object_exists(s3, settings.data_bucket, data.dataset_manifest_key())
+    skip_prepare = data is None or _object_exists(s3, settings.data_bucket, data.dataset_manifest_key())
     jobs_out: list[dict[str, Any]] = []
     for spec in the_plan.jobs:
         target = manifest.targets[spec.target_index]
@@ -323,7 +347,10 @@ def plan_jobs(
         jobs_out.append({"job_name": spec.job_name, "request": request})
     output = {
         "run_id": run_id,
-        "prepare": {"skip": skip_prepare, "request": processing_job_request(run_id, req_settings, data)},
+        "prepare": {
+            "skip": skip_prepare,
+            "request": processing_job_request(run_id, req_settings, data) if data is not None else None,
+        },
         "canaries": _canary_requests(
             the_plan.jobs,
             manifest=manifest,
@@ -363,7 +390,7 @@ def _canary_requests(
     instance_type: str | None,
     catalog: Catalog,
     req_settings: RequestSettings,
-    data: DataSource,
+    data: DataSource | None,
 ) -> list[dict[str, Any]]:
     """One CreateTrainingJob request per distinct configuration, on the stack's canary instance
     (gpuscout.plan.canary); none when the stack has no canary instance type."""

@@ -104,6 +104,14 @@ def max_wait_seconds(max_runtime_seconds: int, requested_seconds: int | None = N
     return min(max(wanted, max_runtime_seconds + 1), MAX_WAIT_LIMIT_SECONDS)
 
 
+CODE_CHANNEL = "code"  # the user's source_dir (a job section), at /opt/ml/input/data/code in the container
+
+
+def _s3_channel(name: str, uri: str) -> dict[str, Any]:
+    source = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
+    return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
+
+
 MODEL_CHANNEL = "model"
 
 
@@ -114,21 +122,44 @@ def _model_channel(spec: JobSpec) -> list[dict[str, Any]]:
     if not uri.startswith("s3://"):
         return []
     uri = uri if uri.endswith("/") else uri + "/"  # raw/models/q must not also pull raw/models/q-7b/
-    source = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
-    return [{"ChannelName": MODEL_CHANNEL, "DataSource": {"S3DataSource": source}, "InputMode": "File"}]
+    return [_s3_channel(MODEL_CHANNEL, uri)]
+
+
+def job_code_environment(spec: JobSpec) -> dict[str, str]:
+    """What the image's launcher needs to run the user's code instead of train.py (training/launcher.py
+    ``run_job_code``), and the gpuscout_report helper's settings."""
+    code = spec.job_code
+    assert code is not None
+    env = {**code.environment, "GPUSCOUT_ENTRY_POINT": code.entry_point, "GPUSCOUT_DISTRIBUTION": code.distribution}
+    if code.requirements:
+        env["GPUSCOUT_REQUIREMENTS"] = code.requirements
+    return env
+
+
+def _input_channels(spec: JobSpec, settings: RequestSettings, data: DataSource | None) -> list[dict[str, Any]]:
+    """The built-in job reads the processed dataset (``train``) and an S3 model (``model``); the user's own code
+    gets its folder as the ``code`` channel and reads its own data."""
+    if spec.job_code is not None:
+        uri = spec.job_code.source_dir
+        if not uri.startswith("s3://"):
+            raise ValueError(f"job {spec.job_name}: source_dir {uri} is not in S3 (gpuscout submit uploads it)")
+        return [_s3_channel(CODE_CHANNEL, uri if uri.endswith("/") else uri + "/")]
+    if data is None:
+        raise ValueError(f"job {spec.job_name}: the built-in job needs its processed data source")
+    return [_s3_channel("train", processed_data_uri(settings, data)), *_model_channel(spec)]
 
 
 def training_job_request(
     spec: JobSpec,
     settings: RequestSettings,
-    data: DataSource,
+    data: DataSource | None,
     *,
     enable_network_isolation: bool,
     volume_size_gb: int = DEFAULT_VOLUME_SIZE_GB,
     environment: dict[str, str] | None = None,
     spot_max_wait_seconds: int | None = None,
 ) -> dict[str, Any]:
-    """The full CreateTrainingJob request of one job."""
+    """The full CreateTrainingJob request of one job (the built-in job with ``data``, or the user's own code)."""
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": spec.max_runtime_seconds}
     if spec.spot:
         stopping["MaxWaitTimeInSeconds"] = max_wait_seconds(spec.max_runtime_seconds, spot_max_wait_seconds)
@@ -136,6 +167,7 @@ def training_job_request(
         "GPUSCOUT_RUN_ID": spec.run_id,
         "GPUSCOUT_JOB_NAME": spec.job_name,
         "GPUSCOUT_CHECKPOINT_DIR": CHECKPOINT_LOCAL_PATH,
+        **(job_code_environment(spec) if spec.job_code is not None else {}),
         **(environment or {}),
     }
     return {
@@ -147,20 +179,7 @@ def training_job_request(
         },
         "RoleArn": settings.role_arn,
         "HyperParameters": dict(spec.hyperparameters),
-        "InputDataConfig": [
-            {
-                "ChannelName": "train",
-                "DataSource": {
-                    "S3DataSource": {
-                        "S3DataType": "S3Prefix",
-                        "S3Uri": processed_data_uri(settings, data),
-                        "S3DataDistributionType": "FullyReplicated",
-                    }
-                },
-                "InputMode": "File",
-            },
-            *_model_channel(spec),
-        ],
+        "InputDataConfig": _input_channels(spec, settings, data),
         "OutputDataConfig": {"S3OutputPath": output_uri(settings, spec.run_id)},
         "ResourceConfig": {
             "InstanceType": spec.instance_type,

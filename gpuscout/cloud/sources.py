@@ -4,6 +4,8 @@ and by the workflow's Validate step), each with the fix in the message.
 - ``local`` targets run only with `gpuscout local`; a stack may allow only some instance types.
 - Every S3 source (dataset, model, tokenizer) must be under ``s3://<data bucket>/raw/``: the SageMaker role reads
   nothing else (stacks/roles.py, ReadDatasets). Local paths do not exist in the cloud.
+- A job section's ``source_dir`` (the user's code) must be there too, under raw/code/ when `gpuscout submit`
+  uploaded it; its ``requirements`` need network to install.
 - ``network_isolation: true`` gives the training container no network: a hub model (``model.hf_id``) cannot
   download. An S3 ``model.path`` works either way: it reaches the job as the ``model`` input channel, which
   SageMaker downloads with the role before the container starts (sagemaker_requests.training_job_request).
@@ -23,6 +25,7 @@ from gpuscout.spec.manifest import Manifest
 MAX_JOBS_PER_RUN = 40
 STATE_PAYLOAD_LIMIT_BYTES = 256 * 1024
 RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMaker role reads sources from
+CODE_PREFIX = "code/"  # under RAW_PREFIX: the user's code folders `gpuscout submit` uploads (content-addressed)
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -48,13 +51,7 @@ def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
     """Dataset, model and tokenizer sources the stack's jobs could never read (module docstring)."""
     problems: list[Problem] = []
     if manifest.job is not None:
-        return [
-            Problem(
-                "job",
-                "the cloud stack runs the built-in job only for now; benchmark your own code with `gpuscout local` "
-                "(`gpuscout validate` and `gpuscout plan` accept cloud targets)",
-            )
-        ]
+        return job_source_problems(manifest, data_bucket=data_bucket)
     model, dataset, _ = manifest.builtin()
     if not dataset.source.startswith("bundled:"):
         problems += _location_problems("dataset.source", dataset.source, data_bucket, "dataset")
@@ -75,6 +72,34 @@ def source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
     hub_id = tokenizer is not None and _HUB_ID_RE.match(tokenizer) and not tokenizer.startswith((".", "/", "~"))
     if tokenizer is not None and not hub_id:  # a hub id downloads in the (networked) data-preparation job
         problems += _location_problems("tokenizer.path", tokenizer, data_bucket, "tokenizer")
+    return problems
+
+
+def job_source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem]:
+    """The user's code (a job section) reaches the job as the ``code`` input channel, so its folder must be under
+    raw/ (`gpuscout submit` uploads a local folder there); pip cannot install its requirements without network."""
+    job = manifest.job
+    assert job is not None
+    problems: list[Problem] = []
+    if job.in_s3:
+        problems += _location_problems("job.source_dir", job.source_dir, data_bucket, "code folder")
+    else:
+        problems.append(
+            Problem(
+                "job.source_dir",
+                f"{job.source_dir!r} is a local folder, which a cloud job cannot read; `gpuscout submit` uploads it "
+                f"(to s3://{data_bucket}/{RAW_PREFIX}{CODE_PREFIX}) and submits the manifest with that source_dir",
+            )
+        )
+    if job.requirements and manifest.network_isolation:
+        problems.append(
+            Problem(
+                "job.requirements",
+                "network_isolation: true leaves the training container without network, so pip cannot install "
+                f"{job.requirements}; set network_isolation: false, or copy the pure-Python packages into source_dir "
+                "(it is on the script's import path) and drop job.requirements",
+            )
+        )
     return problems
 
 

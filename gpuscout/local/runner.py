@@ -30,7 +30,7 @@ from typing import IO, Any, Protocol
 from pydantic import ValidationError
 
 from gpuscout import paths
-from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError
+from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError, ManifestError, Problem
 from gpuscout.local.contention import ContentionMonitor
 from gpuscout.local.lock import RunsFolderLock
 from gpuscout.local.process_control import (
@@ -784,6 +784,17 @@ def run_local(
     runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
     ensure_writable(runs_dir)
     manifest, the_plan = plan_manifest(manifest_path, catalog)
+    if manifest.job is not None and manifest.job.in_s3:
+        raise ManifestError(
+            str(manifest_path),
+            [
+                Problem(
+                    "job.source_dir",
+                    f"{manifest.job.source_dir} is in S3; `gpuscout local` runs a local folder (aws s3 sync "
+                    f"{manifest.job.source_dir} code/ and set job.source_dir: code)",
+                )
+            ],
+        )
     run_id: str = the_plan.run_id
     run_dir = runs_dir / run_id
     run = RunRecord(

@@ -32,7 +32,13 @@ _NOT_CONFIGURATION = frozenset(
 
 
 def configuration_key(spec: JobSpec) -> str:
-    """What decides the code path of a job (module docstring); equal keys share one canary."""
+    """What decides the code path of a job (module docstring); equal keys share one canary. For the user's own code
+    (a job section) every argument counts: gpuscout cannot tell which of them only change how long it runs."""
+    if spec.job_code is not None:
+        code = spec.job_code
+        identity = [spec.instance_type, spec.instance_count, code.source_dir, code.entry_point, code.distribution,
+                    spec.hyperparameters]  # fmt: skip
+        return json.dumps(identity, sort_keys=True)
     settings = {k: v for k, v in spec.hyperparameters.items() if k not in _NOT_CONFIGURATION}
     identity = [spec.instance_type, spec.instance_count, spec.precision, spec.deepspeed_config, settings]
     return json.dumps(identity, sort_keys=True)
@@ -49,8 +55,33 @@ def _canary_name(spec: JobSpec, index: int) -> str:
     return spec.job_name[: 63 - len(suffix)].rstrip("-") + suffix
 
 
+def _job_code_canary(spec: JobSpec, name: str, arguments: dict[str, str]) -> JobSpec:
+    """The user's code, stopped after CANARY_STEPS steps by the gpuscout_report helper (its GPUSCOUT_* settings; a
+    script that only prints metric lines cannot be stopped: job.canary_arguments can shorten it), ``arguments``
+    over its own."""
+    assert spec.job_code is not None
+    environment = {
+        **spec.job_code.environment,
+        "GPUSCOUT_MAX_STEPS": str(CANARY_STEPS),
+        "GPUSCOUT_WARMUP_STEPS": "1",
+        "GPUSCOUT_STOP_RULE": "fixed",
+        "GPUSCOUT_CANARY": "1",  # the script may read it to scale itself down
+    }
+    return spec.model_copy(
+        update={
+            "job_name": name,
+            "repetition": 0,
+            "hyperparameters": {**spec.hyperparameters, **arguments},
+            "max_runtime_seconds": max(60, min(spec.max_runtime_seconds, CANARY_MAX_RUNTIME_S)),
+            "job_code": spec.job_code.model_copy(update={"environment": environment}),
+        }
+    )
+
+
 def canary_spec(spec: JobSpec, index: int) -> JobSpec:
     """The job scaled down to CANARY_STEPS steps on the same configuration (module docstring)."""
+    if spec.job_code is not None:
+        return _job_code_canary(spec, _canary_name(spec, index), {})
     hp = dict(spec.hyperparameters)
     checkpoints = int(hp.get("checkpoint_interval", "0") or 0) > 0
     name = _canary_name(spec, index)
@@ -96,15 +127,20 @@ def cloud_canary_spec(
     spec: JobSpec, index: int, *, instance_type: str, gpus_per_instance: int, price_per_hour_usd: float
 ) -> JobSpec:
     """The job's canary for the cloud workflow: canary_spec, on ``instance_type`` (one instance, on-demand),
-    CLOUD_CANARY_LAYERS layers, micro-batch 1 without accumulation."""
-    small = canary_spec(spec, index)
-    hp = {
-        **small.hyperparameters,
-        "instance_type": instance_type,
-        "per_device_train_batch_size": "1",
-        "gradient_accumulation_steps": "1",
-        "canary_layers": str(CLOUD_CANARY_LAYERS),
-    }
+    CLOUD_CANARY_LAYERS layers, micro-batch 1 without accumulation. The user's own code (a job section) runs with
+    job.canary_arguments over its arguments instead (gpuscout does not know which of them size the job)."""
+    if spec.job_code is not None:
+        small = _job_code_canary(spec, _canary_name(spec, index), spec.job_code.canary_arguments)
+        hp = small.hyperparameters
+    else:
+        small = canary_spec(spec, index)
+        hp = {
+            **small.hyperparameters,
+            "instance_type": instance_type,
+            "per_device_train_batch_size": "1",
+            "gradient_accumulation_steps": "1",
+            "canary_layers": str(CLOUD_CANARY_LAYERS),
+        }
     return small.model_copy(
         update={
             "instance_type": instance_type,

@@ -515,14 +515,16 @@ def job_section_environment(manifest: Manifest, *, max_steps: int) -> dict[str, 
 
 
 def _job_target_devices(
-    target: Target, inst: InstanceType, local_hardware: LocalHardware | None
+    target: Target, inst: InstanceType, local_hardware: LocalHardware | None, *, single: bool
 ) -> tuple[int, int, LocalHardware | None]:
-    """(GPUs per instance, devices in all, the local hardware) of a target."""
+    """(GPUs per instance, devices the job uses in all, the local hardware) of a target. ``single``: one process
+    per host (job.distribution), which uses one device of each host."""
     if inst.is_local:
         hw = local_hardware or detect_local_hardware()
         gpus = hw.gpu_count if hw.device == "cuda" else 0
-        return gpus, max(gpus, 1), hw
-    return inst.gpu_count, max(inst.gpu_count, 1) * target.instance_count, local_hardware
+        return gpus, 1 if single else max(gpus, 1), hw
+    per_host = 1 if single else max(inst.gpu_count, 1)
+    return inst.gpu_count, per_host * target.instance_count, local_hardware
 
 
 def plan_job_section(
@@ -538,7 +540,9 @@ def plan_job_section(
     jobs: list[JobSpec] = []
     for ti, target in enumerate(manifest.targets):
         inst = catalog.get(target.instance_type)
-        gpus, devices, local_hardware = _job_target_devices(target, inst, local_hardware)
+        gpus, devices, local_hardware = _job_target_devices(
+            target, inst, local_hardware, single=job.distribution == "single"
+        )
         precision = manifest.resolved_precision(target, catalog, local_hardware if inst.is_local else None)
         price = target.price_per_hour_usd or inst.on_demand_usd_per_hour
         if price is None:
@@ -593,6 +597,8 @@ def plan_job_section(
                     requirements=job.requirements,
                     unit=job.unit,
                     items_per_sample=job.items_per_sample,
+                    distribution=job.distribution,
+                    canary_arguments={k: _argument_text(v) for k, v in job.canary_arguments.items()},
                     environment=env,
                 ),
             )  # fmt: skip

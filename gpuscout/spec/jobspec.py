@@ -44,11 +44,13 @@ class JobCode(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source_dir: str  # absolute, resolved by load_manifest
+    source_dir: str  # absolute (resolved by load_manifest), or s3://bucket/prefix/ in the cloud
     entry_point: str  # relative to source_dir
     requirements: str | None = None  # relative to source_dir
     unit: Unit
     items_per_sample: float | None = None
+    distribution: Literal["per_gpu", "single"] = "per_gpu"  # processes per host: one per GPU, or one
+    canary_arguments: dict[str, str] = Field(default_factory=dict)  # the cloud canary's overrides
     # the gpuscout_report helper's settings (warm-up, stop rule), passed as GPUSCOUT_* environment variables
     environment: dict[str, str] = Field(default_factory=dict)
 

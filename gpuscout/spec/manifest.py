@@ -239,13 +239,22 @@ class JobEstimate(_Strict):
 class JobSection(_Strict):
     """Bring your own training job: the user's code instead of the built-in Qwen job (docs/byo.md)."""
 
-    source_dir: str = Field(min_length=1, max_length=1024)  # relative to the manifest's folder
+    source_dir: str = Field(min_length=1, max_length=1024)  # a folder relative to the manifest's, or s3://.../
     entry_point: str = Field(min_length=1, max_length=256)  # relative to source_dir
     requirements: str | None = Field(default=None, min_length=1, max_length=256)  # relative to source_dir
     arguments: dict[str, HyperparameterValue] = Field(default_factory=dict)  # every variant; variants override
+    # The cloud canary (2 steps on the stack's small canary instance) runs with these over the job's arguments:
+    # e.g. a smaller batch_size when the job's own does not fit the canary GPU (docs/byo.md "In the cloud").
+    canary_arguments: dict[str, HyperparameterValue] = Field(default_factory=dict)
+    # per_gpu: one process per GPU (torchrun; the script joins the process group); single: one process per host.
+    distribution: Literal["per_gpu", "single"] = "per_gpu"
     unit: Unit = "samples"
     items_per_sample: float | None = Field(default=None, gt=0.0)  # tokens (or items) in one sample, when fixed
     estimate: JobEstimate
+
+    @property
+    def in_s3(self) -> bool:
+        return self.source_dir.startswith("s3://")
 
     @field_validator("source_dir", "entry_point", "requirements")
     @classmethod
@@ -268,10 +277,26 @@ class JobSection(_Strict):
             raise ValueError("a Python file (ending in .py), run as python ENTRY_POINT --key value ...")
         return v
 
-    @field_validator("arguments")
+    @field_validator("source_dir")
+    @classmethod
+    def _s3_folder(cls, v: str) -> str:
+        if v.startswith("s3://") and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/\S+/$", v):
+            raise ValueError("an S3 folder is s3://BUCKET/PREFIX/ (with the trailing /), or use a local folder")
+        return v
+
+    @field_validator("arguments", "canary_arguments")
     @classmethod
     def _keys(cls, v: dict[str, HyperparameterValue]) -> dict[str, HyperparameterValue]:
         return _check_hp_keys(v)
+
+
+def _set_to_non_default(model: BaseModel, field: str) -> bool:
+    """``field`` was given a value other than its default. A field given its default is not "set": a manifest
+    round-trips through model_dump (the cloud's Validate step hands the plan step the dumped manifest)."""
+    if field not in model.model_fields_set:
+        return False
+    info = type(model).model_fields[field]
+    return bool(getattr(model, field) != info.get_default(call_default_factory=True))
 
 
 def _check_hp_keys(v: dict[str, HyperparameterValue]) -> dict[str, HyperparameterValue]:
@@ -405,7 +430,7 @@ class Manifest(_Strict):
         problems = [
             Problem(field, "not used with a job section (your script loads its own model and data)")
             for field in ("model", "dataset", "sequence_length", "tokenizer")
-            if field in self.model_fields_set
+            if _set_to_non_default(self, field)
         ]
         if self.training.max_steps is None:
             problems.append(
@@ -417,7 +442,7 @@ class Manifest(_Strict):
             )
         allowed = {"name", "hyperparameters"}
         for i, v in enumerate(self.variants):
-            for field in sorted(v.model_fields_set - allowed):
+            for field in sorted(f for f in v.model_fields_set - allowed if _set_to_non_default(v, f)):
                 problems.append(
                     Problem(f"variants[{i}].{field}", "built-in job setting; with a job section use hyperparameters")
                 )
@@ -722,6 +747,8 @@ def _resolve_job(manifest: Manifest, path: Path) -> Manifest:
     requirements file when named): a typo fails ``validate``, not a job seconds into ``local``."""
     job = manifest.job
     assert job is not None
+    if job.in_s3:  # already uploaded: the cloud's Validate step checks the entry point in S3
+        return manifest
     source = Path(job.source_dir).expanduser()
     resolved = source if source.is_absolute() else (path.parent / source).resolve()
     problems: list[Problem] = []

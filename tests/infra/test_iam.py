@@ -150,11 +150,11 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
 
     def actions_of(name: str) -> dict[str, str]:
         role = synthesized.stack.roles.lambdas[name]
-        return {
-            action: json.dumps(statement["Resource"])
-            for statement in policy_statements(synthesized, role)
-            for action in as_list(statement["Action"])
-        }
+        resources: dict[str, str] = {}
+        for statement in policy_statements(synthesized, role):
+            for action in as_list(statement["Action"]):
+                resources[action] = resources.get(action, "") + json.dumps(statement["Resource"])
+        return resources
 
     for name in functions:
         actions = actions_of(name)
@@ -164,6 +164,9 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
         assert "logs:PutLogEvents" in actions
         assert "sagemaker:CreateTrainingJob" not in actions
     assert "/manifests/*" in actions_of("validate_manifest")["s3:GetObject"]
+    # a job section's code folder: Validate checks the entry point is there (read only, under raw/ only)
+    assert "/raw/*" in actions_of("validate_manifest")["s3:GetObject"]
+    assert "s3:ListBucket" not in actions_of("validate_manifest")
     assert "/rejected/*" in actions_of("validate_manifest")["s3:PutObject"]
     assert "/processed/*" in actions_of("plan_jobs")["s3:GetObject"]
     # only the analysis reprices from the Price List API (planning uses the catalog's prices)

@@ -420,6 +420,7 @@ class InProcessLambdas:
 
     context: Any
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    outputs: list[tuple[str, Any]] = field(default_factory=list)  # what each successful invocation returned
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, parameters: dict[str, Any], region: str, state_credentials: Any) -> dict[str, Any]:
@@ -433,6 +434,7 @@ class InProcessLambdas:
             except Exception as err:  # what the Python runtime reports for an unhandled exception
                 error = {"errorType": type(err).__name__, "errorMessage": str(err)}
                 return {"StatusCode": 200, "FunctionError": "Unhandled", "Payload": error}
+            self.outputs.append((name, json.loads(json.dumps(output))))
         return {"StatusCode": 200, "Payload": json.loads(json.dumps(output))}
 
     def called(self, name: str) -> list[dict[str, Any]]:
@@ -461,9 +463,11 @@ def _execute_live(
     name: str = "one-job",
     execution_input: dict[str, str] | None = None,
     rewrite: Callable[[dict[str, Any]], None] | None = None,
+    run_job: Callable[[InProcessLambdas, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> LiveRun:
     """Run the synthesized state machine on moto with every Lambda step served by its real handler. Each training
-    job SageMaker creates writes its benchmark.json where a real job's output lands (moto's jobs end at once)."""
+    job SageMaker creates writes its benchmark.json where a real job's output lands (moto's jobs end at once):
+    ``run_job(lambdas, create_training_job kwargs)`` makes it (default: a stored fixture benchmark)."""
     execution_input = execution_input or cloud.submit(manifest, name=name)
     functions = synthesized.stack.functions.functions
     invoked = {f"<{synthesized.logical_id(fn)}.Arn>": FUNCTION_ARN.format(name=n) for n, fn in functions.items()}
@@ -483,7 +487,11 @@ def _execute_live(
         job_name = str(kwargs.get("training_job_name") or args[0])
         run_id = next(t["Value"] for t in kwargs["tags"] if t["Key"] == "gpuscout:run-id")
         instance_type = kwargs["resource_config"]["InstanceType"]
-        cloud.upload_benchmark(run_id, job_name, benchmark_for(job_name, run_id, instance_type))
+        if run_job is None:
+            benchmark = benchmark_for(job_name, run_id, instance_type)
+        else:
+            benchmark = run_job(lambdas, {**kwargs, "training_job_name": job_name})
+        cloud.upload_benchmark(run_id, job_name, benchmark)
         return job
 
     monkeypatch.setattr(SageMakerModelBackend, "create_training_job", create_and_finish)

@@ -151,3 +151,15 @@ def test_metric_lines_without_the_helper(tmp_path):
     result = gpuscout_report.from_log(log, rep)
     assert result["throughput"]["samples_per_s"] == pytest.approx(100.0)
     assert result["timing"]["timed_steps"] == 4
+
+
+def test_a_job_manifest_round_trips_through_its_dump_as_the_cloud_steps_pass_it() -> None:
+    # Given the two-tower cloud manifest (Validate hands Plan manifest.model_dump(mode="json"), defaults filled in)
+    from gpuscout.paths import REPO_DIR
+    from gpuscout.spec.manifest import load_manifest, validate_manifest_data
+
+    manifest = load_manifest(REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
+    dumped = manifest.model_dump(mode="json")
+    assert dumped["model"] is None and dumped["variants"][0]["attention"] is not None  # defaults, not user input
+    # Then the dump validates to the same manifest (the defaults are not taken for built-in settings the user gave)
+    assert validate_manifest_data(dumped, "dumped") == manifest

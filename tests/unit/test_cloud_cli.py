@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,11 @@ from gpuscout.cloud.client import (
     StackNotFoundError,
     execution_console_url,
 )
+from gpuscout.cloud.sources import source_problems
 from gpuscout.errors import GpuscoutError, ManifestError
-from gpuscout.paths import MANIFESTS_DIR
+from gpuscout.paths import MANIFESTS_DIR, REPO_DIR
 from gpuscout.plan.planner import make_run_id
+from gpuscout.spec.manifest import load_manifest, parse_manifest
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 
@@ -498,4 +501,61 @@ def test_the_example_as_shipped_is_refused_with_the_copy_command_before_upload(
     # Then submit refuses it, names the field and the fix, and uploads nothing
     [problem] = info.value.problems
     assert problem.path == "dataset.source" and f"s3://{DATA_BUCKET}/raw/hebrew-text/" in problem.message
+    assert _keys(deployed.s3) == []
+
+
+# -- a job section: the user's own code ---------------------------------------------------------------------------
+
+TWO_TOWER = REPO_DIR / "examples" / "two-tower"
+
+
+def test_submit_uploads_the_code_folder_then_the_manifest_that_points_at_it(deployed: Deployed, tmp_path: Path) -> None:
+    # Given the two-tower cloud manifest beside its code (and a cache folder that must not travel)
+    folder = tmp_path / "two-tower"
+    shutil.copytree(TWO_TOWER, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"\0")
+    # When it is submitted
+    submission = CloudStack().submit(folder / "cloud.yaml", wait_seconds=0)
+    # Then the code went up, content-addressed under raw/code/ (the only prefix the SageMaker role reads),
+    code_keys = _keys(deployed.s3, "raw/code/")
+    [prefix] = {k.rsplit("/", 1)[0] + "/" for k in code_keys}
+    assert prefix.startswith("raw/code/two-tower-cloud-") and len(prefix) == len("raw/code/two-tower-cloud-") + 17
+    assert sorted(k.removeprefix(prefix) for k in code_keys) == sorted(
+        ["cloud.yaml", "local.yaml", "requirements.txt", "train.py"]
+    )
+    uploaded = deployed.s3.get_object(Bucket=DATA_BUCKET, Key=prefix + "train.py")["Body"].read()
+    assert uploaded == (TWO_TOWER / "train.py").read_bytes()
+    # and the manifest submitted is the user's with job.source_dir = that folder, which the control plane accepts
+    stored = deployed.s3.get_object(Bucket=DATA_BUCKET, Key=submission.key)["Body"].read()
+    manifest = parse_manifest(stored, submission.key)
+    assert manifest.job is not None and manifest.job.source_dir == f"s3://{DATA_BUCKET}/{prefix}"
+    original = load_manifest(folder / "cloud.yaml")
+    assert manifest.model_dump(exclude={"job"}) == original.model_dump(exclude={"job"})
+    assert manifest.job.model_dump(exclude={"source_dir"}) == original.job.model_dump(exclude={"source_dir"})
+    assert source_problems(manifest, data_bucket=DATA_BUCKET) == []
+    assert submission.run_id == make_run_id(manifest.name, key=submission.key, etag=submission.etag)
+
+    # When the code changes, Then it is a new folder (a running job's code never changes under it) and a new run
+    (folder / "train.py").write_text((folder / "train.py").read_text() + "\n# tuned\n")
+    again = CloudStack().submit(folder / "cloud.yaml", wait_seconds=0)
+    assert again.run_id != submission.run_id
+    assert len({k.rsplit("/", 1)[0] for k in _keys(deployed.s3, "raw/code/")}) == 2
+
+
+def test_a_job_manifest_with_requirements_under_network_isolation_is_refused_before_upload(
+    deployed: Deployed, tmp_path: Path
+) -> None:
+    folder = tmp_path / "two-tower"
+    shutil.copytree(TWO_TOWER, folder)
+    text = (
+        (folder / "cloud.yaml")
+        .read_text()
+        .replace("name: two-tower-cloud", "name: two-tower-cloud\nnetwork_isolation: true")
+    )
+    (folder / "cloud.yaml").write_text(text)
+    with pytest.raises(ManifestError) as info:
+        CloudStack().submit(folder / "cloud.yaml", wait_seconds=0)
+    [problem] = info.value.problems
+    assert problem.path == "job.requirements" and "pip cannot install requirements.txt" in problem.message
     assert _keys(deployed.s3) == []

@@ -131,3 +131,90 @@ def test_an_s3_model_is_the_model_input_channel() -> None:
     assert (
         len(training_job_request(_spec(False), SETTINGS, DATA, enable_network_isolation=False)["InputDataConfig"]) == 1
     )
+
+
+# -- the user's own code (a job section) --------------------------------------------------------------------------
+
+
+def _check_constraints(shape: Any, value: Any, where: str) -> None:
+    """What ParamValidator leaves out: the API model's max lengths, patterns and map sizes, recursively (the
+    patterns are Java's: the ``regex`` module reads their ``\\p{...}`` classes)."""
+    import regex
+
+    meta = shape.metadata
+    if shape.type_name == "structure":
+        for name, member in shape.members.items():
+            if name in value:
+                _check_constraints(member, value[name], f"{where}.{name}")
+    elif shape.type_name == "list":
+        assert len(value) <= meta.get("max", len(value)), where
+        for i, item in enumerate(value):
+            _check_constraints(shape.member, item, f"{where}[{i}]")
+    elif shape.type_name == "map":
+        assert len(value) <= meta.get("max", len(value)), f"{where}: {len(value)} entries"
+        for key, item in value.items():
+            _check_constraints(shape.key, key, f"{where} key {key!r}")
+            _check_constraints(shape.value, item, f"{where}[{key!r}]")
+    elif shape.type_name == "string":
+        assert len(value) <= meta.get("max", len(value)), f"{where}: {len(value)} characters"
+        if "pattern" in meta:
+            assert regex.fullmatch(meta["pattern"], value), f"{where}: {value!r} !~ {meta['pattern']}"
+
+
+def _two_tower_plan(source_dir: str = "s3://data-b/raw/code/two-tower-cloud-0123456789abcdef/") -> list[JobSpec]:
+    from gpuscout.paths import REPO_DIR
+    from gpuscout.plan.planner import plan
+    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.spec.manifest import parse_manifest
+
+    text = (
+        (REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
+        .read_text()
+        .replace("source_dir: .", f"source_dir: {source_dir}")
+    )
+    return plan(parse_manifest(text, "cloud.yaml"), load_catalog(), run_id="two-tower-cloud-20261123-abcdef").jobs
+
+
+def test_a_job_section_request_is_a_valid_create_training_job_call_with_the_code_channel() -> None:
+    from gpuscout.plan.canary import plan_cloud_canaries
+
+    specs = _two_tower_plan()
+    canaries = [c.spec for c in plan_cloud_canaries(specs, instance_type="ml.g5.8xlarge", gpus_per_instance=1,
+                                                    price_per_hour_usd=2.45)]  # fmt: skip
+    assert len(specs) == 12 and len(canaries) == 6  # 3 instance types x 2 batch sizes; spot shares a configuration
+    shape = SAGEMAKER.operation_model("CreateTrainingJob").input_shape
+    for spec in [*specs, *canaries]:
+        request = training_job_request(spec, SETTINGS, None, enable_network_isolation=False)
+        _assert_valid("CreateTrainingJob", request)
+        _check_constraints(shape, request, "CreateTrainingJob")
+        # The code channel is the only input: the user's script reads its own data, nothing is prepared
+        assert request["InputDataConfig"] == [
+            {
+                "ChannelName": "code",
+                "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3DataDistributionType": "FullyReplicated",
+                                                "S3Uri": "s3://data-b/raw/code/two-tower-cloud-0123456789abcdef/"}},
+                "InputMode": "File",
+            }
+        ]  # fmt: skip
+        # the script's own arguments are the hyperparameters (the launcher passes them as --key value)
+        assert request["HyperParameters"]["batch_size"] in ("4096", "16384")
+        assert "max_steps" not in request["HyperParameters"] and "run_id" not in request["HyperParameters"]
+        env = request["Environment"]
+        assert env["GPUSCOUT_ENTRY_POINT"] == "train.py" and env["GPUSCOUT_REQUIREMENTS"] == "requirements.txt"
+        assert env["GPUSCOUT_DISTRIBUTION"] == "per_gpu" and env["GPUSCOUT_UNIT"] == "samples"
+        assert env["GPUSCOUT_CHECKPOINT_DIR"] == request["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
+        if "-canary" in spec.job_name:
+            assert (env["GPUSCOUT_MAX_STEPS"], env["GPUSCOUT_STOP_RULE"], env["GPUSCOUT_CANARY"]) == ("2", "fixed", "1")
+            assert request["HyperParameters"]["interactions"] == "50000"  # job.canary_arguments
+            assert request["ResourceConfig"]["InstanceType"] == "ml.g5.8xlarge"
+        else:
+            assert (env["GPUSCOUT_MAX_STEPS"], env["GPUSCOUT_STOP_RULE"]) == ("2000", "steady_state")
+            assert request["HyperParameters"]["interactions"] == "2000000"
+        assert request["EnableManagedSpotTraining"] is spec.spot
+
+
+def test_a_job_section_request_needs_its_code_in_s3() -> None:
+    [spec, *_] = _two_tower_plan(source_dir="s3://data-b/raw/code/x/")
+    local = spec.model_copy(update={"job_code": spec.job_code.model_copy(update={"source_dir": "/home/me/code"})})
+    with pytest.raises(ValueError, match="not in S3"):
+        training_job_request(local, SETTINGS, None, enable_network_isolation=False)

@@ -1,0 +1,87 @@
+"""The user's code folder (a manifest's job section) on its way to a cloud job.
+
+`gpuscout submit` uploads ``job.source_dir`` to ``s3://<data bucket>/raw/code/<manifest name>-<digest>/`` (the
+digest is over every file's path and bytes, so changed code is a new folder and a running job's code never changes
+under it), then submits a copy of the manifest whose ``job.source_dir`` is that S3 folder. The training job gets the
+folder as its ``code`` input channel (gpuscout.cloud.sagemaker_requests); the image's launcher runs the entry point
+from there (training/launcher.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuscout.cloud.sources import CODE_PREFIX, RAW_PREFIX
+from gpuscout.errors import Problem
+
+# Never uploaded: caches, version control, virtual environments (they would make the digest change for nothing).
+IGNORED_DIRS = frozenset({"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
+IGNORED_SUFFIXES = (".pyc", ".pyo")
+MAX_FILES = 1000
+MAX_BYTES = 200 * 1024 * 1024  # a code folder, not a data set: data belongs under raw/ as its own channel
+
+
+@dataclass(frozen=True)
+class CodeFile:
+    relative: str  # POSIX path inside the folder
+    path: Path
+    size: int
+
+
+def code_files(folder: Path) -> list[CodeFile]:
+    """Every file to upload, in a stable order; ValueError (with what to do) for a folder too large to be code."""
+    files: list[CodeFile] = []
+    total = 0
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in IGNORED_DIRS)
+        for name in sorted(names):
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            path = Path(root) / name
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            files.append(CodeFile(path.relative_to(folder).as_posix(), path, size))
+            total += size
+            if len(files) > MAX_FILES or total > MAX_BYTES:
+                raise ValueError(
+                    f"{folder} has more than {MAX_FILES} files or {MAX_BYTES // 2**20} MiB; a code folder is uploaded "
+                    "with every job: keep data and checkpoints out of it (upload data under raw/ and read it there)"
+                )
+    return files
+
+
+def code_digest(files: list[CodeFile]) -> str:
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative.encode() + b"\0" + hashlib.sha256(f.path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def code_prefix(manifest_name: str, digest: str) -> str:
+    """``raw/code/<manifest name>-<16 hex digits>/``: under raw/, the only prefix the SageMaker role reads."""
+    return f"{RAW_PREFIX}{CODE_PREFIX}{manifest_name}-{digest[:16]}/"
+
+
+def with_source_dir(body: bytes, *, json_format: bool, source_dir: str, origin: str) -> bytes:
+    """The manifest text with ``job.source_dir`` replaced (comments are not kept: a header says so)."""
+    data: dict[str, Any] = yaml.safe_load(body.decode("utf-8-sig"))
+    data["job"]["source_dir"] = source_dir
+    if json_format:
+        return (json.dumps(data, indent=2) + "\n").encode()
+    header = (
+        f"# Uploaded by `gpuscout submit` from {origin}: job.source_dir is the uploaded copy of the code folder.\n"
+        "# (Written from the parsed manifest: the original's comments are not kept.)\n"
+    )
+    return (header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)).encode()
+
+
+def folder_problem(folder: Path, err: Exception) -> Problem:
+    return Problem("job.source_dir", f"{folder}: {err}")
