@@ -342,6 +342,20 @@ def done() -> dict[str, Any]:
 # -- drop-in callbacks -------------------------------------------------------------------------------------------
 
 
+def _agreed_stop(stop: bool) -> bool:
+    """Under torch.distributed every rank must stop at the same step (a rank that stops alone leaves the others
+    waiting in their next all-reduce): rank 0's clock decides, broadcast to all. One process: ``stop`` itself."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return stop
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([int(stop)], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def hf_trainer_callback(*, samples_per_step: int, tokens_per_step: int | None = None) -> Any:
     """A transformers ``TrainerCallback``: one ``step`` per optimizer step (``samples_per_step`` = global batch),
     the loss from the Trainer's logs, ``should_training_stop`` when gpuscout has measured enough, ``done`` at the
@@ -363,7 +377,8 @@ def hf_trainer_callback(*, samples_per_step: int, tokens_per_step: int | None = 
                 self.last_loss = float(logs["loss"])
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=self.last_loss):
+            stop = rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=self.last_loss)
+            if _agreed_stop(stop):
                 control.should_training_stop = True
             return control
 
@@ -392,7 +407,7 @@ def lightning_callback(*, samples_per_step: int, tokens_per_step: int | None = N
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             value = float(loss.detach().cpu()) if loss is not None and hasattr(loss, "detach") else None
-            if rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=value):
+            if _agreed_stop(rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=value)):
                 trainer.should_stop = True
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -557,7 +557,7 @@ def plan_job_section(
             hw = local_hardware
             overhead_s = hw.startup_s if hw is not None and hw.startup_s is not None else LOCAL_OVERHEAD_S
         for vi, variant in enumerate(manifest.variants):
-            units_per_step = manifest.units_per_step(variant)
+            units_per_step = manifest.units_per_step(variant) * devices  # per device (process) x devices
             training_s = max_steps * units_per_step / rate
             cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
             runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)

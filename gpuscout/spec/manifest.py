@@ -12,6 +12,7 @@ characters and deep nesting; JSON is accepted by extension or content.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -222,18 +223,27 @@ class JobEstimate(_Strict):
     """The user's own throughput estimate: the planner's prediction when there is no FLOPs model for the job."""
 
     units_per_s: float = Field(gt=0.0)  # work units per second per device (a GPU, or this machine's CPU)
-    units_per_step: float | str = Field(default=1.0)  # a number, or the name of a hyperparameter (e.g. batch_size)
+    # Work units one device (one process) does per optimizer step: a number, the name of a hyperparameter (e.g.
+    # batch_size), or a list of names whose product it is (e.g. [batch_size, gradient_accumulation_steps]).
+    units_per_step: float | str | list[str] = Field(default=1.0)
     units_per_s_by_instance_type: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
 
     @field_validator("units_per_step")
     @classmethod
-    def _positive_or_name(cls, v: float | str) -> float | str:
-        if isinstance(v, str):
-            if not re.match(_HP_KEY_RE, v):
-                raise ValueError("a number > 0 or the name of a hyperparameter (letters, digits, _ . -)")
-        elif v <= 0:
-            raise ValueError("must be > 0")
+    def _positive_or_name(cls, v: float | str | list[str]) -> float | str | list[str]:
+        if isinstance(v, float | int):
+            if v <= 0:
+                raise ValueError("must be > 0")
+            return v
+        names = [v] if isinstance(v, str) else v
+        if not names or not all(re.match(_HP_KEY_RE, n) for n in names):
+            raise ValueError("a number > 0, the name of a hyperparameter, or a list of names (letters, digits, _ . -)")
         return v
+
+    @property
+    def step_names(self) -> list[str]:
+        v = self.units_per_step
+        return [v] if isinstance(v, str) else list(v) if isinstance(v, list) else []
 
 
 class JobSection(_Strict):
@@ -446,9 +456,10 @@ class Manifest(_Strict):
                 problems.append(
                     Problem(f"variants[{i}].{field}", "built-in job setting; with a job section use hyperparameters")
                 )
-            name = job.estimate.units_per_step
-            if isinstance(name, str):
+            for position, name in enumerate(job.estimate.step_names):
                 value = {**job.arguments, **v.hyperparameters}.get(name)
+                if position > 0 and value is None:  # a factor may be absent (e.g. no accumulation): 1
+                    continue
                 if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                     problems.append(
                         Problem(
@@ -478,10 +489,12 @@ class Manifest(_Strict):
     def units_per_step(self, variant: Variant) -> float:
         """Work units one optimizer step does, for a job section's prediction."""
         assert self.job is not None
-        per_step = self.job.estimate.units_per_step
-        if isinstance(per_step, str):
-            return float({**self.job.arguments, **variant.hyperparameters}[per_step])
-        return float(per_step)
+        estimate = self.job.estimate
+        names = estimate.step_names
+        if not names:
+            return float(estimate.units_per_step)  # type: ignore[arg-type]
+        values = {**self.job.arguments, **variant.hyperparameters}
+        return float(math.prod(float(values.get(n, 1) or 1) for n in names))
 
     def resolved_precision(
         self, target: Target, catalog: Catalog, local_hardware: LocalHardware | None = None

@@ -12,7 +12,7 @@ from gpuscout.errors import ManifestError
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from gpuscout.plan.planner import plan
 from gpuscout.spec.catalog import LocalHardware, load_catalog
-from gpuscout.spec.manifest import load_manifest, parse_manifest
+from gpuscout.spec.manifest import load_manifest, parse_manifest, validate_manifest_data
 
 sys.path.insert(0, str(TRAINING_DIR))
 import gpuscout_report
@@ -163,3 +163,28 @@ def test_a_job_manifest_round_trips_through_its_dump_as_the_cloud_steps_pass_it(
     assert dumped["model"] is None and dumped["variants"][0]["attention"] is not None  # defaults, not user input
     # Then the dump validates to the same manifest (the defaults are not taken for built-in settings the user gave)
     assert validate_manifest_data(dumped, "dumped") == manifest
+
+
+def test_units_per_step_is_per_device_and_may_be_a_product_of_hyperparameters() -> None:
+    # Given the HF Trainer cloud example: samples per process per step = batch_size x gradient_accumulation_steps
+    from gpuscout.paths import REPO_DIR
+    from gpuscout.plan.planner import plan
+    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.spec.manifest import load_manifest
+
+    manifest = load_manifest(REPO_DIR / "examples" / "hf-trainer" / "cloud.yaml")
+    jobs = {(j.instance_type, j.variant_name, j.spot): j for j in plan(manifest, load_catalog(), run_id="r").jobs}
+    g5 = jobs[("ml.g5.8xlarge", "b16-accum2", False)].prediction
+    p4d = jobs[("ml.p4d.24xlarge", "b16-accum2", False)].prediction
+    b8 = jobs[("ml.p4d.24xlarge", "b8", False)].prediction
+    # Then one A10G does 400 steps x 32 samples at 40 samples/s, and 8 A100 processes each do 32 per step at 150/s
+    assert g5.training_seconds == pytest.approx(400 * 16 * 2 / 40)
+    assert p4d.samples_per_s == 8 * 150 and p4d.training_seconds == pytest.approx(400 * 32 / 150)
+    # (a variant without accumulation: the absent factor counts 1)
+    assert b8.training_seconds == pytest.approx(400 * 8 / 150)
+    with pytest.raises(ManifestError) as info:
+        validate_manifest_data(
+            {**manifest.model_dump(mode="json"), "job": {**manifest.model_dump(mode="json")["job"],
+             "estimate": {"units_per_s": 1, "units_per_step": []}}}, "m"
+        )  # fmt: skip
+    assert "job.estimate.units_per_step" in str(info.value)
