@@ -134,6 +134,14 @@ def _opt(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _prediction_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan's predicted rate (in the job's unit) and how it was made, as the job's spec recorded them."""
+    prediction = spec.get("prediction") or {}
+    unit = prediction.get("unit", "tokens")
+    rate = prediction.get("samples_per_s" if unit == "samples" else "tokens_per_s")
+    return {"predicted_rate": float(rate) if rate else None, "prediction_method": prediction.get("method")}
+
+
 def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
     """The fields analysis uses from a benchmark.json dict, or why it cannot be used.
 
@@ -305,6 +313,7 @@ def _measure_group(
         "billed_seconds": math.fsum(billed_by_job) if billed_by_job else None,
         "billed_source": billed_source,
         "target_loss": target_loss,
+        **_prediction_fields(spec),
     }
     if not completed:
         return fields

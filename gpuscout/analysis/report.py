@@ -314,6 +314,18 @@ def write_charts(analysis: RunAnalysis, out_dir: Path) -> list[tuple[str, Path]]
 
 
 # -- documents ----------------------------------------------------------------------------------------------------
+def _prediction_text(job: JobAnalysis) -> str:
+    """``20,000 samples/s (user's estimate ...); measured 0.41x`` : what was predicted, how, and how it compares."""
+    if job.predicted_rate is None or not job.prediction_method:
+        return "–"
+    unit = "samples" if job.unit == "samples" else "tokens"
+    measured = job.samples_per_s if job.unit == "samples" else job.tokens_per_s
+    ratio = f"; measured {measured / job.predicted_rate:.2g}x of it" if measured else ""
+    rate = job.predicted_rate
+    number = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+    return f"{number} {unit}/s ({job.prediction_method}){ratio}"
+
+
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
@@ -356,11 +368,25 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
         "excluded_header": ["instance / variant", "reason"],
         "excluded_rows": [[j.label, j.excluded_reason or ""] for j in analysis.jobs if j.excluded_reason],
         "method_rows": [
-            [j.label, j.ci_method or "–", j.stop_reason or "–", j.target_loss_detail or "–", j.workload_basis or "–"]
+            [
+                j.label,
+                j.ci_method or "–",
+                j.stop_reason or "–",
+                j.target_loss_detail or "–",
+                j.workload_basis or "–",
+                _prediction_text(j),
+            ]
             for j in analysis.jobs
-            if j.tokens_per_s is not None
+            if j.tokens_per_s is not None or j.samples_per_s is not None
         ],
-        "method_header": ["instance / variant", "95 % CI", "stop reason", "time to target loss", "workload"],
+        "method_header": [
+            "instance / variant",
+            "95 % CI",
+            "stop reason",
+            "time to target loss",
+            "workload",
+            "planner's prediction",
+        ],
     }
 
 

@@ -90,6 +90,9 @@ class JobAnalysis(BaseModel):
     workload_basis: str | None = None
     workload_hours: float | None = None
     workload_usd: float | None = None
+    # what the planner predicted (its rate in ``unit``/s, and how: FLOPs model, the user's estimate, a calibration)
+    predicted_rate: float | None = None
+    prediction_method: str | None = None
     # what the benchmark itself cost
     billed_seconds: float | None = None  # per instance, all repetitions (failed ones included)
     billed_source: str | None = None

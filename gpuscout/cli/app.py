@@ -171,7 +171,7 @@ def plan(file: ManifestArg) -> None:
     from gpuscout.spec.catalog import load_catalog
 
     catalog = load_catalog()
-    manifest, the_plan = plan_manifest(file, catalog)
+    manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
     console.print(plan_table(the_plan))
     budget = manifest.constraints.budget_usd if manifest.constraints else None
     the_plan.check_budget()

@@ -70,8 +70,15 @@ SMALL_CORPUS_DOCUMENTS = 2000
 # -- planning ---------------------------------------------------------------------------------------------------
 
 
-def plan_manifest(manifest_path: Path | str, catalog: Catalog | None = None, *, run_id: str | None = None) -> Any:
-    """Load and validate a manifest, then plan it (hardware detected when a target is ``local``).
+def plan_manifest(
+    manifest_path: Path | str,
+    catalog: Catalog | None = None,
+    *,
+    run_id: str | None = None,
+    on_message: Callable[[str], None] = lambda _message: None,
+) -> Any:
+    """Load and validate a manifest, then plan it (hardware detected when a target is ``local``; a job section
+    without job.estimate calibrated first, ``calibrate_job``).
 
     Returns ``(manifest, plan)``; raises ManifestError / PlanError. The budget is *not* checked here.
     """
@@ -84,8 +91,64 @@ def plan_manifest(manifest_path: Path | str, catalog: Catalog | None = None, *, 
     local_hardware = None
     if any(t.instance_type == LOCAL for t in manifest.targets):
         local_hardware = detect_local_hardware().model_copy(update={"startup_s": measure_startup_seconds()})
-    the_plan = plan(manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware)
+    calibration = None
+    if manifest.job is not None and manifest.job.estimate is None and local_hardware is not None:
+        calibration = calibrate_job(manifest, catalog, local_hardware, on_message=on_message)
+    the_plan = plan(
+        manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware,
+        calibration=calibration,
+    )  # fmt: skip
     return manifest, the_plan
+
+
+CALIBRATION_TIMED_STEPS = 5
+CALIBRATION_WARMUP_STEPS = 2
+
+
+def calibrate_job(
+    manifest: Any,
+    catalog: Catalog,
+    local_hardware: Any,
+    *,
+    on_message: Callable[[str], None] = lambda _message: None,
+) -> dict[str, Any]:
+    """A job section without job.estimate: each variant's script runs CALIBRATION_WARMUP_STEPS +
+    CALIBRATION_TIMED_STEPS steps on this machine (stopped by the gpuscout_report helper, a temporary folder), and
+    its measured rate and step time become the plan's prediction (planner.Calibration). A variant whose calibration
+    fails is a PlanError with the reason: nothing is planned or timed."""
+    import tempfile
+
+    from gpuscout.errors import PlanError
+    from gpuscout.plan.planner import Calibration, plan
+    from gpuscout.spec.manifest import JobEstimate
+
+    job = manifest.job
+    provisional = manifest.model_copy(update={"job": job.model_copy(update={"estimate": JobEstimate(units_per_s=1.0)})})
+    specs = plan(provisional, catalog, run_id="calibration", local_hardware=local_hardware).jobs
+    firsts = {s.variant_name: s for s in reversed(specs) if s.instance_type == LOCAL}  # first local job per variant
+    steps = CALIBRATION_WARMUP_STEPS + CALIBRATION_TIMED_STEPS
+    settings = {"GPUSCOUT_MAX_STEPS": str(steps), "GPUSCOUT_WARMUP_STEPS": str(CALIBRATION_WARMUP_STEPS),
+                "GPUSCOUT_STOP_RULE": "fixed"}  # fmt: skip
+    measured: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gpuscout-calibration-") as tmp:
+        for variant in manifest.variants:
+            spec = firsts[variant.name]
+            assert spec.job_code is not None
+            code = spec.job_code.model_copy(update={"environment": {**spec.job_code.environment, **settings}})
+            spec = spec.model_copy(update={"job_code": code, "job_name": f"calibration-{len(measured) + 1}"})
+            on_message(f"calibrating {variant.name!r}: {steps} steps on this machine (no job.estimate)")
+            outcome = run_job(spec, JobFolders.create(Path(tmp) / spec.job_name, spec, None))
+            bench = outcome.benchmark or {}
+            timing, throughput = bench.get("timing") or {}, bench.get("throughput") or {}
+            rate = throughput.get(f"{job.unit}_per_s")
+            timed = int(timing.get("timed_steps") or 0)
+            if outcome.status is not JobStatus.COMPLETED or not rate or not timed:
+                reason = outcome.failure_reason or "the script reported no timed steps"
+                raise PlanError(
+                    f"variant {variant.name!r}: its calibration ({steps} steps on this machine) failed: {reason}"
+                )
+            measured[variant.name] = Calibration(float(rate), float(timing["train_time_s"]) / timed, timed)
+    return measured
 
 
 # -- data preparation -----------------------------------------------------------------------------------------
@@ -783,7 +846,7 @@ def run_local(
     manifest_path = Path(manifest_path)
     runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
     ensure_writable(runs_dir)
-    manifest, the_plan = plan_manifest(manifest_path, catalog)
+    manifest, the_plan = plan_manifest(manifest_path, catalog, on_message=observer.message)
     if manifest.job is not None and manifest.job.in_s3:
         raise ManifestError(
             str(manifest_path),

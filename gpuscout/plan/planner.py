@@ -25,8 +25,8 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -314,10 +314,20 @@ def _predict_tokens_per_s(
     return tokens_per_s, None, method
 
 
-def plan(manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: LocalHardware | None = None) -> Plan:
-    """Expand targets x variants x repetitions into JobSpecs with predictions; PlanError if one cannot fit."""
+def plan(
+    manifest: Manifest,
+    catalog: Catalog,
+    *,
+    run_id: str,
+    local_hardware: LocalHardware | None = None,
+    calibration: Mapping[str, Calibration] | None = None,
+) -> Plan:
+    """Expand targets x variants x repetitions into JobSpecs with predictions; PlanError if one cannot fit.
+    ``calibration``: a job section's measured rates per variant on this machine (no job.estimate)."""
     if manifest.job is not None:
-        return plan_job_section(manifest, catalog, run_id=run_id, local_hardware=local_hardware)
+        return plan_job_section(
+            manifest, catalog, run_id=run_id, local_hardware=local_hardware, calibration=calibration
+        )
     arch = _architecture(manifest)
     seq = manifest.builtin()[2]
     training = manifest.training
@@ -527,11 +537,48 @@ def _job_target_devices(
     return inst.gpu_count, per_host * target.instance_count, local_hardware
 
 
+def _rate(value: float) -> str:
+    """20,000 / 412 / 3.75: whole numbers with separators from 100 up, three significant digits below."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A short run of one variant of the user's code on this machine (gpuscout.local.runner.calibrate_job)."""
+
+    rate: float  # work units per second (the job's unit), the whole job
+    step_seconds: float  # mean timed optimizer step
+    timed_steps: int
+
+
+def _calibrated_prediction(
+    where: str, variant: Variant, calibration: Mapping[str, Calibration] | None, *, unit: str, max_steps: int
+) -> tuple[float, float, str]:
+    """(rate, training seconds, method) of a local target without job.estimate, from its variant's calibration."""
+    measured = (calibration or {}).get(variant.name)
+    if measured is None:
+        raise PlanError(
+            f"{where}, variant {variant.name!r}: no job.estimate and no calibration run; `gpuscout local` and "
+            "`gpuscout plan` calibrate a local target by running a few steps first"
+        )
+    method = (
+        f"calibrated: {_rate(measured.rate)} {unit}/s, {measured.step_seconds:.3g} s/step measured over "
+        f"{measured.timed_steps} timed steps of this variant on this machine"
+    )
+    return measured.rate, max_steps * measured.step_seconds, method
+
+
 def plan_job_section(
-    manifest: Manifest, catalog: Catalog, *, run_id: str, local_hardware: LocalHardware | None = None
+    manifest: Manifest,
+    catalog: Catalog,
+    *,
+    run_id: str,
+    local_hardware: LocalHardware | None = None,
+    calibration: Mapping[str, Calibration] | None = None,
 ) -> Plan:
     """A job section's JobSpecs. There is no FLOPs model for the user's code, so the prediction is the user's own
-    estimate (job.estimate: units/s per device, per instance type when given) x devices; the method says so."""
+    estimate (job.estimate: units/s per device, per instance type when given) x devices, or, with no estimate, a
+    calibration: a few steps of each variant measured on this machine (local targets only); the method says which."""
     job = manifest.job
     assert job is not None
     max_steps = manifest.training.max_steps or 0
@@ -549,24 +596,38 @@ def plan_job_section(
             raise PlanError(f"targets[{ti}] {target.instance_type}: no price; set price_per_hour_usd")
         spot_price = target.spot_price_per_hour_usd if target.spot else None
         billed_price = spot_price if spot_price is not None else price
-        per_device = estimate.units_per_s_by_instance_type.get(target.instance_type, estimate.units_per_s)
-        where = "for this instance type" if target.instance_type in estimate.units_per_s_by_instance_type else ""
-        rate = per_device * devices
+        where = f"targets[{ti}] {target.instance_type}"
+        if estimate is None and not inst.is_local:
+            raise PlanError(
+                f"{where}: job.estimate is required for a cloud target: there is no FLOPs model for your code and "
+                "gpuscout cannot measure an instance before launching it; state units_per_s per GPU (`gpuscout "
+                "local` on a machine with that GPU measures it)"
+            )
         overhead_s = CLOUD_OVERHEAD_S
         if inst.is_local:
             hw = local_hardware
             overhead_s = hw.startup_s if hw is not None and hw.startup_s is not None else LOCAL_OVERHEAD_S
         for vi, variant in enumerate(manifest.variants):
-            units_per_step = manifest.units_per_step(variant) * devices  # per device (process) x devices
-            training_s = max_steps * units_per_step / rate
+            if estimate is None:
+                rate, training_s, method = _calibrated_prediction(
+                    where, variant, calibration, unit=job.unit, max_steps=max_steps
+                )
+            else:
+                per_device = estimate.units_per_s_by_instance_type.get(target.instance_type, estimate.units_per_s)
+                typed = (
+                    " for this instance type" if target.instance_type in estimate.units_per_s_by_instance_type else ""
+                )
+                rate = per_device * devices
+                units_per_step = manifest.units_per_step(variant) * devices  # per device (process) x devices
+                training_s = max_steps * units_per_step / rate
+                method = (
+                    f"user's estimate (job.estimate{typed}): {_rate(per_device)} {job.unit}/s per device x {devices} "
+                    f"device{'s' if devices != 1 else ''}; {units_per_step:g} {job.unit}/step; no FLOPs model for "
+                    "your own code"
+                )
             cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
             runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)
             runtime = min(max(runtime, MIN_RUNTIME_S), MAX_RUNTIME_S)
-            method = (
-                f"user's estimate (job.estimate{' ' + where if where else ''}): {per_device:,.4g} {job.unit}/s per "
-                f"device x {devices} device{'s' if devices != 1 else ''}; {units_per_step:g} {job.unit}/step; "
-                f"no FLOPs model for your own code"
-            )
             if job.unit == "samples":
                 tokens_rate = rate * job.items_per_sample if job.items_per_sample else None
                 rates: dict[str, float | None] = {"samples_per_s": rate, "tokens_per_s": tokens_rate}

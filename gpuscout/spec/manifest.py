@@ -260,7 +260,7 @@ class JobSection(_Strict):
     distribution: Literal["per_gpu", "single"] = "per_gpu"
     unit: Unit = "samples"
     items_per_sample: float | None = Field(default=None, gt=0.0)  # tokens (or items) in one sample, when fixed
-    estimate: JobEstimate
+    estimate: JobEstimate | None = None  # None: calibrated by a short run on this machine (local targets only)
 
     @property
     def in_s3(self) -> bool:
@@ -456,7 +456,7 @@ class Manifest(_Strict):
                 problems.append(
                     Problem(f"variants[{i}].{field}", "built-in job setting; with a job section use hyperparameters")
                 )
-            for position, name in enumerate(job.estimate.step_names):
+            for position, name in enumerate(job.estimate.step_names if job.estimate else []):
                 value = {**job.arguments, **v.hyperparameters}.get(name)
                 if position > 0 and value is None:  # a factor may be absent (e.g. no accumulation): 1
                     continue
@@ -469,7 +469,7 @@ class Manifest(_Strict):
                         )
                     )
         targets = {t.instance_type for t in self.targets}
-        for key in job.estimate.units_per_s_by_instance_type:
+        for key in job.estimate.units_per_s_by_instance_type if job.estimate else {}:
             if key not in targets:
                 problems.append(
                     Problem(
@@ -488,7 +488,7 @@ class Manifest(_Strict):
 
     def units_per_step(self, variant: Variant) -> float:
         """Work units one optimizer step does, for a job section's prediction."""
-        assert self.job is not None
+        assert self.job is not None and self.job.estimate is not None
         estimate = self.job.estimate
         names = estimate.step_names
         if not names:

@@ -84,3 +84,60 @@ def test_the_hf_trainer_callback_reports_every_step_and_writes_the_benchmark(tmp
     assert bench["throughput"]["samples_per_s"] > 0
     assert bench["loss"]["train"] and all(p["loss"] is not None for p in bench["loss"]["train"])
     assert "gpuscout_metric" in done.stdout
+
+
+def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_report_says_so(tmp_path):
+    import re
+
+    import pytest
+
+    from gpuscout.errors import PlanError
+    from gpuscout.plan.planner import plan
+    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.spec.manifest import load_manifest
+
+    # Given the two-tower local manifest without job.estimate
+    text = (REPO_DIR / "examples" / "two-tower" / "local.yaml").read_text()
+    text = re.sub(r"  estimate:\n(    .*\n)+", "", text).replace(
+        "source_dir: .", f"source_dir: {REPO_DIR}/examples/two-tower"
+    )
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(text)
+    store = SqliteStore(tmp_path / "results.db")
+    messages = []
+
+    from gpuscout.local.runner import SilentObserver
+
+    class Observer(SilentObserver):
+        def message(self, text, *, warning=False):
+            messages.append(text)
+
+    # When it runs
+    run = run_local(path, store=store, runs_dir=tmp_path / "runs", observer=Observer())
+    # Then each variant ran a short calibration first, and its measured rate is the plan's prediction
+    assert run.status is RunStatus.SUCCEEDED
+    assert [m for m in messages if str(m).startswith("calibrating")] == [
+        "calibrating 'b128': 7 steps on this machine (no job.estimate)",
+        "calibrating 'b512': 7 steps on this machine (no job.estimate)",
+    ]
+    for job in store.list_jobs(run.run_id):
+        prediction = job.spec["prediction"]
+        assert (
+            prediction["method"].startswith("calibrated: ") and "5 timed steps of this variant" in prediction["method"]
+        )
+        assert prediction["samples_per_s"] > 0 and prediction["training_seconds"] > 0
+    # and the report says how each prediction was made, and how the measurement compares
+    report = (tmp_path / "runs" / run.run_id / "report" / "report.md").read_text()
+    assert "planner's prediction" in report and "(calibrated: " in report and "x of it" in report
+    # A cloud target cannot be calibrated here: without an estimate the plan is refused, saying what to do
+    cloud = load_manifest(REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
+    cloud = cloud.model_copy(update={"job": cloud.job.model_copy(update={"estimate": None})})
+    with pytest.raises(PlanError, match=r"targets\[0\] ml.p3.2xlarge: job.estimate is required for a cloud target"):
+        plan(cloud, load_catalog(), run_id="r")
+
+
+def test_the_report_names_the_users_estimate_as_the_prediction(tmp_path):
+    store = SqliteStore(tmp_path / "results.db")
+    run = run_local(REPO_DIR / "examples" / "two-tower" / "local.yaml", store=store, runs_dir=tmp_path / "runs")
+    report = (tmp_path / "runs" / run.run_id / "report" / "report.md").read_text()
+    assert "| 20,000 samples/s (user's estimate (job.estimate): 20,000 samples/s per device x 1 device; " in report
