@@ -117,8 +117,9 @@ class Reporter:
         loss: float | None = None,
         seconds: float | None = None,
     ) -> bool:
-        """One optimizer step ended: its samples and tokens (all ranks), its loss. Returns True when the script
-        should stop (max_steps reached, or steady state under that rule)."""
+        """One optimizer step ended: its samples and tokens (all ranks together: under torchrun, one rank's batch x
+        the world size), its loss. Returns True when the script should stop (max_steps reached, or steady state under
+        that rule); under torch.distributed every rank gets rank 0's answer (call it on every rank, every step)."""
         now = self._now()
         elapsed = seconds if seconds is not None else now - self._last
         self._last = now
@@ -156,7 +157,7 @@ class Reporter:
                 }
             )
         )
-        return self.should_stop()
+        return _agreed_stop(self.should_stop())
 
     def should_stop(self) -> bool:
         count = len(self.stats.records)
@@ -377,8 +378,7 @@ def hf_trainer_callback(*, samples_per_step: int, tokens_per_step: int | None = 
                 self.last_loss = float(logs["loss"])
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            stop = rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=self.last_loss)
-            if _agreed_stop(stop):
+            if rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=self.last_loss):
                 control.should_training_stop = True
             return control
 
@@ -407,7 +407,7 @@ def lightning_callback(*, samples_per_step: int, tokens_per_step: int | None = N
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             value = float(loss.detach().cpu()) if loss is not None and hasattr(loss, "detach") else None
-            if _agreed_stop(rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=value)):
+            if rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=value):
                 trainer.should_stop = True
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:

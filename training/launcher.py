@@ -35,11 +35,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 from gpuscout.errors import TrainingError
 
@@ -283,14 +284,38 @@ def _write_failure(env: Mapping[str, str], reason: str) -> None:
         pass
 
 
+_CHILDREN: list[subprocess.Popen[str]] = []  # the process this launcher waits on now (pip, then the script)
+TEE_DRAIN_S = 30.0  # after the script exits, how long its output may still be read (a descendant may hold the pipe)
+
+
+def _forward(signum: int, _frame: FrameType | None) -> None:
+    """SageMaker's SIGTERM (StopTrainingJob, MaxRuntime) to PID 1, passed to the child's process group (torchrun
+    passes it on to its workers); with no child yet, the launcher itself ends as SIGTERM would end it."""
+    if not _CHILDREN:
+        raise SystemExit(128 + signum)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(_CHILDREN[-1].pid, signum)
+
+
+def _start(command: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
+    child = subprocess.Popen(list(command), start_new_session=True, text=True, **kwargs)
+    _CHILDREN.append(child)
+    return child
+
+
 def install_requirements(code: JobCode, python: str = sys.executable) -> None:
+    """``pip install -r`` the job's requirements, constrained to the image's own pins (training/requirements.txt) so
+    a requirement cannot swap the torch or transformers the benchmark is meant to measure."""
     if code.requirements is None:
         return
     command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-r", code.requirements]
+    pins = Path(__file__).resolve().parent / "requirements.txt"
+    if pins.is_file():
+        command += ["-c", str(pins)]
     print(f"[launcher] {' '.join(command)}", flush=True)
-    done = subprocess.run(command, cwd=code.code_dir, check=False)
-    if done.returncode != 0:
-        raise TrainingError(f"pip install -r {code.requirements} failed (exit {done.returncode}); see the job log")
+    status = _start(command, cwd=code.code_dir).wait()
+    if status != 0:
+        raise TrainingError(f"pip install -r {code.requirements} failed (exit {status}); see the job log")
 
 
 def _tee(stream: Iterable[str], log: IO[str]) -> None:
@@ -302,44 +327,54 @@ def _tee(stream: Iterable[str], log: IO[str]) -> None:
 
 def run_job_code(topology: Topology, code: JobCode, args: Sequence[str], env: dict[str, str]) -> int:
     """Run the user's script (module docstring) and return its exit status (or 1 when its result is unusable)."""
-    install_requirements(code)
-    command = build_job_code_command(topology, code, args, environ=env)
-    print(f"[launcher] host {topology.current_host}: {' '.join(command)}", flush=True)
-    output = Path(env["SM_OUTPUT_DATA_DIR"])
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
-        child = subprocess.Popen(
-            command, cwd=code.code_dir, env=env, stdout=subprocess.PIPE, text=True, encoding="utf-8",
-            errors="replace", bufsize=1, start_new_session=True,
-        )  # fmt: skip
-
-        def forward(signum: int, _frame: FrameType | None) -> None:  # StopTrainingJob / spot reclaim: SIGTERM
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signum)
-
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
+    previous = {sig: signal.signal(sig, _forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        install_requirements(code)
+        command = build_job_code_command(topology, code, args, environ=env)
+        print(f"[launcher] host {topology.current_host}: {' '.join(command)}", flush=True)
+        with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
+            child = _start(command, cwd=code.code_dir, env=env, stdout=subprocess.PIPE, encoding="utf-8",
+                           errors="replace", bufsize=1)  # fmt: skip
             assert child.stdout is not None
-            _tee(child.stdout, log)
+            reader = threading.Thread(target=_tee, args=(child.stdout, log), daemon=True)
+            reader.start()
             status = child.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        if status != 0:
-            _write_failure(env, f"{code.entry_point} exited with code {status}")
-            return status
-        if topology.node_rank != 0 or (output / "benchmark.json").is_file():
-            return 0
-        # no benchmark.json: the script printed metric lines (docs/byo.md); the helper builds it from them
-        log.seek(0)
-        with tempfile.NamedTemporaryFile("w", suffix=".log", encoding="utf-8", delete=False) as copy:
-            shutil.copyfileobj(log, copy)
-        try:
-            built = subprocess.run(
-                [sys.executable, str(REPORT_SCRIPT), "--from-log", copy.name], env=env, capture_output=True,
-                text=True, check=False,
-            )  # fmt: skip
-        finally:
-            os.unlink(copy.name)
+            reader.join(timeout=TEE_DRAIN_S)  # a descendant still holding stdout must not hang the job
+            log.flush()
+            return _finish(topology, code, env, status, log)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _finish(topology: Topology, code: JobCode, env: dict[str, str], status: int, log: IO[str]) -> int:
+    """The job's exit status from the script's: a failure reason for SageMaker, benchmark.json from metric lines."""
+    output = Path(env["SM_OUTPUT_DATA_DIR"])
+    if status != 0:
+        what = f"was killed by signal {-status}" if status < 0 else f"exited with code {status}"
+        _write_failure(env, f"{code.entry_point} {what}")
+        return 128 - status if status < 0 else status
+    if topology.node_rank != 0 or (output / "benchmark.json").is_file():
+        return 0
+    if topology.world_size > 1:  # every rank's lines are interleaved in one log: they cannot be told apart
+        reason = (
+            f"no benchmark.json from {topology.world_size} processes; metric lines are read for one process "
+            "only: call the gpuscout_report helper (gs.step, rank 0 writes) or set job.distribution: single"
+        )
+        print(f"launcher: error: {reason}", file=sys.stderr, flush=True)
+        _write_failure(env, reason)
+        return 1
+    # no benchmark.json: the script printed metric lines (docs/byo.md); the helper builds it from them
+    log.seek(0)
+    with tempfile.NamedTemporaryFile("w", suffix=".log", encoding="utf-8", delete=False) as copy:
+        shutil.copyfileobj(log, copy)
+    try:
+        built = subprocess.run(
+            [sys.executable, str(REPORT_SCRIPT), "--from-log", copy.name], env=env, capture_output=True,
+            text=True, check=False,
+        )  # fmt: skip
+    finally:
+        os.unlink(copy.name)
     if built.returncode != 0:
         reason = built.stderr.strip().splitlines()[-1] if built.stderr.strip() else "no benchmark.json"
         print(reason, file=sys.stderr, flush=True)

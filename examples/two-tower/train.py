@@ -93,14 +93,9 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            # gpuscout: samples of all ranks; True when enough is measured (every rank gets the same answer: the
-            # stop rule's clock differs per rank, so rank 0 decides and tells the others)
-            stop = gs.step(samples=len(index) * world, loss=loss.item())
-            if world > 1:
-                flag = torch.tensor([int(stop)], device=device)
-                dist.broadcast(flag, src=0)
-                stop = bool(flag.item())
-            if stop:
+            # gpuscout: samples of all ranks; True when enough is measured (rank 0 decides for every rank)
+            if gs.step(samples=len(index) * world, loss=loss.item()):
+                stop = True
                 break
     gs.done()  # gpuscout (rank 0 writes benchmark.json)
     if world > 1:

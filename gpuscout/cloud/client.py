@@ -255,7 +255,7 @@ class CloudStack:
 
     def _job_code_upload(
         self, manifest: Manifest, path: Path, body: bytes, *, catalog: Catalog | None
-    ) -> tuple[Manifest, bytes, list[tuple[str, Path]]]:
+    ) -> tuple[Manifest, bytes, list[tuple[str, bytes]]]:
         """The manifest as it will be submitted (job.source_dir = the code's S3 folder, gpuscout.cloud.job_code),
         its bytes, and the (key, file) uploads of the code folder."""
         assert manifest.job is not None
@@ -267,9 +267,9 @@ class CloudStack:
             raise ManifestError(str(path), [folder_problem(folder, err)]) from err
         prefix = code_prefix(manifest.name, digest)
         uri = f"s3://{self.outputs.data_bucket}/{prefix}"
-        body = with_source_dir(body, json_format=path.suffix.lower() == ".json", source_dir=uri, origin=str(path))
+        body = with_source_dir(body, json_format=path.suffix.lower() == ".json", source_dir=uri, source=str(path))
         submitted = parse_manifest(body, str(path), catalog or load_catalog())  # what is uploaded is what was checked
-        return submitted, body, [(prefix + f.relative, f.path) for f in files]
+        return submitted, body, [(prefix + f.relative, f.data) for f in files]
 
     def submit(
         self,
@@ -293,7 +293,7 @@ class CloudStack:
         except OSError as err:
             raise ManifestError(str(path), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
         outputs = self.outputs
-        uploads: list[tuple[str, Path]] = []
+        uploads: list[tuple[str, bytes]] = []
         if manifest.job is not None and not manifest.job.in_s3:  # the user's code folder goes up first
             manifest, body, uploads = self._job_code_upload(manifest, path, body, catalog=catalog)
         problems = source_problems(manifest, data_bucket=outputs.data_bucket)  # what the stack's role can read
@@ -313,9 +313,9 @@ class CloudStack:
                 "manifest (e.g. training.seed) to run again"
             ) from err
 
-        for object_key, file in uploads:
-            with aws_errors(f"upload {file} to s3://{outputs.data_bucket}/{object_key}"):
-                self._s3.put_object(Bucket=outputs.data_bucket, Key=object_key, Body=file.read_bytes())
+        for object_key, data in uploads:
+            with aws_errors(f"upload s3://{outputs.data_bucket}/{object_key}"):
+                self._s3.put_object(Bucket=outputs.data_bucket, Key=object_key, Body=data)
         started_after = datetime.now().astimezone() - CLOCK_SKEW
         with aws_errors(f"upload {path} to s3://{outputs.data_bucket}/{key}"):
             response = self._s3.put_object(

@@ -20,6 +20,7 @@ import yaml
 
 from gpuscout.cloud.sources import CODE_PREFIX, RAW_PREFIX
 from gpuscout.errors import Problem
+from gpuscout.spec.manifest import parse_document
 
 # Never uploaded: caches, version control, virtual environments (they would make the digest change for nothing).
 IGNORED_DIRS = frozenset({"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
@@ -31,25 +32,29 @@ MAX_BYTES = 200 * 1024 * 1024  # a code folder, not a data set: data belongs und
 @dataclass(frozen=True)
 class CodeFile:
     relative: str  # POSIX path inside the folder
-    path: Path
-    size: int
+    data: bytes  # read once: the digest and the upload are of the same bytes
 
 
 def code_files(folder: Path) -> list[CodeFile]:
-    """Every file to upload, in a stable order; ValueError (with what to do) for a folder too large to be code."""
+    """Every file to upload, in a stable order; ValueError (with what to do) for a folder too large to be code, a
+    linked folder (not followed: copy it in) or a linked file that points outside the folder."""
     files: list[CodeFile] = []
     total = 0
+    root_dir = folder.resolve()
     for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d not in IGNORED_DIRS)
+        for name in dirs:
+            if (Path(root) / name).is_symlink() and name not in IGNORED_DIRS:
+                raise ValueError(f"{Path(root) / name} is a link to a folder; copy the folder into source_dir")
+        dirs[:] = sorted(d for d in dirs if d not in IGNORED_DIRS and not (Path(root) / d).is_symlink())
         for name in sorted(names):
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
             path = Path(root) / name
-            if not path.is_file():
+            if name.endswith(IGNORED_SUFFIXES) or not path.is_file():
                 continue
-            size = path.stat().st_size
-            files.append(CodeFile(path.relative_to(folder).as_posix(), path, size))
-            total += size
+            if path.is_symlink() and not path.resolve().is_relative_to(root_dir):
+                raise ValueError(f"{path} links to {path.resolve()}, outside source_dir; copy the file in")
+            data = path.read_bytes()
+            files.append(CodeFile(path.relative_to(folder).as_posix(), data))
+            total += len(data)
             if len(files) > MAX_FILES or total > MAX_BYTES:
                 raise ValueError(
                     f"{folder} has more than {MAX_FILES} files or {MAX_BYTES // 2**20} MiB; a code folder is uploaded "
@@ -61,7 +66,7 @@ def code_files(folder: Path) -> list[CodeFile]:
 def code_digest(files: list[CodeFile]) -> str:
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f.relative.encode() + b"\0" + hashlib.sha256(f.path.read_bytes()).digest())
+        digest.update(f.relative.encode() + b"\0" + hashlib.sha256(f.data).digest())
     return digest.hexdigest()
 
 
@@ -70,14 +75,16 @@ def code_prefix(manifest_name: str, digest: str) -> str:
     return f"{RAW_PREFIX}{CODE_PREFIX}{manifest_name}-{digest[:16]}/"
 
 
-def with_source_dir(body: bytes, *, json_format: bool, source_dir: str, origin: str) -> bytes:
-    """The manifest text with ``job.source_dir`` replaced (comments are not kept: a header says so)."""
-    data: dict[str, Any] = yaml.safe_load(body.decode("utf-8-sig"))
+def with_source_dir(body: bytes, *, json_format: bool, source_dir: str, source: str) -> bytes:
+    """The manifest with ``job.source_dir`` replaced, parsed by the manifest's own parser (so a value reads the
+    same as in the file) and written as JSON or YAML. The bytes depend only on the manifest and the code (the run
+    id is made from them): comments are not kept, and the header says so."""
+    data: dict[str, Any] = parse_document(body, source)
     data["job"]["source_dir"] = source_dir
     if json_format:
         return (json.dumps(data, indent=2) + "\n").encode()
     header = (
-        f"# Uploaded by `gpuscout submit` from {origin}: job.source_dir is the uploaded copy of the code folder.\n"
+        "# Uploaded by `gpuscout submit`: job.source_dir is the uploaded copy of the code folder.\n"
         "# (Written from the parsed manifest: the original's comments are not kept.)\n"
     )
     return (header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)).encode()

@@ -103,8 +103,35 @@ def job_source_problems(manifest: Manifest, *, data_bucket: str) -> list[Problem
     return problems
 
 
+# The training image's PyPI torch (training/requirements.txt, 2.13) is a CUDA 12.8/13 build: since PyTorch 2.11 those
+# carry no kernels below Turing (pytorch/pytorch#172352, RELEASE.md's CUDA support matrix), so a V100 job fails at its
+# first kernel launch ("no kernel image is available for execution on the device").
+IMAGE_MIN_COMPUTE_CAPABILITY = (7, 5)
+
+
+def _image_cannot_run(instance_type: str) -> str | None:
+    """Why the training image cannot run on ``instance_type``'s GPU, or None."""
+    from gpuscout.errors import CatalogError
+    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.spec.hardware import SKUS
+
+    try:
+        sku = SKUS.get(load_catalog().get(instance_type).gpu_sku or "")
+    except CatalogError:
+        return None
+    if sku is None or sku.compute_capability is None or sku.compute_capability >= IMAGE_MIN_COMPUTE_CAPABILITY:
+        return None
+    major, minor = sku.compute_capability
+    return (
+        f"{instance_type} has {sku.model} (compute capability {major}.{minor}); the training image's torch (a CUDA "
+        "12.8/13 build) has no kernels below Turing (7.5) since PyTorch 2.11, so every job would fail at its first "
+        "GPU kernel; choose a Turing-or-newer GPU (ml.g5.*, ml.p4d.*, ml.p5.*)"
+    )
+
+
 def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[str] = ()) -> list[Problem]:
-    """`local` targets, and types the stack does not allow (an empty allow-list allows every catalogued type)."""
+    """`local` targets, GPUs the image cannot run on, and types the stack does not allow (an empty allow-list allows
+    every catalogued type)."""
     problems: list[Problem] = []
     jobs = len(manifest.targets) * len(manifest.variants) * manifest.repetitions
     if jobs > MAX_JOBS_PER_RUN:
@@ -119,6 +146,8 @@ def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[st
     for i, target in enumerate(manifest.targets):
         if target.instance_type == "local":
             problems.append(Problem(f"targets[{i}].instance_type", "'local' runs only with `gpuscout local`"))
+        elif (why := _image_cannot_run(target.instance_type)) is not None:
+            problems.append(Problem(f"targets[{i}].instance_type", why))
         elif allowed_instance_types and target.instance_type not in allowed_instance_types:
             problems.append(
                 Problem(

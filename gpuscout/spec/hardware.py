@@ -20,6 +20,7 @@ class GpuSku:
     name_patterns: tuple[str, ...]  # regexes matched (case-insensitive) against torch/NVML device names
     source: str = ""
     memory_range_gb: tuple[float, float] = field(default=(0.0, 1e9))  # disambiguates 40 GB vs 80 GB parts
+    compute_capability: tuple[int, int] | None = None  # set where it decides what software runs (Volta: 7.0)
 
     def peak_for(self, precision: str) -> float | None:
         return self.peak_tflops.get(precision)
@@ -90,6 +91,7 @@ SKUS: dict[str, GpuSku] = {
             name_patterns=(r"V100",),
             memory_range_gb=(12, 20),
             source="NVIDIA V100 datasheet: SXM2 tensor 125 TFLOPS (FP16); no BF16 support (Volta)",
+            compute_capability=(7, 0),
         ),
     )
 }

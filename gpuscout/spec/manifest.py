@@ -727,6 +727,11 @@ def validate_manifest_data(data: Any, source: str, catalog: Catalog | None = Non
         raise ManifestError(source, _problems_from(err)) from err
 
 
+def parse_document(data: bytes | str, source: str) -> Any:
+    """A manifest file's data (YAML or JSON, the rules of parse_manifest), not yet validated."""
+    return _parse_document(_decode(data, source), source)
+
+
 def parse_manifest(data: bytes | str, source: str, catalog: Catalog | None = None) -> Manifest:
     """Parse manifest text (YAML or JSON) from ``source`` (a file name or S3 URI used in messages)."""
     text = _decode(data, source)

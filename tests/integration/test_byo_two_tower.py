@@ -132,7 +132,7 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
     # A cloud target cannot be calibrated here: without an estimate the plan is refused, saying what to do
     cloud = load_manifest(REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
     cloud = cloud.model_copy(update={"job": cloud.job.model_copy(update={"estimate": None})})
-    with pytest.raises(PlanError, match=r"targets\[0\] ml.p3.2xlarge: job.estimate is required for a cloud target"):
+    with pytest.raises(PlanError, match=r"targets\[0\] ml.g5.8xlarge: job.estimate is required for a cloud target"):
         plan(cloud, load_catalog(), run_id="r")
 
 

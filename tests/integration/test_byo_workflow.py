@@ -57,7 +57,7 @@ def _upload_code(cloud: Cloud) -> str:
     files = code_files(TWO_TOWER)
     prefix = code_prefix("two-tower-wf", code_digest(files))
     for f in files:
-        cloud.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + f.relative, Body=f.path.read_bytes())
+        cloud.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + f.relative, Body=f.data)
     return f"s3://{DATA_BUCKET}/{prefix}"
 
 

@@ -56,7 +56,7 @@ def _sagemaker_tree(tmp_path: Path, request: dict[str, object], *, code: Path, p
     config = tmp_path / "input" / "config"
     config.mkdir(parents=True)
     (config / "resourceconfig.json").write_text(
-        json.dumps({"current_host": "algo-1", "hosts": ["algo-1"], "current_instance_type": "ml.p3.8xlarge"})
+        json.dumps({"current_host": "algo-1", "hosts": ["algo-1"], "current_instance_type": "ml.g5.12xlarge"})
     )
     hyperparameters = dict(request["HyperParameters"])  # type: ignore[call-overload]
     if processes > 1:  # the toolkit's own hyperparameter: 2 gloo processes stand in for 2 GPUs
@@ -102,7 +102,7 @@ def test_the_two_tower_job_runs_through_the_launcher_on_two_ranks(tmp_path: Path
     # and rank 0 wrote one benchmark.json counting the samples of both ranks, warm-up excluded, at max_steps
     bench = json.loads((tmp_path / "output" / "data" / "benchmark.json").read_text())
     assert bench["status"] == "completed" and bench["unit"] == "samples"
-    assert bench["job_name"] == request["TrainingJobName"] and bench["instance_type"] == "ml.p3.8xlarge"
+    assert bench["job_name"] == request["TrainingJobName"] and bench["instance_type"] == "ml.g5.12xlarge"
     assert bench["job"]["entry_point"] == "train.py" and bench["job"]["hyperparameters"]["batch_size"] == "64"
     assert bench["stop"]["steps"] == 8 and bench["timing"]["timed_steps"] == 8 - bench["timing"]["warmup_steps"]
     assert bench["throughput"]["samples_timed"] == 64 * 2 * bench["timing"]["timed_steps"]
@@ -201,3 +201,16 @@ def test_stop_training_job_sigterm_reaches_the_users_script(tmp_path: Path) -> N
     proc.send_signal(signal.SIGTERM)  # what SageMaker sends the container's main process on StopTrainingJob
     out, _ = proc.communicate(timeout=30)
     assert "got SIGTERM" in out and proc.returncode == 143
+
+
+def test_metric_lines_from_several_processes_are_refused_not_miscounted(tmp_path: Path) -> None:
+    # Given a metric-lines script started on 2 processes (their lines interleave in one log)
+    code, request = _own_code(tmp_path, METRIC_LINES_SCRIPT)
+    request["Environment"]["GPUSCOUT_DISTRIBUTION"] = "per_gpu"  # type: ignore[index]
+    env = _sagemaker_tree(tmp_path / "ml", request, code=code, processes=2)
+    done = _launch(tmp_path, env)
+    # Then the job fails with the reason and the fix instead of a benchmark of a rank's rate with 2x the steps
+    assert done.returncode == 1, done.stderr[-2000:]
+    failure = (tmp_path / "ml" / "output" / "failure").read_text()
+    assert failure.startswith("no benchmark.json from 2 processes") and "job.distribution: single" in failure
+    assert not (tmp_path / "ml" / "output" / "data" / "benchmark.json").exists()

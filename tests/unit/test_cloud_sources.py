@@ -95,3 +95,16 @@ def test_a_spot_wait_longer_than_the_execution_timeout_is_refused() -> None:
     (problem,) = cloud_problems(manifest, data_bucket=BUCKET, execution_timeout_hours=72)
     assert problem.path == "targets[0].max_wait_hours" and "72 h" in problem.message
     assert cloud_problems(manifest, data_bucket=BUCKET, execution_timeout_hours=120) == []
+
+
+def test_a_gpu_the_training_images_torch_has_no_kernels_for_is_refused() -> None:
+    # Given a V100 target (compute capability 7.0): the image's torch 2.13 CUDA 12.8/13 build starts at Turing (7.5)
+    text = BASE.format(
+        MODEL="{preset: qwen2.5-0.5b}", TOKENIZER="{kind: qwen}", SOURCE="bundled:hebrew-bible", ISOLATION="false"
+    ).replace("ml.g5.8xlarge}]", "ml.g5.8xlarge}, {instance_type: ml.p3.8xlarge}]")
+    manifest = parse_manifest(text.replace("per_device_batch_size: 4", "per_device_batch_size: 1"), "m.yaml")
+    # Then the cloud refuses it, naming the GPU, why, and what to choose instead; the A10G target passes
+    [problem] = cloud_problems(manifest, data_bucket=BUCKET)
+    assert problem.path == "targets[1].instance_type"
+    assert "NVIDIA Tesla V100 SXM2 16GB (compute capability 7.0)" in problem.message
+    assert "no kernels below Turing (7.5)" in problem.message and "ml.g5.*" in problem.message
