@@ -88,8 +88,8 @@ def test_invalid_manifest_is_rejected_with_every_problem(cloud: Cloud) -> None:
 
 
 def test_instance_types_the_stack_does_not_allow_are_rejected(cloud: Cloud) -> None:
-    text = cloud_manifest().replace("ml.g5.8xlarge", "ml.p3.2xlarge")
-    with pytest.raises(ManifestRejected, match=r"targets\[0\]\.instance_type: ml\.p3\.2xlarge is not allowed"):
+    text = cloud_manifest().replace("ml.g5.8xlarge", "ml.p4de.24xlarge")
+    with pytest.raises(ManifestRejected, match=r"targets\[0\]\.instance_type: ml\.p4de\.24xlarge is not allowed"):
         validate_handler.handler(cloud.submit(text), cloud.context)
 
 

@@ -65,8 +65,10 @@ constraints:
 REAL_PLAN_MANIFEST = local.plan_manifest
 
 
-def _plan_with_a_broken_job(manifest_path: Path | str, catalog: Catalog | None = None) -> tuple[Any, Any]:
-    manifest, plan = REAL_PLAN_MANIFEST(manifest_path, catalog)
+def _plan_with_a_broken_job(
+    manifest_path: Path | str, catalog: Catalog | None = None, **kwargs: Any
+) -> tuple[Any, Any]:
+    manifest, plan = REAL_PLAN_MANIFEST(manifest_path, catalog, **kwargs)
     jobs = [
         job.model_copy(update={"hyperparameters": {**job.hyperparameters, "per_device_train_batch_size": "0"}})
         if job.variant_name == "broken"
