@@ -229,7 +229,9 @@ def script_arguments(hyperparameters: Mapping[str, object]) -> list[str]:
     return args
 
 
-def sagemaker_environment(topology: Topology, code: JobCode, env: Mapping[str, str]) -> dict[str, str]:
+def sagemaker_environment(
+    topology: Topology, code: JobCode, env: Mapping[str, str], hyperparameters: Mapping[str, object]
+) -> dict[str, str]:
     """The SageMaker training toolkit's variables a script may read (sagemaker-training-toolkit, environment.py),
     for what gpuscout's jobs have: hosts, GPUs, channels, output folders, hyperparameters; each only when unset."""
     ml = Path("/opt/ml")
@@ -244,7 +246,7 @@ def sagemaker_environment(topology: Topology, code: JobCode, env: Mapping[str, s
         "SM_OUTPUT_DATA_DIR": str(ml / "output" / "data"),
         "SM_MODEL_DIR": str(ml / "model"),
         "SM_CHANNEL_CODE": str(code.code_dir),
-        "SM_HPS": json.dumps(read_hyperparameters(config_dir, env)),
+        "SM_HPS": json.dumps(dict(hyperparameters)),
         "SM_USER_ENTRY_POINT": code.entry_point,
     }
     out = {key: env.get(key) or value for key, value in values.items()}
@@ -391,12 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = JobCode.from_environment(os.environ)
         if code is not None:
             topology = read_topology()
-            env = {**os.environ, **sagemaker_environment(topology, code, os.environ)}
+            config_dir = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
+            hyperparameters = read_hyperparameters(config_dir, os.environ)
+            env = {**os.environ, **sagemaker_environment(topology, code, os.environ, hyperparameters)}
             if topology.processes_per_host > 1 or len(topology.hosts) > 1:
                 for key, value in distributed_environment(topology).items():
                     env.setdefault(key, value)
-            config_dir = Path(env["SM_INPUT_CONFIG_DIR"])
-            return run_job_code(topology, code, [*script_arguments(read_hyperparameters(config_dir, env)), *args], env)
+            return run_job_code(topology, code, [*script_arguments(hyperparameters), *args], env)
     except TrainingError as err:
         print(f"launcher: error: {err}", file=sys.stderr, flush=True)
         _write_failure(os.environ, str(err))

@@ -17,6 +17,7 @@ from matplotlib.ticker import FuncFormatter
 
 from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.errors import GpuscoutError
+from gpuscout.plan.planner import rate_text
 
 MAX_BARS = 40
 MAX_CURVES = 10
@@ -321,9 +322,7 @@ def _prediction_text(job: JobAnalysis) -> str:
     unit = "samples" if job.unit == "samples" else "tokens"
     measured = job.samples_per_s if job.unit == "samples" else job.tokens_per_s
     ratio = f"; measured {measured / job.predicted_rate:.2g}x of it" if measured else ""
-    rate = job.predicted_rate
-    number = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
-    return f"{number} {unit}/s ({job.prediction_method}){ratio}"
+    return f"{rate_text(job.predicted_rate)} {unit}/s ({job.prediction_method}){ratio}"
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

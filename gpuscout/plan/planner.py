@@ -537,7 +537,7 @@ def _job_target_devices(
     return inst.gpu_count, per_host * target.instance_count, local_hardware
 
 
-def _rate(value: float) -> str:
+def rate_text(value: float) -> str:
     """20,000 / 412 / 3.75: whole numbers with separators from 100 up, three significant digits below."""
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
@@ -562,7 +562,7 @@ def _calibrated_prediction(
             "`gpuscout plan` calibrate a local target by running a few steps first"
         )
     method = (
-        f"calibrated: {_rate(measured.rate)} {unit}/s, {measured.step_seconds:.3g} s/step measured over "
+        f"calibrated: {rate_text(measured.rate)} {unit}/s, {measured.step_seconds:.3g} s/step measured over "
         f"{measured.timed_steps} timed steps of this variant on this machine"
     )
     return measured.rate, max_steps * measured.step_seconds, method
@@ -621,9 +621,9 @@ def plan_job_section(
                 units_per_step = manifest.units_per_step(variant) * devices  # per device (process) x devices
                 training_s = max_steps * units_per_step / rate
                 method = (
-                    f"user's estimate (job.estimate{typed}): {_rate(per_device)} {job.unit}/s per device x {devices} "
-                    f"device{'s' if devices != 1 else ''}; {units_per_step:g} {job.unit}/step; no FLOPs model for "
-                    "your own code"
+                    f"user's estimate (job.estimate{typed}): {rate_text(per_device)} {job.unit}/s per device x "
+                    f"{devices} device{'s' if devices != 1 else ''}; {units_per_step:g} {job.unit}/step; no FLOPs "
+                    "model for your own code"
                 )
             cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
             runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)

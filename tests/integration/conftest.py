@@ -159,6 +159,18 @@ def job_event(name: str, *, run_id: str, job_name: str, instance_type: str | Non
     return event
 
 
+@pytest.fixture
+def with_canary(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> Cloud:
+    """The stack's default: a canary instance type (CANARY_INSTANCE_TYPE) for the Lambdas."""
+    from gpuscout.cloud.control_plane import services
+    from gpuscout.cloud.settings import get_settings
+
+    monkeypatch.setenv("CANARY_INSTANCE_TYPE", "ml.g5.8xlarge")
+    get_settings.cache_clear()
+    services.cache_clear()
+    return cloud
+
+
 def benchmark_for(job_name: str, run_id: str, instance_type: str, fixture: str = "p4d-bs8-r0") -> dict[str, Any]:
     data: dict[str, Any] = json.loads((FIXTURES / "benchmarks" / f"{fixture}.json").read_text())
     data.update(job_name=job_name, run_id=run_id, instance_type=instance_type)

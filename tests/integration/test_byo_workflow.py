@@ -113,17 +113,6 @@ class LauncherJobs:
         return benchmark
 
 
-@pytest.fixture
-def with_canary(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> Cloud:
-    from gpuscout.cloud.control_plane import services
-    from gpuscout.cloud.settings import get_settings
-
-    monkeypatch.setenv("CANARY_INSTANCE_TYPE", "ml.g5.8xlarge")
-    get_settings.cache_clear()
-    services.cache_clear()
-    return cloud
-
-
 def test_the_users_code_runs_through_the_deployed_workflow(
     with_canary: Cloud,
     synthesized: Synthesized,  # noqa: F811

@@ -565,18 +565,6 @@ TWO_CONFIGURATIONS = ONE_JOB_MANIFEST.replace(
 )
 
 
-@pytest.fixture
-def with_canary(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> Cloud:
-    """The stack's default: a canary instance type (CANARY_INSTANCE_TYPE) for the Lambdas."""
-    from gpuscout.cloud.control_plane import services
-    from gpuscout.cloud.settings import get_settings
-
-    monkeypatch.setenv("CANARY_INSTANCE_TYPE", "ml.g5.8xlarge")
-    get_settings.cache_clear()
-    services.cache_clear()
-    return cloud
-
-
 def _training_jobs(cloud: Cloud) -> list[str]:
     summaries = cloud.sagemaker.list_training_jobs(MaxResults=100, SortBy="CreationTime", SortOrder="Ascending")
     return [s["TrainingJobName"] for s in summaries["TrainingJobSummaries"]]
