@@ -71,6 +71,7 @@ _FAILURE_WORDS = {
     JobStatus.QUOTA: "account quota exceeded (ResourceLimitExceeded)",
     JobStatus.FAILED: "failed",
     JobStatus.STOPPED: "stopped before it finished",
+    JobStatus.PRUNED: "pruned by the settings search",
 }
 
 
@@ -386,7 +387,7 @@ def _measure_group(
 
 def _worst_status(jobs: Sequence[JobRecord]) -> str:
     # the most telling status when every repetition failed: capacity/quota/OOM say more than a bare FAILED
-    order = [JobStatus.CAPACITY, JobStatus.QUOTA, JobStatus.OOM, JobStatus.FAILED, JobStatus.STOPPED]
+    order = [JobStatus.CAPACITY, JobStatus.QUOTA, JobStatus.OOM, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.PRUNED]
     statuses = {j.status for j in jobs}
     for status in order:
         if status in statuses:

@@ -34,8 +34,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gpuscout.errors import BudgetExceededError, PlanError
-from gpuscout.plan import memory
+from gpuscout.plan import memory, search
 from gpuscout.plan.memory import StepSettings
+from gpuscout.plan.search import SearchPlan
 from gpuscout.spec.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
 from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token
 from gpuscout.spec.jobspec import JOB_NAME_RE, JobCode, JobSpec, Prediction
@@ -74,10 +75,20 @@ class Plan(BaseModel):
     manifest_name: str
     budget_usd: float
     jobs: list[JobSpec]
+    search: SearchPlan | None = None  # a settings search: jobs are its candidates, launched as trials
 
     @property
     def predicted_cost_usd(self) -> float:
-        return sum(j.prediction.cost_usd for j in self.jobs)
+        """Every job's predicted cost; for a search, what its trials can cost at most: each target's
+        ``max_trials`` costliest candidates run in full, capped by the search's spend cap."""
+        if self.search is None:
+            return sum(j.prediction.cost_usd for j in self.jobs)
+        total = 0.0
+        for target in self.search.targets:
+            costs = sorted((j.prediction.cost_usd for j in self.jobs if j.target_index == target.target_index),
+                           reverse=True)  # fmt: skip
+            total += sum(costs[: target.max_trials])
+        return min(total, self.search.max_cost_usd)
 
     @property
     def predicted_seconds(self) -> float:
@@ -314,6 +325,36 @@ def _predict_tokens_per_s(
     return tokens_per_s, None, method
 
 
+def _search_candidates(
+    manifest: Manifest, ti: int, target: Target, *, arch: Architecture, seq: int, precision: str, world: int,
+    device: str, defaults: Any, capacity: float | None,
+) -> tuple[list[Variant], search.TargetSearch]:  # fmt: skip
+    """A search target's launchable candidates (memory model and divisibility, gpuscout.plan.search)."""
+    assert manifest.search is not None
+
+    def need_gb(variant: Variant, batch: int) -> float:
+        return memory_per_gpu_gb(
+            arch, seq=seq, batch=batch, precision=precision, stage=variant.deepspeed_stage, world=world,
+            variant=variant, device=device,
+        )  # fmt: skip
+
+    variants, skipped, searched = search.expand(
+        manifest, target,
+        default_batch=defaults.per_device_batch_size if defaults else 1,
+        default_accumulation=defaults.gradient_accumulation_steps if defaults else 1,
+        world=world, device=device, capacity_gb=capacity, usable_fraction=MEMORY_USABLE_FRACTION, need_gb=need_gb,
+    )  # fmt: skip
+    if not variants:
+        reasons = "; ".join(f"{c.name}: {c.reason}" for c in skipped[:3])
+        raise PlanError(
+            f"targets[{ti}] {target.instance_type}: no search candidate can run ({len(skipped)} skipped: {reasons})"
+        )
+    return variants, search.TargetSearch(
+        target_index=ti, instance_type=target.instance_type, dimensions=searched,
+        candidates=[v.name for v in variants], skipped=skipped, max_trials=manifest.search.max_trials,
+    )  # fmt: skip
+
+
 def plan(
     manifest: Manifest,
     catalog: Catalog,
@@ -332,6 +373,7 @@ def plan(
     seq = manifest.builtin()[2]
     training = manifest.training
     jobs: list[JobSpec] = []
+    target_searches: list[search.TargetSearch] = []
     for ti, target in enumerate(manifest.targets):
         inst: InstanceType = catalog.get(target.instance_type)
         hw = (local_hardware or detect_local_hardware()) if inst.is_local else None
@@ -361,7 +403,17 @@ def plan(
         spot_price = target.spot_price_per_hour_usd if target.spot else None
         billed_price = spot_price if spot_price is not None else price
         defaults = inst.defaults
-        for vi, variant in enumerate(manifest.variants):
+        host_gb = hw.memory_gib * 2**30 / 1e9 if hw is not None and hw.memory_gib else None
+        capacity = gpu_memory_gb if device == "cuda" else host_gb
+        variants = list(manifest.variants)
+        if manifest.search is not None:
+            found = _search_candidates(
+                manifest, ti, target, arch=arch, seq=seq, precision=precision, world=world, device=device,
+                defaults=defaults, capacity=capacity,
+            )  # fmt: skip
+            variants = found[0]
+            target_searches.append(found[1])
+        for vi, variant in enumerate(variants):
             batch = variant.per_device_batch_size or (defaults.per_device_batch_size if defaults else 1)
             accum = variant.gradient_accumulation_steps or (defaults.gradient_accumulation_steps if defaults else 1)
             if variant.deepspeed_stage and device == "cpu":
@@ -378,8 +430,6 @@ def plan(
                 variant=variant,
                 device=device,
             )
-            host_gb = hw.memory_gib * 2**30 / 1e9 if hw is not None and hw.memory_gib else None
-            capacity = gpu_memory_gb if device == "cuda" else host_gb
             if capacity is not None and need > MEMORY_USABLE_FRACTION * capacity:
                 fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
                                   device=device, limit_gb=MEMORY_USABLE_FRACTION * capacity)  # fmt: skip
@@ -438,7 +488,22 @@ def plan(
     # Interleaved repetitions: repetition 0 of every target x variant, then repetition 1, ... (a stable sort keeps
     # the manifest's order inside each round), so a slow period of a shared machine hits every variant, not one.
     jobs.sort(key=lambda job: job.repetition)
-    return Plan(run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs)
+    search_plan = None
+    if manifest.search is not None:
+        pruning = manifest.search.pruning
+        search_plan = search.SearchPlan(
+            targets=target_searches,
+            max_cost_usd=manifest.search.max_cost_usd or manifest.constraints.budget_usd,
+            pruning=pruning.enabled,
+            min_timed_steps=pruning.min_timed_steps,
+            reduction_factor=pruning.reduction_factor,
+            seed=manifest.search.seed if manifest.search.seed is not None else training.seed,
+            objective=manifest.objective,
+        )
+    return Plan(
+        run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs,
+        search=search_plan,
+    )  # fmt: skip
 
 
 def _flag(value: bool) -> str:

@@ -345,6 +345,112 @@ class Constraints(_Strict):
 Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
 
 
+SEARCH_DIMENSIONS = (
+    "per_device_batch_size",
+    "deepspeed_stage",
+    "gradient_checkpointing",
+    "torch_compile",
+    "attention",
+    "fused_cross_entropy",
+    "dataloader_workers",
+)
+
+
+class SearchSpace(_Strict):
+    """The values a settings search tries, per dimension; a dimension left out keeps the base variant's value.
+    Gradient accumulation is not a dimension: it follows from ``search.sequences_per_step`` / micro-batch."""
+
+    per_device_batch_size: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(default=None, min_length=1)
+    deepspeed_stage: list[Literal[0, 2, 3]] | None = Field(default=None, min_length=1)
+    gradient_checkpointing: list[bool] | None = Field(default=None, min_length=1)
+    torch_compile: list[bool] | None = Field(default=None, min_length=1)
+    attention: list[Literal["sdpa", "eager", "flex"]] | None = Field(default=None, min_length=1)
+    fused_cross_entropy: list[bool] | None = Field(default=None, min_length=1)
+    dataloader_workers: list[Annotated[int, Field(ge=0, le=64)]] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> SearchSpace:
+        problems = [
+            Problem(name, "values must be distinct")
+            for name in SEARCH_DIMENSIONS
+            if (values := getattr(self, name)) is not None and len(set(values)) != len(values)
+        ]
+        if problems:
+            raise ManifestProblemsError(problems)
+        return self
+
+    def merged(self, override: SearchSpace | None) -> SearchSpace:
+        """This space with ``override``'s dimensions in place of its own (an instance type's own ranges)."""
+        if override is None:
+            return self
+        return self.model_copy(update={k: getattr(override, k) for k in override.model_fields_set})
+
+
+class SearchPruning(_Strict):
+    """Successive halving on the steady-state statistics (docs/search.md)."""
+
+    enabled: bool = True
+    min_timed_steps: int = Field(default=4, ge=2, le=10_000)  # the first rung: timed steps before any pruning
+    reduction_factor: int = Field(default=2, ge=2, le=10)  # rung k at min_timed_steps x factor^k; 1/factor go on
+
+
+class SearchSection(_Strict):
+    """Find the best training settings per target instead of listing variants (docs/search.md)."""
+
+    space: SearchSpace = Field(default_factory=SearchSpace)
+    by_instance_type: dict[str, SearchSpace] = Field(default_factory=dict)  # an instance type's own ranges
+    # Sequences per GPU per optimizer step (micro-batch x accumulation), the same for every candidate, so every
+    # candidate trains the same way; None = the base variant's micro-batch x accumulation.
+    sequences_per_step: int | None = Field(default=None, ge=1, le=65536)
+    max_trials: int = Field(default=16, ge=1, le=500)  # jobs launched per target (candidates that do not fit: none)
+    max_cost_usd: float | None = Field(default=None, gt=0.0)  # the search's spend cap; None = constraints.budget_usd
+    pruning: SearchPruning = Field(default_factory=SearchPruning)
+    seed: int | None = Field(default=None, ge=0, le=2**32 - 1)  # the sampler's; None = training.seed
+
+
+MLFLOW_ARN_RE = r"^arn:aws[a-z-]*:sagemaker:[a-z0-9-]+:\d{12}:mlflow-tracking-server/[A-Za-z0-9-]{1,256}$"
+
+
+class MlflowTracking(_Strict):
+    # None: a SQLite file in the runs folder (local); in the cloud the ARN of a SageMaker managed MLflow tracking
+    # server (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME), or an http(s) URI.
+    tracking_uri: str | None = Field(default=None, min_length=1, max_length=2048)
+    experiment: str | None = Field(default=None, min_length=1, max_length=500)  # None = the manifest's name
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _uri(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("arn:") and not re.match(MLFLOW_ARN_RE, v):
+            raise ValueError(
+                "a SageMaker MLflow tracking server ARN is arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME"
+            )
+        if not re.match(r"^(arn:|https?://|sqlite:///|file:)", v) or _CONTROL_RE.search(v):
+            raise ValueError("an ARN, http(s)://..., sqlite:///PATH or file:PATH")
+        return v
+
+
+class WandbTracking(_Strict):
+    project: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    entity: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    # offline: runs are written to the runs folder (wandb sync uploads them later); online needs WANDB_API_KEY.
+    mode: Literal["offline", "online"] = "offline"
+
+
+class TrackingSection(_Strict):
+    """Send every job and the run's results to the user's experiment tracker (docs/search.md "Tracking")."""
+
+    mlflow: MlflowTracking | None = None
+    wandb: WandbTracking | None = None
+
+    @model_validator(mode="after")
+    def _one_at_least(self) -> TrackingSection:
+        if self.mlflow is None and self.wandb is None:
+            raise ValueError("name mlflow, wandb or both (leave tracking out for none)")
+        return self
+
+
 class Manifest(_Strict):
     name: Slug
     description: str | None = Field(default=None, max_length=2000)
@@ -355,16 +461,19 @@ class Manifest(_Strict):
     sequence_length: int | None = Field(default=None, ge=16, le=131072)  # required without job
     training: TrainingSpec
     targets: list[Target] = Field(min_length=1, max_length=32)
-    variants: list[Variant] = Field(min_length=1, max_length=64)
+    variants: list[Variant] = Field(default_factory=list, max_length=64)  # with search: at most one, the base
     repetitions: int = Field(default=1, ge=1, le=10)
     constraints: Constraints
     objective: Objective = "cheapest_per_token"
     network_isolation: bool = False
+    search: SearchSection | None = None  # find the best settings per target (docs/search.md)
+    tracking: TrackingSection | None = None  # MLflow / Weights & Biases (docs/search.md "Tracking")
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> Manifest:
         catalog = _catalog_from(info)
         problems: list[Problem] = self._job_problems() if self.job else self._builtin_problems()
+        problems += self._search_problems()
         names = [v.name for v in self.variants]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -420,6 +529,39 @@ class Manifest(_Strict):
         if problems:
             raise ManifestProblemsError(problems)
         return self
+
+    def _search_problems(self) -> list[Problem]:
+        search = self.search
+        if search is None:
+            return [] if self.variants else [Problem("variants", "at least one variant (or a search section)")]
+        problems = []
+        if self.job is not None:
+            problems.append(Problem("search", "searches the built-in job's settings; with a job section list variants"))
+        if len(self.variants) > 1:
+            problems.append(
+                Problem("variants", "with a search section give at most one variant: the base settings it varies")
+            )
+        if self.repetitions != 1:
+            problems.append(Problem("repetitions", "a search runs each candidate once (repetitions: 1)"))
+        targets = {t.instance_type for t in self.targets}
+        for key in search.by_instance_type:
+            if key not in targets:
+                problems.append(
+                    Problem(f"search.by_instance_type.{key}", f"not a target; allowed: {', '.join(sorted(targets))}")
+                )
+        if search.max_cost_usd is not None and search.max_cost_usd > self.constraints.budget_usd:
+            problems.append(
+                Problem(
+                    "search.max_cost_usd",
+                    f"{search.max_cost_usd:g} exceeds constraints.budget_usd ({self.constraints.budget_usd:g})",
+                )
+            )
+        return problems
+
+    @property
+    def base_variant(self) -> Variant:
+        """A search's base settings: the one variant given, or the defaults."""
+        return self.variants[0] if self.variants else Variant(name="base")
 
     def _builtin_problems(self) -> list[Problem]:
         """The built-in job needs a model, a dataset and a sequence length; per-variant arguments are for a job."""

@@ -50,10 +50,19 @@ class JobStatus(StrEnum):
     CAPACITY = "CAPACITY"  # no capacity for the instance type
     QUOTA = "QUOTA"  # account quota (ResourceLimitExceeded)
     OOM = "OOM"  # ran out of GPU memory
+    PRUNED = "PRUNED"  # a search trial stopped early: clearly worse than the best so far (docs/search.md)
 
 
 TERMINAL_JOB_STATUSES = frozenset(
-    {JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CAPACITY, JobStatus.QUOTA, JobStatus.OOM}
+    {
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+        JobStatus.CAPACITY,
+        JobStatus.QUOTA,
+        JobStatus.OOM,
+        JobStatus.PRUNED,
+    }
 )
 
 # Higher rank wins among events with the same timestamp; terminal states outrank every live state.
@@ -68,6 +77,7 @@ JOB_STATUS_RANK: dict[JobStatus, int] = {
     JobStatus.CAPACITY: 10,
     JobStatus.QUOTA: 10,
     JobStatus.OOM: 10,
+    JobStatus.PRUNED: 10,
 }
 
 

@@ -1,0 +1,132 @@
+"""A settings search's candidates (docs/search.md): the manifest's ``search.space`` (with an instance type's own
+ranges) expanded over the base variant, each candidate a named :class:`Variant`; candidates the memory model says
+will not fit, or whose micro-batch does not divide the fixed sequences per step, are skipped with why and never
+launched. Pure logic: the local driver (gpuscout.local.search) and the cloud tuning request
+(gpuscout.cloud.tuning_requests) both start from here."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from gpuscout.spec.manifest import SEARCH_DIMENSIONS, Manifest, SearchSpace, Target, Variant
+
+# How a searched value shows in a candidate's name (b4-a2-z2-ckpt-compile-eager-fce-w0).
+_FLAGS = {"gradient_checkpointing": "ckpt", "torch_compile": "compile", "fused_cross_entropy": "fce"}
+
+
+class SkippedCandidate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    settings: dict[str, Any]
+    reason: str
+
+
+class TargetSearch(BaseModel):
+    """One target's search: the candidates that may be launched (in the plan's job order) and those skipped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_index: int
+    instance_type: str
+    dimensions: dict[str, list[Any]]  # every searched dimension (more than one value) and its values
+    candidates: list[str]  # variant names of the launchable candidates
+    skipped: list[SkippedCandidate]
+    max_trials: int
+
+
+class SearchPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    targets: list[TargetSearch]
+    max_cost_usd: float  # the search's spend cap (search.max_cost_usd or the budget)
+    pruning: bool
+    min_timed_steps: int
+    reduction_factor: int
+    seed: int
+    objective: str
+
+
+def target_space(manifest: Manifest, target: Target) -> SearchSpace:
+    """The space searched on ``target``: ``search.space`` with the instance type's own ranges in place."""
+    assert manifest.search is not None
+    return manifest.search.space.merged(manifest.search.by_instance_type.get(target.instance_type))
+
+
+def dimensions(space: SearchSpace, base: Variant, *, default_batch: int) -> dict[str, list[Any]]:
+    """Every dimension's values: the space's, or the base variant's one value."""
+    out: dict[str, list[Any]] = {}
+    for name in SEARCH_DIMENSIONS:
+        values = getattr(space, name)
+        if values is None:
+            value = getattr(base, name)
+            values = [default_batch if name == "per_device_batch_size" and value is None else value]
+        out[name] = list(values)
+    return out
+
+
+def candidate_name(settings: dict[str, Any], accumulation: int) -> str:
+    """A short slug that tells candidates apart: micro-batch and accumulation always, the rest when not default."""
+    parts = [f"b{settings['per_device_batch_size']}", f"a{accumulation}"]
+    if settings["deepspeed_stage"]:
+        parts.append(f"z{settings['deepspeed_stage']}")
+    parts += [flag for key, flag in _FLAGS.items() if settings[key]]
+    if settings["attention"] != "sdpa":
+        parts.append(settings["attention"])
+    parts.append(f"w{settings['dataloader_workers']}")
+    return "-".join(parts)
+
+
+def expand(
+    manifest: Manifest,
+    target: Target,
+    *,
+    default_batch: int,
+    default_accumulation: int,
+    world: int,
+    device: str,
+    need_gb: Callable[[Variant, int], float],
+    capacity_gb: float | None,
+    usable_fraction: float,
+) -> tuple[list[Variant], list[SkippedCandidate], dict[str, list[Any]]]:
+    """Candidates for ``target`` in a stable order (the space's order), those skipped and why, and the searched
+    dimensions. ``need_gb(variant, micro_batch)`` is the memory model's peak per GPU (host on CPU)."""
+    assert manifest.search is not None
+    base = manifest.base_variant
+    dims = dimensions(target_space(manifest, target), base, default_batch=default_batch)
+    base_batch = base.per_device_batch_size or default_batch
+    per_step = manifest.search.sequences_per_step or base_batch * (
+        base.gradient_accumulation_steps or default_accumulation
+    )
+    keep, skipped = [], []
+    for values in itertools.product(*dims.values()):
+        settings = dict(zip(dims, values, strict=True))
+        micro = settings["per_device_batch_size"]
+        accumulation = per_step // micro if per_step % micro == 0 else 0
+        name = candidate_name(settings, max(accumulation, 1))
+        if not accumulation:
+            why = f"micro-batch {micro} does not divide search.sequences_per_step {per_step}"
+            skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
+            continue
+        if settings["deepspeed_stage"] and (device == "cpu" or world < 2):
+            where = "on CPU" if device == "cpu" else "with one GPU"
+            why = f"ZeRO stage {settings['deepspeed_stage']} shards across GPUs; not {where}"
+            skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
+            continue
+        variant = base.model_copy(update={**settings, "name": name, "gradient_accumulation_steps": accumulation})
+        if capacity_gb is not None:
+            need = need_gb(variant, micro)
+            if need > usable_fraction * capacity_gb:
+                why = (
+                    f"memory model: needs ~{need:.1f} GB per {'GPU' if device == 'cuda' else 'host'}, "
+                    f"{usable_fraction:.0%} of {capacity_gb:.0f} GB is usable"
+                )
+                skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
+                continue
+        keep.append(variant)
+    searched = {k: v for k, v in dims.items() if len(v) > 1}
+    return keep, skipped, searched
