@@ -19,13 +19,17 @@ from stacks.functions import FUNCTION_NAMES, Functions
 from stacks.monitoring import Monitoring
 from stacks.notifications import Notifications
 from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
-from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, Roles
+from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, TUNING_JOBS_ARN, Roles
 from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, RAW_PREFIX, REJECTED_PREFIX, REPORTS_PREFIX, Storage
 from stacks.training_image import TrainingImage
 from stacks.workflow import BenchmarkWorkflow
 
 # The functions that record a finished training job (same code path, same grants).
 JOB_RECORDERS = ("job_events", "record_job_result")
+# Where plan_jobs writes a settings search's candidates, per tuning job (gpuscout.cloud.tuning_requests), and the
+# functions that read them to give a tuning job's trials (or its failure) their rows.
+SEARCH_PREFIX = "search/"
+SEARCH_READERS = (*JOB_RECORDERS, "record_job_failure")
 # The functions the state machine invokes (everything but the EventBridge targets).
 WORKFLOW_FUNCTIONS = (
     "validate_manifest",
@@ -77,6 +81,7 @@ class GpuscoutStack(Stack):
             "EXECUTION_TIMEOUT_HOURS": str(config.execution_timeout_hours),
             "ALLOWED_INSTANCE_TYPES": config.allowed_instance_types_csv,
             "DEFAULT_BUDGET_USD": f"{config.default_budget_usd:g}",
+            "MAP_MAX_CONCURRENCY": str(config.map_max_concurrency),
             "NOTIFICATION_TOPIC_ARN": self.notifications.topic.topic_arn,
             "POWERTOOLS_SERVICE_NAME": SERVICE_NAME,
             "POWERTOOLS_METRICS_NAMESPACE": METRIC_NAMESPACE,
@@ -178,6 +183,21 @@ class GpuscoutStack(Stack):
         lambdas["plan_jobs"].add_to_policy(
             iam.PolicyStatement(sid="TellMissingFromForbidden", actions=["s3:ListBucket"], resources=[data.bucket_arn])
         )
+        lambdas["plan_jobs"].add_to_policy(
+            iam.PolicyStatement(
+                sid="WriteSearchTargets",
+                actions=["s3:PutObject"],
+                resources=[artifacts.arn_for_objects(f"{SEARCH_PREFIX}*")],
+            )
+        )
+        for name in SEARCH_READERS:
+            lambdas[name].add_to_policy(
+                iam.PolicyStatement(
+                    sid="ReadSearchTargets",
+                    actions=["s3:GetObject"],
+                    resources=[artifacts.arn_for_objects(f"{SEARCH_PREFIX}*")],
+                )
+            )
         # job_events (SageMaker's events) and record_job_result (inside the Map, describing the job) record finished
         # jobs with the same code: both read benchmark.json from job output, stop jobs when measured spend crosses
         # the budget and emit throughput metrics; record_job_result also describes the job it records.
@@ -192,6 +212,22 @@ class GpuscoutStack(Stack):
                     sid="BudgetGuard",
                     actions=["sagemaker:StopTrainingJob", "sagemaker:DescribeTrainingJob"],
                     resources=[TRAINING_JOBS_ARN],
+                )
+            )
+            # A search trial: was it stopped early by its tuning job? The budget guard stops the tuning job.
+            lambdas[name].add_to_policy(
+                iam.PolicyStatement(
+                    sid="SearchTrials",
+                    actions=[
+                        "sagemaker:DescribeHyperParameterTuningJob",
+                        "sagemaker:StopHyperParameterTuningJob",
+                        *(
+                            ["sagemaker:ListTrainingJobsForHyperParameterTuningJob"]
+                            if name == "record_job_result"
+                            else []
+                        ),
+                    ],
+                    resources=[TUNING_JOBS_ARN],
                 )
             )
             lambdas[name].add_to_policy(
@@ -227,6 +263,7 @@ class GpuscoutStack(Stack):
         account_arn = "arn:<AWS::Partition>:{service}:<AWS::Region>:<AWS::AccountId>"
         training_jobs = account_arn.format(service="sagemaker") + ":training-job/gs-*"
         processing_jobs = account_arn.format(service="sagemaker") + ":processing-job/gs-*"
+        tuning_jobs = account_arn.format(service="sagemaker") + ":hyper-parameter-tuning-job/gs-*"
         xray = "X-Ray trace and sampling APIs (Put*/GetSampling*) support no resource-level permissions (tracing is on)"
         job_names = "SageMaker job names are generated per run; gs-* limits the grant to gpuscout's own jobs"
 
@@ -260,6 +297,19 @@ class GpuscoutStack(Stack):
             f"AwsSolutions-IAM5[Resource::{artifacts_ref}/*]",
             "The artifacts bucket exists only for job output and checkpoints, both written by the jobs under "
             "per-run keys chosen at run time.",
+        )
+        acknowledge(
+            sagemaker_policy,
+            f"AwsSolutions-IAM5[Resource::{account_arn.format(service='sagemaker')}:mlflow-tracking-server/*]",
+            "A manifest names its SageMaker managed MLflow tracking server at run time (tracking.mlflow.tracking_uri); "
+            "the grant is limited to tracking servers of this account and region.",
+        )
+        acknowledge(
+            sagemaker_policy,
+            "AwsSolutions-IAM5[Action::sagemaker-mlflow:*]",
+            "The MLflow client calls many sagemaker-mlflow actions (runs, metrics, params, artifacts' presigned URLs); "
+            "AWS documents sagemaker-mlflow:* for a job that logs to a tracking server, limited here to the "
+            "account's tracking servers.",
         )
         for group in ("TrainingJobs", "ProcessingJobs"):
             acknowledge(
@@ -328,6 +378,25 @@ class GpuscoutStack(Stack):
                 f"AwsSolutions-IAM5[Resource::{training_jobs}]",
                 f"Describes the finished job and, as budget guard, stops running training jobs of a run. {job_names}.",
             )
+            acknowledge(
+                lambdas[name],
+                f"AwsSolutions-IAM5[Resource::{tuning_jobs}]",
+                "Describes a search trial's tuning job (was the trial stopped early by it?), lists its trials and, "
+                f"as budget guard, stops it. {job_names}.",
+            )
+        acknowledge(
+            lambdas["plan_jobs"],
+            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/search/*]",
+            "Writes search/<run_id>/<tuning job>.json, the candidates of a settings search's tuning job, for a run "
+            "and tuning job named at run time.",
+        )
+        for name in SEARCH_READERS:
+            acknowledge(
+                lambdas[name],
+                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/search/*]",
+                "Reads search/<run_id>/<tuning job>.json to give a tuning job's trials (or its failure) their rows; "
+                "run and tuning job are named at run time.",
+            )
         acknowledge(
             lambdas["analyze_run"],
             f"AwsSolutions-IAM5[Resource::{data_ref}/reports/*]",
@@ -357,6 +426,11 @@ class GpuscoutStack(Stack):
             state_machine_role,
             f"AwsSolutions-IAM5[Resource::{processing_jobs}]",
             f"Creates, describes and stops the data-preparation processing job (.sync). {job_names}.",
+        )
+        acknowledge(
+            state_machine_role,
+            f"AwsSolutions-IAM5[Resource::{tuning_jobs}]",
+            f"Creates, describes and stops a settings search's tuning jobs (.sync), one per target. {job_names}.",
         )
         for name in WORKFLOW_FUNCTIONS:
             function = self.functions.functions[name]

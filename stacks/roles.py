@@ -31,6 +31,7 @@ SAGEMAKER_METRIC_NAMESPACES = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/Pr
 SYNC_RULES = (
     "StepFunctionsGetEventsForSageMakerTrainingJobsRule",
     "StepFunctionsGetEventsForSageMakerProcessingJobsRule",
+    "StepFunctionsGetEventsForSageMakerTuningJobsRule",
 )
 
 
@@ -41,6 +42,8 @@ def sagemaker_arn(resource_type: str, name_pattern: str = f"{JOB_NAME_PREFIX}*")
 
 TRAINING_JOBS_ARN = sagemaker_arn("training-job")
 PROCESSING_JOBS_ARN = sagemaker_arn("processing-job")
+TUNING_JOBS_ARN = sagemaker_arn("hyper-parameter-tuning-job")  # a settings search: one per target
+MLFLOW_SERVER_RESOURCE = "mlflow-tracking-server/*"  # any tracking server of the account, in the region
 
 
 class Roles(Construct):
@@ -132,6 +135,14 @@ class Roles(Construct):
                 resources=["*"],
                 conditions={"StringEquals": {"cloudwatch:namespace": list(SAGEMAKER_METRIC_NAMESPACES)}},
             ),
+            # A manifest's tracking.mlflow.tracking_uri may name a SageMaker managed MLflow tracking server of this
+            # account and region (docs/search.md "Experiment tracking"); artifacts go through the server's
+            # presigned URLs (SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED), so no grant on its artifact bucket.
+            iam.PolicyStatement(
+                sid="ExperimentTracking",
+                actions=["sagemaker-mlflow:*"],
+                resources=[f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:{MLFLOW_SERVER_RESOURCE}"],
+            ),
         ]
         if use_vpc:
             statements.append(
@@ -197,6 +208,19 @@ class Roles(Construct):
                     "sagemaker:ListTags",
                 ],
                 resources=[PROCESSING_JOBS_ARN],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="RunTuningJobs",
+                actions=[
+                    "sagemaker:CreateHyperParameterTuningJob",
+                    "sagemaker:DescribeHyperParameterTuningJob",
+                    "sagemaker:StopHyperParameterTuningJob",
+                    "sagemaker:AddTags",
+                    "sagemaker:ListTags",
+                ],
+                resources=[TUNING_JOBS_ARN],
             )
         )
         role.add_to_policy(

@@ -1,8 +1,11 @@
-"""The benchmark state machine: Validate -> Plan -> [Prepare data] -> Map(canary) -> Map(train) -> Analyze.
+"""The benchmark state machine: Validate -> Plan -> [Prepare data] -> Map(canary) -> Map(train) -> Map(tune) ->
+Analyze.
 
-SageMaker jobs run through Step Functions' optimized `.sync` integrations, so no Lambda ever polls. The two
-SageMaker states are raw ASL (CustomState) that copy each top-level field of the request plan_jobs built
-(docs/internals.md, Cloud contract): the requests stay plain dicts owned by gpuscout.cloud.sagemaker_requests.
+SageMaker jobs run through Step Functions' optimized `.sync` integrations, so no Lambda ever polls. The SageMaker
+states are raw ASL (CustomState) that copy each top-level field of the request plan_jobs built (docs/internals.md,
+Cloud contract): the requests stay plain dicts owned by gpuscout.cloud.sagemaker_requests and tuning_requests. A
+settings search has no training jobs of its own: its "Run searches" Map runs one hyperparameter tuning job per
+target, whose trials reach the table through job_events and, once the tuning job ended, "Record trials".
 The run's SNS notification is sent by analyze_run itself (NOTIFICATION_TOPIC_ARN), with the run summary.
 """
 
@@ -48,9 +51,24 @@ PROCESSING_REQUEST_FIELDS = (
     "Environment",
     "Tags",
 )
+TUNING_REQUEST_FIELDS = ("HyperParameterTuningJobName", "HyperParameterTuningJobConfig", "Tags")
+TUNING_DEFINITION_FIELDS = (
+    "StaticHyperParameters",
+    "AlgorithmSpecification",
+    "RoleArn",
+    "InputDataConfig",
+    "OutputDataConfig",
+    "ResourceConfig",
+    "StoppingCondition",
+    "CheckpointConfig",
+    "EnableManagedSpotTraining",
+    "EnableNetworkIsolation",
+    "Environment",
+)
 # The partition follows the stack (aws, aws-cn, aws-us-gov): CDK renders the pseudo-parameter into the definition.
 TRAINING_RESOURCE = f"arn:{Aws.PARTITION}:states:::sagemaker:createTrainingJob.sync"
 PROCESSING_RESOURCE = f"arn:{Aws.PARTITION}:states:::sagemaker:createProcessingJob.sync"
+TUNING_RESOURCE = f"arn:{Aws.PARTITION}:states:::sagemaker:createHyperParameterTuningJob.sync"
 # Error names Step Functions gives SageMaker API errors: throttling (and other unmodelled service errors, which
 # include ValidationException: Retry cannot tell them apart by name, so a bad request costs at most these few short
 # retries before the Catch records it) arrive as SageMaker.AmazonSageMakerException; an account quota hit (e.g.
@@ -138,6 +156,24 @@ def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> 
         # job itself, so the state stays small whatever SageMaker returns.
         "ResultSelector": {"TrainingJobArn.$": "$.TrainingJobArn"},
         "ResultPath": "$.job",
+    }
+
+
+def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
+    """One search target's tuning job; waits for it to end (.sync). The training job definition is copied field by
+    field (like a training job's request) so the stack's VPC can be added to it."""
+    definition: dict[str, Any] = _copy_fields(TUNING_DEFINITION_FIELDS, "$.request.TrainingJobDefinition")
+    if vpc is not None:
+        definition["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
+    return {
+        "Type": "Task",
+        "Comment": "One search target: a hyperparameter tuning job over its candidates; waits for it to end (.sync)",
+        "Resource": TUNING_RESOURCE,
+        "Parameters": {**_copy_fields(TUNING_REQUEST_FIELDS, "$.request"), "TrainingJobDefinition": definition},
+        "Retry": sagemaker_retry(quota_wait_hours),
+        # The DescribeHyperParameterTuningJob result is large; "Record trials" lists the trials itself.
+        "ResultSelector": {"HyperParameterTuningJobArn.$": "$.HyperParameterTuningJobArn"},
+        "ResultPath": "$.tuning",
     }
 
 
@@ -359,6 +395,11 @@ class BenchmarkWorkflow(Construct):
         jobs = self._request_map("Run jobs", items_path="$.jobs", max_concurrency=map_max_concurrency)
         jobs.item_processor(check_run.next(launch_or_skip))
         jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
+        searches = self._search_map(
+            functions=functions, table=table, vpc=vpc, map_max_concurrency=map_max_concurrency,
+            quota_wait_hours=quota_wait_hours,
+        )  # fmt: skip
+        searches.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
         analyze = self._lambda_step(
             "Analyze run",
@@ -386,7 +427,7 @@ class BenchmarkWorkflow(Construct):
             .otherwise(prepare.next(canaries))
         )
         definition = validate.next(plan).next(prepare_needed)
-        jobs.next(analyze).next(sfn.Succeed(self, "Done"))
+        jobs.next(searches).next(analyze).next(sfn.Succeed(self, "Done"))
 
         self.log_group = logs.LogGroup(self, "Logs", retention=log_retention, removal_policy=removal_policy)
         self.state_machine = sfn.StateMachine(
@@ -402,6 +443,101 @@ class BenchmarkWorkflow(Construct):
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
             comment="gpuscout benchmark: validate, plan, prepare data, train on every target, analyze",
         )
+
+    def _search_map(
+        self,
+        *,
+        functions: Mapping[str, lambda_.IFunction],
+        table: dynamodb.ITable,
+        vpc: VpcSettings | None,
+        map_max_concurrency: int,
+        quota_wait_hours: int,
+    ) -> sfn.Map:
+        """A Map over plan_jobs' tunings (empty unless the manifest has a search section): per target, read the run
+        status (a stopped run launches nothing more), run the tuning job, then record every trial it ran. A failed
+        tuning job is recorded (its own row, why) and its trials are recorded all the same."""
+        check_run = tasks.DynamoGetItem(
+            self,
+            "Read run status (search)",
+            table=table,
+            key={
+                "pk": tasks.DynamoAttributeValue.from_string(
+                    sfn.JsonPath.format("RUN#{}", sfn.JsonPath.string_at("$.run_id"))
+                ),
+                "sk": tasks.DynamoAttributeValue.from_string("RUN"),
+            },
+            expression_attribute_names={"#status": "status"},
+            projection_expression=[tasks.DynamoProjectionExpression().with_attribute("#status")],
+            consistent_read=True,
+            result_selector={"status": sfn.JsonPath.string_at("$.Item.status.S")},
+            result_path="$.run",
+            comment="A run stopped by the budget guard starts no further tuning job",
+        )
+        check_run.add_retry(**DYNAMODB_RETRY)
+        tune = sfn.CustomState(self, "Tune", state_json=tuning_state_json(vpc, quota_wait_hours))
+        record_trials = self._lambda_step(
+            "Record trials",
+            function=functions["record_job_result"],
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "tuning_job_name": sfn.JsonPath.string_at("$.job_name"),
+                }
+            ),
+            result_path=sfn.JsonPath.DISCARD,
+            output_path="$.job_name",
+            comment="Final status, timings and benchmark of every trial, before Analyze reads them",
+        )
+        record_trials.add_catch(
+            sfn.Pass(
+                self,
+                "Trials left to job_events",
+                comment="Recording failed; job_events records each trial from SageMaker's own events",
+                output_path="$.job_name",
+            ),
+            errors=["States.ALL"],
+            result_path="$.record_error",
+        )
+        record_failure = self._lambda_step(
+            "Record search failure",
+            function=functions["record_job_failure"],
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "job_name": sfn.JsonPath.string_at("$.job_name"),
+                    "error": sfn.JsonPath.object_at("$.error"),
+                }
+            ),
+            result_path=sfn.JsonPath.DISCARD,
+            comment="Capacity, quota or tuning job failure: recorded, the benchmark goes on",
+        )
+        tune.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+        record_failure.next(record_trials)
+        tune.next(record_trials)
+        skipped = sfn.Pass(
+            self,
+            "Skip search (run stopped)",
+            comment="The run was stopped (budget) before this tuning job started: nothing is launched",
+            output_path="$.job_name",
+        )
+        launch_or_skip = (
+            sfn.Choice(self, "Run still going? (search)")
+            .when(
+                sfn.Condition.or_(
+                    *(sfn.Condition.string_equals("$.run.status", s) for s in RUN_STATUSES_THAT_STOP_LAUNCHES)
+                ),
+                skipped,
+            )
+            .otherwise(tune)
+        )
+        searches = self._request_map(
+            "Run searches",
+            items_path="$.tunings",
+            max_concurrency=map_max_concurrency,
+            comment="A settings search: one SageMaker tuning job per target; trials run inside it",
+        )
+        searches.item_processor(check_run.next(launch_or_skip))
+        return searches
 
     def _request_map(
         self, construct_id: str, *, items_path: str, max_concurrency: int, comment: str | None = None

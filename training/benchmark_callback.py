@@ -127,6 +127,7 @@ class GpuSampler:
         self._thread: threading.Thread | None = None
         self._nvml: Any = None
         self._handles: list[Any] = []
+        self._reported = 0  # utilization samples already returned by recent_utilization
         try:
             import pynvml
 
@@ -159,6 +160,13 @@ class GpuSampler:
         if self.available and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
             self._thread.start()
+
+    def recent_utilization(self) -> float | None:
+        """Mean utilization (%) of the samples taken since the previous call (one optimizer step's, for experiment
+        tracking); None when there is none (no NVML, or a step shorter than the sampling interval)."""
+        samples = self._util[self._reported :]
+        self._reported += len(samples)
+        return statistics.fmean(samples) if samples else None
 
     def stop(self) -> tuple[float | None, float | None]:
         """Stops sampling; returns (mean utilization %, mean power W per GPU)."""

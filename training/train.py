@@ -4,7 +4,8 @@ Hyperparameters come from SageMaker (/opt/ml/input/config/hyperparameters.json o
 the command line (``--name value``); names are those of docs/internals.md and an unknown name is an error.
 Reads the prepared dataset from SM_CHANNEL_TRAIN, writes SM_OUTPUT_DATA_DIR/benchmark.json (status completed or
 failed), checkpoints to /opt/ml/checkpoints (GPUSCOUT_CHECKPOINT_DIR) and resumes from the newest one there that
-verifies against its marker's file manifest and loads (checkpoints.py).
+verifies against its marker's file manifest and loads (checkpoints.py). With GPUSCOUT_TRACKING set, rank 0 also
+logs the job to MLflow and/or Weights & Biases (experiment_tracking.py).
 Run it with ``python train.py`` on one device or under torchrun (launcher.py) on several.
 """
 
@@ -32,6 +33,7 @@ import torch
 from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
 from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
+from experiment_tracking import JobTracker
 from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs, unpack_blocks
 
 import gpuscout
@@ -51,8 +53,9 @@ from gpuscout.spec.benchmark import (
     Timing,
     TrainConfig,
 )
+from gpuscout.spec.candidates import parse_candidate_name
 from gpuscout.spec.hardware import detect_sku
-from gpuscout.spec.metric_lines import format_metric_line
+from gpuscout.spec.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
 from gpuscout.spec.models import PRESETS, Architecture
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
@@ -95,6 +98,12 @@ class Hyperparameters:
     validation_batches: int = 8
     # > 0: keep only this many decoder layers (the canary: the same code path, small enough for a cheap instance)
     canary_layers: int = 0
+    # A SageMaker tuning trial of a settings search: the candidate's name stands for its settings (they replace the
+    # static ones), and the step lines carry the running $/1M tokens at price_per_hour_usd (the whole job's) once
+    # objective_min_timed_steps steps are timed: the objective the tuning job minimizes and stops trials early on.
+    search_candidate: str = ""
+    price_per_hour_usd: float = 0.0
+    objective_min_timed_steps: int = 1
 
     def validate(self) -> None:
         problems = []
@@ -122,6 +131,8 @@ class Hyperparameters:
             problems.append("checkpoint_keep must be at least 1")
         if self.max_steps < 2:
             problems.append("max_steps must be at least 2 (one warmup step and one timed step)")
+        if self.price_per_hour_usd < 0 or self.objective_min_timed_steps < 1:
+            problems.append("price_per_hour_usd must not be negative and objective_min_timed_steps must be at least 1")
         if problems:
             raise TrainingError("invalid hyperparameters: " + "; ".join(problems))
 
@@ -173,13 +184,42 @@ def parse_hyperparameters(
             value = args.pop(0)
         raw[name.replace("-", "_")] = value
     fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
-    unknown = sorted(k for k in raw if k not in fields and not k.startswith("sagemaker_"))
+    # SageMaker adds its own: sagemaker_* (the SDK) and _tuning_objective_metric (a tuning job's trials)
+    unknown = sorted(k for k in raw if k not in fields and not k.startswith(("sagemaker_", "_")))
     if unknown:
         raise TrainingError(f"unknown hyperparameter(s): {', '.join(unknown)}; known: {', '.join(fields)}")
+    if "search_candidate" in raw:
+        raw.update(_candidate_hyperparameters(_convert("search_candidate", "str", raw["search_candidate"]), env))
     values = {k: _convert(k, str(fields[k].type), v) for k, v in raw.items() if k in fields}
     hp = Hyperparameters(**values)
     hp.validate()
     return hp
+
+
+# A candidate's settings (gpuscout.spec.candidates) -> train.py's hyperparameter names.
+CANDIDATE_HYPERPARAMETERS = {
+    "per_device_batch_size": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "deepspeed_stage": "deepspeed_stage",
+    "gradient_checkpointing": "gradient_checkpointing",
+    "torch_compile": "torch_compile",
+    "attention": "attention_implementation",
+    "fused_cross_entropy": "fused_cross_entropy",
+    "dataloader_workers": "dataloader_num_workers",
+}
+
+
+def _candidate_hyperparameters(name: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """A tuning trial's settings from its candidate name, and its own job name: SageMaker names a tuning job's
+    trials and tells the container (TRAINING_JOB_NAME); the static job_name is the tuning job's."""
+    try:
+        settings = parse_candidate_name(name)
+    except ValueError as err:
+        raise TrainingError(f"hyperparameter search_candidate: {err}") from err
+    out: dict[str, Any] = {CANDIDATE_HYPERPARAMETERS[key]: value for key, value in settings.items()}
+    if env.get("TRAINING_JOB_NAME"):
+        out["job_name"] = env["TRAINING_JOB_NAME"]
+    return out
 
 
 # ---------------------------------------------------------------- environment
@@ -607,9 +647,10 @@ class StepWork:
 
 
 class Benchmark:
-    def __init__(self, hp: Hyperparameters, dist: Dist) -> None:
+    def __init__(self, hp: Hyperparameters, dist: Dist, tracker: JobTracker | None = None) -> None:
         self.hp = hp
         self.dist = dist
+        self.tracker = tracker or JobTracker(None)  # experiment tracking (experiment_tracking.py); rank 0 only
         self.started = time.perf_counter()
         self.data_dir = Path(os.environ.get("SM_CHANNEL_TRAIN", "/opt/ml/input/data/train"))
         self.output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data"))
@@ -714,6 +755,8 @@ class Benchmark:
         data = self._load_data()
         parts = self._set_up()
         ckpt_root = checkpoint_root()
+        if self.hp.search_candidate:  # a tuning job's trials share its checkpoint location: one folder each
+            ckpt_root = ckpt_root / self.hp.job_name
         self._resume(ckpt_root, parts)
         stats = StepStats(warmup_steps=parts.warmup, records=list(self.progress.records))
         first_step = self.progress.step + 1
@@ -961,7 +1004,12 @@ class Benchmark:
                 "grad_norm": work.grad_norm,  # None under DeepSpeed (it clips internally)
                 "gpu_mem_gb": mem,
             }
+            timed_records = [r for r in stats.timed if r.seconds > 0]
+            if hp.price_per_hour_usd and timed and len(timed_records) >= hp.objective_min_timed_steps:
+                rate = sum(r.tokens for r in timed_records) / sum(r.seconds for r in timed_records)
+                metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, rate)
             print(format_metric_line(metrics), flush=True)
+            self.tracker.log_step(step, {**metrics, "gpu_util_pct": self.sampler.recent_utilization()})
 
     def _steady_state(self, stats: StepStats) -> str | None:
         """Why to stop now under stop_rule=steady_state (every rank follows rank 0's decision), else None."""
@@ -1098,6 +1146,7 @@ class Benchmark:
             p.validation_loss.append(LossPoint(step=p.step, tokens=p.tokens, elapsed_s=p.train_time_s, loss=value))
             if dist.is_main:
                 print(format_metric_line({"step": p.step, "val_loss": value}), flush=True)
+                self.tracker.log_step(p.step, {"val_loss": value})
 
     def _checkpointer(self, root: Path) -> Checkpointer:
         return Checkpointer(root, self.dist, self.hp.checkpoint_keep, self.log)
@@ -1158,7 +1207,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train: error: {err}", file=sys.stderr, flush=True)
         return 2
     dist = init_distributed()
-    bench = Benchmark(hp, dist)
+    tracker = JobTracker.from_environment(is_main=dist.is_main)
+    # the job's parameters for its experiment trackers; started before the benchmark's clock (not its start-up time)
+    params = {**dataclasses.asdict(hp), "device": dist.device.type, "world_size": dist.world_size}
+    tracker.start(params, variant=hp.search_candidate or None)  # a tuning trial is its candidate
+    bench = Benchmark(hp, dist, tracker)
     try:
         result = bench.run()
     except Exception as err:  # every failure becomes a status=failed benchmark.json the analysis can classify
@@ -1166,17 +1219,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(err, torch.OutOfMemoryError):
             reason = f"CUDA out of memory: {err}"
         print(f"train: error: {reason}", file=sys.stderr, flush=True)
+        failed = bench.failed(reason)
         try:
-            bench.write(bench.failed(reason))
+            bench.write(failed)
             if dist.is_main:
                 failure = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")).parent / "failure"
                 failure.write_text(reason[:1000])
         except OSError:
             pass
+        bench.tracker.finish(failed, bench.output_dir / "benchmark.json")
         if not isinstance(err, TrainingError):
             raise
         return 1
     bench.write(result)
+    bench.tracker.finish(result, bench.output_dir / "benchmark.json")
     if dist.world_size > 1:
         # every rank leaves together: a rank that tears gloo down while another still uses it can abort
         # ("terminate called without an active exception"), seen once in 16 two-host runs here

@@ -34,7 +34,11 @@ from gpuscout.analysis.results import (
     JobAnalysis,
     Objective,
     RunAnalysis,
+    SearchOutcome,
+    SearchTargetOutcome,
+    SearchTrial,
 )
+from gpuscout.plan.search import SearchPlan
 from gpuscout.spec.catalog import LOCAL
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
@@ -591,7 +595,42 @@ def analyze_run(
         price_snapshot=prices.snapshot(),
         total_billed_usd=math.fsum(a.billed_usd or 0.0 for a in ranked),
         assumptions=_assumptions(prices, objective, constraints),
+        search=search_outcome(run.search, jobs, ranked) if run.search else None,
     )
+
+
+def search_outcome(
+    search: Mapping[str, Any], jobs: Sequence[JobRecord], ranked: Sequence[JobAnalysis]
+) -> SearchOutcome:
+    """The search's story per target from its plan (``RunRecord.search``) and its trials' rows."""
+    plan = SearchPlan.model_validate(search)
+    targets = []
+    for t in plan.targets:
+        rows = sorted(
+            (j for j in jobs if j.spec.get("target_index") == t.target_index),
+            key=lambda j: (j.updated_at, j.job_name),
+        )
+        ran = {j.variant_name for j in rows}
+        best = next(
+            (a.variant_name for a in ranked if a.rank is not None and a.job_name in {j.job_name for j in rows}), None
+        )
+        targets.append(
+            SearchTargetOutcome(
+                instance_type=t.instance_type,
+                dimensions=t.dimensions,
+                candidates=len(t.candidates),
+                skipped=[SearchTrial(variant=c.name, status="SKIPPED", reason=c.reason) for c in t.skipped],
+                trials=[
+                    SearchTrial(variant=j.variant_name, status=j.status.value, reason=j.failure_reason) for j in rows
+                ],
+                not_launched=[name for name in t.candidates if name not in ran],
+                best=best,
+            )
+        )
+    return SearchOutcome(
+        pruning=plan.pruning, min_timed_steps=plan.min_timed_steps, reduction_factor=plan.reduction_factor,
+        max_cost_usd=plan.max_cost_usd, targets=targets,
+    )  # fmt: skip
 
 
 def reprice(analysis: RunAnalysis | Mapping[str, Any], prices: PriceBook) -> RunAnalysis:

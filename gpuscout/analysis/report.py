@@ -389,6 +389,36 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
     }
 
 
+SEARCH_HEADER = ["candidate", "outcome", "why"]
+
+
+def _search_blocks(analysis: RunAnalysis) -> list[tuple[str, list[list[str]]]]:
+    """Per searched target: one line of what the search did, and a row per candidate (launched first)."""
+    search = analysis.search
+    if search is None:
+        return []
+    rule = (
+        f"pruning: successive halving from {search.min_timed_steps} timed steps, keeping 1/{search.reduction_factor} "
+        "per rung, a trial stopped only when its 95 % interval is clearly worse than the best finished trial's"
+        if search.pruning
+        else "pruning off: every launched trial ran to its stop rule"
+    )
+    blocks = []
+    for t in search.targets:
+        dims = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in t.dimensions.items()) or "no searched dimension"
+        pruned = sum(1 for trial in t.trials if trial.status == "PRUNED")
+        text = (
+            f"{t.instance_type}: {dims}. {t.candidates} candidate(s) could run, {len(t.skipped)} skipped before "
+            f"launch, {len(t.trials)} launched, {pruned} pruned; best: {t.best or 'none finished'}. {rule}; "
+            f"spend cap ${search.max_cost_usd:g}."
+        )
+        rows = [[trial.variant, trial.status, trial.reason or ""] for trial in t.trials]
+        rows += [[name, "NOT LAUNCHED", "trial budget or spend cap reached"] for name in t.not_launched]
+        rows += [[c.variant, c.status, c.reason or ""] for c in t.skipped]
+        blocks.append((text, rows))
+    return blocks
+
+
 def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, note: str | None = None) -> str:
     header, rows = _table_rows(analysis)
     s = _sections(analysis)
@@ -410,6 +440,10 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
     ]
     if s["excluded_rows"]:
         parts += ["## Excluded", "", _md_table(s["excluded_header"], s["excluded_rows"]), ""]
+    if analysis.search is not None:
+        parts += ["## Settings search", ""]
+        for text, search_rows in _search_blocks(analysis):
+            parts += [text, "", _md_table(SEARCH_HEADER, search_rows), ""]
     if charts:
         parts += ["## Charts", ""]
         parts += [f"![{title}]({path.name})\n" for title, path in charts]
@@ -469,6 +503,10 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
     out.append("<h2>Ranked results</h2>" + _html_table(header, rows, frozenset({0, 2, 3, 4, 5, 6, 7, 8})))
     if s["excluded_rows"]:
         out.append("<h2>Excluded</h2>" + _html_table(s["excluded_header"], s["excluded_rows"]))
+    if analysis.search is not None:
+        out.append("<h2>Settings search</h2>")
+        for text, search_rows in _search_blocks(analysis):
+            out.append(f"<p>{esc(text)}</p>" + _html_table(SEARCH_HEADER, search_rows))
     if charts:
         out.append("<h2>Charts</h2>")
         for title, path in charts:

@@ -6,7 +6,7 @@ recommendation and the whole run's answer (``RunAnalysis``). Plain pydantic mode
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -191,6 +191,38 @@ class Constraints(BaseModel):
     target_loss: float | None = None
 
 
+class SearchTrial(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    variant: str
+    status: str  # a JobStatus value
+    reason: str | None = None
+
+
+class SearchTargetOutcome(BaseModel):
+    """One target's settings search: what it could try, skipped before launch, launched, pruned (and why)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str
+    dimensions: dict[str, list[Any]]
+    candidates: int  # launchable (fit, and divide the sequences per step)
+    skipped: list[SearchTrial]  # never launched: the memory model or the fixed sequences per step ruled them out
+    trials: list[SearchTrial]  # launched, in the order they finished
+    not_launched: list[str]  # launchable but not run (trial budget or spend cap)
+    best: str | None  # the target's best completed trial by the analysis' ranking
+
+
+class SearchOutcome(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pruning: bool
+    min_timed_steps: int
+    reduction_factor: int
+    max_cost_usd: float
+    targets: list[SearchTargetOutcome]
+
+
 class RunAnalysis(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -206,4 +238,5 @@ class RunAnalysis(BaseModel):
     price_snapshot: PriceSnapshot
     total_billed_usd: float
     assumptions: list[str]
+    search: SearchOutcome | None = None  # a settings search's candidates, trials and prunes (docs/search.md)
     generated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

@@ -156,6 +156,13 @@ def validate(file: ManifestArg) -> None:
     targets = len(manifest.targets)
     variants = len(manifest.variants)
     repetitions = manifest.repetitions
+    if manifest.search is not None:
+        console.print(
+            f"[green]ok[/] {escape(str(file))}: a settings search on {targets} target(s), up to "
+            f"{manifest.search.max_trials} trial(s) each (`gpuscout plan` lists the candidates)",
+            soft_wrap=True,
+        )
+        return
     console.print(
         f"[green]ok[/] {escape(str(file))}: {targets} target(s) x {variants} variant(s) x {repetitions} "
         f"repetition(s) = {targets * variants * repetitions} job(s)",
@@ -168,11 +175,15 @@ def plan(file: ManifestArg) -> None:
     """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget."""
     from gpuscout.cli.local_view import plan_table
     from gpuscout.local.runner import plan_manifest
+    from gpuscout.plan.search import describe_plan
     from gpuscout.spec.catalog import load_catalog
 
     catalog = load_catalog()
     manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
     console.print(plan_table(the_plan))
+    if the_plan.search is not None:
+        for line in describe_plan(the_plan.search):
+            console.print(line, markup=False, soft_wrap=True)
     budget = manifest.constraints.budget_usd if manifest.constraints else None
     the_plan.check_budget()
     note = f" (budget ${budget:,.2f})" if budget is not None else ""
@@ -226,7 +237,7 @@ def _num(value: float | int | None, fmt: str) -> str:
 
 
 @app.command()
-def local(
+def local(  # noqa: PLR0917 - typer passes the options by keyword; the signature is the command line
     file: ManifestArg,
     runs_dir: Annotated[Path, typer.Option("--runs-dir", help="Folder for run outputs.", file_okay=False)] = Path(
         "runs"
@@ -246,6 +257,14 @@ def local(
             help="First run each distinct configuration for 2 steps; a configuration that fails is not timed.",
         ),
     ] = True,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN_ID",
+            help="Go on with an interrupted settings search of this manifest: finished trials are kept, the rest run.",
+        ),
+    ] = None,
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
     from gpuscout.cli.local_view import RichRunObserver
@@ -260,6 +279,7 @@ def local(
         observer=RichRunObserver(console),
         allow_concurrent=allow_concurrent,
         canary=canary,
+        resume=resume,
     )
     if run.status is RunStatus.STOPPED:
         raise typer.Exit(INTERRUPTED_EXIT_CODE)

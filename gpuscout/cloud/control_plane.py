@@ -30,7 +30,7 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
-from gpuscout.cloud.events import classify_failure, parse_event_timestamp
+from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import publish, run_summary
 from gpuscout.cloud.sagemaker_requests import (
     DataSource,
@@ -40,6 +40,12 @@ from gpuscout.cloud.sagemaker_requests import (
 )
 from gpuscout.cloud.settings import LambdaSettings, get_settings
 from gpuscout.cloud.sources import STATE_PAYLOAD_LIMIT_BYTES, cloud_problems
+from gpuscout.cloud.tuning_requests import (
+    TuningRequestError,
+    search_target,
+    search_target_key,
+    tuning_job_request,
+)
 from gpuscout.errors import (
     BudgetExceededError,
     GpuscoutError,
@@ -49,7 +55,7 @@ from gpuscout.errors import (
     RunNotFoundError,
 )
 from gpuscout.plan.canary import plan_cloud_canaries
-from gpuscout.plan.planner import make_run_id, plan
+from gpuscout.plan.planner import Plan, make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
 from gpuscout.spec.jobspec import JobSpec
 from gpuscout.spec.manifest import Manifest, parse_manifest, validate_manifest_data
@@ -306,8 +312,10 @@ def plan_jobs(
     settings: LambdaSettings,
     catalog: Catalog | None = None,
 ) -> dict[str, Any]:
-    """Plan step: job specs -> requests; RUN + JOB rows (PLANNED). Raises PlanRefused over budget (REFUSED run)
-    or when this manifest object was already planned (nothing is written then)."""
+    """Plan step: job specs -> requests; RUN + JOB rows (PLANNED). A search section becomes one tuning job request
+    per target instead (``tunings``; its trials get their rows as they start) and the candidates' file per tuning job
+    in the artifacts bucket. Raises PlanRefused over budget, or for a search target SageMaker cannot tune (REFUSED
+    run), or when this manifest object was already planned (nothing is written then)."""
     source = f"s3://{validated['bucket']}/{validated['key']}"
     run_id = run_id_to_plan(store, str(validated["run_id"]), source)
     execution_arn = validated.get("execution_arn") or None
@@ -322,6 +330,7 @@ def plan_jobs(
         manifest=manifest.model_dump(mode="json"),
         predicted_cost_usd=the_plan.predicted_cost_usd,
         execution_arn=execution_arn,
+        search=the_plan.search.model_dump(mode="json") if the_plan.search else None,
     )
     try:
         the_plan.check_budget()
@@ -334,7 +343,13 @@ def plan_jobs(
     req_settings = request_settings(settings)
     skip_prepare = data is None or _object_exists(s3, settings.data_bucket, data.dataset_manifest_key())
     jobs_out: list[dict[str, Any]] = []
-    for spec in the_plan.jobs:
+    try:
+        tunings, search_files = _tunings(the_plan, manifest, req_settings, data, settings)
+    except TuningRequestError as err:
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
+        raise PlanRefused(f"{source}: {err}") from err
+    # A search's candidates are launched by its tuning jobs (one per target), not one by one.
+    for spec in the_plan.jobs if the_plan.search is None else ():
         target = manifest.targets[spec.target_index]
         max_wait = int(target.max_wait_hours * 3600) if target.max_wait_hours else None
         request = training_job_request(
@@ -360,6 +375,7 @@ def plan_jobs(
             data=data,
         ),
         "jobs": interleave_by_instance_type(jobs_out),
+        "tunings": tunings,
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
     size = len(json.dumps(output, separators=(",", ":")).encode())
@@ -371,7 +387,12 @@ def plan_jobs(
         )
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": error}))
         raise PlanRefused(f"{source}: {error}")
-    for spec in the_plan.jobs:
+    for key, body in search_files.items():  # what job_events needs to record the trials (tuning_requests)
+        try:
+            s3.put_object(Bucket=settings.artifacts_bucket, Key=key, Body=body, ContentType="application/json")
+        except (ClientError, BotoCoreError) as err:
+            raise CloudStepError(f"cannot write s3://{settings.artifacts_bucket}/{key}: {err}") from err
+    for spec in the_plan.jobs if the_plan.search is None else ():  # a search's rows appear as its trials start
         store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
     try:
         store.create_run(run)  # last: a run row means every job row exists; atomic, so one of two racers wins
@@ -381,6 +402,45 @@ def plan_jobs(
             "launched again"
         ) from err
     return output
+
+
+def _tunings(
+    the_plan: Plan,
+    manifest: Manifest,
+    req_settings: RequestSettings,
+    data: DataSource | None,
+    settings: LambdaSettings,
+) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+    """A search's tuning jobs: ``[{"job_name", "target_index", "request"}]`` (one per target) and the files job_events
+    reads (artifacts key -> JSON). The run's concurrency (``MAP_MAX_CONCURRENCY``) is shared: the tuning jobs' Map
+    runs at most that many at once, each with that share of parallel trials (at least one)."""
+    search = the_plan.search
+    if search is None:
+        return [], {}
+    assert data is not None  # a search varies the built-in job (the manifest refuses it with a job section)
+    concurrency = settings.map_max_concurrency
+    per_tuning_job = max(1, concurrency // min(len(search.targets), concurrency))
+    tunings: list[dict[str, Any]] = []
+    files: dict[str, bytes] = {}
+    for target in search.targets:
+        specs = [j for j in the_plan.jobs if j.target_index == target.target_index]
+        manifest_target = manifest.targets[target.target_index]
+        max_wait = int(manifest_target.max_wait_hours * 3600) if manifest_target.max_wait_hours else None
+        request = tuning_job_request(
+            target,
+            specs,
+            search,
+            req_settings,
+            data,
+            enable_network_isolation=manifest.network_isolation,
+            max_parallel_jobs=per_tuning_job,
+            spot_max_wait_seconds=max_wait,
+        )
+        name = str(request["HyperParameterTuningJobName"])
+        tunings.append({"job_name": name, "target_index": target.target_index, "request": request})
+        found = search_target(target, specs, search)
+        files[search_target_key(found.run_id, name)] = found.model_dump_json().encode()
+    return tunings, files
 
 
 def _canary_requests(
@@ -407,8 +467,11 @@ def _canary_requests(
         {
             "job_name": c.spec.job_name,
             "covers": list(c.covers),
-            "request": training_job_request(
-                c.spec, req_settings, data, enable_network_isolation=manifest.network_isolation
+            "request": training_job_request(  # a canary is not a measurement: not tracked
+                c.spec.model_copy(update={"tracking": None}),
+                req_settings,
+                data,
+                enable_network_isolation=manifest.network_isolation,
             ),
         }
         for c in canaries
@@ -424,14 +487,29 @@ def _describe_from_cause(cause: str) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def record_job_failure(failure: dict[str, Any], *, store: ResultStore) -> dict[str, Any]:
+# The row that records a search target's failed tuning job (its trials, if any ran, have their own rows).
+TUNING_JOB_VARIANT = "tuning-job"
+
+
+def record_job_failure(
+    failure: dict[str, Any], *, store: ResultStore, s3: Any = None, artifacts_bucket: str | None = None
+) -> dict[str, Any]:
     """A Map iteration's caught error -> CAPACITY / QUOTA / OOM / FAILED on the JOB row. Never raises for a
     classifiable error, so one missing instance type does not fail the benchmark.
 
     When the Cause is the job's description, the row is written as of just before the job's last modification, so
     SageMaker's own terminal event (which carries billable time and the benchmark) still wins when it arrives.
+    A search's tuning job has no row: with ``s3`` and ``artifacts_bucket`` its failure gets one, named after the
+    tuning job (variant ``tuning-job``, the target's first candidate's spec), so the report says why the target
+    has no trials.
     """
     run_id, job_name = str(failure["run_id"]), str(failure["job_name"])
+    if s3 is not None and artifacts_bucket and store.get_job(run_id, job_name) is None:
+        target = read_search_target(s3, artifacts_bucket, run_id, job_name)
+        if target is not None:
+            spec = next(iter(target.candidates.values()))
+            spec = spec.model_copy(update={"job_name": job_name, "variant_name": TUNING_JOB_VARIANT})
+            store.create_job(JobRecord.from_spec(spec, JobStatus.PLANNED, tuning_job_name=job_name))
     error = failure.get("error") or {}
     error_name = str(error.get("Error", "")) if isinstance(error, dict) else ""
     cause = str(error.get("Cause", "")) if isinstance(error, dict) else str(error)

@@ -7,14 +7,22 @@ tarred ``SM_OUTPUT_DATA_DIR`` SageMaker uploaded (``output/<run_id>/<job>/output
 same conditional update as the status.
 
 Budget guard: after a job ends, the run's measured spend (billable seconds x on-demand price x instance count,
-summed over finished jobs) is compared with the manifest's budget; once it is crossed, every job of the run still
-in progress is stopped and the run is marked STOPPED.
+summed over finished jobs) is compared with the manifest's budget (a search's ``max_cost_usd`` when lower); once it
+is crossed, every job of the run still in progress is stopped (a search trial by stopping its tuning job, which
+would otherwise start the next trial) and the run is marked STOPPED.
+
+Settings search (gpuscout.cloud.tuning_requests): a tuning job's trials have no row until their first event. An
+event with a ``TuningJobArn`` for a job without a row creates it (``ResultStore.create_job``, so one of two
+concurrent first events wins) from the candidate's JobSpec, found by its ``search_candidate`` hyperparameter in the
+search file the plan step wrote. A trial that ends Stopped while its tuning job runs on with early stopping Auto was
+stopped early by SageMaker: PRUNED, with that reason.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Protocol
@@ -23,7 +31,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from gpuscout.cloud.sagemaker_requests import RUN_ID_TAG, output_tar_key
-from gpuscout.errors import GpuscoutError
+from gpuscout.cloud.tuning_requests import (
+    CANDIDATE_HYPERPARAMETER,
+    SearchTarget,
+    search_target_key,
+    tuning_job_name,
+    tuning_name_of_arn,
+)
+from gpuscout.errors import GpuscoutError, RunNotFoundError
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.store.base import TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
 
@@ -99,6 +114,8 @@ class TrainingJobStateChange(_Detail):
     training_end_time: EventTime | None = Field(default=None, alias="TrainingEndTime")
     last_modified_time: EventTime | None = Field(default=None, alias="LastModifiedTime")
     billable_time_in_seconds: int | None = Field(default=None, alias="BillableTimeInSeconds")
+    tuning_job_arn: str | None = Field(default=None, alias="TuningJobArn")  # a search trial's tuning job
+    hyper_parameters: dict[str, str] = Field(default_factory=dict, alias="HyperParameters")
     training_time_in_seconds: int | None = Field(default=None, alias="TrainingTimeInSeconds")
     secondary_status_transitions: list[SecondaryStatusTransition] = Field(
         default_factory=list, alias="SecondaryStatusTransitions"
@@ -148,7 +165,13 @@ class ObjectReader(Protocol):
 
 
 class TrainingJobStopper(Protocol):
+    """The SageMaker calls the budget guard and the trial classification make (boto3's SageMaker client)."""
+
     def stop_training_job(self, *, TrainingJobName: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+
+    def stop_hyper_parameter_tuning_job(self, *, HyperParameterTuningJobName: str) -> Any: ...  # noqa: N803
+
+    def describe_hyper_parameter_tuning_job(self, *, HyperParameterTuningJobName: str) -> Any: ...  # noqa: N803
 
 
 def read_benchmark(s3: ObjectReader, bucket: str, run_id: str, job_name: str) -> BenchmarkResult | None:
@@ -229,9 +252,13 @@ def measured_spend_usd(jobs: list[JobRecord]) -> float:
 
 
 def run_budget_usd(manifest: dict[str, Any] | None) -> float | None:
+    """The manifest's budget, or its search's spend cap (``search.max_cost_usd``) when that is lower."""
     constraints = (manifest or {}).get("constraints") or {}
     budget = constraints.get("budget_usd") if isinstance(constraints, dict) else None
-    return float(budget) if budget is not None else None
+    search = (manifest or {}).get("search") or {}
+    cap = search.get("max_cost_usd") if isinstance(search, dict) else None
+    limits = [float(v) for v in (budget, cap) if v is not None]
+    return min(limits) if limits else None
 
 
 def enforce_budget(
@@ -247,8 +274,14 @@ def enforce_budget(
     if budget is None or spend <= budget:
         return spend, budget, []
     stopped: list[str] = []
+    # Every tuning job of the run, whatever its trials' rows say: between trials (one at a time) none is live, and a
+    # trial SageMaker just launched has no row yet, but the tuning job would go on launching them.
+    tuning_jobs = sorted(
+        {j.tuning_job_name for j in jobs if j.tuning_job_name}
+        | {tuning_job_name(run_id, t["target_index"]) for t in (run.search or {}).get("targets", [])}
+    )
     for job in jobs:
-        if job.status not in LIVE_JOB_STATUSES:
+        if job.status not in LIVE_JOB_STATUSES or job.tuning_job_name:
             continue
         try:
             sagemaker.stop_training_job(TrainingJobName=job.job_name)
@@ -258,6 +291,14 @@ def enforce_budget(
                 raise EventError(f"cannot stop training job {job.job_name}: {err}") from err
             continue
         stopped.append(job.job_name)
+    for name in tuning_jobs:  # SageMaker stops its running trials, and it launches no further one
+        try:
+            sagemaker.stop_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") not in {"ValidationException", "ResourceNotFound"}:
+                raise EventError(f"cannot stop tuning job {name}: {err}") from err
+            continue
+        stopped.append(name)
     if run.status not in {RunStatus.STOPPED, RunStatus.SUCCEEDED, RunStatus.FAILED}:
         store.update_run(
             run_id,
@@ -266,6 +307,83 @@ def enforce_budget(
             f"stopped {len(stopped)} running job(s)",
         )
     return spend, budget, stopped
+
+
+def read_search_target(s3: ObjectReader, bucket: str, run_id: str, tuning_name: str) -> SearchTarget | None:
+    """The plan step's file for a tuning job (tuning_requests.SearchTarget); None when there is none."""
+    key = search_target_key(run_id, tuning_name)
+    try:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+            return None
+        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    except BotoCoreError as err:
+        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    try:
+        return SearchTarget.model_validate_json(body)
+    except ValidationError as err:
+        raise EventError(f"s3://{bucket}/{key} is not a search target file: {err}") from err
+
+
+# SageMaker names a tuning job's trials <tuning job name>-NNN-xxxxxxxx (gpuscout's tuning job names: tuning_job_name)
+_TRIAL_NAME_RE = re.compile(r"^(gs-[0-9a-f]{12}-t\d{2})-\d{3}-[0-9a-f]{8}$")
+
+
+def tuning_job_of(detail: TrainingJobStateChange) -> str | None:
+    """The tuning job that launched this training job: from TuningJobArn, or, should an event lack it, from the
+    trial's name (a tuning job's name prefixes its trials' names)."""
+    if detail.tuning_job_arn:
+        return tuning_name_of_arn(detail.tuning_job_arn)
+    match = _TRIAL_NAME_RE.match(detail.training_job_name)
+    return match.group(1) if match else None
+
+
+def _create_trial_row(
+    detail: TrainingJobStateChange,
+    run_id: str,
+    tuning_name: str,
+    *,
+    store: ResultStore,
+    s3: ObjectReader,
+    bucket: str,
+) -> str | None:
+    """Create a search trial's row from its candidate's JobSpec unless it exists; None, or why it cannot be."""
+    try:
+        store.get_run(run_id)
+    except RunNotFoundError:
+        return f"run {run_id} is not in this stack's table"
+    target = read_search_target(s3, bucket, run_id, tuning_name)
+    if target is None:
+        return f"tuning job {tuning_name} is not a search of run {run_id}"
+    candidate = detail.hyper_parameters.get(CANDIDATE_HYPERPARAMETER, "").strip('"')
+    if candidate not in target.candidates:
+        return f"{CANDIDATE_HYPERPARAMETER}={candidate!r} is not a candidate of tuning job {tuning_name}"
+    spec = target.trial_spec(candidate, detail.training_job_name)
+    store.create_job(JobRecord.from_spec(spec, JobStatus.PLANNED, tuning_job_name=tuning_name))
+    return None
+
+
+def _early_stopped(detail: TrainingJobStateChange, name: str, sagemaker: TrainingJobStopper) -> str | None:
+    """Why a Stopped trial was stopped by its tuning job's early stopping, or None (it ran out of time
+    (SecondaryStatus MaxRuntimeExceeded / MaxWaitTimeExceeded), was stopped with its tuning job, by the budget
+    guard or by a person): SecondaryStatus Stopped while the tuning job is still going and stops trials early."""
+    if detail.secondary_status != "Stopped":
+        return None
+    try:
+        tuning = sagemaker.describe_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
+    except (ClientError, BotoCoreError) as err:
+        raise EventError(f"cannot describe tuning job {name}: {err}") from err
+    config = tuning.get("HyperParameterTuningJobConfig") or {}
+    if tuning.get("HyperParameterTuningJobStatus") in {"Stopping", "Stopped"}:
+        return None
+    if config.get("TrainingJobEarlyStoppingType") != "Auto":
+        return None
+    metric = (config.get("HyperParameterTuningJobObjective") or {}).get("MetricName", "its objective")
+    return (
+        f"stopped early by tuning job {name}: its {metric} was worse than the median of the earlier trials' "
+        "running averages at the same point"
+    )
 
 
 def handle_training_job_event(
@@ -288,8 +406,17 @@ def handle_training_job_event(
         )
     event_time = detail.last_modified_time or envelope_time
     fields: dict[str, Any] = {"secondary_status_transitions": _transition_dicts(detail)}
+    tuning_name = tuning_job_of(detail)
+    if tuning_name and store.get_job(run_id, job_name) is None:
+        why = _create_trial_row(detail, run_id, tuning_name, store=store, s3=s3, bucket=artifacts_bucket)
+        if why is not None:
+            return JobEventOutcome(run_id=run_id, job_name=job_name, status=status, applied=False, ignored_reason=why)
     if detail.failure_reason:
         fields["failure_reason"] = detail.failure_reason
+    if tuning_name and status is JobStatus.STOPPED:
+        pruned = _early_stopped(detail, tuning_name, sagemaker)
+        if pruned is not None:
+            status, fields["failure_reason"] = JobStatus.PRUNED, pruned
     if detail.billable_time_in_seconds is not None:
         fields["billable_seconds"] = detail.billable_time_in_seconds
     if detail.training_start_time and detail.training_end_time:
@@ -365,3 +492,45 @@ def record_described_job(
         artifacts_bucket=artifacts_bucket,
         default_budget_usd=default_budget_usd,
     )
+
+
+class TuningTrialLister(TrainingJobDescriber, Protocol):
+    def list_training_jobs_for_hyper_parameter_tuning_job(self, **kwargs: Any) -> Any: ...
+
+
+def record_tuning_trials(
+    run_id: str,
+    tuning_job_name: str,
+    *,
+    store: ResultStore,
+    s3: ObjectReader,
+    sagemaker: TuningTrialLister,
+    artifacts_bucket: str,
+    default_budget_usd: float | None = None,
+) -> list[JobEventOutcome]:
+    """Record every trial of a tuning job the state machine saw end, from ListTrainingJobsForHyperParameterTuningJob
+    and each trial's DescribeTrainingJob (:func:`record_described_job`: the same path as a job-state event, so a
+    trial job_events has not seen yet gets its row here), before the analysis reads the table."""
+    names: list[str] = []
+    kwargs: dict[str, Any] = {"HyperParameterTuningJobName": tuning_job_name, "MaxResults": 100}
+    while True:
+        try:
+            page = sagemaker.list_training_jobs_for_hyper_parameter_tuning_job(**kwargs)
+        except (ClientError, BotoCoreError) as err:
+            raise EventError(f"cannot list the trials of tuning job {tuning_job_name}: {err}") from err
+        names += [str(s["TrainingJobName"]) for s in page.get("TrainingJobSummaries", [])]
+        if not page.get("NextToken"):
+            break
+        kwargs["NextToken"] = page["NextToken"]
+    return [
+        record_described_job(
+            run_id,
+            name,
+            store=store,
+            s3=s3,
+            sagemaker=sagemaker,
+            artifacts_bucket=artifacts_bucket,
+            default_budget_usd=default_budget_usd,
+        )
+        for name in sorted(names)
+    ]

@@ -34,6 +34,8 @@ class LambdaSettings(BaseModel):
     execution_timeout_hours: float = Field(alias="EXECUTION_TIMEOUT_HOURS", default=72.0, gt=0)
     allowed_instance_types: tuple[str, ...] = Field(alias="ALLOWED_INSTANCE_TYPES", default=())
     default_budget_usd: float = Field(alias="DEFAULT_BUDGET_USD", default=100.0, gt=0)
+    # training jobs running at once per run (the Map's MaxConcurrency); a search's tuning jobs share it
+    map_max_concurrency: int = Field(alias="MAP_MAX_CONCURRENCY", default=4, ge=1, le=40)
     service_name: str = Field(alias="POWERTOOLS_SERVICE_NAME", default="gpuscout")
     notification_topic_arn: str | None = Field(alias="NOTIFICATION_TOPIC_ARN", default=None)
     region: str = Field(alias="AWS_REGION", default="us-east-1")  # set by the Lambda runtime

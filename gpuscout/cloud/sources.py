@@ -9,6 +9,9 @@ and by the workflow's Validate step), each with the fix in the message.
 - ``network_isolation: true`` gives the training container no network: a hub model (``model.hf_id``) cannot
   download. An S3 ``model.path`` works either way: it reaches the job as the ``model`` input channel, which
   SageMaker downloads with the role before the container starts (sagemaker_requests.training_job_request).
+- ``tracking`` (tracking_problems): a job reaches MLflow only at a server (an ARN or http(s) URI, and not under
+  network isolation), W&B only offline (no API key is passed to SageMaker), and the settings must fit one
+  Environment value.
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ from collections.abc import Collection
 
 from gpuscout.errors import Problem
 from gpuscout.spec.manifest import Manifest
+from gpuscout.spec.tracking import (
+    CLOUD_WANDB_DIR,
+    REMOTE_MLFLOW_RE,
+    SAGEMAKER_ENV_VALUE_MAX_CHARS,
+    TRACKING_ENV,
+    JobTracking,
+    cloud_destinations,
+    encode,
+)
 
 # Step Functions passes at most 256 KiB between states, and the plan carries every job's CreateTrainingJob request
 # (about 4.5 KiB each with a deployed stack's ARNs): 40 jobs leave room for the data-preparation result and the
@@ -173,6 +185,69 @@ def timeout_problems(manifest: Manifest, *, execution_timeout_hours: float) -> l
     ]
 
 
+# The job part of GPUSCOUT_TRACKING is bounded: a variant name (planner: a slug of at most 40 characters, a search
+# candidate's name is shorter), the instance count, the spot flag and a price; these stand for the longest.
+_LONGEST_JOB_PART = {"variant": "v" * 64, "instance_count": 64, "spot": False, "usd_per_hour": 1234.5678901234567}
+
+
+def tracking_problems(manifest: Manifest) -> list[Problem]:
+    """Tracking settings a SageMaker job cannot use (module docstring), each with what to do instead."""
+    tracking = manifest.resolved_tracking()
+    if tracking is None:
+        return []
+    problems: list[Problem] = []
+    mlflow, wandb = tracking.mlflow, tracking.wandb
+    if mlflow is not None:
+        field = "tracking.mlflow.tracking_uri"
+        uri = mlflow.tracking_uri
+        if uri is None:
+            problems.append(
+                Problem(
+                    field,
+                    "a cloud run needs a tracking server: the ARN of a SageMaker managed MLflow tracking server "
+                    "(arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME) or an http(s) URI; the "
+                    "default (a SQLite file in the runs folder) exists only for `gpuscout local`",
+                )
+            )
+        elif not REMOTE_MLFLOW_RE.match(uri):
+            problems.append(
+                Problem(
+                    field,
+                    f"{uri} is a file on this machine, which a SageMaker job cannot reach; give the ARN of a "
+                    "SageMaker managed MLflow tracking server or an http(s) URI",
+                )
+            )
+        elif manifest.network_isolation:
+            problems.append(
+                Problem(
+                    field,
+                    "network_isolation: true leaves the training container without network, so it cannot reach "
+                    f"{uri}; set network_isolation: false, or track with W&B offline (tracking.wandb)",
+                )
+            )
+    if wandb is not None and wandb.mode == "online":
+        problems.append(
+            Problem(
+                "tracking.wandb.mode",
+                "online needs WANDB_API_KEY inside the training job, and gpuscout passes no secret to SageMaker (a "
+                "job's Environment shows in DescribeTrainingJob); use mode: offline: each job writes its run to "
+                f"{CLOUD_WANDB_DIR}/wandb/, which comes back in its output.tar.gz; `wandb sync` uploads it",
+            )
+        )
+    if not problems:
+        value = encode(JobTracking(**cloud_destinations(tracking).model_dump(), **_LONGEST_JOB_PART))
+        if len(value) > SAGEMAKER_ENV_VALUE_MAX_CHARS:
+            problems.append(
+                Problem(
+                    "tracking",
+                    f"a job's tracking settings ({TRACKING_ENV}) take up to {len(value)} characters, SageMaker "
+                    f"allows {SAGEMAKER_ENV_VALUE_MAX_CHARS} in an Environment value; shorten "
+                    "tracking.mlflow.experiment (default: the manifest's name) or tracking.mlflow.tracking_uri",
+                )
+            )
+    return problems
+
+
 def cloud_problems(
     manifest: Manifest,
     *,
@@ -182,6 +257,7 @@ def cloud_problems(
 ) -> list[Problem]:
     problems = target_problems(manifest, allowed_instance_types=allowed_instance_types)
     problems += source_problems(manifest, data_bucket=data_bucket)
+    problems += tracking_problems(manifest)
     if execution_timeout_hours is not None:
         problems += timeout_problems(manifest, execution_timeout_hours=execution_timeout_hours)
     return problems

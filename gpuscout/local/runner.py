@@ -47,6 +47,7 @@ from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
 from gpuscout.spec.dataset_checks import dataset_problems, global_batch_blocks
 from gpuscout.spec.jobspec import JobSpec
 from gpuscout.spec.metric_lines import parse_metric_line
+from gpuscout.spec.tracking import local_destinations, tracking_environment
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JOB_STATUS_RANK,
@@ -64,6 +65,7 @@ STDERR_TAIL_LINES = 20
 FAILURE_REASON_MAX_CHARS = 1500
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda oom", "cannot allocate memory")
 TERMINATE_GRACE_S = 10.0
+TIMED_OUT = "max_runtime_seconds"
 SMALL_CORPUS_DOCUMENTS = 2000
 
 
@@ -354,7 +356,9 @@ class JobFolders:
         return folders
 
     def environment(self, spec: JobSpec) -> dict[str, str]:
-        """The SM_* variables SageMaker sets in a training container, pointing into this folder tree."""
+        """The SM_* variables SageMaker sets in a training container, pointing into this folder tree (and, for a
+        tracked built-in job, GPUSCOUT_TRACKING)."""
+        tracked = spec.tracking is not None and spec.job_code is None
         return {
             "SM_CHANNEL_TRAIN": str(self.train_channel),
             "SM_CHANNELS": json.dumps(["train"]),
@@ -373,6 +377,8 @@ class JobFolders:
             "GPUSCOUT_CHECKPOINT_DIR": str(self.checkpoints),
             "GPUSCOUT_RUN_ID": spec.run_id,
             "GPUSCOUT_JOB_NAME": spec.job_name,
+            # root is <runs_dir>/<run_id>/jobs/<job_name>: the trackers' local defaults live in <runs_dir>
+            **(tracking_environment(spec, runs_dir=self.root.parents[2]) if tracked else {}),
         }
 
 
@@ -387,6 +393,7 @@ class JobProgress:
     summary: dict[str, float] = field(default_factory=dict)
 
     samples_per_s: float | None = None
+    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (step, tokens, seconds) per step line
 
     def update(self, line: str) -> None:
         self.lines += 1
@@ -404,6 +411,9 @@ class JobProgress:
             self.tokens_per_s = values["tokens_per_s"]
         if "samples_per_s" in values:
             self.samples_per_s = values["samples_per_s"]
+        seconds = values.get("step_time_s")
+        if "step" in values and self.tokens_per_s is not None and seconds:
+            self.steps.append((int(values["step"]), self.tokens_per_s * seconds, seconds))
 
     def describe(self, max_steps: int | None) -> str:
         parts = [f"step {self.step if self.step is not None else '-'}{f'/{max_steps}' if max_steps else ''}"]
@@ -536,10 +546,12 @@ def run_job(
     folders: JobFolders,
     *,
     on_progress: Callable[[JobProgress], None] = lambda _progress: None,
+    should_stop: Callable[[JobProgress], str | None] | None = None,
     poll_interval_s: float = 0.25,
 ) -> JobOutcome:
     """Run train.py (or a job section's entry point) for one job; never raises for a failing job
-    (KeyboardInterrupt propagates after cleanup)."""
+    (KeyboardInterrupt propagates after cleanup). ``should_stop`` (a settings search's pruner) is asked at every
+    poll; the job it names a reason for is stopped and returned PRUNED with that reason."""
     command = [sys.executable, str(paths.TRAINING_DIR / "train.py")]
     cwd, env = folders.root, folders.environment(spec)
     if spec.job_code is not None:
@@ -564,11 +576,14 @@ def run_job(
             target=_pump, args=(proc.stdout, folders.stdout_log, job_progress), name=f"log-{spec.job_name}"
         )
         reader.start()
-        timed_out = False
+        stopped: str | None = None
         monitor = ContentionMonitor(proc.pid)
         try:
             with monitor:
-                timed_out = _wait(proc, spec, started, job_progress, on_progress, poll_interval_s=poll_interval_s)
+                stopped = _wait(
+                    proc, spec, started, job_progress, on_progress, should_stop=should_stop,
+                    poll_interval_s=poll_interval_s,
+                )  # fmt: skip
         except KeyboardInterrupt:
             _stop(proc)
             reader.join(timeout=TERMINATE_GRACE_S)
@@ -576,10 +591,16 @@ def run_job(
         reader.join(timeout=TERMINATE_GRACE_S)
     wall = time.monotonic() - started
     on_progress(job_progress)
+    if should_stop is not None and stopped is None:
+        should_stop(job_progress)  # the steps printed after the last poll still count (the job has finished)
+    timed_out = stopped == TIMED_OUT
     contention = monitor.summary()
-    if spec.job_code is not None and proc.returncode == 0 and not timed_out:
+    if spec.job_code is not None and proc.returncode == 0 and stopped is None:
         benchmark_from_log(spec, folders, env)
     benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
+    finished = benchmark is not None and benchmark["status"] == "completed" and proc.returncode == 0
+    if stopped is not None and not timed_out and not finished:  # a job that ended as it was pruned finished
+        return JobOutcome(JobStatus.PRUNED, benchmark, stopped, wall, contention)
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
@@ -633,19 +654,24 @@ def _wait(
     job_progress: JobProgress,
     on_progress: Callable[[JobProgress], None],
     *,
+    should_stop: Callable[[JobProgress], str | None] | None,
     poll_interval_s: float,
-) -> bool:
-    """Wait for the job, reporting progress; stop it at max_runtime_seconds. True when it was stopped for time."""
+) -> str | None:
+    """Wait for the job, reporting progress; stop it at max_runtime_seconds (returns TIMED_OUT) or when
+    ``should_stop`` gives a reason (returns it). None: the job ended by itself."""
     while True:
         try:
             proc.wait(timeout=poll_interval_s)
-            return False
+            return None
         except subprocess.TimeoutExpired:
             pass
         on_progress(job_progress)
+        if should_stop is not None and (why := should_stop(job_progress)):
+            _stop(proc)
+            return why
         if time.monotonic() - started > spec.max_runtime_seconds:
             _stop(proc)
-            return True
+            return TIMED_OUT
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -835,8 +861,12 @@ def run_local(
     data_cache_dir: Path | None = None,
     allow_concurrent: bool = False,
     canary: bool = True,
+    resume: str | None = None,
 ) -> RunRecord:
     """Run a manifest's benchmark on this machine and return the final run row (see module docstring).
+
+    ``resume``: the id of an earlier run of the same settings-search manifest that ended (interrupted, or
+    abandoned by a process that is gone): it goes on under that id, its finished trials kept (docs/search.md).
 
     One run at a time per runs folder (``lock.RunsFolderLock``) unless ``allow_concurrent``. With ``canary``, each
     distinct configuration first runs a few steps (gpuscout.plan.canary); a configuration whose canary fails is not
@@ -846,7 +876,10 @@ def run_local(
     manifest_path = Path(manifest_path)
     runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
     ensure_writable(runs_dir)
-    manifest, the_plan = plan_manifest(manifest_path, catalog, on_message=observer.message)
+    previous = _resumable(store, resume) if resume else None
+    manifest, the_plan = plan_manifest(manifest_path, catalog, run_id=resume, on_message=observer.message)
+    if previous is not None:
+        _check_resume(previous, manifest, the_plan)
     if manifest.job is not None and manifest.job.in_s3:
         raise ManifestError(
             str(manifest_path),
@@ -867,6 +900,7 @@ def run_local(
         manifest_source=str(manifest_path),
         manifest=manifest.model_dump(mode="json"),
         predicted_cost_usd=the_plan.predicted_cost_usd,
+        search=the_plan.search.model_dump(mode="json") if the_plan.search else None,
         run_dir=str(run_dir),
         host=this_host(),
         pid=os.getpid(),
@@ -883,6 +917,34 @@ def run_local(
             run, manifest, the_plan, manifest_path, store=store, observer=observer, catalog=catalog,
             data_cache_dir=data_cache_dir or runs_dir / ".cache" / "data", canary=canary,
         )  # fmt: skip
+
+
+def _resumable(store: ResultStore, run_id: str) -> RunRecord:
+    run = store.get_run(run_id)
+    if run.search is None:
+        raise GpuscoutError(f"--resume {run_id}: not a settings search (only a search's trials can be resumed)")
+    if run.status not in FINAL_RUN_STATUSES and not is_abandoned(run):
+        raise GpuscoutError(
+            f"--resume {run_id}: the run is {run.status.value} in process {run.pid} on {run.host}; "
+            "stop it first (or close it with `gpuscout analyze`)"
+        )
+    if run.status in {RunStatus.REJECTED, RunStatus.REFUSED}:
+        raise GpuscoutError(f"--resume {run_id}: the run was {run.status.value}; nothing ran")
+    return run
+
+
+def _check_resume(previous: RunRecord, manifest: Any, the_plan: Any) -> None:
+    """A resumed search must be the same search: same manifest, same candidates."""
+    if previous.manifest != manifest.model_dump(mode="json"):
+        raise GpuscoutError(
+            f"--resume {previous.run_id}: the manifest differs from the one that run used "
+            f"({previous.manifest_source}); resume with that manifest, or start a new run"
+        )
+    if previous.search != the_plan.search.model_dump(mode="json"):
+        raise GpuscoutError(
+            f"--resume {previous.run_id}: this machine plans other candidates than that run did "
+            "(different hardware or memory); start a new run"
+        )
 
 
 def _run_planned(
@@ -906,7 +968,7 @@ def _run_planned(
         json.dumps([s.model_dump(mode="json") for s in specs], indent=2) + "\n", encoding="utf-8"
     )
     store.put_run(run)
-    for spec in specs:
+    for spec in specs if the_plan.search is None else ():  # a search's rows appear as its trials start
         store.put_job(_job_record(spec, JobStatus.PLANNED))
 
     current: JobSpec | None = None
@@ -927,22 +989,34 @@ def _run_planned(
                     warning=True,
                 )
             store.update_run(run_id, status=RunStatus.RUNNING)
-            if canary and data_dir is not None:
+            if canary and data_dir is not None and the_plan.search is None:  # a failing trial fails alone
                 refused |= run_canaries(specs, refused, run_dir, data_dir, store=store, observer=observer)
             with observer.jobs_running():
-                for i, spec in enumerate(specs, start=1):
-                    if spec.job_name in refused:
-                        continue
-                    current = spec
+                trials = 0
+
+                def run_one(spec: JobSpec, should_stop: Callable[[JobProgress], str | None] | None) -> JobRecord:
+                    nonlocal current, trials
+                    current, trials = spec, trials + 1
                     max_steps = _max_steps(spec)
-                    observer.job_started(i, len(specs), spec, max_steps)
+                    observer.job_started(trials if the_plan.search else specs.index(spec) + 1, len(specs), spec,
+                                         max_steps)  # fmt: skip
                     store.put_job(_job_record(spec, JobStatus.TRAINING))
                     folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
                     progress = partial(observer.job_progress, spec, max_steps=max_steps)
-                    outcome = run_job(spec, folders, on_progress=progress)
-                    store.put_job(_job_record(spec, outcome.status, outcome))
+                    outcome = run_job(spec, folders, on_progress=progress, should_stop=should_stop)
+                    record = _job_record(spec, outcome.status, outcome)
+                    store.put_job(record)
                     observer.job_finished(spec, outcome)
                     current = None
+                    return record
+
+                if the_plan.search is not None:
+                    _run_search(the_plan, [s for s in specs if s.job_name not in refused], store=store,
+                                observer=observer, run_one=run_one)  # fmt: skip
+                else:
+                    for spec in specs:
+                        if spec.job_name not in refused:
+                            run_one(spec, None)
         except KeyboardInterrupt as err:
             guard.defer()
             interrupted = getattr(err, "signal_name", "Ctrl-C")
@@ -971,6 +1045,44 @@ def _run_planned(
     report_md = run_dir / "report" / "report.md"
     observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
     return final
+
+
+def _run_search(
+    the_plan: Any,
+    specs: Sequence[JobSpec],
+    *,
+    store: ResultStore,
+    observer: RunObserver,
+    run_one: Callable[[JobSpec, Callable[[JobProgress], str | None] | None], JobRecord],
+) -> None:
+    """A settings search (gpuscout.local.search): each trial is ``run_one`` with the search's pruner asked at every
+    poll; trials already finished in the store (a resumed run) are not run again."""
+    from gpuscout.local.search import StopCheck, run_search
+    from gpuscout.plan.search import describe_plan
+
+    for line in describe_plan(the_plan.search):
+        observer.message(line)
+    finished = {j.job_name: j for j in store.list_jobs(the_plan.run_id) if j.status in FINISHED_TRIAL_STATUSES}
+
+    def run_trial(spec: JobSpec, check: StopCheck) -> JobRecord:
+        seen = 0
+
+        def should_stop(progress: JobProgress) -> str | None:
+            nonlocal seen
+            steps = progress.steps[seen:]
+            seen += len(steps)
+            for step, tokens, seconds in steps:
+                if why := check(step, tokens, seconds):
+                    return why
+            return None
+
+        return run_one(spec, should_stop)
+
+    summary = run_search(the_plan.search, specs, run_trial=run_trial, done=finished, on_message=observer.message)
+    observer.message(
+        f"search: {summary.launched} trial(s) launched, {len(summary.pruned)} pruned, "
+        f"${summary.spent_usd:.4f} spent" + (f"; stopped: {summary.stopped_because}" if summary.stopped_because else "")
+    )
 
 
 def check_prepared_data(
@@ -1015,7 +1127,7 @@ def run_canaries(
         variants = ", ".join(dict.fromkeys(by_name[n].variant_name for n in canary.covers))
         observer.message(f"canary {index}/{len(canaries)}: {variants}: {CANARY_STEPS} steps before timing anything")
         folders = JobFolders.create(run_dir / "canary" / canary.spec.job_name, canary.spec, data_dir)
-        outcome = run_job(canary.spec, folders)
+        outcome = run_job(canary.spec.model_copy(update={"tracking": None}), folders)  # not a measurement: untracked
         if outcome.status is JobStatus.COMPLETED:
             continue
         status = JobStatus.FAILED if outcome.status is JobStatus.STOPPED else outcome.status
@@ -1031,6 +1143,8 @@ def run_canaries(
 
 
 UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)
+# A resumed search keeps these trials (an interrupted one, STOPPED, runs again).
+FINISHED_TRIAL_STATUSES = (JobStatus.COMPLETED, JobStatus.PRUNED, JobStatus.FAILED, JobStatus.OOM)
 
 
 def close_run(
@@ -1066,6 +1180,13 @@ def close_run(
         except Exception as err:
             store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
             raise
+    tracking = manifest.resolved_tracking()
+    if analysis is not None and tracking is not None:  # the run's results to its experiment trackers
+        from gpuscout.analysis.tracking import log_run
+
+        logged = log_run(run_id, analysis, run_dir / "report", local_destinations(tracking, run_dir.parent))
+        for line in logged.logged + logged.problems:
+            observer.message(f"tracking: {line}", warning=line in logged.problems)
     if interrupted:
         final = store.update_run(run_id, status=RunStatus.STOPPED, error=f"interrupted ({interrupted})")
     elif completed:

@@ -132,8 +132,9 @@ def repeated_specs(
     hyperparameters_for: Callable[..., dict[str, str]],
     **fields: Any,
 ) -> list[JobSpec]:
-    """One JobSpec per repetition of a target x variant: names, indices and the target's instance fields here,
-    the rest (prices, precision, runtime, prediction, ...) in ``fields``; ``hyperparameters_for(job_name=...)``."""
+    """One JobSpec per repetition of a target x variant: names, indices, the target's instance fields and the
+    manifest's tracking here, the rest (prices, precision, runtime, prediction, ...) in ``fields``;
+    ``hyperparameters_for(job_name=...)``."""
     specs = []
     for rep in range(manifest.repetitions):
         name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
@@ -148,6 +149,7 @@ def repeated_specs(
                 instance_count=target.instance_count,
                 spot=target.spot,
                 hyperparameters=hyperparameters_for(job_name=name),
+                tracking=manifest.resolved_tracking(),
                 **fields,
             )
         )

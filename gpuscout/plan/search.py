@@ -12,10 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from gpuscout.spec.candidates import candidate_name
 from gpuscout.spec.manifest import SEARCH_DIMENSIONS, Manifest, SearchSpace, Target, Variant
-
-# How a searched value shows in a candidate's name (b4-a2-z2-ckpt-compile-eager-fce-w0).
-_FLAGS = {"gradient_checkpointing": "ckpt", "torch_compile": "compile", "fused_cross_entropy": "fce"}
 
 
 class SkippedCandidate(BaseModel):
@@ -69,18 +67,6 @@ def dimensions(space: SearchSpace, base: Variant, *, default_batch: int) -> dict
     return out
 
 
-def candidate_name(settings: dict[str, Any], accumulation: int) -> str:
-    """A short slug that tells candidates apart: micro-batch and accumulation always, the rest when not default."""
-    parts = [f"b{settings['per_device_batch_size']}", f"a{accumulation}"]
-    if settings["deepspeed_stage"]:
-        parts.append(f"z{settings['deepspeed_stage']}")
-    parts += [flag for key, flag in _FLAGS.items() if settings[key]]
-    if settings["attention"] != "sdpa":
-        parts.append(settings["attention"])
-    parts.append(f"w{settings['dataloader_workers']}")
-    return "-".join(parts)
-
-
 def expand(
     manifest: Manifest,
     target: Target,
@@ -130,3 +116,16 @@ def expand(
         keep.append(variant)
     searched = {k: v for k, v in dims.items() if len(v) > 1}
     return keep, skipped, searched
+
+
+def describe_plan(plan: SearchPlan) -> list[str]:
+    """One line per target (candidates, skipped and why, trial budget), for the plan view and the run log."""
+    lines = []
+    for t in plan.targets:
+        dims = ", ".join(f"{k} {v}" for k, v in t.dimensions.items()) or "no searched dimension"
+        lines.append(
+            f"search on {t.instance_type}: {len(t.candidates)} candidate(s) over {dims}; up to {t.max_trials} "
+            f"trial(s); {len(t.skipped)} skipped before launch"
+        )
+        lines += [f"  skipped {s.name}: {s.reason}" for s in t.skipped]
+    return lines

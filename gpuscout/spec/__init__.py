@@ -1,5 +1,6 @@
 """What a benchmark is: the manifest, the instance catalog, model architectures, the FLOPs convention, GPU SKUs,
-one job's spec, the benchmark.json schema and the stdout metric-line format.
+one job's spec, the benchmark.json schema, the stdout metric-line format and where experiment tracking goes
+(``tracking``: the GPUSCOUT_TRACKING contract between a job and the run).
 
 May import: gpuscout.errors, gpuscout.paths and the standard library, pydantic, PyYAML. Imported by everything above
 it and by training/ (inside the training image), so it stays light: no numpy, matplotlib, boto3, rich or torch at

@@ -563,6 +563,13 @@ class Manifest(_Strict):
         """A search's base settings: the one variant given, or the defaults."""
         return self.variants[0] if self.variants else Variant(name="base")
 
+    def resolved_tracking(self) -> TrackingSection | None:
+        """The tracking section with its defaults filled in (tracking.mlflow.experiment = the manifest's name)."""
+        tracking = self.tracking
+        if tracking is None or tracking.mlflow is None or tracking.mlflow.experiment is not None:
+            return tracking
+        return tracking.model_copy(update={"mlflow": tracking.mlflow.model_copy(update={"experiment": self.name})})
+
     def _builtin_problems(self) -> list[Problem]:
         """The built-in job needs a model, a dataset and a sequence length; per-variant arguments are for a job."""
         problems = [

@@ -4,6 +4,9 @@ training/train.py prints one line per logged optimizer step (and one summary lin
 
     gpuscout_metric step=12 loss=4.1234 tokens_per_s=12345.6 step_time_s=0.0812 lr=0.0003
 
+A job given its price (a settings search's tuning trial) adds ``usd_per_mtok``, the running $ per 1M tokens of the
+timed steps so far, to its step lines: the objective SageMaker's tuning job minimizes (``OBJECTIVE_METRIC``).
+
 ``METRIC_DEFINITIONS`` is the ``AlgorithmSpecification.MetricDefinitions`` list of a CreateTrainingJob request:
 one ``{"Name", "Regex"}`` per metric, the first capture group being the value. Every key is preceded by a space
 in the line, and every regex anchors on that space, so ``loss`` never matches inside ``val_loss``.
@@ -32,6 +35,8 @@ STEP_METRICS: dict[str, str] = {
     "lr": "train:learning_rate",
     "grad_norm": "train:grad_norm",
     "gpu_mem_gb": "train:gpu_memory_gb",
+    # $ per 1M tokens over the timed (post-warm-up) steps so far at the job's price: a tuning job's objective
+    "usd_per_mtok": "train:usd_per_1m_tokens",
 }
 SUMMARY_METRICS: dict[str, str] = {
     "tokens_per_s": "summary:tokens_per_s",
@@ -48,6 +53,9 @@ SUMMARY_METRICS: dict[str, str] = {
 def _definition(prefix: str, key: str, name: str) -> dict[str, str]:
     return {"Name": name, "Regex": rf"{prefix}\b.*? {key}={_NUMBER}"}
 
+
+OBJECTIVE_KEY = "usd_per_mtok"
+OBJECTIVE_METRIC = STEP_METRICS[OBJECTIVE_KEY]
 
 METRIC_DEFINITIONS: list[dict[str, str]] = [
     *(_definition(PREFIX, key, name) for key, name in STEP_METRICS.items()),
@@ -73,6 +81,14 @@ def format_metric_line(values: Mapping[str, float | int | None], *, summary: boo
             continue
         parts.append(f"{key}={_format_value(value)}")
     return " ".join(parts)
+
+
+def usd_per_million_tokens(price_per_hour_usd: float, tokens_per_s: float) -> float | None:
+    """$ per 1M tokens at ``price_per_hour_usd`` (the whole job's, all instances) and ``tokens_per_s``; None
+    without throughput."""
+    if tokens_per_s <= 0:
+        return None
+    return price_per_hour_usd / 3600.0 / tokens_per_s * 1e6
 
 
 def parse_metric_line(line: str) -> dict[str, float] | None:

@@ -102,6 +102,7 @@ class RunRecord(BaseModel):
     execution_arn: str | None = None  # cloud runs
     host: str | None = None  # local runs: where `gpuscout local` ran
     pid: int | None = None  # local runs: its process id (a non-final run whose process is gone is abandoned)
+    search: dict[str, Any] | None = None  # a settings search's plan (gpuscout.plan.search.SearchPlan), if any
 
 
 class JobRecord(BaseModel):
@@ -125,6 +126,7 @@ class JobRecord(BaseModel):
     status_rank: int = 0
     updated_at: datetime = Field(default_factory=utcnow)
     contention: dict[str, Any] | None = None  # local runs: the machine's other load meanwhile (local/contention.py)
+    tuning_job_name: str | None = None  # a cloud search's trial: the SageMaker tuning job that launched it
 
     @classmethod
     def from_spec(cls, spec: JobSpec, status: JobStatus, **fields: Any) -> JobRecord:
@@ -178,6 +180,11 @@ class ResultStore(Protocol):
 
     def put_job(self, job: JobRecord) -> None:
         """Create or replace a job row (used at planning time and for final results)."""
+        ...
+
+    def create_job(self, job: JobRecord) -> bool:
+        """Write a job row only if there is none with its key (atomically); True if this call wrote it. A search
+        trial's row is created by whichever of its concurrent events comes first."""
         ...
 
     def get_job(self, run_id: str, job_name: str) -> JobRecord | None: ...

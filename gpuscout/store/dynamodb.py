@@ -263,14 +263,26 @@ class DynamoDbStore:
 
     # -- jobs --------------------------------------------------------------------------------------------------
 
-    def put_job(self, job: JobRecord) -> None:
+    def _job_item(self, job: JobRecord) -> dict[str, Any]:
         item = _encode_fields(job.model_dump(mode="json"))
         item.update(
             pk={"S": _run_pk(job.run_id)},
             sk={"S": _job_sk(job.job_name)},
             gsi2pk={"S": _job_sk(job.job_name)},
         )
-        self._call("put_item", Item=item)
+        return item
+
+    def put_job(self, job: JobRecord) -> None:
+        self._call("put_item", Item=self._job_item(job))
+
+    def create_job(self, job: JobRecord) -> bool:
+        try:
+            self._call("put_item", Item=self._job_item(job), ConditionExpression="attribute_not_exists(pk)")
+        except ClientError as err:
+            if _conditional_check_failed(err):
+                return False
+            raise
+        return True
 
     def get_job(self, run_id: str, job_name: str) -> JobRecord | None:
         item = self._get_item(_run_pk(run_id), _job_sk(job_name))

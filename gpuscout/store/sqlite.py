@@ -195,6 +195,14 @@ class SqliteStore:
                 (job.run_id, job.job_name, job.status.value, job.model_dump_json()),
             )
 
+    def create_job(self, job: JobRecord) -> bool:
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "INSERT OR IGNORE INTO jobs (run_id, job_name, status, payload) VALUES (?, ?, ?, ?)",
+                (job.run_id, job.job_name, job.status.value, job.model_dump_json()),
+            )
+        return cursor.rowcount == 1
+
     def get_job(self, run_id: str, job_name: str) -> JobRecord | None:
         with self._transaction() as conn:
             row = conn.execute(

@@ -48,6 +48,7 @@ def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
         "run planned",
         extra={
             "jobs": len(result["jobs"]),
+            "tuning_jobs": len(result["tunings"]),
             "predicted_cost_usd": result["predicted_cost_usd"],
             "prepare_skipped": result["prepare"]["skip"],
         },

@@ -1,7 +1,8 @@
-"""Lambda: record a training job the Map's Catch caught (Cloud contract: record_job_failure).
+"""Lambda: record a training job (or a search's tuning job) the Map's Catch caught (Cloud contract:
+record_job_failure).
 
 Classifies the error (QUOTA / CAPACITY / OOM / FAILED) into the JOB row and returns normally, so one missing
-instance type never fails the whole benchmark.
+instance type never fails the whole benchmark. A tuning job's failure gets a row of its own (control_plane).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def handler(event: JobFailure, context: LambdaContext) -> dict[str, Any]:
             "error": {"Error": event.error.error, "Cause": event.error.cause},
         },
         store=services.store,
+        s3=services.s3,
+        artifacts_bucket=services.settings.artifacts_bucket,
     )
     metrics.add_dimension(name="Status", value=result["status"])
     metrics.add_metric(name="JobFailures", unit=MetricUnit.Count, value=1)

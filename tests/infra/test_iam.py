@@ -67,6 +67,9 @@ def test_no_managed_policies_and_no_admin_actions(synthesized: Synthesized) -> N
     for policy in synthesized.resources("AWS::IAM::Policy").values():
         for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
             for action in as_list(statement["Action"]):
+                if action == "sagemaker-mlflow:*":  # the MLflow client's calls, on tracking servers only
+                    assert ":mlflow-tracking-server/" in json.dumps(statement["Resource"])
+                    continue
                 assert action != "*" and not action.endswith(":*"), action
 
 
@@ -98,11 +101,24 @@ def test_state_machine_role_runs_only_gs_jobs(synthesized: Synthesized) -> None:
     }
     for statement in sagemaker:
         rendered = json.dumps(statement["Resource"])
-        assert ":training-job/gs-*" in rendered or ":processing-job/gs-*" in rendered
+        assert any(
+            f":{kind}/gs-*" in rendered for kind in ("training-job", "processing-job", "hyper-parameter-tuning-job")
+        )
+    # a settings search: one .sync tuning job per target
+    (tuning,) = [s for s in sagemaker if "sagemaker:CreateHyperParameterTuningJob" in as_list(s["Action"])]
+    assert set(as_list(tuning["Action"])) == {
+        "sagemaker:CreateHyperParameterTuningJob",
+        "sagemaker:DescribeHyperParameterTuningJob",
+        "sagemaker:StopHyperParameterTuningJob",
+        "sagemaker:AddTags",
+        "sagemaker:ListTags",
+    }
+    assert ":hyper-parameter-tuning-job/gs-*" in json.dumps(tuning["Resource"])
     (rules,) = [s for s in statements if "events:PutRule" in as_list(s["Action"])]
     rendered = json.dumps(rules["Resource"])
     assert "rule/StepFunctionsGetEventsForSageMakerTrainingJobsRule" in rendered
     assert "rule/StepFunctionsGetEventsForSageMakerProcessingJobsRule" in rendered
+    assert "rule/StepFunctionsGetEventsForSageMakerTuningJobsRule" in rendered
 
 
 def test_state_machine_role_trusts_states_of_this_account_only(synthesized: Synthesized) -> None:
@@ -135,6 +151,12 @@ def test_sagemaker_role_is_scoped_to_stack_resources(synthesized: Synthesized) -
     logs = json.dumps(statements["JobLogs"]["Resource"])
     assert "log-group:/aws/sagemaker/TrainingJobs:*" in logs and "log-group:/aws/sagemaker/ProcessingJobs:*" in logs
     assert "VpcNetworkInterfaces" not in statements  # only with the vpc context set
+    # a manifest's SageMaker managed MLflow server: this account and region's tracking servers, nothing else
+    tracking = statements["ExperimentTracking"]
+    assert tracking["Action"] == "sagemaker-mlflow:*"
+    assert ":mlflow-tracking-server/*" in json.dumps(tracking["Resource"]) and "AWS::AccountId" in json.dumps(
+        tracking["Resource"]
+    )
     # nothing here grants access to the manifests, reports or the table
     everything = json.dumps(list(statements.values()))
     assert "manifests/" not in everything and "reports/" not in everything and "dynamodb" not in everything
@@ -178,6 +200,19 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
         assert ":training-job/gs-*" in actions_of(recorder)["sagemaker:DescribeTrainingJob"]
         assert "/output/*" in actions_of(recorder)["s3:GetObject"]
         assert "s3:PutObject" not in actions_of(recorder)
-    assert set(actions_of("record_job_failure")) <= TABLE_LOGS_AND_TRACES
+        # search trials: early stopped by their tuning job? the budget guard stops the tuning job
+        for action in ("sagemaker:DescribeHyperParameterTuningJob", "sagemaker:StopHyperParameterTuningJob"):
+            assert ":hyper-parameter-tuning-job/gs-*" in actions_of(recorder)[action]
+        assert "/search/*" in actions_of(recorder)["s3:GetObject"]
+    assert (
+        ":hyper-parameter-tuning-job/gs-*"
+        in actions_of("record_job_result")["sagemaker:ListTrainingJobsForHyperParameterTuningJob"]
+    )
+    assert "sagemaker:ListTrainingJobsForHyperParameterTuningJob" not in actions_of("job_events")
+    # plan_jobs writes each tuning job's candidates; record_job_failure reads them (a failed tuning job's row)
+    assert "/search/*" in actions_of("plan_jobs")["s3:PutObject"]
+    failure = actions_of("record_job_failure")
+    assert set(failure) <= TABLE_LOGS_AND_TRACES | {"s3:GetObject"}
+    assert "/search/*" in failure["s3:GetObject"] and "/output/" not in failure["s3:GetObject"]
     # mark_run_failed is also an EventBridge target: its failed async invocations go to the functions' DLQ.
     assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"}

@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 from aws_cdk.assertions import Match
 
-from stacks.workflow import PROCESSING_REQUEST_FIELDS, TRAINING_REQUEST_FIELDS
+from stacks.workflow import (
+    PROCESSING_REQUEST_FIELDS,
+    TRAINING_REQUEST_FIELDS,
+    TUNING_DEFINITION_FIELDS,
+    TUNING_REQUEST_FIELDS,
+)
 from tests.infra.conftest import Synthesized, state_machine_definition
 
 CONTRACT_ENV = {
@@ -21,6 +26,7 @@ CONTRACT_ENV = {
     "PROCESSING_INSTANCE_TYPE",
     "ALLOWED_INSTANCE_TYPES",
     "DEFAULT_BUDGET_USD",
+    "MAP_MAX_CONCURRENCY",
     "POWERTOOLS_SERVICE_NAME",
     "NOTIFICATION_TOPIC_ARN",
 }
@@ -42,7 +48,8 @@ def test_states_in_order(asl: dict[str, Any]) -> None:
     assert choice["Default"] == "Prepare data"
     assert states["Prepare data"]["Next"] == "Run canaries"
     assert states["Run canaries"]["Next"] == "Run jobs"  # no expensive job before every canary passed
-    assert states["Run jobs"]["Next"] == "Analyze run"
+    assert states["Run jobs"]["Next"] == "Run searches"  # a settings search's tuning jobs (none without one)
+    assert states["Run searches"]["Next"] == "Analyze run"
     assert states["Analyze run"]["Next"] == "Done"
     assert states["Done"]["Type"] == "Succeed"
     assert asl["TimeoutSeconds"] == 72 * 3600
@@ -73,7 +80,7 @@ def test_the_canary_map_runs_each_configurations_canary_request(asl: dict[str, A
 def test_every_failure_after_planning_marks_the_run_failed(asl: dict[str, Any]) -> None:
     # A failed data preparation, Map or analysis marks the run FAILED, then fails the execution with the cause.
     states = asl["States"]
-    for state in ("Prepare data", "Run canaries", "Run jobs", "Analyze run"):
+    for state in ("Prepare data", "Run canaries", "Run jobs", "Run searches", "Analyze run"):
         assert states[state]["Catch"] == [
             {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Mark run failed"}
         ], state
@@ -216,6 +223,56 @@ def test_map_launches_nothing_once_the_budget_guard_stopped_the_run(asl: dict[st
     assert stopped == {"STOPPED", "FAILED"}
     assert choice["Choices"][0]["Next"] == "Skip job (run stopped)" and choice["Default"] == "Train"
     assert states["Skip job (run stopped)"]["Type"] == "Pass" and states["Skip job (run stopped)"]["End"] is True
+
+
+def test_the_search_map_runs_one_sync_tuning_job_per_target_and_records_its_trials(
+    asl: dict[str, Any], synthesized: Synthesized
+) -> None:
+    searches = asl["States"]["Run searches"]
+    assert searches["Type"] == "Map" and searches["ItemsPath"] == "$.tunings" and searches["ResultPath"] is None
+    assert searches["MaxConcurrency"] == synthesized.stack.config.map_max_concurrency
+    assert searches["ItemSelector"] == {
+        "run_id.$": "$.run_id",
+        "job_name.$": "$$.Map.Item.Value.job_name",
+        "request.$": "$$.Map.Item.Value.request",
+    }
+    states = searches["ItemProcessor"]["States"]
+    assert searches["ItemProcessor"]["StartAt"] == "Read run status (search)"
+    read = states["Read run status (search)"]
+    assert read["Resource"] == "arn:<AWS::Partition>:states:::dynamodb:getItem" and read["Parameters"]["ConsistentRead"]
+    choice = states["Run still going? (search)"]
+    assert {c["StringEquals"] for c in choice["Choices"][0]["Or"]} == {"STOPPED", "FAILED"}
+    assert choice["Choices"][0]["Next"] == "Skip search (run stopped)" and choice["Default"] == "Tune"
+    tune = states["Tune"]
+    assert tune["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createHyperParameterTuningJob.sync"
+    # every field of the plan's request, the training job definition field by field (room for the stack's VPC)
+    definition = {f"{f}.$": f"$.request.TrainingJobDefinition.{f}" for f in TUNING_DEFINITION_FIELDS}
+    assert tune["Parameters"] == {
+        **{f"{f}.$": f"$.request.{f}" for f in TUNING_REQUEST_FIELDS},
+        "TrainingJobDefinition": definition,
+    }
+    assert tune["ResultSelector"] == {"HyperParameterTuningJobArn.$": "$.HyperParameterTuningJobArn"}
+    retries = {tuple(r["ErrorEquals"]): r for r in tune["Retry"]}
+    quota = retries[("SageMaker.ResourceLimitExceededException",)]
+    assert quota["IntervalSeconds"] * quota["MaxAttempts"] == synthesized.stack.config.quota_wait_hours * 3600
+    assert tune["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Record search failure"}]
+    failure = states["Record search failure"]
+    assert failure["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name", "error.$": "$.error"}
+    assert failure["ResultPath"] is None and failure["Next"] == "Record trials"
+    # success or failure, every trial the tuning job ran is recorded before Analyze reads the table
+    assert tune["Next"] == "Record trials"
+    record = states["Record trials"]
+    functions = synthesized.stack.functions.functions
+    assert record["Resource"] == f"<{synthesized.logical_id(functions['record_job_result'])}.Arn>"
+    assert record["Parameters"] == {"run_id.$": "$.run_id", "tuning_job_name.$": "$.job_name"}
+    assert record["ResultPath"] is None and record["End"] is True
+    assert record["Catch"] == [
+        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.record_error", "Next": "Trials left to job_events"}
+    ]
+    assert failure["Resource"] == f"<{synthesized.logical_id(functions['record_job_failure'])}.Arn>"
+    for name in ("Record trials", "Record search failure"):
+        [retry] = states[name]["Retry"]
+        assert "Lambda.TooManyRequestsException" in retry["ErrorEquals"] and "States.ALL" not in retry["ErrorEquals"]
 
 
 def test_state_machine_logs_all_with_tracing(synthesized: Synthesized) -> None:
@@ -389,3 +446,16 @@ def test_stack_outputs_for_clients(synthesized: Synthesized) -> None:
         "NotificationTopicArn",
     } <= set(outputs)
     assert outputs["DataBucketName"]["Value"] == {"Ref": synthesized.logical_id(synthesized.stack.storage.data)}
+
+
+def test_with_the_vpc_setting_the_tuning_jobs_trials_run_in_its_subnets() -> None:
+    from stacks.config import VpcSettings
+    from stacks.workflow import tuning_state_json
+
+    vpc = VpcSettings(subnet_ids=("subnet-0123456789abcdef0",), security_group_ids=("sg-0123456789abcdef0",))
+    definition = tuning_state_json(vpc)["Parameters"]["TrainingJobDefinition"]
+    assert definition["VpcConfig"] == {
+        "Subnets": ["subnet-0123456789abcdef0"],
+        "SecurityGroupIds": ["sg-0123456789abcdef0"],
+    }
+    assert "VpcConfig" not in tuning_state_json(None)["Parameters"]["TrainingJobDefinition"]

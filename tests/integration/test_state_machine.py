@@ -22,9 +22,10 @@ fixture). Four substitutions make it runnable here, and only these:
   SageMaker, which creates the job as already Completed). ResultPath and OutputPath are untouched.
 - ``"RoleArn.$"`` -> ``"RoleArn"``. moto's ASL lexer has ``"RoleArn.$"`` as a keyword token (of the Credentials
   block), so inside a Task's Parameters it binds the literal string ``"$.request.RoleArn"`` to a key named
-  ``RoleArn.$`` instead of evaluating the path. The SageMaker tasks' ``"RoleArn.$": "$.request.RoleArn"`` becomes
-  ``"RoleArn": <the role ARN>``, the value that path holds in every request plan_jobs built (the test checks they
-  all carry the same one). Every other field is still copied from the request by its JSONPath.
+  ``RoleArn.$`` instead of evaluating the path. The SageMaker tasks' ``"RoleArn.$": "$.request.RoleArn"`` (a tuning
+  job's: inside its TrainingJobDefinition) becomes ``"RoleArn": <the role ARN>``, the value that path holds in every
+  request plan_jobs built (the test checks they all carry the same one). Every other field is still copied from the
+  request by its JSONPath.
 
 One serialization detail: moto's ASL lexer rejects JSON numbers with a negative exponent (``5e-05``, how Python
 writes the manifest's learning rate inside the Pass Results), which Step Functions accepts. Such numbers are written
@@ -123,12 +124,14 @@ def runnable_in_moto(
             passed = {key: state[key] for key in PASS_FIELDS if key in state}
             return {"Type": "Pass", **passed, "Result": results[resource]}
         if resource.startswith("arn:<AWS::Partition>:states:::sagemaker:") and resource.endswith(".sync"):
-            parameters = dict(state["Parameters"])
-            assert parameters.pop("RoleArn.$").endswith("request.RoleArn")
+            parameters = copy.deepcopy(state["Parameters"])
+            holder = parameters.get("TrainingJobDefinition", parameters)  # a tuning job's role is in its definition
+            assert holder.pop("RoleArn.$").endswith(".RoleArn")
+            holder["RoleArn"] = role_arn
             return {
                 **state,
                 "Resource": resource.removesuffix(".sync").replace("<AWS::Partition>", "aws"),
-                "Parameters": {**parameters, "RoleArn": role_arn},
+                "Parameters": parameters,
             }
         if resource == "arn:<AWS::Partition>:states:::aws-sdk:sagemaker:describeTrainingJob":
             return {**state, "Resource": resource.replace("<AWS::Partition>", "aws")}
@@ -252,6 +255,8 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
         "Plan jobs",
         "Record job failure",
         "Record job result",
+        "Record search failure",  # the search Map's (no search here: its list of tuning jobs is empty)
+        "Record trials",
         "Validate manifest",
     ]
     if stop_run_before_start:

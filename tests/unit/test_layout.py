@@ -151,7 +151,8 @@ LIGHT_LAMBDAS = [
 @pytest.mark.parametrize("function", LIGHT_LAMBDAS)
 def test_lambdas_other_than_analyze_do_not_load_numpy_or_matplotlib(function: str) -> None:
     # Given a Lambda handler imported the way the runtime does (lambdas.<name>.handler, the stack's environment),
-    # Then numpy, matplotlib and the analysis pipeline stay unloaded: a cold start pays only for what it uses.
+    # Then numpy, matplotlib, the analysis pipeline and the trackers (mlflow, wandb) stay unloaded: a cold start pays
+    # only for what it uses.
     env = {
         **os.environ,
         "TABLE_NAME": "t",
@@ -164,7 +165,7 @@ def test_lambdas_other_than_analyze_do_not_load_numpy_or_matplotlib(function: st
     code = (
         f"import sys, json, lambdas.{function}.handler; "
         "print(json.dumps(sorted(m for m in ('numpy', 'matplotlib', 'gpuscout.analysis.analyze', "
-        "'gpuscout.analysis.report', 'rich', 'typer') if m in sys.modules)))"
+        "'gpuscout.analysis.report', 'rich', 'typer', 'mlflow', 'wandb') if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -218,3 +218,32 @@ def test_a_job_section_request_needs_its_code_in_s3() -> None:
     local = spec.model_copy(update={"job_code": spec.job_code.model_copy(update={"source_dir": "/home/me/code"})})
     with pytest.raises(ValueError, match="not in S3"):
         training_job_request(local, SETTINGS, None, enable_network_isolation=False)
+
+
+def test_a_tracked_job_gets_its_tracking_settings_in_one_environment_value() -> None:
+    from gpuscout.spec.manifest import TrackingSection
+    from gpuscout.spec.tracking import TRACKING_ENV, JobTracking
+
+    # Given a job whose manifest tracks with a SageMaker managed MLflow server and W&B (offline)
+    arn = "arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team"
+    tracking = TrackingSection.model_validate({"mlflow": {"tracking_uri": arn, "experiment": "demo"},
+                                               "wandb": {"project": "gpuscout"}})  # fmt: skip
+    spec = _spec(False).model_copy(update={"tracking": tracking})
+    # When its request is built
+    request = training_job_request(spec, SETTINGS, DATA, enable_network_isolation=False)
+    # Then the request is valid (the value fits SageMaker's 512 characters) and the job learns where to track
+    _assert_valid("CreateTrainingJob", request)
+    _check_constraints(SAGEMAKER.operation_model("CreateTrainingJob").input_shape, request, "request")
+    value = JobTracking.model_validate_json(request["Environment"][TRACKING_ENV])
+    assert value.mlflow is not None and (value.mlflow.tracking_uri, value.mlflow.experiment) == (arn, "demo")
+    assert value.wandb is not None and (value.wandb.dir, value.wandb.mode) == ("/opt/ml/output/data", "offline")
+    assert not value.wandb.log_artifacts  # an offline Artifact's files stay in the container: they would not sync
+    assert (value.variant, value.instance_count, value.usd_per_hour) == ("b8", 2, pytest.approx(2 * 98.32))
+    # and an untracked job's request has no such variable
+    untracked = training_job_request(_spec(False), SETTINGS, DATA, enable_network_isolation=False)
+    assert TRACKING_ENV not in untracked["Environment"]
+    # a value SageMaker would refuse is an error here, not a failed CreateTrainingJob
+    assert tracking.mlflow is not None
+    long = tracking.model_copy(update={"mlflow": tracking.mlflow.model_copy(update={"experiment": "x" * 500})})
+    with pytest.raises(ValueError, match="512"):
+        training_job_request(spec.model_copy(update={"tracking": long}), SETTINGS, DATA, enable_network_isolation=False)

@@ -175,6 +175,17 @@ def test_put_job_replaces(store: ResultStore) -> None:
     assert job.failure_reason == "boom"
 
 
+def test_create_job_writes_only_a_row_that_is_not_there(store: ResultStore) -> None:
+    # A search trial's row is created by whichever of its first events comes first; the others change nothing.
+    first = make_job(tuning_job_name="gs-0123456789ab-t00")
+    assert store.create_job(first) is True
+    assert store.apply_job_event("run-a", first.job_name, JobStatus.TRAINING, T0) is True
+    assert store.create_job(make_job(variant_name="other")) is False
+    [job] = store.list_jobs("run-a")
+    assert job.status is JobStatus.TRAINING and job.variant_name == "bs4"
+    assert job.tuning_job_name == "gs-0123456789ab-t00"
+
+
 def test_result_round_trip(store: ResultStore) -> None:
     assert store.get_result("run-a") is None
     result = ResultRecord(

@@ -1,0 +1,241 @@
+"""A run's results in its experiment trackers: after the analysis, one tracker run per benchmark run holds the ranked
+results and the report, beside the job runs training/experiment_tracking.py logged.
+
+- MLflow: a run named after the run id (tags ``gpuscout.run_id``, ``gpuscout.level=run``) in the manifest's
+  experiment, created once and reused when logged again. Its metrics are the recommended job's figures
+  (``best/<name>``) and the job counts; tags the recommendation and its verdict; artifacts ``ranked_results.json``,
+  ``ranked_results.csv``, ``analysis.json`` and the report folder under ``report/``. Every job run of the run (found
+  by its tags) is nested under it (tag ``mlflow.parentRunId``; jobs run as separate processes, in the cloud on
+  separate machines, so the parent is attached afterwards) and gets its analysed figures (``analysis/rank``,
+  ``analysis/usd_per_million_tokens``, ...); a job run still RUNNING (its process was stopped: Ctrl-C, a pruned
+  trial) is ended KILLED.
+- W&B: a run with job type ``analysis`` in group <run id> (the group of the job runs): config (run id, name,
+  objective, unit), the ranked results as a ``ranked_results`` table, summary ``best/<name>``, the same files in the
+  run folder, and, where the destination logs Artifacts, a ``report`` Artifact with them.
+
+A tracker that fails is reported (``TrackingOutcome.problems``) and the others go on; nothing here raises for a
+tracker's error. mlflow and wandb are imported only inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuscout.spec.tracking import (
+    JOB_NAME_TAG,
+    LEVEL_TAG,
+    MLFLOW_PARENT_TAG,
+    RUN_ID_TAG,
+    Destinations,
+    MlflowDestination,
+    WandbDestination,
+    bound_mlflow_retries,
+    mlflow_experiment_id,
+)
+
+RANKED_COLUMNS = (
+    "rank", "job_name", "job_names", "instance_type", "instance_count", "gpus", "variant_name", "spot", "status",
+    "unit", "tokens_per_s", "tokens_per_s_ci95_low", "tokens_per_s_ci95_high", "samples_per_s", "mfu",
+    "usd_per_hour", "usd_per_million_tokens", "usd_per_million_tokens_spot", "usd_per_million_samples",
+    "usd_per_million_samples_spot", "final_train_loss", "on_pareto_front", "excluded_reason",
+)  # fmt: skip
+# A job's analysed figures, logged onto its own MLflow run as analysis/<name>
+JOB_FIGURES = ("rank", "usd_per_million_tokens", "usd_per_million_tokens_spot", "usd_per_million_samples",
+               "usd_per_million_samples_spot")  # fmt: skip
+# The recommended job's figures, logged onto the run's tracker run as best/<name>
+BEST_FIGURES = ("tokens_per_s", "samples_per_s", "mfu", "usd_per_hour", "usd_per_million_tokens",
+                "usd_per_million_tokens_spot", "usd_per_million_samples", "usd_per_million_samples_spot")  # fmt: skip
+MLFLOW_TAG_MAX_CHARS = 5000
+MLFLOW_MAX_RESULTS = 5000  # job runs searched per run (a cloud run has at most 40 jobs, a local one a few hundred)
+
+
+@dataclass
+class TrackingOutcome:
+    logged: list[str] = field(default_factory=list)  # one line per tracker that has the results: where
+    problems: list[str] = field(default_factory=list)  # one line per tracker that failed: why
+
+
+def ranked_rows(analysis: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The analysis' jobs as flat rows of RANKED_COLUMNS: ranked ones best first, then the unranked by name."""
+    rows = []
+    for job in analysis.get("jobs") or []:
+        low, high = job.get("tokens_per_s_ci95") or (None, None)
+        row = {column: job.get(column) for column in RANKED_COLUMNS}
+        row |= {"job_names": " ".join(job.get("job_names") or [job.get("job_name") or ""]),
+                "tokens_per_s_ci95_low": low, "tokens_per_s_ci95_high": high}  # fmt: skip
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0, str(r["job_name"] or "")))
+
+
+def _numbers(source: Mapping[str, Any], names: tuple[str, ...], prefix: str) -> dict[str, float]:
+    return {
+        f"{prefix}{name}": float(source[name])
+        for name in names
+        if isinstance(source.get(name), int | float) and not isinstance(source.get(name), bool)
+    }
+
+
+def best_figures(analysis: Mapping[str, Any]) -> dict[str, float]:
+    """``best/<name>`` of the recommended job (none without a recommendation) and the job counts."""
+    jobs = analysis.get("jobs") or []
+    recommended = (analysis.get("recommendation") or {}).get("job_name")
+    best = next((j for j in jobs if j.get("job_name") == recommended), None)
+    figures = _numbers(best, BEST_FIGURES, "best/") if best else {}
+    figures["jobs"] = float(len(jobs))
+    figures["jobs_ranked"] = float(sum(1 for j in jobs if j.get("rank") is not None))
+    if isinstance(analysis.get("total_billed_usd"), int | float):
+        figures["total_billed_usd"] = float(analysis["total_billed_usd"])
+    return figures
+
+
+def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
+    """ranked_results.json, ranked_results.csv and analysis.json in ``folder``."""
+    rows = ranked_rows(analysis)
+    ranked_json = folder / "ranked_results.json"
+    ranked_json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    ranked_csv = folder / "ranked_results.csv"
+    with ranked_csv.open("w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, fieldnames=RANKED_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    full = folder / "analysis.json"
+    full.write_text(json.dumps(analysis, indent=2, default=str) + "\n", encoding="utf-8")
+    return [ranked_json, ranked_csv, full]
+
+
+def log_run(
+    run_id: str, analysis: Mapping[str, Any], report_dir: Path | None, destinations: Destinations
+) -> TrackingOutcome:
+    """Log a run's analysis (``RunAnalysis.model_dump(mode="json")``) and its report folder (when it exists) to
+    each destination (module docstring)."""
+    outcome = TrackingOutcome()
+    report = report_dir if report_dir is not None and report_dir.is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="gpuscout-tracking-") as tmp:
+        files = _write_files(analysis, Path(tmp))
+        if destinations.mlflow is not None:
+            try:
+                outcome.logged.append(_log_mlflow(run_id, analysis, files, report, destinations.mlflow))
+            except Exception as err:  # a tracker's failure is reported, never raised
+                outcome.problems.append(f"MLflow: the run's results were not logged ({type(err).__name__}: {err})")
+        if destinations.wandb is not None:
+            try:
+                outcome.logged.append(_log_wandb(run_id, analysis, files, report, destinations.wandb))
+            except Exception as err:
+                outcome.problems.append(f"W&B: the run's results were not logged ({type(err).__name__}: {err})")
+    return outcome
+
+
+def _log_mlflow(
+    run_id: str, analysis: Mapping[str, Any], files: list[Path], report: Path | None, dest: MlflowDestination
+) -> str:
+    bound_mlflow_retries()
+    import mlflow
+    from mlflow.entities import Metric, RunTag
+
+    if dest.tracking_uri.startswith("arn:"):
+        mlflow.set_tracking_uri(dest.tracking_uri)  # the sagemaker-mlflow plugin builds its request headers from it
+    client = mlflow.MlflowClient(tracking_uri=dest.tracking_uri)
+    experiment_id = mlflow_experiment_id(client, dest)
+    of_run = f"tags.`{RUN_ID_TAG}` = '{run_id}'"
+    found = client.search_runs([experiment_id], f"{of_run} and tags.`{LEVEL_TAG}` = 'run'", max_results=1)
+    if found:
+        parent = found[0].info.run_id
+    else:
+        parent = client.create_run(
+            experiment_id, run_name=run_id, tags={RUN_ID_TAG: run_id, LEVEL_TAG: "run"}
+        ).info.run_id
+    now = int(time.time() * 1000)
+    job_runs = client.search_runs(
+        [experiment_id], f"{of_run} and tags.`{LEVEL_TAG}` = 'job'", max_results=MLFLOW_MAX_RESULTS
+    )
+    by_name = {r.data.tags.get(JOB_NAME_TAG): r for r in job_runs}
+    for job in analysis.get("jobs") or []:
+        figures = _numbers(job, JOB_FIGURES, "analysis/")
+        for name in job.get("job_names") or [job.get("job_name")]:
+            if name in by_name and figures:
+                metrics = [Metric(k, v, now, 0) for k, v in figures.items()]
+                client.log_batch(by_name[name].info.run_id, metrics=metrics)
+    for job_run in job_runs:
+        client.set_tag(job_run.info.run_id, MLFLOW_PARENT_TAG, parent)
+        if job_run.info.status == "RUNNING":  # its process was stopped before it could end the run
+            client.set_terminated(job_run.info.run_id, "KILLED")
+    recommendation = analysis.get("recommendation") or {}
+    tags = [
+        RunTag("gpuscout.objective", str(analysis.get("objective"))),
+        RunTag("gpuscout.unit", str(analysis.get("unit"))),
+    ]
+    if recommendation:
+        tags.append(RunTag("gpuscout.recommendation", str(recommendation.get("summary"))[:MLFLOW_TAG_MAX_CHARS]))
+        tags.append(RunTag("gpuscout.verdict", str(recommendation.get("verdict"))))
+        tags.append(RunTag("gpuscout.recommended_job", str(recommendation.get("job_name"))))
+    metrics = [Metric(k, v, now, 0) for k, v in best_figures(analysis).items()]
+    client.log_batch(parent, metrics=metrics, tags=tags)
+    for path in files:
+        client.log_artifact(parent, str(path))
+    if report is not None:
+        client.log_artifacts(parent, str(report), artifact_path="report")
+    client.set_terminated(parent, "FINISHED")
+    return (
+        f"MLflow: run {run_id} ({len(job_runs)} job run(s) nested) in experiment {dest.experiment!r} at "
+        f"{dest.tracking_uri}"
+    )
+
+
+def _log_wandb(
+    run_id: str, analysis: Mapping[str, Any], files: list[Path], report: Path | None, dest: WandbDestination
+) -> str:
+    import wandb
+
+    Path(dest.dir).mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=dest.project,
+        entity=dest.entity,
+        name=f"{run_id}-analysis",
+        group=run_id,
+        job_type="analysis",
+        dir=dest.dir,
+        mode=dest.mode,
+        config={
+            "run_id": run_id,
+            "run_name": analysis.get("run_name"),
+            "objective": analysis.get("objective"),
+            "unit": analysis.get("unit"),
+        },
+        settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False),
+    )
+    try:
+        rows = ranked_rows(analysis)
+        table = wandb.Table(columns=list(RANKED_COLUMNS), data=[[row[c] for c in RANKED_COLUMNS] for row in rows])
+        run.log({"ranked_results": table})
+        recommendation = analysis.get("recommendation") or {}
+        run.summary.update({**best_figures(analysis), "recommendation": recommendation.get("summary"),
+                            "verdict": recommendation.get("verdict")})  # fmt: skip
+        # copies inside the run folder: `wandb sync` uploads them from wherever the folder is
+        copies = [(path, Path(run.dir) / path.name) for path in files]
+        if report is not None:
+            copies += [(f, Path(run.dir) / "report" / f.relative_to(report)) for f in report.rglob("*") if f.is_file()]
+        for source, copy in copies:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, copy)
+            run.save(str(copy), base_path=run.dir, policy="now")
+        if dest.log_artifacts:
+            artifact = wandb.Artifact(f"report-{run_id}", type="report")
+            for path in files:
+                artifact.add_file(str(path), name=path.name)
+            if report is not None:
+                artifact.add_dir(str(report), name="report")
+            run.log_artifact(artifact)
+    except BaseException:
+        run.finish(exit_code=1)
+        raise
+    run.finish()
+    where = f"{Path(dest.dir) / 'wandb'} (upload: wandb sync)" if dest.mode == "offline" else "online"
+    return f"W&B: run {run_id}-analysis in project {dest.project!r}, group {run_id}: {where}"

@@ -1,0 +1,121 @@
+"""A settings search run by `gpuscout local` end to end (docs/search.md): 8 candidates of the tiny model on this
+CPU, the pruned trials recorded with why, and the winner the same as an exhaustive run of the same candidates
+(pruning off), or statistically tied with it there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuscout.local.runner import JobProgress, plan_manifest, run_local
+from gpuscout.local.search import SearchSummary, StopCheck, run_search
+from gpuscout.spec.jobspec import JobSpec
+from gpuscout.store.base import JobRecord, JobStatus, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+pytestmark = pytest.mark.slow
+
+
+def _manifest(tmp_path: Path, *, pruning: bool) -> Path:
+    data: dict[str, Any] = {
+        "name": "tiny-search" if pruning else "tiny-exhaustive",
+        "model": {"preset": "qwen2-tiny"},
+        "tokenizer": {"kind": "bpe", "vocab_size": 1024},
+        "dataset": {"source": "bundled:hebrew-bible", "max_documents": 120, "validation_fraction": 0.05},
+        "sequence_length": 256,
+        "training": {"max_steps": 20, "learning_rate": 1.0e-3, "validation_batches": 1},
+        "targets": [{"instance_type": "local", "price_per_hour_usd": 0.096}],
+        "variants": [{"name": "base", "dataloader_workers": 0}],
+        "search": {
+            # micro-batch 1-8 at 8 sequences per step (accumulation 8..1), with and without checkpointing: 8
+            "space": {"per_device_batch_size": [1, 2, 4, 8], "gradient_checkpointing": [False, True]},
+            "sequences_per_step": 8,
+            "pruning": {"enabled": pruning, "min_timed_steps": 4, "reduction_factor": 2},
+            "seed": 7,
+        },
+        "constraints": {"budget_usd": 1.0},
+        "objective": "cheapest_per_token",
+    }
+    path = tmp_path / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _run(tmp_path: Path, *, pruning: bool) -> tuple[Any, list[JobRecord], dict[str, Any]]:
+    store = SqliteStore(tmp_path / "gpuscout.db")
+    run = run_local(
+        _manifest(tmp_path, pruning=pruning), store=store, runs_dir=tmp_path / "runs",
+        data_cache_dir=tmp_path / "data-cache",
+    )  # fmt: skip
+    result = store.get_result(run.run_id)
+    assert result is not None
+    return run, store.list_jobs(run.run_id), result.analysis
+
+
+def test_search_prunes_and_finds_the_exhaustive_winner(tmp_path: Path) -> None:
+    # Given the same 8 candidates searched with pruning and run exhaustively (pruning off)
+    searched, trials, analysis = _run(tmp_path, pruning=True)
+    exhaustive, all_jobs, full = _run(tmp_path, pruning=False)
+
+    # Then both runs succeed; the exhaustive run completed every candidate
+    assert searched.status is RunStatus.SUCCEEDED and exhaustive.status is RunStatus.SUCCEEDED
+    assert len(all_jobs) == 8 and all(j.status is JobStatus.COMPLETED for j in all_jobs)
+    # the search launched each candidate once and stopped some early, each with why
+    assert sorted(j.variant_name for j in trials) == sorted(j.variant_name for j in all_jobs)
+    pruned = [j for j in trials if j.status is JobStatus.PRUNED]
+    assert pruned, [(j.variant_name, j.status) for j in trials]
+    assert all("clearly worse than" in (j.failure_reason or "") and "95 % interval" in (j.failure_reason or "")
+               for j in pruned)  # fmt: skip
+    assert {j.status for j in trials} <= {JobStatus.COMPLETED, JobStatus.PRUNED}
+    # a pruned trial ran fewer steps than its full run
+    assert all(j.benchmark is None or j.benchmark.get("status") != "completed" for j in pruned)
+
+    # the search's story is in the analysis and the report
+    outcome = analysis["search"]["targets"][0]
+    assert outcome["candidates"] == 8 and len(outcome["trials"]) == 8
+    assert sum(t["status"] == "PRUNED" for t in outcome["trials"]) == len(pruned)
+    report = (Path(str(searched.run_dir)) / "report" / "report.md").read_text(encoding="utf-8")
+    assert "## Settings search" in report and "PRUNED" in report
+
+    # and on the exhaustive run's own measurements (its step lines replayed through the search), pruning keeps
+    # the winner: the same candidate wins with pruning as without, and the replay prunes too
+    pruned_replay = _replay(tmp_path, full_run=exhaustive, jobs=all_jobs, pruning=True)
+    full_replay = _replay(tmp_path, full_run=exhaustive, jobs=all_jobs, pruning=False)
+    assert pruned_replay.best == full_replay.best and not full_replay.pruned
+    assert full_replay.best[0] == full["recommendation"]["variant_name"]
+
+    # and live: the search's winner is the exhaustive run's, unless the machine's other load disturbed one of
+    # the two measurements (the contention monitor's note; two runs cannot share the noise of a busy machine)
+    winner = analysis["recommendation"]["variant_name"]
+    best = full["recommendation"]["variant_name"]
+    assert winner == outcome["best"]
+    disturbed = [a for a in (*analysis["jobs"], *full["jobs"]) if a["variant_name"] in {winner, best}
+                 and a.get("contention_note")]  # fmt: skip
+    if not disturbed:
+        assert winner == best, f"search picked {winner}, the exhaustive run {best}"
+
+
+def _replay(tmp_path: Path, *, full_run: Any, jobs: list[JobRecord], pruning: bool) -> SearchSummary:
+    """The search driver fed the exhaustive run's recorded step lines instead of live jobs."""
+    folder = tmp_path / f"replay-{pruning}"
+    folder.mkdir()
+    manifest_path = _manifest(folder, pruning=pruning)
+    _, the_plan = plan_manifest(manifest_path)
+    steps: dict[str, list[tuple[int, float, float]]] = {}
+    for job in jobs:
+        progress = JobProgress()
+        log = Path(str(full_run.run_dir)) / "jobs" / job.job_name / "train.log"
+        for line in log.read_text(encoding="utf-8").splitlines():
+            progress.update(line)
+        steps[job.variant_name] = progress.steps
+
+    def run_trial(spec: JobSpec, check: StopCheck) -> JobRecord:
+        for step, tokens, seconds in steps[spec.variant_name]:
+            if why := check(step, tokens, seconds):
+                return JobRecord.from_spec(spec, JobStatus.PRUNED, failure_reason=why, training_seconds=1)
+        return JobRecord.from_spec(spec, JobStatus.COMPLETED, training_seconds=1)
+
+    return run_search(the_plan.search, the_plan.jobs, run_trial=run_trial)

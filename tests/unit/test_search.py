@@ -1,0 +1,226 @@
+"""The settings search's pure parts (docs/search.md): the manifest section, candidate expansion and skipping,
+the interval-guarded successive halving, the trial and spend budgets, and resuming a search from the store."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuscout.errors import GpuscoutError, ManifestError
+from gpuscout.local import runner as local
+from gpuscout.local.runner import JobFolders, JobOutcome, run_local
+from gpuscout.local.search import StopCheck, objective_value, run_search
+from gpuscout.plan.planner import plan
+from gpuscout.spec.catalog import LocalHardware, load_catalog
+from gpuscout.spec.jobspec import JobSpec
+from gpuscout.spec.manifest import parse_manifest
+from gpuscout.store.base import JobRecord, JobStatus, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+ROOT = Path(__file__).resolve().parents[2]
+H100 = ROOT / "configs" / "manifests" / "h100-settings-sweep.yaml"
+QUICKSTART = ROOT / "configs" / "manifests" / "quickstart.yaml"
+CPU = LocalHardware(device="cpu", gpu_count=0, memory_gib=16.0, cpu_count=2, startup_s=1.0)
+
+
+def _search_manifest(**search: Any) -> dict[str, Any]:
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["name"] = "tiny-search"
+    data["variants"] = [{"name": "base", "dataloader_workers": 0}]
+    data["search"] = {
+        "space": {"per_device_batch_size": [1, 2, 4, 8], "gradient_checkpointing": [False, True]},
+        "sequences_per_step": 8,
+        **search,
+    }
+    return data
+
+
+def _problems(data: dict[str, Any]) -> str:
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(yaml.safe_dump(data), "m.yaml")
+    return str(err.value)
+
+
+def test_the_search_section_is_checked_with_field_paths() -> None:
+    data = _search_manifest(by_instance_type={"ml.p5.48xlarge": {"torch_compile": [True]}}, max_cost_usd=5.0)
+    data["variants"].append({"name": "other"})
+    data["repetitions"] = 2
+    text = _problems(data)
+    assert "search.by_instance_type.ml.p5.48xlarge: not a target; allowed: local" in text
+    assert "search.max_cost_usd: 5 exceeds constraints.budget_usd (1)" in text
+    assert "variants: with a search section give at most one variant" in text
+    assert "repetitions: a search runs each candidate once" in text
+    dup = _search_manifest()
+    dup["search"]["space"]["per_device_batch_size"] = [2, 2]
+    assert "values must be distinct" in _problems(dup)
+    none = yaml.safe_load(QUICKSTART.read_text())
+    none["variants"] = []
+    assert "variants: at least one variant (or a search section)" in _problems(none)
+    tracking = yaml.safe_load(QUICKSTART.read_text()) | {"tracking": {}}
+    assert "name mlflow, wandb or both" in _problems(tracking)
+
+
+def test_candidates_span_the_space_and_skip_what_cannot_run() -> None:
+    # Given 4 micro-batches x checkpointing at 8 sequences per step, and a micro-batch (3) that does not divide 8
+    data = _search_manifest()
+    data["search"]["space"]["per_device_batch_size"] = [1, 2, 3, 4, 8]
+    manifest = parse_manifest(yaml.safe_dump(data), "m.yaml")
+    the_plan = plan(manifest, load_catalog(), run_id="tiny-search-1", local_hardware=CPU)
+    [target] = the_plan.search.targets
+    # Then the 8 that divide are candidates with the accumulation that keeps 8 sequences per step
+    assert len(the_plan.jobs) == len(target.candidates) == 8
+    for job in the_plan.jobs:
+        hp = job.hyperparameters
+        assert int(hp["per_device_train_batch_size"]) * int(hp["gradient_accumulation_steps"]) == 8
+    assert {"b1-a8-w0", "b8-a1-ckpt-w0"} <= set(target.candidates)
+    assert [(s.name, s.reason) for s in target.skipped] == [
+        ("b3-a1-w0", "micro-batch 3 does not divide search.sequences_per_step 8"),
+        ("b3-a1-ckpt-w0", "micro-batch 3 does not divide search.sequences_per_step 8"),
+    ]
+    assert target.dimensions == {"per_device_batch_size": [1, 2, 3, 4, 8], "gradient_checkpointing": [False, True]}
+
+
+def test_the_memory_model_keeps_the_h100_sweep_from_launching_what_cannot_fit() -> None:
+    manifest = parse_manifest(H100.read_text(), str(H100))
+    the_plan = plan(manifest, load_catalog(), run_id="qwen1-5b-h100-sweep-1")
+    [target] = the_plan.search.targets
+    memory = [s for s in target.skipped if s.reason.startswith("memory model")]
+    # micro-batch 4 and up without checkpointing, and 16 even with it (the fp32 logits), need more than 90 % of
+    # 80 GB under the calibrated model (docs/performance.md); none of them is a candidate
+    skipped = {s.name for s in memory}
+    assert {"b4-a4-w4", "b8-a2-compile-w2", "b16-a1-w4", "b16-a1-ckpt-w4"} <= skipped
+    assert all(s.settings["per_device_batch_size"] >= 4 for s in memory)
+    assert not skipped & set(target.candidates)
+    assert {"b2-a8-w4", "b8-a2-ckpt-compile-w4"} <= set(target.candidates)
+    assert len(target.candidates) + len(target.skipped) == 4 * 2 * 2 * 2
+    assert len(target.candidates) <= 30  # one SageMaker tuning job's categorical values
+    # and the plan's cost is what the trials can cost at most: capped by search.max_cost_usd
+    assert the_plan.predicted_cost_usd == pytest.approx(110.0)
+
+
+# -- the driver, on synthetic trials ------------------------------------------------------------------------------
+
+
+def _plan(**search: Any) -> Any:
+    manifest = parse_manifest(yaml.safe_dump(_search_manifest(**search)), "m.yaml")
+    return plan(manifest, load_catalog(), run_id="tiny-search-1", local_hardware=CPU)
+
+
+def _fake_trials(rates: dict[str, float], *, noise: float = 0.02, seed: int = 0) -> tuple[Any, list[str], dict]:
+    """run_trial for synthetic jobs: 20 steps of 2,048 tokens at ``rates[variant]`` tokens/s (+- noise)."""
+    rng = random.Random(seed)
+    launched: list[str] = []
+    steps_run: dict[str, int] = {}
+
+    def run_trial(spec: JobSpec, check: StopCheck) -> JobRecord:
+        launched.append(spec.variant_name)
+        for step in range(1, 21):
+            seconds = 2048 / (rates[spec.variant_name] * (1 + rng.uniform(-noise, noise)))
+            steps_run[spec.variant_name] = step
+            if why := check(step, 2048.0, seconds):
+                return JobRecord.from_spec(spec, JobStatus.PRUNED, failure_reason=why, training_seconds=step)
+        return JobRecord.from_spec(spec, JobStatus.COMPLETED, training_seconds=20)
+
+    return run_trial, launched, steps_run
+
+
+RATES = {
+    "b1-a8-w0": 10_000.0, "b1-a8-ckpt-w0": 7_000.0, "b2-a4-w0": 20_000.0, "b2-a4-ckpt-w0": 14_000.0,
+    "b4-a2-w0": 30_000.0, "b4-a2-ckpt-w0": 21_000.0, "b8-a1-w0": 40_000.0, "b8-a1-ckpt-w0": 28_000.0,
+}  # fmt: skip
+
+
+def test_clearly_worse_trials_are_pruned_and_the_winner_is_kept() -> None:
+    the_plan = _plan(pruning={"min_timed_steps": 4, "reduction_factor": 2})
+    run_trial, launched, steps = _fake_trials(RATES)
+    summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial)
+    # every candidate launched once; the winner finished; the clearly slower ones stopped at the first rung
+    assert sorted(launched) == sorted(RATES)
+    assert summary.best == {0: "b8-a1-w0"}
+    assert steps["b8-a1-w0"] == 20 and summary.pruned
+    assert all(steps[name] < 20 for name in RATES if any(name in p for p in summary.pruned))
+    # the first trial ran is the predicted cheapest (no checkpointing), so it has no yardstick and runs in full
+    assert "ckpt" not in launched[0]
+    # with pruning off, nothing is pruned and the same winner wins
+    exhaustive = _plan(pruning={"enabled": False})
+    run_trial, _, steps = _fake_trials(RATES)
+    full = run_search(exhaustive.search, exhaustive.jobs, run_trial=run_trial)
+    assert full.best == summary.best and not full.pruned and set(steps.values()) == {20}
+
+
+def test_a_trial_within_the_noise_of_the_best_is_not_pruned() -> None:
+    # Given two candidates 3 % apart with 20 % step noise: their intervals overlap
+    rates = dict.fromkeys(RATES, 1_000.0) | {"b8-a1-w0": 40_000.0, "b4-a2-w0": 38_800.0}
+    the_plan = _plan(pruning={"min_timed_steps": 4, "reduction_factor": 2})
+    run_trial, _, steps = _fake_trials(rates, noise=0.2)
+    summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial)
+    # Then both finish; the slow rest are pruned
+    assert steps["b8-a1-w0"] == 20 and steps["b4-a2-w0"] == 20
+    assert len(summary.pruned) == 6
+
+
+def test_trial_and_spend_budgets_stop_the_search() -> None:
+    # max_trials below the candidate count: TPE proposes, at most 3 launched
+    the_plan = _plan(max_trials=3)
+    run_trial, launched, _ = _fake_trials(RATES)
+    summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial)
+    assert len(launched) == 3 == summary.launched and len(set(launched)) == 3
+    # a spend cap below two trials' predicted cost: one trial, then the search says why it stopped
+    cost = max(j.prediction.cost_usd for j in the_plan.jobs)
+    capped = _plan(max_cost_usd=round(cost * 1.5, 6))
+    run_trial, launched, _ = _fake_trials(RATES)
+    summary = run_search(capped.search, capped.jobs, run_trial=run_trial)
+    assert summary.stopped_because and "search.max_cost_usd" in summary.stopped_because
+    assert len(launched) <= 2
+
+
+def test_objective_values_rank_alike() -> None:
+    assert objective_value(1000.0, price_per_hour_usd=3.6, objective="cheapest_per_token") == pytest.approx(1.0)
+    assert objective_value(1000.0, price_per_hour_usd=3.6, objective="fastest") == pytest.approx(1000.0)
+
+
+# -- resuming from the store ---------------------------------------------------------------------------------------
+
+
+def test_an_interrupted_search_resumes_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a search interrupted (Ctrl-C) during its third trial
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "dataset.json").write_text('{"train_blocks": 4096, "train_tokens": 1048576, "vocab_size": 1024}')
+    monkeypatch.setattr(local, "prepare_data", lambda *_a, **_k: data_dir)
+    monkeypatch.setattr(local, "check_prepared_data", lambda *_a, **_k: set())
+    manifest = tmp_path / "search.yaml"
+    manifest.write_text(yaml.safe_dump(_search_manifest()))
+    calls: list[str] = []
+
+    def interrupted(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
+        calls.append(spec.variant_name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
+
+    monkeypatch.setattr(local, "run_job", interrupted)
+    store = SqliteStore(tmp_path / "g.db")
+    first = run_local(manifest, store=store, runs_dir=tmp_path / "runs")
+    assert first.status is RunStatus.STOPPED and len(calls) == 3
+    kept = calls[:2]
+
+    # When it is resumed
+    calls.clear()
+    monkeypatch.setattr(local, "run_job", lambda spec, folders, **_: calls.append(spec.variant_name) or JobOutcome(
+        JobStatus.COMPLETED, None, None, 1.0))  # fmt: skip
+    again = run_local(manifest, store=store, runs_dir=tmp_path / "runs", resume=first.run_id)
+
+    # Then only the trials not finished ran (the interrupted one again), under the same run id
+    assert again.run_id == first.run_id
+    assert sorted(calls + kept) == sorted(RATES) and not set(calls) & set(kept)
+    assert {j.status for j in store.list_jobs(first.run_id)} == {JobStatus.COMPLETED}
+
+    # and a changed manifest, or a run that is not a search, is refused with why
+    manifest.write_text(yaml.safe_dump(_search_manifest(seed=3)))
+    with pytest.raises(GpuscoutError, match="the manifest differs"):
+        run_local(manifest, store=store, runs_dir=tmp_path / "runs", resume=first.run_id)

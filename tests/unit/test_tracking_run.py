@@ -1,0 +1,227 @@
+"""A run's results in its experiment trackers (gpuscout.analysis.tracking), offline: MLflow in a SQLite file with
+job runs as train.py leaves them, W&B in offline mode (read back with tests/wandb_offline_reader.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuscout.analysis.tracking import RANKED_COLUMNS, log_run, ranked_rows
+from gpuscout.spec.manifest import TrackingSection
+from gpuscout.spec.tracking import (
+    JOB_NAME_TAG,
+    LEVEL_TAG,
+    MLFLOW_PARENT_TAG,
+    RUN_ID_TAG,
+    Destinations,
+    local_destinations,
+)
+from tests import wandb_offline_reader as wb
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "analysis" / "expected-example_run.json"
+ANALYSIS: dict[str, Any] = json.loads(FIXTURE.read_text())
+RUN_ID = ANALYSIS["run_id"]
+RECOMMENDED = ANALYSIS["recommendation"]["job_name"]  # gs-g5-12xl-bs4-ckpt-r0, rank 1
+REPEATED = "gs-p4d-bs8-r1"  # a repetition of the rank-2 settings, whose row is gs-p4d-bs8-r0
+TRACKING = TrackingSection.model_validate({"mlflow": {"experiment": "example"}, "wandb": {"project": "gpuscout-test"}})
+
+
+@pytest.fixture(autouse=True)
+def _offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """W&B's folders in the test's folder, nothing inherited that would send anything anywhere."""
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("CONFIG", "DATA", "CACHE"):
+        monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
+    yield
+
+
+def _report(folder: Path) -> Path:
+    """A report folder as write_report leaves it (the content does not matter here)."""
+    folder.mkdir(parents=True)
+    for name, text in {"report.md": "# report\n", "report.html": "<html></html>\n", "report.json": "{}\n"}.items():
+        (folder / name).write_text(text)
+    (folder / "cost.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return folder
+
+
+def _job_runs(uri: str, experiment: str, artifacts: str, names: dict[str, str]) -> dict[str, str]:
+    """Job runs as training/experiment_tracking.py leaves them (tags; FINISHED, or RUNNING when the process was
+    stopped): job name -> MLflow run id."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.create_experiment(experiment, artifact_location=artifacts)
+    ids = {}
+    for name, status in names.items():
+        tags = {RUN_ID_TAG: RUN_ID, JOB_NAME_TAG: name, LEVEL_TAG: "job"}
+        run = client.create_run(experiment_id, run_name=name, tags=tags)
+        if status != "RUNNING":
+            client.set_terminated(run.info.run_id, status)
+        ids[name] = run.info.run_id
+    return ids
+
+
+@pytest.mark.slow
+def test_the_run_logs_its_ranked_results_and_report_to_mlflow_and_wandb(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    # Given a run folder's trackers (the local defaults), two finished job runs and one its process left RUNNING
+    runs = tmp_path / "runs"
+    destinations = local_destinations(TRACKING, runs)
+    assert destinations.mlflow is not None and destinations.mlflow.artifact_location is not None
+    uri = destinations.mlflow.tracking_uri
+    jobs = {RECOMMENDED: "FINISHED", REPEATED: "FINISHED", "gs-p5e-bs16-r0": "RUNNING"}
+    ids = _job_runs(uri, "example", destinations.mlflow.artifact_location, jobs)
+    report = _report(runs / RUN_ID / "report")
+    # When the run's analysis is logged
+    outcome = log_run(RUN_ID, ANALYSIS, report, destinations)
+    # Then both trackers have it, and say where
+    assert outcome.problems == []
+    assert [line.split(":")[0] for line in outcome.logged] == ["MLflow", "W&B"]
+
+    # MLflow: the run's own run, with the recommended job's figures, the ranked table and the report
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("example")
+    assert experiment is not None
+    (parent,) = client.search_runs([experiment.experiment_id], f"tags.`{LEVEL_TAG}` = 'run'")
+    assert parent.info.run_name == RUN_ID and parent.info.status == "FINISHED"
+    assert parent.data.tags[RUN_ID_TAG] == RUN_ID and parent.data.tags["gpuscout.recommended_job"] == RECOMMENDED
+    assert parent.data.tags["gpuscout.recommendation"] == ANALYSIS["recommendation"]["summary"]
+    best = next(j for j in ANALYSIS["jobs"] if j["job_name"] == RECOMMENDED)
+    assert parent.data.metrics["best/usd_per_million_tokens"] == pytest.approx(best["usd_per_million_tokens"])
+    assert parent.data.metrics["best/tokens_per_s"] == pytest.approx(best["tokens_per_s"])
+    assert parent.data.metrics["jobs"] == len(ANALYSIS["jobs"]) and parent.data.metrics["jobs_ranked"] == 5
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert artifacts == {"ranked_results.json", "ranked_results.csv", "analysis.json", "report"}
+    in_report = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert in_report == {"report/report.md", "report/report.html", "report/report.json", "report/cost.png"}
+    ranked_file = Path(client.download_artifacts(parent.info.run_id, "ranked_results.json", str(tmp_path / "dl")))
+    ranked = json.loads(ranked_file.read_text())
+    assert [r["rank"] for r in ranked[:5]] == [1, 2, 3, 4, 5] and ranked[0]["job_name"] == RECOMMENDED
+    assert all(r["rank"] is None for r in ranked[5:]) and list(ranked[0]) == list(RANKED_COLUMNS)
+    # the job runs: nested under it, with their analysed figures; the one left RUNNING ended KILLED
+    for name, run_id in ids.items():
+        job = client.get_run(run_id)
+        assert job.data.tags[MLFLOW_PARENT_TAG] == parent.info.run_id, name
+    assert client.get_run(ids[RECOMMENDED]).data.metrics["analysis/rank"] == 1
+    assert client.get_run(ids[REPEATED]).data.metrics["analysis/rank"] == 2  # its settings' row
+    assert "analysis/rank" not in client.get_run(ids["gs-p5e-bs16-r0"]).data.metrics  # CAPACITY: not ranked
+    assert client.get_run(ids["gs-p5e-bs16-r0"]).info.status == "KILLED"
+    assert client.get_run(ids[RECOMMENDED]).info.status == "FINISHED"
+
+    # W&B: an analysis run in the run's group, with the ranked table, the summary, the files and the Artifact
+    (run_file,) = wb.run_files(runs)
+    records = wb.read_records(run_file)
+    info = wb.run_info(records)
+    assert (info.display_name, info.run_group, info.job_type) == (f"{RUN_ID}-analysis", RUN_ID, "analysis")
+    assert wb.config(records)["objective"] == ANALYSIS["objective"]
+    (row,) = wb.history(records)  # the table, as W&B logs one: a file of the run folder
+    assert row["ranked_results/_type"] == "table-file" and row["ranked_results/nrows"] == len(ANALYSIS["jobs"])
+    table = json.loads((run_file.parent / "files" / row["ranked_results/path"]).read_text())
+    assert table["columns"] == list(RANKED_COLUMNS) and table["data"][0][1] == RECOMMENDED
+    summary = wb.summary(records)
+    assert summary["best/usd_per_million_tokens"] == pytest.approx(best["usd_per_million_tokens"])
+    assert summary["verdict"] == ANALYSIS["recommendation"]["verdict"]
+    report_files = {"report/report.md", "report/report.html", "report/report.json", "report/cost.png"}
+    assert {"ranked_results.json", "ranked_results.csv", "analysis.json"} | report_files <= wb.saved_files(records)
+    files = wb.artifact_files(records)[f"report-{RUN_ID}"]
+    assert set(files) == {"ranked_results.json", "ranked_results.csv", "analysis.json"} | report_files
+
+    # And logging the run again (e.g. after more jobs) updates the same MLflow run instead of adding one
+    again = log_run(RUN_ID, ANALYSIS, report, Destinations(mlflow=destinations.mlflow))
+    assert again.problems == []
+    assert len(client.search_runs([experiment.experiment_id], f"tags.`{LEVEL_TAG}` = 'run'")) == 1
+
+
+def test_a_tracker_that_fails_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an MLflow server nobody listens on (no retries)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    tracking = TrackingSection.model_validate(
+        {"mlflow": {"tracking_uri": f"http://127.0.0.1:{port}", "experiment": "x"}}
+    )
+    # When the run is logged, Then the failure is one problem line, not an exception
+    outcome = log_run(RUN_ID, ANALYSIS, None, local_destinations(tracking, tmp_path))
+    assert outcome.logged == []
+    (problem,) = outcome.problems
+    assert problem.startswith("MLflow: the run's results were not logged (")
+
+
+def test_ranked_rows_put_the_ranked_first_and_flatten_intervals_and_repetitions() -> None:
+    rows = ranked_rows(ANALYSIS)
+    assert [r["rank"] for r in rows] == [1, 2, 3, 4, 5, None, None, None]
+    p4d = rows[1]
+    assert p4d["job_names"] == "gs-p4d-bs8-r0 gs-p4d-bs8-r1 gs-p4d-bs8-r2"
+    low, high = next(j for j in ANALYSIS["jobs"] if j["job_name"] == p4d["job_name"])["tokens_per_s_ci95"]
+    assert (p4d["tokens_per_s_ci95_low"], p4d["tokens_per_s_ci95_high"]) == (low, high)
+
+
+def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuscout import paths
+    from gpuscout.local import runner as local
+    from gpuscout.spec.jobspec import JobSpec
+    from gpuscout.spec.tracking import TRACKING_ENV, JobTracking
+    from gpuscout.store.base import JobStatus, RunStatus
+    from gpuscout.store.sqlite import SqliteStore
+
+    # Given the quickstart manifest with W&B tracking; data preparation and the jobs stood in for (each job
+    # "completes" with a fixture benchmark and records the tracking variable it was given)
+    manifest = tmp_path / "tracked.yaml"
+    text = (paths.MANIFESTS_DIR / "quickstart.yaml").read_text()
+    manifest.write_text(text + "tracking:\n  wandb: {project: gpuscout-test}\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset.json").write_text(
+        json.dumps(
+            {
+                "sequence_length": 256,
+                "validation_fraction": 0.05,
+                "documents_read": 120,
+                "dropped": {"invalid": 0},
+                "tokenizer": {"kind": "bpe", "vocab_size": 1024},
+                "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
+            }
+        )
+    )
+    monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
+    fixture = json.loads((FIXTURE.parents[1] / "benchmarks" / "g5-2xl-bs4-ckpt-r0.json").read_text())
+    given: dict[str, str | None] = {}
+
+    def run_job(spec: JobSpec, folders: local.JobFolders, **_: object) -> local.JobOutcome:
+        given[spec.job_name] = folders.environment(spec).get(TRACKING_ENV)
+        benchmark = fixture | {"job_name": spec.job_name, "run_id": spec.run_id, "instance_type": "local"}
+        return local.JobOutcome(JobStatus.COMPLETED, benchmark, None, 1.0)
+
+    monkeypatch.setattr(local, "run_job", run_job)
+    messages: list[str] = []
+
+    class Observer(local.SilentObserver):
+        def message(self, text: str, *, warning: bool = False) -> None:
+            messages.append(text)
+
+    # When the run runs
+    runs = tmp_path / "runs"
+    store = SqliteStore(tmp_path / "g.db")
+    run = local.run_local(manifest, store=store, runs_dir=runs, observer=Observer(), canary=False)
+    # Then every job was told to track W&B offline into the runs folder
+    assert run.status is RunStatus.SUCCEEDED and len(given) == 3
+    for value in given.values():
+        assert value is not None
+        tracking = JobTracking.model_validate_json(value)
+        assert tracking.wandb is not None and tracking.wandb.dir == str(runs.resolve())
+    # and the run's results went to W&B as the run's analysis run, which the run's messages say
+    assert any(m.startswith(f"tracking: W&B: run {run.run_id}-analysis") for m in messages), messages
+    (run_file,) = wb.run_files(runs)
+    info = wb.run_info(wb.read_records(run_file))
+    assert (info.run_group, info.job_type) == (run.run_id, "analysis")
