@@ -87,15 +87,10 @@ def test_search_prunes_and_finds_the_exhaustive_winner(tmp_path: Path) -> None:
     assert pruned_replay.best == full_replay.best and not full_replay.pruned
     assert full_replay.best[0] == full["recommendation"]["variant_name"]
 
-    # and live: the search's winner is the exhaustive run's, unless the machine's other load disturbed one of
-    # the two measurements (the contention monitor's note; two runs cannot share the noise of a busy machine)
-    winner = analysis["recommendation"]["variant_name"]
-    best = full["recommendation"]["variant_name"]
-    assert winner == outcome["best"]
-    disturbed = [a for a in (*analysis["jobs"], *full["jobs"]) if a["variant_name"] in {winner, best}
-                 and a.get("contention_note")]  # fmt: skip
-    if not disturbed:
-        assert winner == best, f"search picked {winner}, the exhaustive run {best}"
+    # The live winners are not compared: two separate runs on a shared 2-core machine (the suite runs two test
+    # processes) do not share its noise, and under load the exhaustive run has ranked b4-a2 over b8-a1 while the
+    # search ranked them the other way. The replay above compares on identical measurements.
+    assert analysis["recommendation"]["variant_name"] == outcome["best"]
 
 
 def _replay(tmp_path: Path, *, full_run: Any, jobs: list[JobRecord], pruning: bool) -> SearchSummary:
