@@ -354,46 +354,12 @@ class BenchmarkWorkflow(Construct):
             .otherwise(record_result)
         )
 
-        # Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
-        # crosses the budget; each Map iteration reads the run's status right before launching, so jobs that
-        # have not started yet are skipped instead of launched.
-        check_run = tasks.DynamoGetItem(
-            self,
-            "Read run status",
-            table=table,
-            key={
-                "pk": tasks.DynamoAttributeValue.from_string(
-                    sfn.JsonPath.format("RUN#{}", sfn.JsonPath.string_at("$.run_id"))
-                ),
-                "sk": tasks.DynamoAttributeValue.from_string("RUN"),
-            },
-            # "status" is a DynamoDB reserved word: project it through an expression attribute name.
-            expression_attribute_names={"#status": "status"},
-            projection_expression=[tasks.DynamoProjectionExpression().with_attribute("#status")],
-            consistent_read=True,
-            result_selector={"status": sfn.JsonPath.string_at("$.Item.status.S")},
-            result_path="$.run",
-            comment="A run stopped by the budget guard launches no further job",
-        )
-        check_run.add_retry(**DYNAMODB_RETRY)
-        skipped = sfn.Pass(
-            self,
-            "Skip job (run stopped)",
-            comment="The run was stopped (budget) before this job started: nothing is launched",
-            output_path="$.job_name",
-        )
-        launch_or_skip = (
-            sfn.Choice(self, "Run still going?")
-            .when(
-                sfn.Condition.or_(
-                    *(sfn.Condition.string_equals("$.run.status", s) for s in RUN_STATUSES_THAT_STOP_LAUNCHES)
-                ),
-                skipped,
-            )
-            .otherwise(train)
-        )
+        launch_job = self._launch_unless_stopped(
+            train, table=table, suffix="", skip_name="Skip job (run stopped)", noun="job",
+            read_comment="A run stopped by the budget guard launches no further job",
+        )  # fmt: skip
         jobs = self._request_map("Run jobs", items_path="$.jobs", max_concurrency=map_max_concurrency)
-        jobs.item_processor(check_run.next(launch_or_skip))
+        jobs.item_processor(launch_job)
         jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         searches = self._search_map(
             functions=functions, table=table, vpc=vpc, map_max_concurrency=map_max_concurrency,
@@ -456,24 +422,6 @@ class BenchmarkWorkflow(Construct):
         """A Map over plan_jobs' tunings (empty unless the manifest has a search section): per target, read the run
         status (a stopped run launches nothing more), run the tuning job, then record every trial it ran. A failed
         tuning job is recorded (its own row, why) and its trials are recorded all the same."""
-        check_run = tasks.DynamoGetItem(
-            self,
-            "Read run status (search)",
-            table=table,
-            key={
-                "pk": tasks.DynamoAttributeValue.from_string(
-                    sfn.JsonPath.format("RUN#{}", sfn.JsonPath.string_at("$.run_id"))
-                ),
-                "sk": tasks.DynamoAttributeValue.from_string("RUN"),
-            },
-            expression_attribute_names={"#status": "status"},
-            projection_expression=[tasks.DynamoProjectionExpression().with_attribute("#status")],
-            consistent_read=True,
-            result_selector={"status": sfn.JsonPath.string_at("$.Item.status.S")},
-            result_path="$.run",
-            comment="A run stopped by the budget guard starts no further tuning job",
-        )
-        check_run.add_retry(**DYNAMODB_RETRY)
         tune = sfn.CustomState(self, "Tune", state_json=tuning_state_json(vpc, quota_wait_hours))
         record_trials = self._lambda_step(
             "Record trials",
@@ -514,30 +462,62 @@ class BenchmarkWorkflow(Construct):
         tune.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
         record_failure.next(record_trials)
         tune.next(record_trials)
-        skipped = sfn.Pass(
-            self,
-            "Skip search (run stopped)",
-            comment="The run was stopped (budget) before this tuning job started: nothing is launched",
-            output_path="$.job_name",
-        )
-        launch_or_skip = (
-            sfn.Choice(self, "Run still going? (search)")
-            .when(
-                sfn.Condition.or_(
-                    *(sfn.Condition.string_equals("$.run.status", s) for s in RUN_STATUSES_THAT_STOP_LAUNCHES)
-                ),
-                skipped,
-            )
-            .otherwise(tune)
-        )
+        launch_tuning = self._launch_unless_stopped(
+            tune, table=table, suffix=" (search)", skip_name="Skip search (run stopped)", noun="tuning job",
+            read_comment="A run stopped by the budget guard starts no further tuning job",
+        )  # fmt: skip
         searches = self._request_map(
             "Run searches",
             items_path="$.tunings",
             max_concurrency=map_max_concurrency,
             comment="A settings search: one SageMaker tuning job per target; trials run inside it",
         )
-        searches.item_processor(check_run.next(launch_or_skip))
+        searches.item_processor(launch_tuning)
         return searches
+
+    def _launch_unless_stopped(
+        self, launch: sfn.IChainable, *, table: dynamodb.ITable, suffix: str, skip_name: str, noun: str,
+        read_comment: str,
+    ) -> sfn.IChainable:  # fmt: skip
+        """Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
+        crosses the budget; each Map iteration reads the run's status right before ``launch``, so what has not
+        started yet is skipped instead of launched."""
+        check_run = tasks.DynamoGetItem(
+            self,
+            f"Read run status{suffix}",
+            table=table,
+            key={
+                "pk": tasks.DynamoAttributeValue.from_string(
+                    sfn.JsonPath.format("RUN#{}", sfn.JsonPath.string_at("$.run_id"))
+                ),
+                "sk": tasks.DynamoAttributeValue.from_string("RUN"),
+            },
+            # "status" is a DynamoDB reserved word: project it through an expression attribute name.
+            expression_attribute_names={"#status": "status"},
+            projection_expression=[tasks.DynamoProjectionExpression().with_attribute("#status")],
+            consistent_read=True,
+            result_selector={"status": sfn.JsonPath.string_at("$.Item.status.S")},
+            result_path="$.run",
+            comment=read_comment,
+        )
+        check_run.add_retry(**DYNAMODB_RETRY)
+        skipped = sfn.Pass(
+            self,
+            skip_name,
+            comment=f"The run was stopped (budget) before this {noun} started: nothing is launched",
+            output_path="$.job_name",
+        )
+        launch_or_skip = (
+            sfn.Choice(self, f"Run still going?{suffix}")
+            .when(
+                sfn.Condition.or_(
+                    *(sfn.Condition.string_equals("$.run.status", s) for s in RUN_STATUSES_THAT_STOP_LAUNCHES)
+                ),
+                skipped,
+            )
+            .otherwise(launch)
+        )
+        return check_run.next(launch_or_skip)
 
     def _request_map(
         self, construct_id: str, *, items_path: str, max_concurrency: int, comment: str | None = None

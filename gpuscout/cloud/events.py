@@ -24,7 +24,9 @@ import io
 import json
 import re
 import tarfile
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Annotated, Any, Literal, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -174,17 +176,25 @@ class TrainingJobStopper(Protocol):
     def describe_hyper_parameter_tuning_job(self, *, HyperParameterTuningJobName: str) -> Any: ...  # noqa: N803
 
 
-def read_benchmark(s3: ObjectReader, bucket: str, run_id: str, job_name: str) -> BenchmarkResult | None:
-    """benchmark.json from the job's output.tar.gz; None when the job uploaded no output (or no benchmark)."""
-    key = output_tar_key(run_id, job_name)
+def _read_object(s3: ObjectReader, bucket: str, key: str) -> bytes | None:
+    """An object's bytes; None when there is no such object; EventError when S3 cannot be read."""
     try:
-        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        body: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as err:
         if err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
             return None
         raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
     except BotoCoreError as err:
         raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    return body
+
+
+def read_benchmark(s3: ObjectReader, bucket: str, run_id: str, job_name: str) -> BenchmarkResult | None:
+    """benchmark.json from the job's output.tar.gz; None when the job uploaded no output (or no benchmark)."""
+    key = output_tar_key(run_id, job_name)
+    body = _read_object(s3, bucket, key)
+    if body is None:
+        return None
     try:
         with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
             member = next(
@@ -261,6 +271,18 @@ def run_budget_usd(manifest: dict[str, Any] | None) -> float | None:
     return min(limits) if limits else None
 
 
+def _stopped(what: str, stop: Callable[[], Any]) -> bool:
+    """Call ``stop``: True when it stopped ``what``; False when it was already stopping or finished between our
+    read and the call (nothing left to stop); EventError for any other refusal."""
+    try:
+        stop()
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") not in {"ValidationException", "ResourceNotFound"}:
+            raise EventError(f"cannot stop {what}: {err}") from err
+        return False
+    return True
+
+
 def enforce_budget(
     store: ResultStore, sagemaker: TrainingJobStopper, run_id: str, *, default_budget_usd: float | None = None
 ) -> tuple[float, float | None, list[str]]:
@@ -281,24 +303,14 @@ def enforce_budget(
         | {tuning_job_name(run_id, t["target_index"]) for t in (run.search or {}).get("targets", [])}
     )
     for job in jobs:
-        if job.status not in LIVE_JOB_STATUSES or job.tuning_job_name:
-            continue
-        try:
-            sagemaker.stop_training_job(TrainingJobName=job.job_name)
-        except ClientError as err:
-            # Already stopping / finished between our read and the call: nothing left to stop.
-            if err.response.get("Error", {}).get("Code") not in {"ValidationException", "ResourceNotFound"}:
-                raise EventError(f"cannot stop training job {job.job_name}: {err}") from err
-            continue
-        stopped.append(job.job_name)
+        if job.status in LIVE_JOB_STATUSES and not job.tuning_job_name:
+            stop = partial(sagemaker.stop_training_job, TrainingJobName=job.job_name)
+            if _stopped(f"training job {job.job_name}", stop):
+                stopped.append(job.job_name)
     for name in tuning_jobs:  # SageMaker stops its running trials, and it launches no further one
-        try:
-            sagemaker.stop_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") not in {"ValidationException", "ResourceNotFound"}:
-                raise EventError(f"cannot stop tuning job {name}: {err}") from err
-            continue
-        stopped.append(name)
+        if _stopped(f"tuning job {name}", partial(sagemaker.stop_hyper_parameter_tuning_job,
+                                                  HyperParameterTuningJobName=name)):  # fmt: skip
+            stopped.append(name)
     if run.status not in {RunStatus.STOPPED, RunStatus.SUCCEEDED, RunStatus.FAILED}:
         store.update_run(
             run_id,
@@ -312,14 +324,9 @@ def enforce_budget(
 def read_search_target(s3: ObjectReader, bucket: str, run_id: str, tuning_name: str) -> SearchTarget | None:
     """The plan step's file for a tuning job (tuning_requests.SearchTarget); None when there is none."""
     key = search_target_key(run_id, tuning_name)
-    try:
-        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except ClientError as err:
-        if err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
-            return None
-        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
-    except BotoCoreError as err:
-        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    body = _read_object(s3, bucket, key)
+    if body is None:
+        return None
     try:
         return SearchTarget.model_validate_json(body)
     except ValidationError as err:
