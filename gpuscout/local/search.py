@@ -128,10 +128,9 @@ def _value_from_record(
     if stats is not None and stats.timed_steps >= 2:
         mean, low, high = stats.throughput()
     else:
-        bench = record.benchmark or {}
-        summary = bench.get("summary") or bench
-        mean = float(summary.get("tokens_per_s") or 0.0)
-        ci = summary.get("tokens_per_s_ci95") or (mean, mean)
+        throughput = (record.benchmark or {}).get("throughput") or {}  # benchmark.json (spec.benchmark)
+        mean = float(throughput.get("tokens_per_s") or 0.0)
+        ci = throughput.get("tokens_per_s_ci95") or (mean, mean)
         low, high = float(ci[0] or mean), float(ci[1] or mean)
     if mean <= 0:
         return None

@@ -224,3 +224,16 @@ def test_an_interrupted_search_resumes_from_the_store(tmp_path: Path, monkeypatc
     manifest.write_text(yaml.safe_dump(_search_manifest(seed=3)))
     with pytest.raises(GpuscoutError, match="the manifest differs"):
         run_local(manifest, store=store, runs_dir=tmp_path / "runs", resume=first.run_id)
+
+
+def test_a_resumed_trial_counts_with_its_benchmarks_throughput() -> None:
+    # Given the finished, fastest trial of an earlier run, recorded with its benchmark.json throughput
+    the_plan = _plan(pruning={"min_timed_steps": 4, "reduction_factor": 2})
+    spec = next(j for j in the_plan.jobs if j.variant_name == "b8-a1-w0")
+    benchmark = {"throughput": {"tokens_per_s": 40_000.0, "tokens_per_s_ci95": [39_500.0, 40_500.0]}}
+    done = {spec.job_name: JobRecord.from_spec(spec, JobStatus.COMPLETED, benchmark=benchmark, training_seconds=20)}
+    run_trial, launched, _ = _fake_trials(RATES)
+    # When the search resumes, Then it is not run again, it is the best, and it is the yardstick for pruning
+    summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial, done=done)
+    assert "b8-a1-w0" not in launched and len(launched) == 7
+    assert summary.best == {0: "b8-a1-w0"} and summary.pruned
