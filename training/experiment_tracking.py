@@ -27,7 +27,6 @@ only when a tracker starts, so an untracked job never loads them.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import shutil
@@ -52,6 +51,7 @@ from gpuscout.spec.tracking import (
     WandbDestination,
     bound_mlflow_retries,
     mlflow_experiment_id,
+    prepare_mlflow_uri,
 )
 
 SUMMARY_PREFIX = "benchmark/"
@@ -121,10 +121,7 @@ class MlflowBackend:
         from mlflow.entities import Param
 
         uri = self.destination.tracking_uri
-        if uri.startswith("arn:"):
-            mlflow.set_tracking_uri(uri)  # the sagemaker-mlflow plugin builds its request headers from this one
-        else:  # with that plugin installed, every request to another server logs a warning about the missing ARN
-            logging.getLogger("mlflow.tracking.request_header.registry").setLevel(logging.ERROR)
+        prepare_mlflow_uri(uri, mlflow)
         client = mlflow.MlflowClient(tracking_uri=uri)
         experiment_id = mlflow_experiment_id(client, self.destination)
         run_tags = {RUN_ID_TAG: run_id, JOB_NAME_TAG: job_name, LEVEL_TAG: "job", **tags}

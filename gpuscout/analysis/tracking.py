@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuscout.errors import GpuscoutError
+from gpuscout.spec.manifest import TrackingSection, validate_manifest_data
 from gpuscout.spec.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
@@ -39,7 +41,9 @@ from gpuscout.spec.tracking import (
     WandbDestination,
     bound_mlflow_retries,
     mlflow_experiment_id,
+    prepare_mlflow_uri,
 )
+from gpuscout.store.base import ResultRecord, RunRecord
 
 RANKED_COLUMNS = (
     "rank", "job_name", "job_names", "instance_type", "instance_count", "gpus", "variant_name", "spot", "status",
@@ -111,6 +115,25 @@ def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
     return [ranked_json, ranked_csv, full]
 
 
+def run_to_track(run: RunRecord, result: ResultRecord | None) -> tuple[TrackingSection, dict[str, Any]]:
+    """What ``gpuscout track`` logs for a stored run: its manifest's tracking section (defaults filled in) and its
+    analysis. GpuscoutError when the run has no analysis yet or its manifest tracks nothing."""
+    if result is None or not result.analysis:
+        raise GpuscoutError(
+            f"run {run.run_id} has no analysis yet (status {run.status.value}); its results can be tracked once it "
+            "has ended and been analysed"
+        )
+    if run.manifest is None:
+        raise GpuscoutError(f"run {run.run_id} has no stored manifest, so no tracking settings")
+    tracking = validate_manifest_data(run.manifest, run.manifest_source).resolved_tracking()
+    if tracking is None:
+        raise GpuscoutError(
+            f"the manifest of run {run.run_id} ({run.manifest_source}) has no tracking section: nothing to log to "
+            "(add `tracking:` to the manifest for the next run; docs/search.md)"
+        )
+    return tracking, result.analysis
+
+
 def log_run(
     run_id: str, analysis: Mapping[str, Any], report_dir: Path | None, destinations: Destinations
 ) -> TrackingOutcome:
@@ -140,8 +163,7 @@ def _log_mlflow(
     import mlflow
     from mlflow.entities import Metric, RunTag
 
-    if dest.tracking_uri.startswith("arn:"):
-        mlflow.set_tracking_uri(dest.tracking_uri)  # the sagemaker-mlflow plugin builds its request headers from it
+    prepare_mlflow_uri(dest.tracking_uri, mlflow)
     client = mlflow.MlflowClient(tracking_uri=dest.tracking_uri)
     experiment_id = mlflow_experiment_id(client, dest)
     of_run = f"tags.`{RUN_ID_TAG}` = '{run_id}'"

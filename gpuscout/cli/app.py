@@ -485,4 +485,49 @@ def analyze(
     close_abandoned_run(run, store, observer=RichRunObserver(console))
 
 
+@app.command()
+def track(
+    run_id: Annotated[str, typer.Argument(help="Run id (see `gpuscout runs`).")],
+    db: DbOption = None,
+    stack_name: CloudStackOption = None,
+    download_dir: Annotated[
+        Path,
+        typer.Option(
+            "--download-dir",
+            help="Where a cloud run's report and its jobs' W&B offline runs are downloaded.",
+            file_okay=False,
+        ),
+    ] = Path("runs") / "cloud",
+) -> None:
+    """Log a finished run's ranked results and report to its manifest's experiment trackers (MLflow, W&B).
+
+    A cloud run (--stack-name): its jobs logged themselves from SageMaker; this logs the run level from here and
+    nests the job runs under it, and downloads the jobs' W&B offline runs beside the analysis run for `wandb sync`.
+    A local run: logs again what the end of `gpuscout local` logged (e.g. after a tracker was unreachable).
+    """
+    if stack_name:
+        from gpuscout.cloud.client import CloudStack
+        from gpuscout.cloud.run_tracking import track_cloud_run
+
+        tracked = track_cloud_run(CloudStack(stack_name), run_id, download_dir)
+        outcome = tracked.outcome
+        console.print(f"report: {tracked.report_dir}", soft_wrap=True)
+        if tracked.wandb_dir is not None:
+            console.print(
+                f"W&B: {len(tracked.wandb_job_runs)} job run(s) extracted to {tracked.wandb_dir}"
+                + (f"; none in the output of {', '.join(tracked.jobs_without_wandb)}" if tracked.jobs_without_wandb
+                   else ""),
+                soft_wrap=True,
+            )  # fmt: skip
+    else:
+        from gpuscout.local.runner import track_local_run
+
+        store = open_store(db, read_only=True)
+        outcome = track_local_run(store.get_run(run_id), store)
+    for line in outcome.logged:
+        console.print(f"tracking: {escape(line)}", soft_wrap=True)
+    if outcome.problems:
+        raise GpuscoutError("; ".join(outcome.problems))
+
+
 register_cloud_commands(app)  # submit, status (gpuscout/cli/cloud_commands.py)

@@ -144,7 +144,12 @@ def submit(
     console = _console()
     submission = CloudStack(stack_name).submit(file, wait_seconds=wait)
     console.print(
-        f"[green]submitted[/] {escape(str(file))} -> {escape(submission.manifest_uri)} ({submission.job_count} job(s))",
+        f"[green]submitted[/] {escape(str(file))} -> {escape(submission.manifest_uri)} "
+        + (
+            f"(a search: up to {submission.job_count} trial(s))"
+            if submission.search
+            else f"({submission.job_count} job(s))"
+        ),
         soft_wrap=True,
     )
     console.print(f"run id:    [bold]{escape(submission.run_id)}[/]", soft_wrap=True)
@@ -157,6 +162,12 @@ def submit(
         )
     suffix = "" if stack_name == DEFAULT_STACK_NAME else f" --stack-name {stack_name}"
     console.print(f"follow it: gpuscout status {escape(submission.run_id)}{escape(suffix)}", soft_wrap=True)
+    if submission.tracked:
+        console.print(
+            f"when it has ended: gpuscout track {escape(submission.run_id)} --stack-name {escape(stack_name)} "
+            "(the run's results to its experiment trackers)",
+            soft_wrap=True,
+        )
 
 
 def status(

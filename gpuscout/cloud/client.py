@@ -39,6 +39,7 @@ from botocore.exceptions import (
 
 from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
+from gpuscout.cloud.sagemaker_requests import output_tar_key
 from gpuscout.cloud.sources import source_problems, target_problems, tracking_problems
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.planner import make_run_id, plan
@@ -146,9 +147,11 @@ class Submission:
     bucket: str
     key: str
     etag: str
-    job_count: int
+    job_count: int  # the jobs the run launches (canaries aside); a search: at most this many trials
     execution_arn: str | None  # None when the execution had not started within the wait
     console_url: str  # the execution's page, or the state machine's when not found yet
+    search: bool = False  # a settings search: job_count is the most trials its tuning jobs may launch
+    tracked: bool = False  # the manifest has a tracking section: `gpuscout track` logs the run level at the end
 
     @property
     def manifest_uri(self) -> str:
@@ -302,7 +305,8 @@ class CloudStack:
         key = manifest_key(manifest, path)
         expected_run_id = make_run_id(manifest.name, key=key, etag=local_etag(body))
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
-        plan(manifest, catalog or load_catalog(), run_id=expected_run_id).check_budget()
+        the_plan = plan(manifest, catalog or load_catalog(), run_id=expected_run_id)
+        the_plan.check_budget()
         # The control plane plans a new attempt (<run id>-r2, ...) after a FAILED or REFUSED run of this exact
         # object, and refuses it otherwise: the same rule here, so the printed run id is the one that will run.
         try:
@@ -340,9 +344,15 @@ class CloudStack:
             bucket=outputs.data_bucket,
             key=key,
             etag=etag,
-            job_count=len(manifest.targets) * len(manifest.variants) * manifest.repetitions,
+            job_count=(
+                len(the_plan.jobs)
+                if the_plan.search is None
+                else sum(min(t.max_trials, len(t.candidates)) for t in the_plan.search.targets)
+            ),
+            search=the_plan.search is not None,
             execution_arn=execution_arn,
             console_url=console_url,
+            tracked=manifest.tracking is not None,
         )
 
     def find_execution(
@@ -434,3 +444,17 @@ class CloudStack:
             with aws_errors(f"download s3://{bucket}/{key}"):
                 self._s3.download_file(bucket, key, str(target))
         return folder
+
+    def download_job_output(self, run_id: str, job_name: str, target: Path) -> bool:
+        """The job's output.tar.gz (its SM_OUTPUT_DATA_DIR, tarred by SageMaker) into the file ``target``; False
+        when the job left none (it failed before uploading, or never started)."""
+        bucket, key = self.outputs.artifacts_bucket, output_tar_key(run_id, job_name)
+        with aws_errors(f"download s3://{bucket}/{key}"):
+            try:
+                self._s3.download_file(bucket, key, str(target))
+            except ClientError as err:
+                if str(err.response.get("Error", {}).get("Code")) not in {"404", "NoSuchKey"}:
+                    raise
+                target.unlink(missing_ok=True)
+                return False
+        return True

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
@@ -59,6 +59,9 @@ from gpuscout.store.base import (
     RunStatus,
     utcnow,
 )
+
+if TYPE_CHECKING:
+    from gpuscout.analysis.tracking import TrackingOutcome
 
 CURRENT_HOST = "algo-1"
 STDERR_TAIL_LINES = 20
@@ -1201,6 +1204,20 @@ def is_abandoned(run: RunRecord) -> bool:
     if run.status in FINAL_RUN_STATUSES or run.pid is None or run.host != this_host():
         return False
     return not process_alive(run.pid)
+
+
+def track_local_run(run: RunRecord, store: ResultStore) -> TrackingOutcome:
+    """``gpuscout track RUN_ID``: log a local run's stored analysis and report to its manifest's trackers again (as
+    the end of ``gpuscout local`` did; e.g. after a tracker was unreachable then). The trackers' defaults are the run
+    folder's (``<runs dir>/mlflow.db``, ``<runs dir>/wandb/``); a relative ``tracking_uri`` is taken from the current
+    folder."""
+    from gpuscout.analysis.tracking import log_run, run_to_track
+
+    tracking, analysis = run_to_track(run, store.get_result(run.run_id))
+    if run.run_dir is None:
+        raise GpuscoutError(f"run {run.run_id} has no local run folder (a cloud run? pass --stack-name)")
+    run_dir = Path(run.run_dir)
+    return log_run(run.run_id, analysis, run_dir / "report", local_destinations(tracking, run_dir.parent))
 
 
 def close_abandoned_run(

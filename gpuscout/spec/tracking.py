@@ -12,6 +12,8 @@ in the job learns them. Without a tracking section a job gets no such variable a
 - SageMaker (:func:`cloud_destinations`): MLflow needs a reachable server (a SageMaker managed MLflow tracking
   server ARN or an http(s) URI, gpuscout.cloud.sources refuses anything else); W&B writes offline runs to
   ``/opt/ml/output/data/wandb/``, which SageMaker returns in the job's output.tar.gz.
+- ``gpuscout track`` of a cloud run (:func:`workstation_destinations`): the run level, logged from the user's
+  machine: MLflow on the run's server, W&B under the download folder (gpuscout.cloud.run_tracking).
 
 Both levels tag their MLflow runs with :data:`RUN_ID_TAG` and :data:`LEVEL_TAG` (``job`` or ``run``): the run level
 (gpuscout.analysis.tracking) finds the run's job runs by those tags and nests them under its own run.
@@ -22,6 +24,7 @@ Nothing here imports mlflow or wandb: the functions that use an MLflow client ta
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -133,6 +136,18 @@ def cloud_destinations(tracking: TrackingSection) -> Destinations:
     return Destinations(mlflow=mlflow, wandb=wandb)
 
 
+def workstation_destinations(tracking: TrackingSection, folder: Path) -> Destinations:
+    """Where ``gpuscout track`` logs a cloud run's results from this machine: MLflow on the run's own server (where
+    its jobs logged; an ARN or http(s) URI, as for cloud_destinations), W&B in the manifest's mode with its run
+    folders under ``<folder>/wandb/``, beside the jobs' offline runs downloaded there, and a W&B Artifact (its staged
+    files stay on this machine, where `wandb sync` runs)."""
+    destinations = cloud_destinations(tracking)
+    if destinations.wandb is None:
+        return destinations
+    wandb = destinations.wandb.model_copy(update={"dir": str(folder.resolve()), "log_artifacts": True})
+    return destinations.model_copy(update={"wandb": wandb})
+
+
 def job_price_per_hour(spec: JobSpec) -> float | None:
     """The whole job's on-demand price per hour (all instances), None when unknown (0). On-demand for spot jobs too:
     the run's analysis prices spot (gpuscout.analysis.tracking logs its figures onto each job's MLflow run)."""
@@ -187,6 +202,16 @@ def bound_mlflow_retries() -> None:
     """Set MLFLOW_HTTP_DEFAULTS in this process's environment, where the user has not set them."""
     for key, value in MLFLOW_HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def prepare_mlflow_uri(uri: str, mlflow: Any) -> None:
+    """Before an ``MlflowClient(tracking_uri=uri)`` (``mlflow`` is the imported module): an ARN is also set as the
+    process's tracking URI, from which the sagemaker-mlflow plugin builds its request headers; for any other URI
+    that plugin (installed with gpuscout) logs a warning about the missing ARN on every request, which is silenced."""
+    if uri.startswith("arn:"):
+        mlflow.set_tracking_uri(uri)
+    else:
+        logging.getLogger("mlflow.tracking.request_header.registry").setLevel(logging.ERROR)
 
 
 def mlflow_experiment_id(client: Any, destination: MlflowDestination) -> str:

@@ -164,6 +164,42 @@ def test_submit_uploads_and_prints_the_run_id_the_control_plane_computes(deploye
     assert execution_console_url(REGION, execution_arn) in out
     assert "#/v2/executions/details/arn:aws:states:us-east-1:123456789012:execution:" in out
     assert f"gpuscout status {run_id}" in out
+    assert "gpuscout track" not in out  # no tracking section
+
+
+def test_submit_of_a_tracked_manifest_says_how_to_track_the_run(deployed: Deployed, tmp_path: Path) -> None:
+    server = f"arn:aws:sagemaker:{REGION}:123456789012:mlflow-tracking-server/team"
+    tracking = f"tracking:\n  mlflow: {{tracking_uri: '{server}'}}\n  wandb: {{project: p}}\n"
+    path = _manifest(tmp_path, VALID_TEXT + tracking)
+    code, out, err = invoke("submit", str(path), "--wait", "0")
+    assert code == 0, err
+    (run_id,) = [line.split()[-1] for line in out.splitlines() if line.startswith("run id:")]
+    assert f"when it has ended: gpuscout track {run_id} --stack-name Gpuscout" in out
+
+
+SEARCH = """\
+name: search-smoke
+model: {preset: qwen2-tiny}
+tokenizer: {kind: bpe, vocab_size: 4096}
+dataset: {source: "bundled:hebrew-bible", max_documents: 400}
+sequence_length: 256
+training: {max_steps: 30}
+targets:
+  - instance_type: ml.g5.12xlarge
+  - instance_type: ml.p4d.24xlarge
+constraints: {budget_usd: 50}
+search:
+  space: {per_device_batch_size: [2, 4], gradient_checkpointing: [false, true]}
+  sequences_per_step: 8
+  max_trials: 3
+"""
+
+
+def test_submit_of_a_search_counts_the_trials_it_may_launch(deployed: Deployed, tmp_path: Path) -> None:
+    # Given a search over 4 candidates per target, at most 3 trials each
+    code, out, err = invoke("submit", str(_manifest(tmp_path, SEARCH)), "--wait", "0")
+    assert code == 0, err
+    assert "(a search: up to 6 trial(s))" in out
 
 
 def test_submit_waits_for_the_execution_and_matches_key_and_etag(deployed: Deployed, tmp_path: Path) -> None:

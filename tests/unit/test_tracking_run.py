@@ -225,3 +225,16 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     (run_file,) = wb.run_files(runs)
     info = wb.run_info(wb.read_records(run_file))
     assert (info.run_group, info.job_type) == (run.run_id, "analysis")
+
+    # When the user logs the run again (`gpuscout track`, e.g. after a tracker was unreachable at the end of the run)
+    from typer.testing import CliRunner
+
+    from gpuscout.cli.app import app
+
+    done = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["track", run.run_id, "--db", str(tmp_path / "g.db")])
+    # Then the same destinations get the results again: a second analysis run in the run's group
+    assert done.exit_code == 0, done.output
+    assert f"tracking: W&B: run {run.run_id}-analysis in project 'gpuscout-test'" in done.stdout
+    files = wb.run_files(runs)
+    assert len(files) == 2
+    assert {wb.run_info(wb.read_records(f)).run_group for f in files} == {run.run_id}
