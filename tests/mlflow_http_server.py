@@ -31,16 +31,20 @@ server.serve_forever()
 
 
 @contextmanager
-def mlflow_server(folder: Path) -> Iterator[str]:
-    """Start the server; yields its URL (``http://127.0.0.1:<port>``); stops it at the end."""
+def mlflow_server(folder: Path, *, artifact_root: str | None = None) -> Iterator[str]:
+    """Start the server; yields its URL (``http://127.0.0.1:<port>``); stops it at the end. ``artifact_root``
+    (e.g. ``s3://bucket``): the server does not serve artifacts, clients write them there themselves (``mlflow server
+    --no-serve-artifacts --default-artifact-root``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "_MLFLOW_SERVER_FILE_STORE": f"sqlite:///{folder / 'server.db'}",
-        "_MLFLOW_SERVER_ARTIFACT_ROOT": "mlflow-artifacts:/",
-        "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
-        "_MLFLOW_SERVER_ARTIFACT_DESTINATION": str(folder / "artifacts"),
-    }
+    env = {**os.environ, "_MLFLOW_SERVER_FILE_STORE": f"sqlite:///{folder / 'server.db'}"}
+    if artifact_root is None:
+        env |= {
+            "_MLFLOW_SERVER_ARTIFACT_ROOT": "mlflow-artifacts:/",
+            "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
+            "_MLFLOW_SERVER_ARTIFACT_DESTINATION": str(folder / "artifacts"),
+        }
+    else:
+        env |= {"_MLFLOW_SERVER_ARTIFACT_ROOT": artifact_root, "_MLFLOW_SERVER_SERVE_ARTIFACTS": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
     log = (folder / "server.log").open("w")
     process = subprocess.Popen(

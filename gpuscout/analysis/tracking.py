@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from gpuscout.errors import GpuscoutError
-from gpuscout.spec.manifest import TrackingSection, validate_manifest_data
+from gpuscout.spec.manifest import TrackingSection
 from gpuscout.spec.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
@@ -123,14 +125,20 @@ def run_to_track(run: RunRecord, result: ResultRecord | None) -> tuple[TrackingS
             f"run {run.run_id} has no analysis yet (status {run.status.value}); its results can be tracked once it "
             "has ended and been analysed"
         )
-    if run.manifest is None:
-        raise GpuscoutError(f"run {run.run_id} has no stored manifest, so no tracking settings")
-    tracking = validate_manifest_data(run.manifest, run.manifest_source).resolved_tracking()
-    if tracking is None:
+    raw = (run.manifest or {}).get("tracking")
+    if not raw:
         raise GpuscoutError(
             f"the manifest of run {run.run_id} ({run.manifest_source}) has no tracking section: nothing to log to "
             "(add `tracking:` to the manifest for the next run; docs/search.md)"
         )
+    # only the tracking section: the rest of a stored manifest may predate this gpuscout's schema or catalog
+    try:
+        tracking = TrackingSection.model_validate(raw)
+    except ValidationError as err:
+        raise GpuscoutError(f"the stored tracking section of run {run.run_id} is not valid here: {err}") from err
+    if tracking.mlflow is not None and tracking.mlflow.experiment is None:  # Manifest.resolved_tracking's default
+        name = str((run.manifest or {}).get("name") or run.name)
+        tracking = tracking.model_copy(update={"mlflow": tracking.mlflow.model_copy(update={"experiment": name})})
     return tracking, result.analysis
 
 

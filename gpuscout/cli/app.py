@@ -510,13 +510,14 @@ def track(
         from gpuscout.cloud.run_tracking import track_cloud_run
 
         tracked = track_cloud_run(CloudStack(stack_name), run_id, download_dir)
-        outcome = tracked.outcome
+        outcome, problems = tracked.outcome, tracked.all_problems
         console.print(f"report: {tracked.report_dir}", soft_wrap=True)
         if tracked.wandb_dir is not None:
+            without = tracked.jobs_without_wandb
             console.print(
                 f"W&B: {len(tracked.wandb_job_runs)} job run(s) extracted to {tracked.wandb_dir}"
-                + (f"; none in the output of {', '.join(tracked.jobs_without_wandb)}" if tracked.jobs_without_wandb
-                   else ""),
+                + (f"; no W&B run from {', '.join(without)} (no output, the job's own code, or stopped before its "
+                   "tracker started)" if without else ""),
                 soft_wrap=True,
             )  # fmt: skip
     else:
@@ -524,10 +525,11 @@ def track(
 
         store = open_store(db, read_only=True)
         outcome = track_local_run(store.get_run(run_id), store)
+        problems = outcome.problems
     for line in outcome.logged:
         console.print(f"tracking: {escape(line)}", soft_wrap=True)
-    if outcome.problems:
-        raise GpuscoutError("; ".join(outcome.problems))
+    if problems:
+        raise GpuscoutError("; ".join(problems))
 
 
 register_cloud_commands(app)  # submit, status (gpuscout/cli/cloud_commands.py)

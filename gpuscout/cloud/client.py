@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 import boto3
+from boto3.exceptions import Boto3Error
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -122,7 +123,7 @@ def aws_errors(action: str) -> Iterator[None]:
                 f"cannot {action}: access denied ({message}); use credentials allowed to use the stack"
             ) from err
         raise CloudError(f"cannot {action}: {code or 'error'}: {message}") from err
-    except BotoCoreError as err:
+    except (BotoCoreError, Boto3Error) as err:  # Boto3Error: e.g. a download's RetriesExceededError
         raise CloudError(f"cannot {action}: {err}") from err
 
 
@@ -445,16 +446,20 @@ class CloudStack:
                 self._s3.download_file(bucket, key, str(target))
         return folder
 
-    def download_job_output(self, run_id: str, job_name: str, target: Path) -> bool:
-        """The job's output.tar.gz (its SM_OUTPUT_DATA_DIR, tarred by SageMaker) into the file ``target``; False
-        when the job left none (it failed before uploading, or never started)."""
+    def jobs_with_output(self, run_id: str) -> set[str]:
+        """The names of the run's jobs that left an output.tar.gz (one listing of ``output/<run_id>/``)."""
+        bucket, prefix = self.outputs.artifacts_bucket, f"output/{run_id}/"
+        names: set[str] = set()
+        with aws_errors(f"list s3://{bucket}/{prefix}"):
+            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    job_name, _, rest = str(obj["Key"])[len(prefix) :].partition("/")
+                    if rest == "output/output.tar.gz":
+                        names.add(job_name)
+        return names
+
+    def download_job_output(self, run_id: str, job_name: str, target: Path) -> None:
+        """The job's output.tar.gz (its SM_OUTPUT_DATA_DIR, tarred by SageMaker) into the file ``target``."""
         bucket, key = self.outputs.artifacts_bucket, output_tar_key(run_id, job_name)
         with aws_errors(f"download s3://{bucket}/{key}"):
-            try:
-                self._s3.download_file(bucket, key, str(target))
-            except ClientError as err:
-                if str(err.response.get("Error", {}).get("Code")) not in {"404", "NoSuchKey"}:
-                    raise
-                target.unlink(missing_ok=True)
-                return False
-        return True
+            self._s3.download_file(bucket, key, str(target))

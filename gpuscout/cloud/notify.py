@@ -46,6 +46,8 @@ def run_summary(
     if len(failed) > 10:
         lines.append(f"  ... and {len(failed) - 10} more (gpuscout status {run.run_id})")
     lines += ["", recommendation, "", f"Report: {report_uri}", f"Details: gpuscout results {run.run_id}"]
+    if (run.manifest or {}).get("tracking"):  # the run level is logged from the user's machine (cloud/run_tracking.py)
+        lines.append(f"Experiment trackers: gpuscout track {run.run_id} --stack-name <stack>")
     if console_url:
         lines.append(f"Execution: {console_url}")
     return Notice(subject=subject, message="\n".join(lines) + "\n")

@@ -192,10 +192,12 @@ MLFLOW_HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
-    # sagemaker-mlflow: artifacts through the tracking server's presigned URLs, so the job role needs only
-    # sagemaker-mlflow:* on the server (stacks/roles.py), not a grant on the server's artifact bucket
-    "SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED": "true",
 }
+# sagemaker-mlflow: artifacts through a SageMaker managed server's presigned URLs, so the job role needs only
+# sagemaker-mlflow:* on the server (stacks/roles.py), not a grant on the server's artifact bucket. Set for ARN URIs
+# only: the plugin handles every s3:// artifact location, and with this on it builds its upload request from the
+# tracking URI as if it were an ARN, which fails for an http(s) server that keeps its artifacts in S3.
+PRESIGNED_UPLOAD_ENV = "SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED"
 
 
 def bound_mlflow_retries() -> None:
@@ -206,9 +208,11 @@ def bound_mlflow_retries() -> None:
 
 def prepare_mlflow_uri(uri: str, mlflow: Any) -> None:
     """Before an ``MlflowClient(tracking_uri=uri)`` (``mlflow`` is the imported module): an ARN is also set as the
-    process's tracking URI, from which the sagemaker-mlflow plugin builds its request headers; for any other URI
-    that plugin (installed with gpuscout) logs a warning about the missing ARN on every request, which is silenced."""
+    process's tracking URI, from which the sagemaker-mlflow plugin builds its request headers, and its artifacts go
+    through the server's presigned URLs (PRESIGNED_UPLOAD_ENV, where not set); for any other URI that plugin
+    (installed with gpuscout) logs a warning about the missing ARN on every request, which is silenced."""
     if uri.startswith("arn:"):
+        os.environ.setdefault(PRESIGNED_UPLOAD_ENV, "true")
         mlflow.set_tracking_uri(uri)
     else:
         logging.getLogger("mlflow.tracking.request_header.registry").setLevel(logging.ERROR)

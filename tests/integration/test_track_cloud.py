@@ -169,7 +169,7 @@ def test_track_logs_a_cloud_run_to_its_mlflow_server_and_wandb_beside_its_jobs(
     assert done.exit_code == 0, done.output
     assert f"MLflow: run {run_id} (2 job run(s) nested) in experiment '{EXPERIMENT}' at {server}" in done.stdout
     assert f"W&B: run {run_id}-analysis in project 'gpuscout-test', group {run_id}" in done.stdout
-    assert f"W&B: 2 job run(s) extracted to {download / 'wandb'}; none in the output of {', '.join(p4d)}" in (
+    assert f"W&B: 2 job run(s) extracted to {download / 'wandb'}; no W&B run from {', '.join(p4d)} (no output" in (
         done.stdout.replace("\n", "")
     )
     assert (download / run_id / "report.md").is_file()  # the report, downloaded as `gpuscout report` does
@@ -244,3 +244,23 @@ def test_track_refuses_a_run_without_tracking_or_without_an_analysis(cloud: Clou
     done = _track(planned["run_id"], tmp_path / "downloads")
     assert done.exit_code == 1
     assert f"run {planned['run_id']} has no analysis yet (status PLANNED)" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_job_output_that_cannot_be_read_is_one_problem_and_the_rest_is_still_logged(
+    cloud: Cloud, tmp_path: Path
+) -> None:
+    # Given a finished run tracked with W&B whose first job's output.tar.gz is damaged
+    run_id, g5, _ = _finished_run(cloud, tmp_path, "tracking:\n  wandb:\n    project: gpuscout-test\n", "damaged")
+    _deploy_stack()
+    cloud.s3.put_object(Bucket=ARTIFACTS_BUCKET, Key=output_tar_key(run_id, g5[0]), Body=b"not a tar archive")
+    # When the run is tracked
+    download = tmp_path / "downloads"
+    done = _track(run_id, download)
+    # Then the damaged job is the one error (exit 1), and the other job's run and the analysis run are there
+    assert done.exit_code == 1
+    assert f"W&B: the runs of job {g5[0]} were not extracted (cannot read the W&B runs in" in done.stderr
+    assert "W&B: 1 job run(s) extracted" in done.stdout
+    assert f"tracking: W&B: run {run_id}-analysis" in done.stdout
+    names = {str(wb.config(wb.read_records(f)).get("job_name") or "analysis") for f in wb.run_files(download)}
+    assert names == {g5[1], "analysis"}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuscout.cloud import run_tracking
 from gpuscout.cloud.run_tracking import extract_wandb_runs
 from gpuscout.errors import GpuscoutError
 
@@ -31,7 +32,8 @@ def _archive(path: Path, members: list[tuple[str, bytes | None, str | None]]) ->
 
 
 def test_only_the_wandb_run_folders_are_extracted(tmp_path: Path) -> None:
-    # Given an archive with a benchmark, two W&B runs (one named with a leading ./), wandb's links and hostile names
+    # Given an archive with a benchmark, two W&B runs (one named with a leading ./), wandb's links and top-level
+    # files, and hostile names
     archive = _archive(
         tmp_path / "output.tar.gz",
         [
@@ -41,30 +43,65 @@ def test_only_the_wandb_run_folders_are_extracted(tmp_path: Path) -> None:
             ("wandb/offline-run-1-a/run-a.wandb", b"A", None),
             ("./wandb/offline-run-2-b/files/benchmark.json", b"B", None),
             ("wandb/latest-run", None, "offline-run-2-b"),
+            ("wandb/latest-run/files/x", b"through the link's name", None),
             ("wandb/offline-run-1-a/logs/debug-core.log", None, "/root/.cache/wandb/logs/core.log"),
-            ("wandb/../../escaped.txt", b"X", None),
-            ("/wandb/absolute.txt", b"X", None),
-            ("wandb/debug.log", b"top-level file, not a run", None),
+            ("wandb/offline-run-1-a/../../escaped.txt", b"X", None),
+            ("/wandb/offline-run-3-c/absolute.txt", b"X", None),
+            ("wandb/debug.log", b"wandb's top-level file, not a run", None),
         ],
     )
     # When the W&B runs are extracted
-    runs = extract_wandb_runs(archive, tmp_path / "out")
+    extracted = extract_wandb_runs(archive, tmp_path / "out")
     # Then exactly the two run folders with their files, no link, nothing outside
     out = tmp_path / "out"
-    assert runs == [out / "wandb" / "offline-run-1-a", out / "wandb" / "offline-run-2-b"]
+    assert extracted.runs == [out / "wandb" / "offline-run-1-a", out / "wandb" / "offline-run-2-b"]
+    assert extracted.skipped == []
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() or p.is_symlink())
-    assert files == [
-        "wandb/debug.log",
-        "wandb/offline-run-1-a/run-a.wandb",
-        "wandb/offline-run-2-b/files/benchmark.json",
-    ]
-    assert not any(p.is_symlink() for p in out.rglob("*"))
+    assert files == ["wandb/offline-run-1-a/run-a.wandb", "wandb/offline-run-2-b/files/benchmark.json"]
     assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_link_already_on_disk_is_never_written_through(tmp_path: Path) -> None:
+    # Given a download folder where wandb left a link inside a run folder (as it does for logs/debug-core.log)
+    out = tmp_path / "out"
+    outside = tmp_path / "outside.log"
+    outside.write_text("wandb's cache")
+    (out / "wandb" / "offline-run-1-a" / "logs").mkdir(parents=True)
+    (out / "wandb" / "offline-run-1-a" / "logs" / "debug-core.log").symlink_to(outside)
+    (out / "wandb" / "offline-run-1-a" / "files").symlink_to(tmp_path, target_is_directory=True)
+    archive = _archive(
+        tmp_path / "output.tar.gz",
+        [
+            ("wandb/offline-run-1-a/logs/debug-core.log", b"overwrite?", None),
+            ("wandb/offline-run-1-a/files/planted.txt", b"through a folder link?", None),
+            ("wandb/offline-run-1-a/run-a.wandb", b"A", None),
+        ],
+    )
+    # When the archive is extracted there
+    extracted = extract_wandb_runs(archive, out)
+    # Then nothing went through either link, and both are reported
+    assert outside.read_text() == "wandb's cache" and not (tmp_path / "planted.txt").exists()
+    assert [s.split(" ")[0] for s in extracted.skipped] == [
+        "wandb/offline-run-1-a/logs/debug-core.log",
+        "wandb/offline-run-1-a/files/planted.txt",
+    ]
+    assert (out / "wandb" / "offline-run-1-a" / "run-a.wandb").read_bytes() == b"A"
+
+
+def test_an_oversized_file_is_not_extracted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_tracking, "MAX_WANDB_FILE_BYTES", 4)
+    archive = _archive(
+        tmp_path / "output.tar.gz",
+        [("wandb/offline-run-1-a/run-a.wandb", b"A", None), ("wandb/offline-run-1-a/huge.bin", b"12345", None)],
+    )
+    extracted = extract_wandb_runs(archive, tmp_path / "out")
+    assert extracted.skipped == ["wandb/offline-run-1-a/huge.bin (5 bytes)"]
+    assert not (tmp_path / "out" / "wandb" / "offline-run-1-a" / "huge.bin").exists()
 
 
 def test_an_output_without_wandb_runs_gives_none(tmp_path: Path) -> None:
     archive = _archive(tmp_path / "output.tar.gz", [("benchmark.json", b"{}", None)])
-    assert extract_wandb_runs(archive, tmp_path / "out") == []
+    assert extract_wandb_runs(archive, tmp_path / "out").runs == []
 
 
 def test_an_unreadable_archive_is_a_clear_error(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ job runs as train.py leaves them, W&B in offline mode (read back with tests/wand
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,12 @@ from gpuscout.spec.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
     MLFLOW_PARENT_TAG,
+    PRESIGNED_UPLOAD_ENV,
     RUN_ID_TAG,
     Destinations,
+    MlflowDestination,
     local_destinations,
+    prepare_mlflow_uri,
 )
 from tests import wandb_offline_reader as wb
 
@@ -154,6 +158,50 @@ def test_a_tracker_that_fails_is_reported_not_raised(tmp_path: Path, monkeypatch
     assert outcome.logged == []
     (problem,) = outcome.problems
     assert problem.startswith("MLflow: the run's results were not logged (")
+
+
+@pytest.mark.slow
+def test_an_http_server_that_keeps_artifacts_in_s3_gets_the_run_s_artifacts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+    from moto import mock_aws
+
+    from tests.mlflow_http_server import mlflow_server
+
+    # Given an MLflow server (over HTTP) whose artifact root is an S3 bucket the client writes to itself, and the
+    # sagemaker-mlflow plugin installed (it handles every s3:// artifact location)
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(PRESIGNED_UPLOAD_ENV, raising=False)
+    with mock_aws(), mlflow_server(tmp_path / "server", artifact_root="s3://team-mlflow") as url:
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="team-mlflow")
+        # When the run is logged there
+        destinations = Destinations(mlflow=MlflowDestination(tracking_uri=url, experiment="s3-artifacts"))
+        outcome = log_run(RUN_ID, ANALYSIS, _report(tmp_path / "report"), destinations)
+        # Then the artifacts are in the bucket: the plugin's presigned upload (ARN servers only) stayed off
+        assert outcome.problems == [], outcome.problems
+        keys = {obj["Key"].split("/artifacts/", 1)[1] for obj in s3.list_objects_v2(Bucket="team-mlflow")["Contents"]}
+        assert {"ranked_results.json", "analysis.json", "report/report.md"} <= keys
+        assert PRESIGNED_UPLOAD_ENV not in os.environ
+
+
+def test_presigned_uploads_are_turned_on_for_a_sagemaker_server_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    class FakeMlflow:
+        uri = ""
+
+        def set_tracking_uri(self, uri: str) -> None:
+            self.uri = uri
+
+    monkeypatch.delenv(PRESIGNED_UPLOAD_ENV, raising=False)
+    mlflow = FakeMlflow()
+    prepare_mlflow_uri("https://mlflow.example.com", mlflow)
+    assert PRESIGNED_UPLOAD_ENV not in os.environ and mlflow.uri == ""
+    arn = "arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team"
+    prepare_mlflow_uri(arn, mlflow)
+    assert os.environ[PRESIGNED_UPLOAD_ENV] == "true" and mlflow.uri == arn
 
 
 def test_ranked_rows_put_the_ranked_first_and_flatten_intervals_and_repetitions() -> None:
