@@ -19,6 +19,8 @@ from gpuscout.errors import TrainingError
 from gpuscout.paths import TRAINING_DIR
 from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
+from gpuscout.spec.tracking import TRACKING_ENV, JobTracking, WandbDestination
+from tests import wandb_offline_reader as wb
 
 HPS = {
     "run_id": "r-test",
@@ -241,6 +243,14 @@ def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, t
         "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"), "SM_MODEL_DIR": str(root / "opt/ml/model"),
         "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
     }  # fmt: skip
+    # and W&B offline tracking, as a SageMaker job gets it: rank 0 tracks, and every rank leaves through
+    # train.leave_together (os._exit after W&B's teardown)
+    tracking = JobTracking(wandb=WandbDestination(project="gpuscout-test", mode="offline",
+                                                  dir=str(root / "opt/ml/output/data"), log_artifacts=False),
+                           variant="ddp", instance_count=1, spot=False)  # fmt: skip
+    env |= {TRACKING_ENV: tracking.model_dump_json(), "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    env |= {f"WANDB_{name}_DIR": str(tmp_path / f"wandb-{name.lower()}") for name in ("CONFIG", "DATA", "CACHE")}
+    env.pop("WANDB_API_KEY", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(TRAINING_DIR / "train.py")]  # fmt: skip
     # When it trains with validation every 2 steps, Then it finishes (a hang fails at the timeout)
@@ -256,3 +266,8 @@ def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, t
     result = _result(root)
     assert result.status == "completed" and result.hardware.world_size == 2
     assert result.loss is not None and [p.step for p in result.loss.validation] == [2, 4]
+    # and rank 0's W&B run is complete (one run, every step, the end record written before the exit)
+    (run_file,) = wb.run_files(root / "opt/ml/output/data")
+    records = wb.read_records(run_file)
+    assert [row["_step"] for row in wb.history(records) if "loss" in row] == [1, 2, 3, 4]
+    assert wb.of_type(records, "exit")
