@@ -41,7 +41,7 @@ from botocore.exceptions import (
 from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
 from gpuscout.cloud.sagemaker_requests import output_tar_key
-from gpuscout.cloud.sources import source_problems, target_problems, tracking_problems
+from gpuscout.cloud.sources import hyperparameter_problems, source_problems, target_problems, tracking_problems
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.spec.catalog import Catalog, load_catalog
@@ -289,7 +289,7 @@ class CloudStack:
         """
         path = Path(manifest_path)
         manifest = load_manifest(path, catalog=catalog or load_catalog())
-        problems = target_problems(manifest) + tracking_problems(manifest)
+        problems = target_problems(manifest) + tracking_problems(manifest) + hyperparameter_problems(manifest)
         if problems:
             raise ManifestError(str(path), problems)
         try:

@@ -36,6 +36,10 @@ from gpuscout.spec.tracking import (
 # manifest (tests/integration/test_cloud_handlers.py::test_the_largest_allowed_plan_fits_the_state_payload).
 MAX_JOBS_PER_RUN = 40
 STATE_PAYLOAD_LIMIT_BYTES = 256 * 1024
+# CreateTrainingJob HyperParameters (botocore's SageMaker model): at most 100 entries, values of at most 2,500
+# characters. Not checked by botocore's client-side validation: SageMaker refuses the request when the job starts.
+MAX_HYPERPARAMETERS = 100
+MAX_HYPERPARAMETER_CHARS = 2500
 RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMaker role reads sources from
 CODE_PREFIX = "code/"  # under RAW_PREFIX: the user's code folders `gpuscout submit` uploads (content-addressed)
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -248,6 +252,44 @@ def tracking_problems(manifest: Manifest) -> list[Problem]:
     return problems
 
 
+def hyperparameter_problems(manifest: Manifest) -> list[Problem]:
+    """A job section's arguments as SageMaker HyperParameters: each variant's (and the canary's) merged arguments
+    within CreateTrainingJob's 100 entries, every value within 2,500 characters. The built-in job's own
+    hyperparameters are gpuscout's (about 30, short)."""
+    from gpuscout.plan.planner import argument_text  # the text each value is sent as (lazy: the planner is heavy)
+
+    job = manifest.job
+    if job is None:
+        return []
+    problems: list[Problem] = []
+    sources = {"job.arguments": job.arguments, "job.canary_arguments": job.canary_arguments}
+    sources |= {f"variants[{i}].hyperparameters": v.hyperparameters for i, v in enumerate(manifest.variants)}
+    for field, values in sources.items():
+        for key, value in values.items():
+            text = argument_text(value)
+            if len(text) > MAX_HYPERPARAMETER_CHARS:
+                problems.append(
+                    Problem(
+                        f"{field}.{key}",
+                        f"{len(text):,} characters; SageMaker passes hyperparameters of at most "
+                        f"{MAX_HYPERPARAMETER_CHARS:,} characters (put long values in a file of the code folder)",
+                    )
+                )
+    merged = [(f"variants[{i}].hyperparameters", {**job.arguments, **v.hyperparameters})
+              for i, v in enumerate(manifest.variants)]  # fmt: skip
+    merged.append(("job.canary_arguments", {**job.arguments, **job.canary_arguments}))
+    for field, arguments in merged:
+        if len(arguments) > MAX_HYPERPARAMETERS:
+            problems.append(
+                Problem(
+                    field,
+                    f"{len(arguments)} arguments with job.arguments; SageMaker passes at most {MAX_HYPERPARAMETERS} "
+                    "hyperparameters to a job (put the rest in a config file of the code folder)",
+                )
+            )
+    return problems
+
+
 def cloud_problems(
     manifest: Manifest,
     *,
@@ -258,6 +300,7 @@ def cloud_problems(
     problems = target_problems(manifest, allowed_instance_types=allowed_instance_types)
     problems += source_problems(manifest, data_bucket=data_bucket)
     problems += tracking_problems(manifest)
+    problems += hyperparameter_problems(manifest)
     if execution_timeout_hours is not None:
         problems += timeout_problems(manifest, execution_timeout_hours=execution_timeout_hours)
     return problems

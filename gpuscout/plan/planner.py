@@ -567,7 +567,7 @@ def hyperparameters(
 # -- a job section: the user's own code ---------------------------------------------------------------------------
 
 
-def _argument_text(value: object) -> str:
+def argument_text(value: object) -> str:
     if isinstance(value, bool):
         return _flag(value)
     return repr(value) if isinstance(value, float) else str(value)
@@ -701,7 +701,7 @@ def plan_job_section(
             else:
                 rates = {"tokens_per_s": rate}
             args = {**job.arguments, **variant.hyperparameters}
-            arguments = {k: _argument_text(v) for k, v in args.items()}
+            arguments = {k: argument_text(v) for k, v in args.items()}
             jobs += repeated_specs(
                 manifest, run_id, ti=ti, target=target, vi=vi, variant=variant,
                 hyperparameters_for=partial(_same_arguments, arguments),
@@ -726,7 +726,7 @@ def plan_job_section(
                     unit=job.unit,
                     items_per_sample=job.items_per_sample,
                     distribution=job.distribution,
-                    canary_arguments={k: _argument_text(v) for k, v in job.canary_arguments.items()},
+                    canary_arguments={k: argument_text(v) for k, v in job.canary_arguments.items()},
                     environment=env,
                 ),
             )  # fmt: skip

@@ -108,3 +108,44 @@ def test_a_gpu_the_training_images_torch_has_no_kernels_for_is_refused() -> None
     assert problem.path == "targets[1].instance_type"
     assert "NVIDIA Tesla V100 SXM2 16GB (compute capability 7.0)" in problem.message
     assert "no kernels below Turing (7.5)" in problem.message and "ml.g5.*" in problem.message
+
+
+JOB = """
+name: own-code
+job:
+  source_dir: s3://{bucket}/raw/code/own/
+  entry_point: train.py
+  arguments: {{{arguments}}}
+  canary_arguments: {{{canary}}}
+training: {{max_steps: 100}}
+targets: [{{instance_type: ml.g5.8xlarge}}]
+variants: [{{name: base}}, {{name: wide, hyperparameters: {{{wide}}}}}]
+constraints: {{budget_usd: 50}}
+"""
+
+
+def _job_manifest(arguments: dict[str, object], canary: dict[str, object], wide: dict[str, object]) -> Manifest:
+    def inline(values: dict[str, object]) -> str:
+        return ", ".join(f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in values.items())
+
+    text = JOB.format(bucket=BUCKET, arguments=inline(arguments), canary=inline(canary), wide=inline(wide))
+    return parse_manifest(text, "m.yaml", load_catalog())
+
+
+def test_a_job_s_arguments_must_fit_sagemaker_s_hyperparameter_limits() -> None:
+    # Given 99 job arguments, a variant adding 2 more and a 2,501-character value (SageMaker: 100 entries, 2,500)
+    arguments: dict[str, object] = {f"a{i:02d}": i for i in range(99)}
+    manifest = _job_manifest(arguments, {"steps": 2}, {"extra1": 1, "extra2": "x" * 2501})
+    # Then each is refused with its field path, before anything runs
+    problems = {p.path: p.message for p in cloud_problems(manifest, data_bucket=BUCKET)}
+    assert (
+        "SageMaker passes hyperparameters of at most 2,500 characters" in problems["variants[1].hyperparameters.extra2"]
+    )
+    assert problems["variants[1].hyperparameters"].startswith("101 arguments with job.arguments; SageMaker passes")
+    assert "variants[0].hyperparameters" not in problems  # 99 fit
+    assert "job.canary_arguments" not in problems  # 99 + steps = 100 fit
+
+
+def test_a_job_within_the_limits_passes() -> None:
+    manifest = _job_manifest({"a": 1, "text": "y" * 2500}, {"steps": 2}, {"hidden": 512})
+    assert cloud_problems(manifest, data_bucket=BUCKET) == []
