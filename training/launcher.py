@@ -36,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,13 +283,15 @@ def _write_failure(env: Mapping[str, str], reason: str) -> None:
         path = _failure_file(env)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():  # the script's own (more specific) reason wins
-            path.write_text(reason[:1000])
+            path.write_text(reason[:FAILURE_MAX_CHARS])
     except OSError:
         pass
 
 
 _CHILDREN: list[subprocess.Popen[str]] = []  # the process this launcher waits on now (pip, then the script)
 TEE_DRAIN_S = 30.0  # after the script exits, how long its output may still be read (a descendant may hold the pipe)
+FAILURE_MAX_CHARS = 1000  # of /opt/ml/output/failure; SageMaker's FailureReason holds at most 1,024
+STDERR_TAIL_LINES = 5  # of the script's stderr in the failure reason
 
 
 def _forward(signum: int, _frame: FrameType | None) -> None:
@@ -327,6 +331,29 @@ def _tee(stream: Iterable[str], log: IO[str]) -> None:
         log.write(line)
 
 
+def _tee_stderr(stream: Iterable[str], tail: deque[str]) -> None:
+    """The script's stderr, passed through to the job log as it comes; its last lines kept for the failure reason."""
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if line.strip():
+            tail.append(line.rstrip())
+
+
+def failure_reason(entry_point: str, status: int, stderr_tail: Sequence[str]) -> str:
+    """What SageMaker shows as the job's FailureReason: how the script ended and the end of its stderr (a Python
+    traceback's last lines name the error), within FAILURE_MAX_CHARS with the end kept."""
+    what = f"was killed by signal {-status}" if status < 0 else f"exited with code {status}"
+    reason = f"{entry_point} {what}"
+    if not stderr_tail:
+        return reason
+    room = FAILURE_MAX_CHARS - len(reason) - len("; stderr: ")
+    text = " | ".join(stderr_tail[-STDERR_TAIL_LINES:])
+    if len(text) > room:
+        text = "..." + text[-(room - 3) :]
+    return f"{reason}; stderr: {text}"
+
+
 def run_job_code(topology: Topology, code: JobCode, args: Sequence[str], env: dict[str, str]) -> int:
     """Run the user's script (module docstring) and return its exit status (or 1 when its result is unusable)."""
     previous = {sig: signal.signal(sig, _forward) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -335,26 +362,32 @@ def run_job_code(topology: Topology, code: JobCode, args: Sequence[str], env: di
         command = build_job_code_command(topology, code, args, environ=env)
         print(f"[launcher] host {topology.current_host}: {' '.join(command)}", flush=True)
         with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
-            child = _start(command, cwd=code.code_dir, env=env, stdout=subprocess.PIPE, encoding="utf-8",
-                           errors="replace", bufsize=1)  # fmt: skip
-            assert child.stdout is not None
-            reader = threading.Thread(target=_tee, args=(child.stdout, log), daemon=True)
-            reader.start()
+            child = _start(command, cwd=code.code_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           encoding="utf-8", errors="replace", bufsize=1)  # fmt: skip
+            assert child.stdout is not None and child.stderr is not None
+            tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+            readers = [threading.Thread(target=_tee, args=(child.stdout, log), daemon=True),
+                       threading.Thread(target=_tee_stderr, args=(child.stderr, tail), daemon=True)]  # fmt: skip
+            for reader in readers:
+                reader.start()
             status = child.wait()
-            reader.join(timeout=TEE_DRAIN_S)  # a descendant still holding stdout must not hang the job
+            deadline = time.monotonic() + TEE_DRAIN_S  # a descendant still holding a pipe must not hang the job
+            for reader in readers:
+                reader.join(timeout=max(0.0, deadline - time.monotonic()))
             log.flush()
-            return _finish(topology, code, env, status, log)
+            return _finish(topology, code, env, status, log, stderr_tail=list(tail))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _finish(topology: Topology, code: JobCode, env: dict[str, str], status: int, log: IO[str]) -> int:
+def _finish(
+    topology: Topology, code: JobCode, env: dict[str, str], status: int, log: IO[str], *, stderr_tail: Sequence[str]
+) -> int:
     """The job's exit status from the script's: a failure reason for SageMaker, benchmark.json from metric lines."""
     output = Path(env["SM_OUTPUT_DATA_DIR"])
     if status != 0:
-        what = f"was killed by signal {-status}" if status < 0 else f"exited with code {status}"
-        _write_failure(env, f"{code.entry_point} {what}")
+        _write_failure(env, failure_reason(code.entry_point, status, stderr_tail))
         return 128 - status if status < 0 else status
     if topology.node_rank != 0 or (output / "benchmark.json").is_file():
         return 0

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher import failure_reason
 
 from gpuscout.cloud.sagemaker_requests import RequestSettings, training_job_request
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
@@ -165,6 +166,30 @@ def test_a_failing_script_fails_the_job_with_a_reason_sagemaker_shows(tmp_path: 
     done = _launch(tmp_path, _sagemaker_tree(tmp_path / "ml", request, code=code))
     assert done.returncode == 3
     assert (tmp_path / "ml" / "output" / "failure").read_text() == "fit.py exited with code 3"
+
+
+def test_a_script_that_raises_fails_the_job_with_the_error_in_its_reason(tmp_path: Path) -> None:
+    # Given a script that fails with a Python traceback (the usual way a user's code fails)
+    script = "import sys\nprint('loading', file=sys.stderr)\nraise ValueError('no fit: ' + 'x' * 2000)\n"
+    code, request = _own_code(tmp_path, script)
+    # When it runs as a SageMaker job
+    done = _launch(tmp_path, _sagemaker_tree(tmp_path / "ml", request, code=code))
+    # Then the job fails with the end of the traceback in the reason SageMaker shows (within its 1,024 characters),
+    # and the whole stderr still reaches the job log
+    assert done.returncode == 1
+    failure = (tmp_path / "ml" / "output" / "failure").read_text()
+    assert failure.startswith("fit.py exited with code 1; stderr: ...") and len(failure) <= 1000
+    assert failure.endswith("x" * 100)
+    assert "Traceback (most recent call last):" in done.stderr and "loading" in done.stderr
+
+
+def test_the_failure_reason_keeps_the_last_stderr_lines() -> None:
+    tail = ["Traceback (most recent call last):", '  File "fit.py", line 3, in <module>', "ValueError: bad batch"]
+    assert failure_reason("fit.py", 1, tail) == (
+        'fit.py exited with code 1; stderr: Traceback (most recent call last): |   File "fit.py", line 3, in <module> '
+        "| ValueError: bad batch"
+    )
+    assert failure_reason("fit.py", -9, []) == "fit.py was killed by signal 9"
 
 
 def test_a_script_without_steps_or_benchmark_is_a_failure_not_a_result(tmp_path: Path) -> None:
