@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -292,6 +293,10 @@ _CHILDREN: list[subprocess.Popen[str]] = []  # the process this launcher waits o
 TEE_DRAIN_S = 30.0  # after the script exits, how long its output may still be read (a descendant may hold the pipe)
 FAILURE_MAX_CHARS = 1000  # of /opt/ml/output/failure; SageMaker's FailureReason holds at most 1,024
 STDERR_TAIL_LINES = 5  # of the script's stderr in the failure reason
+STDERR_KEEP_LINES = 200  # kept while the script runs: torchrun's report of a failed worker comes after its traceback
+# torchrun's (the elastic agent's) own glog-style log lines, e.g. "E1123 18:56:34.245000 14000 .../torch/distributed/
+# elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 ..."
+_ELASTIC_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ +\d+ .*torch[/\\]distributed[/\\]elastic[/\\]")
 
 
 def _forward(signum: int, _frame: FrameType | None) -> None:
@@ -340,15 +345,28 @@ def _tee_stderr(stream: Iterable[str], tail: deque[str]) -> None:
             tail.append(line.rstrip())
 
 
+def script_lines(stderr_tail: Sequence[str]) -> list[str]:
+    """The script's own stderr lines: under torchrun, its report of the failed worker (from the elastic agent's
+    "failed (exitcode" log line on: its traceback and the Root Cause box) and its other log lines are left out, so
+    the last lines are the script's traceback."""
+    lines = list(stderr_tail)
+    for i, line in enumerate(lines):
+        if _ELASTIC_LOG.match(line) and "failed (exitcode" in line:
+            lines = lines[:i]
+            break
+    return [line for line in lines if not _ELASTIC_LOG.match(line)]
+
+
 def failure_reason(entry_point: str, status: int, stderr_tail: Sequence[str]) -> str:
     """What SageMaker shows as the job's FailureReason: how the script ended and the end of its stderr (a Python
     traceback's last lines name the error), within FAILURE_MAX_CHARS with the end kept."""
     what = f"was killed by signal {-status}" if status < 0 else f"exited with code {status}"
     reason = f"{entry_point} {what}"
-    if not stderr_tail:
+    lines = script_lines(stderr_tail)
+    if not lines:
         return reason
     room = FAILURE_MAX_CHARS - len(reason) - len("; stderr: ")
-    text = " | ".join(stderr_tail[-STDERR_TAIL_LINES:])
+    text = " | ".join(lines[-STDERR_TAIL_LINES:])
     if len(text) > room:
         text = "..." + text[-(room - 3) :]
     return f"{reason}; stderr: {text}"
@@ -365,7 +383,7 @@ def run_job_code(topology: Topology, code: JobCode, args: Sequence[str], env: di
             child = _start(command, cwd=code.code_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            encoding="utf-8", errors="replace", bufsize=1)  # fmt: skip
             assert child.stdout is not None and child.stderr is not None
-            tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+            tail: deque[str] = deque(maxlen=STDERR_KEEP_LINES)
             readers = [threading.Thread(target=_tee, args=(child.stdout, log), daemon=True),
                        threading.Thread(target=_tee_stderr, args=(child.stderr, tail), daemon=True)]  # fmt: skip
             for reader in readers:

@@ -50,6 +50,7 @@ MAX_BENCHMARK_BYTES = 32 * 1024 * 1024
 OOM_MARKERS = ("OutOfMemory", "CUDA out of memory", "out of memory")
 CAPACITY_MARKERS = ("CapacityError", "InsufficientCapacity", "Insufficient capacity")
 QUOTA_MARKERS = ("ResourceLimitExceeded",)
+STDERR_MARK = "; stderr: "  # training/launcher.py's failure reason: what follows is the user's script's stderr
 STARTING_SECONDARY = frozenset(
     {
         "Starting",
@@ -134,14 +135,16 @@ class TrainingJobStateChange(_Detail):
 
 
 def classify_failure(reason: str | None) -> JobStatus:
-    """A SageMaker failure reason or Step Functions error -> CAPACITY / QUOTA / OOM / FAILED."""
+    """A SageMaker failure reason or Step Functions error -> CAPACITY / QUOTA / OOM / FAILED. The stderr a user's
+    script left in its reason (training/launcher.py, after STDERR_MARK) counts for OOM only: a quota or capacity
+    word in the script's own output (its boto3 error, a log line) is not SageMaker's."""
     text = reason or ""
-    lowered = text.lower()
-    if any(marker.lower() in lowered for marker in QUOTA_MARKERS):
+    own = text.split(STDERR_MARK, 1)[0].lower()
+    if any(marker.lower() in own for marker in QUOTA_MARKERS):
         return JobStatus.QUOTA
-    if any(marker.lower() in lowered for marker in CAPACITY_MARKERS):
+    if any(marker.lower() in own for marker in CAPACITY_MARKERS):
         return JobStatus.CAPACITY
-    if any(marker.lower() in lowered for marker in OOM_MARKERS):
+    if any(marker.lower() in text.lower() for marker in OOM_MARKERS):
         return JobStatus.OOM
     return JobStatus.FAILED
 

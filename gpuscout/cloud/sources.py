@@ -40,6 +40,7 @@ STATE_PAYLOAD_LIMIT_BYTES = 256 * 1024
 # characters. Not checked by botocore's client-side validation: SageMaker refuses the request when the job starts.
 MAX_HYPERPARAMETERS = 100
 MAX_HYPERPARAMETER_CHARS = 2500
+LINE_BREAKS = re.compile("[\n\r\u0085\u2028\u2029]")  # what the API's '.*' (a Java regex) does not match
 RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMaker role reads sources from
 CODE_PREFIX = "code/"  # under RAW_PREFIX: the user's code folders `gpuscout submit` uploads (content-addressed)
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -275,18 +276,29 @@ def hyperparameter_problems(manifest: Manifest) -> list[Problem]:
                         f"{MAX_HYPERPARAMETER_CHARS:,} characters (put long values in a file of the code folder)",
                     )
                 )
-    merged = [(f"variants[{i}].hyperparameters", {**job.arguments, **v.hyperparameters})
-              for i, v in enumerate(manifest.variants)]  # fmt: skip
-    merged.append(("job.canary_arguments", {**job.arguments, **job.canary_arguments}))
-    for field, arguments in merged:
-        if len(arguments) > MAX_HYPERPARAMETERS:
-            problems.append(
-                Problem(
-                    field,
-                    f"{len(arguments)} arguments with job.arguments; SageMaker passes at most {MAX_HYPERPARAMETERS} "
-                    "hyperparameters to a job (put the rest in a config file of the code folder)",
+            if LINE_BREAKS.search(text):
+                problems.append(
+                    Problem(
+                        f"{field}.{key}",
+                        "contains a line break; a SageMaker hyperparameter value is one line (pattern '.*' of the "
+                        "API; put multi-line text in a file of the code folder)",
+                    )
                 )
-            )
+    for i, variant in enumerate(manifest.variants):
+        # what each job and each of its canaries is sent (planner: job arguments, then the variant's; the canary's
+        # over those, gpuscout.plan.canary)
+        arguments = {**job.arguments, **variant.hyperparameters}
+        for field, sent in ((f"variants[{i}].hyperparameters", arguments),
+                            ("job.canary_arguments", {**arguments, **job.canary_arguments})):  # fmt: skip
+            if len(sent) > MAX_HYPERPARAMETERS:
+                problems.append(
+                    Problem(
+                        field,
+                        f"variant {variant.name}: {len(sent)} arguments in all; SageMaker passes at most "
+                        f"{MAX_HYPERPARAMETERS} hyperparameters to a job (put the rest in a config file of the code "
+                        "folder)",
+                    )
+                )
     return problems
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -181,6 +182,21 @@ def test_a_script_that_raises_fails_the_job_with_the_error_in_its_reason(tmp_pat
     assert failure.startswith("fit.py exited with code 1; stderr: ...") and len(failure) <= 1000
     assert failure.endswith("x" * 100)
     assert "Traceback (most recent call last):" in done.stderr and "loading" in done.stderr
+
+
+def test_a_script_failing_under_torchrun_names_its_own_error_not_torchrun_s_report(tmp_path: Path) -> None:
+    # Given a script that raises on 2 processes (per_gpu: torchrun starts them and reports the failed worker)
+    script = "import os\nraise ValueError('bad batch size 64 on rank ' + os.environ['RANK'])\n"
+    code, request = _own_code(tmp_path, script)
+    request["Environment"]["GPUSCOUT_DISTRIBUTION"] = "per_gpu"  # type: ignore[index]
+    done = _launch(tmp_path, _sagemaker_tree(tmp_path / "ml", request, code=code, processes=2))
+    # Then the reason SageMaker shows ends with the script's error; torchrun's report is in the log only
+    assert done.returncode != 0
+    assert "ChildFailedError" in done.stderr and "Root Cause" in done.stderr
+    failure = (tmp_path / "ml" / "output" / "failure").read_text()
+    assert failure.startswith("fit.py exited with code 1; stderr: ")
+    assert re.search(r"ValueError: bad batch size 64 on rank [01]$", failure), failure
+    assert "ChildFailedError" not in failure and "error_file" not in failure and "exitcode" not in failure
 
 
 def test_the_failure_reason_keeps_the_last_stderr_lines() -> None:

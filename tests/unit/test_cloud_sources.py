@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpuscout.cloud.sources import cloud_problems, source_problems
@@ -126,7 +128,7 @@ constraints: {{budget_usd: 50}}
 
 def _job_manifest(arguments: dict[str, object], canary: dict[str, object], wide: dict[str, object]) -> Manifest:
     def inline(values: dict[str, object]) -> str:
-        return ", ".join(f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in values.items())
+        return ", ".join(f"{k}: {json.dumps(v)}" for k, v in values.items())  # YAML flow mapping, JSON scalars
 
     text = JOB.format(bucket=BUCKET, arguments=inline(arguments), canary=inline(canary), wide=inline(wide))
     return parse_manifest(text, "m.yaml", load_catalog())
@@ -137,13 +139,30 @@ def test_a_job_s_arguments_must_fit_sagemaker_s_hyperparameter_limits() -> None:
     arguments: dict[str, object] = {f"a{i:02d}": i for i in range(99)}
     manifest = _job_manifest(arguments, {"steps": 2}, {"extra1": 1, "extra2": "x" * 2501})
     # Then each is refused with its field path, before anything runs
-    problems = {p.path: p.message for p in cloud_problems(manifest, data_bucket=BUCKET)}
-    assert (
-        "SageMaker passes hyperparameters of at most 2,500 characters" in problems["variants[1].hyperparameters.extra2"]
-    )
-    assert problems["variants[1].hyperparameters"].startswith("101 arguments with job.arguments; SageMaker passes")
-    assert "variants[0].hyperparameters" not in problems  # 99 fit
-    assert "job.canary_arguments" not in problems  # 99 + steps = 100 fit
+    problems = [(p.path, p.message) for p in cloud_problems(manifest, data_bucket=BUCKET)]
+    by_path = dict(problems)
+    assert "at most 2,500 characters" in by_path["variants[1].hyperparameters.extra2"]
+    assert by_path["variants[1].hyperparameters"].startswith("variant wide: 101 arguments in all; SageMaker passes")
+    assert "variants[0].hyperparameters" not in by_path  # 99 fit
+    # the canaries are sent each variant's arguments and `steps`: base 99 + 1 = 100 fit, wide 101 + 1 do not
+    assert [m for path, m in problems if path == "job.canary_arguments"] == [
+        "variant wide: 102 arguments in all; SageMaker passes at most 100 hyperparameters to a job (put the rest in "
+        "a config file of the code folder)"
+    ]
+
+
+def test_a_canary_over_the_limit_only_through_its_own_arguments_is_refused() -> None:
+    # Given 98 job arguments, a variant adding 2 (100: fits) and a canary argument that is new (101 for the canary)
+    manifest = _job_manifest({f"a{i:02d}": i for i in range(98)}, {"steps": 2}, {"extra1": 1, "extra2": 2})
+    problems = [(p.path, p.message) for p in cloud_problems(manifest, data_bucket=BUCKET)]
+    assert [path for path, _ in problems] == ["job.canary_arguments"]
+    assert problems[0][1].startswith("variant wide: 101 arguments in all")
+
+
+def test_a_multi_line_argument_is_refused() -> None:
+    manifest = _job_manifest({"prompt": "line one\nline two"}, {}, {})
+    (problem,) = cloud_problems(manifest, data_bucket=BUCKET)
+    assert problem.path == "job.arguments.prompt" and "contains a line break" in problem.message
 
 
 def test_a_job_within_the_limits_passes() -> None:

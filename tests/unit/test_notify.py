@@ -1,4 +1,5 @@
-"""The run summary an analysed cloud run publishes (gpuscout.cloud.notify.run_summary)."""
+"""The run summary an analysed cloud run publishes (gpuscout.cloud.notify.run_summary), and how a job's failure
+reason is classified (gpuscout.cloud.events.classify_failure)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,19 @@ def test_an_untracked_run_s_summary_does_not_mention_tracking() -> None:
     for manifest in (None, {"name": "bench", "tracking": None}):
         notice = run_summary(_run(manifest), [], recommendation="r", report_uri="s3://data/reports/x/")
         assert "gpuscout track" not in notice.message
+
+
+def test_a_user_script_s_stderr_in_its_failure_reason_counts_for_oom_only() -> None:
+    from gpuscout.cloud.events import classify_failure
+    from gpuscout.store.base import JobStatus
+
+    # SageMaker's own reasons
+    assert classify_failure("ResourceLimitExceeded: ml.p5.48xlarge for training job usage") is JobStatus.QUOTA
+    assert classify_failure("CapacityError: Unable to provision requested ML compute capacity") is JobStatus.CAPACITY
+    # a user's script whose stderr (training/launcher.py's reason) mentions quota or capacity words: its own failure
+    ours = "fit.py exited with code 1; stderr: botocore.exceptions.ClientError: ... (ResourceLimitExceeded) ..."
+    assert classify_failure(ours) is JobStatus.FAILED
+    assert classify_failure("fit.py exited with code 1; stderr: InsufficientCapacity in my log") is JobStatus.FAILED
+    # and a CUDA out-of-memory error in it is what it says
+    oom = "fit.py exited with code 1; stderr: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert classify_failure(oom) is JobStatus.OOM
