@@ -601,13 +601,16 @@ def run_job(
     if spec.job_code is not None and proc.returncode == 0 and stopped is None:
         benchmark_from_log(spec, folders, env)
     benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
-    finished = benchmark is not None and benchmark["status"] == "completed" and proc.returncode == 0
-    if stopped is not None and not timed_out and not finished:  # a job that ended as it was pruned finished
+    completed = benchmark is not None and benchmark["status"] == "completed"
+    # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
+    # stop reached it (the signal then cut its exit short); its measurement is whole
+    finished = completed and (proc.returncode == 0 or (stopped is not None and not timed_out))
+    if stopped is not None and not timed_out and not finished:
         return JobOutcome(JobStatus.PRUNED, benchmark, stopped, wall, contention)
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
-    if benchmark is not None and benchmark["status"] == "completed" and proc.returncode == 0:
+    if finished:
         return JobOutcome(JobStatus.COMPLETED, benchmark, None, wall, contention)
     if benchmark is not None and benchmark.get("failure_reason"):
         reason = str(benchmark["failure_reason"])

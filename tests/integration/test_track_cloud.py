@@ -204,7 +204,7 @@ def test_track_logs_a_cloud_run_to_its_mlflow_server_and_wandb_beside_its_jobs(
     files_by_name: dict[str, Path] = {}
     for path in files:
         records = wb.read_records(path)
-        name = str(wb.config(records).get("job_name") or wb.config(records).get("run_id"))
+        name = wb.run_info(records).display_name.removesuffix("-analysis")  # the job's name, or the run's id
         by_job[name], files_by_name[name] = records, path
     assert sorted(by_job) == sorted([*g5, run_id])
     for name in g5:
@@ -262,5 +262,5 @@ def test_a_job_output_that_cannot_be_read_is_one_problem_and_the_rest_is_still_l
     assert f"W&B: the runs of job {g5[0]} were not extracted (cannot read the W&B runs in" in done.stderr
     assert "W&B: 1 job run(s) extracted" in done.stdout
     assert f"tracking: W&B: run {run_id}-analysis" in done.stdout
-    names = {str(wb.config(wb.read_records(f)).get("job_name") or "analysis") for f in wb.run_files(download)}
-    assert names == {g5[1], "analysis"}
+    names = {wb.run_info(wb.read_records(f)).display_name for f in wb.run_files(download)}
+    assert names == {g5[1], f"{run_id}-analysis"}

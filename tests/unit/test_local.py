@@ -122,6 +122,34 @@ def test_a_job_past_its_runtime_limit_is_stopped(tmp_path: Path, monkeypatch: py
     assert "started" in folders.stdout_log.read_text()
 
 
+def test_a_job_stopped_after_writing_its_complete_benchmark_is_completed_not_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job that writes a complete benchmark.json and is then stopped (a search's pruner deciding as it ends;
+    # the signal cuts its exit short)
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks" / "g5-2xl-bs4-ckpt-r0.json"
+    body = f"""
+        import os, pathlib, shutil, time
+        out = pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
+        shutil.copyfile({str(fixture)!r}, out / "benchmark.json")
+        print("written", flush=True)
+        time.sleep(60)
+    """
+    _fake_training_dir(tmp_path, body, monkeypatch)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset.json").write_text("{}")
+    spec = _spec()
+    folders = JobFolders.create(tmp_path / "job", spec, data)
+    written = folders.output_data / "benchmark.json"
+    # When the stop comes once the file is there
+    outcome = run_job(spec, folders, should_stop=lambda _p: "pruned" if written.is_file() else None,
+                      poll_interval_s=0.05)  # fmt: skip
+    # Then its measurement counts: COMPLETED with the benchmark, not PRUNED
+    assert outcome.status is JobStatus.COMPLETED, outcome.failure_reason
+    assert outcome.benchmark is not None and outcome.benchmark["status"] == "completed"
+
+
 def test_progress_follows_metric_lines() -> None:
     progress = JobProgress()
     for line in (
