@@ -298,17 +298,9 @@ class BenchmarkWorkflow(Construct):
         prepare.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
         train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc, quota_wait_hours))
-        record_failure = self._lambda_step(
+        record_failure = self._record_failure_step(
             "Record job failure",
             function=functions["record_job_failure"],
-            payload=sfn.TaskInput.from_object(
-                {
-                    "run_id": sfn.JsonPath.string_at("$.run_id"),
-                    "job_name": sfn.JsonPath.string_at("$.job_name"),
-                    "error": sfn.JsonPath.object_at("$.error"),
-                }
-            ),
-            result_path=sfn.JsonPath.DISCARD,
             output_path="$.job_name",
             comment="Capacity, quota or job failure: recorded, the benchmark goes on",
         )
@@ -446,17 +438,9 @@ class BenchmarkWorkflow(Construct):
             errors=["States.ALL"],
             result_path="$.record_error",
         )
-        record_failure = self._lambda_step(
+        record_failure = self._record_failure_step(
             "Record search failure",
             function=functions["record_job_failure"],
-            payload=sfn.TaskInput.from_object(
-                {
-                    "run_id": sfn.JsonPath.string_at("$.run_id"),
-                    "job_name": sfn.JsonPath.string_at("$.job_name"),
-                    "error": sfn.JsonPath.object_at("$.error"),
-                }
-            ),
-            result_path=sfn.JsonPath.DISCARD,
             comment="Capacity, quota or tuning job failure: recorded, the benchmark goes on",
         )
         tune.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
@@ -536,6 +520,24 @@ class BenchmarkWorkflow(Construct):
             max_concurrency=max_concurrency,
             result_path=sfn.JsonPath.DISCARD,
             comment=comment,
+        )
+
+    def _record_failure_step(
+        self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any
+    ) -> tasks.LambdaInvoke:
+        """record_job_failure with the caught error ($.error) of the job or tuning job $.job_name of run $.run_id;
+        its result discarded (the state's input goes on)."""
+        payload = {
+            "run_id": sfn.JsonPath.string_at("$.run_id"),
+            "job_name": sfn.JsonPath.string_at("$.job_name"),
+            "error": sfn.JsonPath.object_at("$.error"),
+        }
+        return self._lambda_step(
+            construct_id,
+            function=function,
+            payload=sfn.TaskInput.from_object(payload),
+            result_path=sfn.JsonPath.DISCARD,
+            **kwargs,
         )
 
     def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:

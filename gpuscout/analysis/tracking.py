@@ -136,10 +136,7 @@ def run_to_track(run: RunRecord, result: ResultRecord | None) -> tuple[TrackingS
         tracking = TrackingSection.model_validate(raw)
     except ValidationError as err:
         raise GpuscoutError(f"the stored tracking section of run {run.run_id} is not valid here: {err}") from err
-    if tracking.mlflow is not None and tracking.mlflow.experiment is None:  # Manifest.resolved_tracking's default
-        name = str((run.manifest or {}).get("name") or run.name)
-        tracking = tracking.model_copy(update={"mlflow": tracking.mlflow.model_copy(update={"experiment": name})})
-    return tracking, result.analysis
+    return tracking.resolved(str((run.manifest or {}).get("name") or run.name)), result.analysis
 
 
 def log_run(

@@ -405,6 +405,14 @@ class CloudStack:
         run, jobs = self.status(run_id)
         return run, jobs, self.store.get_result(run_id)
 
+    def _keys(self, bucket: str, prefix: str) -> list[str]:
+        """Every object key under ``prefix`` (all pages of ListObjectsV2)."""
+        keys: list[str] = []
+        with aws_errors(f"list s3://{bucket}/{prefix}"):
+            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                keys += [str(obj["Key"]) for obj in page.get("Contents", [])]
+        return keys
+
     def report_prefix(self, run_id: str) -> tuple[str, str]:
         """(bucket, prefix) of the run's report; GpuscoutError when the run has none yet."""
         run = self.store.get_run(run_id)
@@ -430,10 +438,7 @@ class CloudStack:
         """Every report file (pages, JSON, charts) into ``<destination>/<run_id>/``, keeping relative paths."""
         bucket, prefix = self.report_prefix(run_id)
         folder = Path(destination) / run_id
-        keys: list[str] = []
-        with aws_errors(f"list s3://{bucket}/{prefix}"):
-            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                keys += [str(obj["Key"]) for obj in page.get("Contents", [])]
+        keys = self._keys(bucket, prefix)
         if not keys:
             raise GpuscoutError(f"s3://{bucket}/{prefix} holds no report files")
         for key in keys:
@@ -448,14 +453,12 @@ class CloudStack:
 
     def jobs_with_output(self, run_id: str) -> set[str]:
         """The names of the run's jobs that left an output.tar.gz (one listing of ``output/<run_id>/``)."""
-        bucket, prefix = self.outputs.artifacts_bucket, f"output/{run_id}/"
-        names: set[str] = set()
-        with aws_errors(f"list s3://{bucket}/{prefix}"):
-            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                for obj in page.get("Contents", []):
-                    job_name, _, rest = str(obj["Key"])[len(prefix) :].partition("/")
-                    if rest == "output/output.tar.gz":
-                        names.add(job_name)
+        prefix = f"output/{run_id}/"
+        names = set()
+        for key in self._keys(self.outputs.artifacts_bucket, prefix):
+            job_name, _, rest = key[len(prefix) :].partition("/")
+            if rest == "output/output.tar.gz":
+                names.add(job_name)
         return names
 
     def download_job_output(self, run_id: str, job_name: str, target: Path) -> None:

@@ -304,6 +304,12 @@ def interleave_by_instance_type(jobs: list[dict[str, Any]]) -> list[dict[str, An
     return ordered
 
 
+def _spot_max_wait_seconds(manifest: Manifest, target_index: int) -> int | None:
+    """The target's max_wait_hours in seconds (MaxWaitTimeInSeconds of its spot jobs); None when unset."""
+    hours = manifest.targets[target_index].max_wait_hours
+    return int(hours * 3600) if hours else None
+
+
 def plan_jobs(
     validated: dict[str, Any],
     *,
@@ -350,8 +356,7 @@ def plan_jobs(
         raise PlanRefused(f"{source}: {err}") from err
     # A search's candidates are launched by its tuning jobs (one per target), not one by one.
     for spec in the_plan.jobs if the_plan.search is None else ():
-        target = manifest.targets[spec.target_index]
-        max_wait = int(target.max_wait_hours * 3600) if target.max_wait_hours else None
+        max_wait = _spot_max_wait_seconds(manifest, spec.target_index)
         request = training_job_request(
             spec,
             req_settings,
@@ -424,8 +429,7 @@ def _tunings(
     files: dict[str, bytes] = {}
     for target in search.targets:
         specs = [j for j in the_plan.jobs if j.target_index == target.target_index]
-        manifest_target = manifest.targets[target.target_index]
-        max_wait = int(manifest_target.max_wait_hours * 3600) if manifest_target.max_wait_hours else None
+        max_wait = _spot_max_wait_seconds(manifest, target.target_index)
         request = tuning_job_request(
             target,
             specs,

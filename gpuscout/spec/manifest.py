@@ -450,6 +450,12 @@ class TrackingSection(_Strict):
             raise ValueError("name mlflow, wandb or both (leave tracking out for none)")
         return self
 
+    def resolved(self, manifest_name: str) -> TrackingSection:
+        """With its defaults filled in: tracking.mlflow.experiment = the manifest's name."""
+        if self.mlflow is None or self.mlflow.experiment is not None:
+            return self
+        return self.model_copy(update={"mlflow": self.mlflow.model_copy(update={"experiment": manifest_name})})
+
 
 class Manifest(_Strict):
     name: Slug
@@ -565,10 +571,7 @@ class Manifest(_Strict):
 
     def resolved_tracking(self) -> TrackingSection | None:
         """The tracking section with its defaults filled in (tracking.mlflow.experiment = the manifest's name)."""
-        tracking = self.tracking
-        if tracking is None or tracking.mlflow is None or tracking.mlflow.experiment is not None:
-            return tracking
-        return tracking.model_copy(update={"mlflow": tracking.mlflow.model_copy(update={"experiment": self.name})})
+        return None if self.tracking is None else self.tracking.resolved(self.name)
 
     def _builtin_problems(self) -> list[Problem]:
         """The built-in job needs a model, a dataset and a sequence length; per-variant arguments are for a job."""
