@@ -101,6 +101,7 @@ def _run_tracked_job(cloud: Cloud, run_id: str, job: dict[str, Any], folder: Pat
     benchmark = benchmark_for(job["job_name"], run_id, instance_type, "g5-12xl-bs4-ckpt-r0")
     (data_dir / "benchmark.json").write_text(json.dumps(benchmark))
     tracker.finish(BenchmarkResult.model_validate(benchmark), data_dir / "benchmark.json")
+    _process_exit()  # SageMaker tars the output after the job's process has ended
     tar_path = folder / job["job_name"] / "output.tar.gz"
     with tarfile.open(tar_path, "w:gz") as archive:
         for path in sorted(data_dir.rglob("*")):
@@ -136,8 +137,18 @@ def _finished_run(cloud: Cloud, tmp_path: Path, tracking: str, name: str) -> tup
     return run_id, sorted(j["job_name"] for j in g5), p4d
 
 
+def _process_exit() -> None:
+    """What the end of a process does for W&B (its atexit hook): the service ends and every run file is complete.
+    The trackers run inside this test process, so the test does it before it tars or reads their files."""
+    import wandb
+
+    wandb.teardown()
+
+
 def _track(run_id: str, download_dir: Path) -> Any:
-    return runner.invoke(cli.app, ["track", run_id, "--stack-name", "Gpuscout", "--download-dir", str(download_dir)])
+    done = runner.invoke(cli.app, ["track", run_id, "--stack-name", "Gpuscout", "--download-dir", str(download_dir)])
+    _process_exit()  # the command's process ends here
+    return done
 
 
 @pytest.mark.slow
