@@ -27,9 +27,13 @@ install: $(VENV)/.stamp-install node_modules/.stamp-install
 demo: $(VENV)/.stamp-install
 	$(BIN)/gpuscout local configs/manifests/quickstart.yaml
 
-## Every test (unit, infra, integration, training).
+## Every test (unit, infra, integration, training), on the kernels of the slowest CPU in the pool on every machine:
+## oneDNN capped at AVX2 (bf16 matmuls on its reference path, as on AVX2-only AMD EPYCs) and ATen's AVX2 kernels,
+## so a developer sees the time CI will see. tests/unit/test_suite_environment.py checks both are set.
+test: export ONEDNN_MAX_CPU_ISA := AVX2
+test: export ATEN_CPU_CAPABILITY := avx2
 test: install
-	$(BIN)/pytest -n 2 --dist loadfile -q
+	$(BIN)/pytest -n 2 --dist loadfile -q --durations=15
 
 lint:
 	$(BIN)/ruff check .

@@ -23,12 +23,19 @@ sequence lengths for the per-token and per-(batch x seq^2) terms; per vocabulary
 two vocabulary sizes. The per-token-per-layer bytes of all shapes are fitted (least squares) as a linear function
 of hidden, intermediate, key/value width (kv_heads x head_dim) and heads, which is the formula the planner uses.
 
+Bytes depend on shapes, dtypes and the order tensors are created and freed, never on values, so the probe does not
+compute the matrix products (``ShapesOnly``): every op of the model code runs as in training, but a matmul or CPU SDPA
+kernel's output is allocated zero-filled with the shape and strides its meta kernel gives, and random weight
+initialisation fills zeros. That is what makes it fast on every CPU: on an AVX2-only CPU oneDNN runs bf16 matmuls on
+its reference path (~1 GFLOP/s), where a 1.5B-wide layer's backward takes minutes. ``--real-arithmetic`` runs the real
+kernels instead; tests/training/test_memory_calibration.py checks that both count the same bytes.
+
 Attention: "sdpa" and "eager" are probed. Flex attention's compiled block mask exists on CUDA only; the planner
 models flex as sdpa without the dense mask. Loss: "plain" and "chunked" are probed; Liger's fused linear
 cross-entropy is CUDA-only and, like the chunked loss, never stores full logits: the planner uses the chunked
 coefficients for it.
 
-    PYTHONPATH=. python training/memory_probe.py --output configs/memory/calibration.json   # ~15 min on 2 cores
+    PYTHONPATH=. python training/memory_probe.py --output configs/memory/calibration.json
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import numpy as np
 import torch
 from packing import CausalLMWithLoss, chunked_cross_entropy, make_inputs, plain_cross_entropy
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from gpuscout.spec.models import PRESETS
 
@@ -67,6 +74,44 @@ SYNTHETIC_SHAPES = (
     (256, 512, 8, 2),
     (384, 768, 6, 3),
 )
+
+
+_aten = torch.ops.aten
+# Kernels whose arithmetic is the probe's whole cost; their outputs' shapes come from their meta kernels.
+_PRODUCTS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+})  # fmt: skip
+_RANDOM_FILLS = frozenset({_aten.normal_.default, _aten.uniform_.default})
+
+
+class ShapesOnly(TorchDispatchMode):
+    """Runs every op as usual except the matrix products and CPU SDPA kernels, whose outputs are new zero-filled
+    tensors with the shape, strides and dtype their meta kernels give, and random initialisation, which fills zeros.
+
+    Autograd, autocast and checkpointing sit above this mode, so what is saved for backward, which storages exist and
+    when they are freed are exactly what the real kernels give (a test compares both); only values differ."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _RANDOM_FILLS:
+            return args[0].zero_()
+        if func not in _PRODUCTS:
+            return func(*args, **kwargs)
+
+        def meta(x: Any) -> Any:
+            return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+        def allocate(x: Any) -> Any:
+            return torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor) else x  # keeps the strides
+
+        return tree_map(allocate, func(*tree_map(meta, args), **tree_map(meta, kwargs)))
+
+
+def kernels(*, real: bool) -> contextlib.AbstractContextManager[Any]:
+    """The real kernels (``real=True``), or ``ShapesOnly``: the same bytes, no arithmetic."""
+    return contextlib.nullcontext() if real else ShapesOnly()
 
 
 @dataclass(frozen=True)
@@ -161,8 +206,15 @@ def _autocast(precision: str) -> Any:
     return contextlib.nullcontext()
 
 
-def saved_bytes(shape: LayerShape, setting: Setting, *, layers: int, batch: int, seq: int, vocab: int) -> Saved:
+def saved_bytes(
+    shape: LayerShape, setting: Setting, *, layers: int, batch: int, seq: int, vocab: int, real_arithmetic: bool = False
+) -> Saved:
     """Bytes autograd saves for backward in one training forward pass (module docstring)."""
+    with kernels(real=real_arithmetic):
+        return _saved_bytes(shape, setting, layers=layers, batch=batch, seq=seq, vocab=vocab)
+
+
+def _saved_bytes(shape: LayerShape, setting: Setting, *, layers: int, batch: int, seq: int, vocab: int) -> Saved:
     model = build_model(shape, layers=layers, vocab=vocab, setting=setting)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ids, seg = packed_batch(batch, seq, vocab)
@@ -225,9 +277,16 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def loss_peak_bytes(*, loss: str, precision: str, batch: int, seq: int, hidden: int, vocab: int) -> int:
+def loss_peak_bytes(
+    *, loss: str, precision: str, batch: int, seq: int, hidden: int, vocab: int, real_arithmetic: bool = False
+) -> int:
     """Peak bytes alive while the loss alone runs forward and backward from fp32 hidden states (the residual stream
     train.py's final norm hands the head under autocast), head weight and its gradient included."""
+    with kernels(real=real_arithmetic):
+        return _loss_peak_bytes(loss=loss, precision=precision, batch=batch, seq=seq, hidden=hidden, vocab=vocab)
+
+
+def _loss_peak_bytes(*, loss: str, precision: str, batch: int, seq: int, hidden: int, vocab: int) -> int:
     torch.manual_seed(0)
     head = torch.nn.Linear(hidden, vocab, bias=False)
     hidden_states = torch.randn(batch, seq, hidden, requires_grad=True)
@@ -251,7 +310,15 @@ def _solve_layer_terms(per_layer: dict[int, int], batch: int) -> tuple[float, fl
     return float(per_token), float(per_seq2)
 
 
-def probe_shape(shape: LayerShape, setting: Setting, *, batch: int, seqs: Sequence[int], vocabs: Sequence[int]) -> dict:
+def probe_shape(
+    shape: LayerShape,
+    setting: Setting,
+    *,
+    batch: int,
+    seqs: Sequence[int],
+    vocabs: Sequence[int],
+    real_arithmetic: bool = False,
+) -> dict:
     """Raw measurements and derived per-layer, per-model and per-vocabulary terms for one shape and setting."""
     v1, v2 = sorted(vocabs)
     raw: dict[str, int] = {}
@@ -259,8 +326,8 @@ def probe_shape(shape: LayerShape, setting: Setting, *, batch: int, seqs: Sequen
     one_layer: dict[int, Saved] = {}
     weight_copies = 0
     for seq in seqs:
-        one = saved_bytes(shape, setting, layers=1, batch=batch, seq=seq, vocab=v1)
-        two = saved_bytes(shape, setting, layers=2, batch=batch, seq=seq, vocab=v1)
+        one = saved_bytes(shape, setting, layers=1, batch=batch, seq=seq, vocab=v1, real_arithmetic=real_arithmetic)
+        two = saved_bytes(shape, setting, layers=2, batch=batch, seq=seq, vocab=v1, real_arithmetic=real_arithmetic)
         raw[f"layers1_seq{seq}_vocab{v1}"] = one.activations
         raw[f"layers2_seq{seq}_vocab{v1}"] = two.activations
         per_layer[seq] = two.activations - one.activations
@@ -268,7 +335,7 @@ def probe_shape(shape: LayerShape, setting: Setting, *, batch: int, seqs: Sequen
         weight_copies = two.weight_copies - one.weight_copies
     per_token, per_seq2 = _solve_layer_terms(per_layer, batch)
     s1 = min(seqs)
-    wide = saved_bytes(shape, setting, layers=1, batch=batch, seq=s1, vocab=v2)
+    wide = saved_bytes(shape, setting, layers=1, batch=batch, seq=s1, vocab=v2, real_arithmetic=real_arithmetic)
     raw[f"layers1_seq{s1}_vocab{v2}"] = wide.activations
     rows = batch * (s1 - 1)  # the plain loss's rows: every position but the last predicts the next token
     per_vocab = (wide.activations - one_layer[s1].activations) / (rows * (v2 - v1))
@@ -321,11 +388,15 @@ def calibrate(
     setting_list: Sequence[Setting],
     loss_vocab: int,
     loss_seqs: Sequence[int],
+    real_arithmetic: bool = False,
 ) -> dict[str, Any]:
     """Every setting's coefficients (fitted over ``shapes``) and raw measurements, plus the loss peaks."""
     out: dict[str, Any] = {}
     for setting in setting_list:
-        rows = [probe_shape(s, setting, batch=batch, seqs=seqs, vocabs=vocabs) for s in shapes]
+        rows = [
+            probe_shape(s, setting, batch=batch, seqs=seqs, vocabs=vocabs, real_arithmetic=real_arithmetic)
+            for s in shapes
+        ]
         print(f"{setting.key}: " + ", ".join(f"{r['shape']['name']} {r['layer_bytes_per_token']:.0f}" for r in rows),
               flush=True)  # fmt: skip
         out[setting.key] = {
@@ -340,7 +411,7 @@ def calibrate(
         for loss in ("plain", "chunked"):
             measured = {
                 str(seq): loss_peak_bytes(loss=loss, precision=precision, batch=batch, seq=seq, hidden=64,
-                                          vocab=loss_vocab)
+                                          vocab=loss_vocab, real_arithmetic=real_arithmetic)
                 for seq in loss_seqs
             }  # fmt: skip
             (s1, p1), (s2, p2) = sorted((int(k), v) for k, v in measured.items())
@@ -362,6 +433,7 @@ class ProbeArguments:
     loss_vocab: int = 8192
     loss_seq_lengths: str = "64,128"
     threads: int = 2
+    real_arithmetic: bool = False  # run the real matmul/SDPA kernels (ShapesOnly counts the same bytes without them)
 
 
 def parse_args(argv: Sequence[str] | None) -> ProbeArguments:
@@ -397,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         setting_list=list(settings()),
         loss_vocab=args.loss_vocab,
         loss_seqs=_ints(args.loss_seq_lengths),
+        real_arithmetic=args.real_arithmetic,
     )
     doc = {
         "about": (
@@ -417,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seq_lengths": _ints(args.seq_lengths),
             "vocab_sizes": _ints(args.vocab_sizes),
             "layers": [1, 2],
+            "kernels": "real" if args.real_arithmetic else "shapes only (matmul and SDPA outputs not computed)",
             "shapes": [s.name for s in shapes],
         },
         **result,

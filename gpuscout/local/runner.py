@@ -96,6 +96,9 @@ def plan_manifest(
     local_hardware = None
     if any(t.instance_type == LOCAL for t in manifest.targets):
         local_hardware = detect_local_hardware().model_copy(update={"startup_s": measure_startup_seconds()})
+    if local_hardware is not None:
+        for warning in half_precision_warnings(manifest, local_hardware):
+            on_message(warning)
     calibration = None
     if manifest.job is not None and manifest.job.estimate is None and local_hardware is not None:
         calibration = calibrate_job(manifest, catalog, local_hardware, on_message=on_message)
@@ -104,6 +107,28 @@ def plan_manifest(
         calibration=calibration,
     )  # fmt: skip
     return manifest, the_plan
+
+
+def half_precision_warnings(manifest: Any, local_hardware: Any) -> list[str]:
+    """One warning per variant of a job section whose arguments ask its script for bf16/fp16 when the jobs run on a
+    CPU without native bf16 (gpuscout.spec.cpu): there its matmuls run at about 1 % of fp32 speed, and the run
+    would measure that. The built-in training job trains in fp32 on a CPU (the planner refuses 16 bits there)."""
+    from gpuscout.spec.cpu import half_precision_argument
+
+    if manifest.job is None or local_hardware.device != "cpu" or local_hardware.cpu_bf16_native is not False:
+        return []
+    if not any(t.instance_type == LOCAL for t in manifest.targets):
+        return []
+    out = []
+    for variant in manifest.variants:
+        asked = half_precision_argument({**manifest.job.arguments, **variant.hyperparameters})
+        if asked:
+            out.append(
+                f"warning: variant {variant.name!r} passes {asked} to its script on this CPU, and "
+                f"{local_hardware.cpu_bf16_reason}: 16-bit matmuls run at about 1 % of fp32 speed here, so its "
+                "figures would measure that; pass fp32 on a CPU (set it per variant) or run it on a GPU"
+            )
+    return out
 
 
 CALIBRATION_TIMED_STEPS = 5

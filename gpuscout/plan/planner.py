@@ -285,6 +285,17 @@ def what_fits(
     return out
 
 
+def _cpu_precision_reason(hw: LocalHardware | None, precision: str) -> str:
+    """Why a local CPU refuses a 16-bit precision: train.py trains in fp32 on a CPU, and on a CPU without native bf16
+    a 16-bit matmul runs at about 1 % of fp32 speed (gpuscout.spec.cpu)."""
+    if hw is None or hw.device != "cpu":
+        return ""
+    why = ": train.py trains in fp32 on a CPU (autocast to 16 bits is for GPUs)"
+    if hw.cpu_bf16_native is False and hw.cpu_bf16_reason:
+        why += f", and {hw.cpu_bf16_reason}: its {precision} matmuls would run at about 1 % of fp32 speed"
+    return why + "; use precision auto or fp32"
+
+
 def _predict_tokens_per_s(
     *,
     arch: Architecture,
@@ -395,7 +406,8 @@ def plan(
         supported = hw.precisions if hw is not None else inst.precisions
         where = f"targets[{ti}] {target.instance_type}"
         if precision not in supported:
-            raise PlanError(f"{where}: precision {precision} is not supported here ({', '.join(supported)})")
+            raise PlanError(f"{where}: precision {precision} is not supported here ({', '.join(supported)})"
+                            + _cpu_precision_reason(hw, precision))  # fmt: skip
         peak = None
         if sku_name and (sku := (hw.sku if hw is not None else inst.sku)):
             peak = sku.peak_for(precision)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gpuscout import paths
 from gpuscout.errors import CatalogError
+from gpuscout.spec.cpu import detect_cpu_precisions
 from gpuscout.spec.hardware import SKUS, GpuSku, detect_sku
 
 LOCAL = "local"
@@ -190,6 +191,9 @@ class LocalHardware(BaseModel):
     cpu_count: int = Field(default=1, ge=1)
     memory_gib: float | None = None
     startup_s: float | None = Field(default=None, ge=0)  # measured start-up of a training process (probe)
+    # Whether the CPU multiplies bf16 matrices natively (gpuscout.spec.cpu), and why; None when not detected
+    cpu_bf16_native: bool | None = None
+    cpu_bf16_reason: str | None = None
 
     @property
     def sku(self) -> GpuSku | None:
@@ -230,7 +234,14 @@ def _memory_gib() -> float | None:
 
 def detect_local_hardware() -> LocalHardware:
     """Describe this machine: CUDA GPUs via torch when importable and available, else the CPU."""
-    cpu = {"cpu_model": _cpu_model(), "cpu_count": os.cpu_count() or 1, "memory_gib": _memory_gib()}
+    bf16 = detect_cpu_precisions()
+    cpu = {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count() or 1,
+        "memory_gib": _memory_gib(),
+        "cpu_bf16_native": bf16.bf16_native,
+        "cpu_bf16_reason": bf16.reason,
+    }
     try:
         import torch
     except ImportError:

@@ -1,0 +1,36 @@
+"""The suite runs the kernels of the slowest CPU in the pool on every machine (make test sets them).
+
+Machines that run CI and developers' sessions are drawn from a pool of 2-core Intel Xeons with native bf16 and 2-core
+AMD EPYCs with AVX2 only, where torch's CPU bf16 matmuls run ~100x slower than fp32. ``ATEN_CPU_CAPABILITY=avx2``
+alone does not reproduce that (it picks ATen's own vectorised kernels, not oneDNN's matmuls); with
+``ONEDNN_MAX_CPU_ISA=AVX2`` too, a Xeon runs bf16 matmuls as slowly as the EPYC, so a test that would take an hour
+there takes an hour everywhere and is seen before it lands.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from gpuscout.paths import REPO_DIR
+
+SLOWEST_KIND = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def test_the_suite_runs_with_the_slowest_cpus_kernels():
+    missing = {k: v for k, v in SLOWEST_KIND.items() if os.environ.get(k) != v}
+    assert not missing, (
+        "run the suite with `make test`, or set " + " ".join(f"{k}={v}" for k, v in missing.items()) + " yourself"
+    )
+    import torch
+
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def test_make_test_sets_them():
+    """The Makefile's test target exports both (so .ci/run, which runs make test, does too)."""
+    makefile = (REPO_DIR / "Makefile").read_text()
+    for name, value in SLOWEST_KIND.items():
+        assert re.search(rf"^test: export {name} := {value}$", makefile, re.M), name
+    assert Path(REPO_DIR / ".ci" / "run").read_text().strip().endswith("make test")
