@@ -32,8 +32,15 @@ demo: $(VENV)/.stamp-install
 ## so a developer sees the time CI will see. tests/unit/test_suite_environment.py checks both are set.
 test: export ONEDNN_MAX_CPU_ISA := AVX2
 test: export ATEN_CPU_CAPABILITY := avx2
+## Two workers on two cores: one OpenMP thread per training process (the jobs gpuscout local starts would take two
+## each, and their threads' spin-waits cost CPU under contention: test_local_e2e took 56 s against 46 s beside a busy
+## core, measured on a 2-core AMD EPYC).
+test: export OMP_NUM_THREADS := 1
+## --max-worker-restart=0: a worker ended by the per-test timeout fails the run naming its test (xdist 3.8 re-runs a
+## crashed worker's file on a replacement under --dist loadfile and then hangs). --no-loadscope-reorder keeps the
+## longest-first file order of tests/conftest.py (xdist would put files with the most tests first).
 test: install
-	$(BIN)/pytest -n 2 --dist loadfile -q --durations=15
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -q --durations=15
 
 lint:
 	$(BIN)/ruff check .

@@ -14,7 +14,7 @@ REPO_DIR = Path(__file__).resolve().parents[2]
 CDK = REPO_DIR / "node_modules" / ".bin" / "cdk"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=16)
 @pytest.mark.skipif(not CDK.exists() or shutil.which("node") is None, reason="CDK CLI not installed (make install)")
 def test_cdk_synth_quiet_works_offline_within_a_minute(tmp_path: Path) -> None:
     env = {

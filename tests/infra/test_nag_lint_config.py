@@ -117,7 +117,7 @@ def test_config_must_match_the_catalog() -> None:
         config.check_catalog(training_types=["ml.g5.8xlarge"], known_types=["ml.g5.8xlarge", "ml.m5.xlarge"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pytest.TempPathFactory) -> None:
     import app as cdk_app
 

@@ -4,12 +4,15 @@ samples in the stored analysis and the report."""
 
 import time
 
+import pytest
+
 from gpuscout.local.runner import run_local
 from gpuscout.paths import REPO_DIR
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
 
+@pytest.mark.slow(seconds=31)
 def test_hf_trainer_example_local_end_to_end(tmp_path):
     store = SqliteStore(tmp_path / "results.db")
     started = time.monotonic()

@@ -5,12 +5,15 @@ real transformers Trainer."""
 import time
 from pathlib import Path
 
+import pytest
+
 from gpuscout.local.runner import run_local
 from gpuscout.paths import REPO_DIR
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
 
+@pytest.mark.slow(seconds=18)
 def test_two_tower_local_end_to_end(tmp_path):
     store = SqliteStore(tmp_path / "results.db")
     started = time.monotonic()
@@ -59,6 +62,7 @@ print("trainer stopped at step", trainer.state.global_step)
 """
 
 
+@pytest.mark.slow(seconds=17)
 def test_the_hf_trainer_callback_reports_every_step_and_writes_the_benchmark(tmp_path: Path) -> None:
     import json
     import os
@@ -86,6 +90,7 @@ def test_the_hf_trainer_callback_reports_every_step_and_writes_the_benchmark(tmp
     assert "gpuscout_metric" in done.stdout
 
 
+@pytest.mark.slow(seconds=40)
 def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_report_says_so(tmp_path):
     import re
 
@@ -136,6 +141,7 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
         plan(cloud, load_catalog(), run_id="r")
 
 
+@pytest.mark.slow(seconds=16)
 def test_the_report_names_the_users_estimate_as_the_prediction(tmp_path):
     store = SqliteStore(tmp_path / "results.db")
     run = run_local(REPO_DIR / "examples" / "two-tower" / "local.yaml", store=store, runs_dir=tmp_path / "runs")

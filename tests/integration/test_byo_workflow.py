@@ -113,6 +113,7 @@ class LauncherJobs:
         return benchmark
 
 
+@pytest.mark.slow(seconds=36)
 def test_the_users_code_runs_through_the_deployed_workflow(
     with_canary: Cloud,
     synthesized: Synthesized,  # noqa: F811

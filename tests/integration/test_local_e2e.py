@@ -78,7 +78,7 @@ def _plan_with_a_broken_job(
     return manifest, plan.model_copy(update={"jobs": jobs})
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=54)
 @pytest.mark.timeout(600)
 def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local, "plan_manifest", _plan_with_a_broken_job)

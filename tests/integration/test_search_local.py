@@ -16,8 +16,6 @@ from gpuscout.spec.jobspec import JobSpec
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
-pytestmark = pytest.mark.slow
-
 
 def _manifest(tmp_path: Path, *, pruning: bool) -> Path:
     data: dict[str, Any] = {
@@ -44,27 +42,37 @@ def _manifest(tmp_path: Path, *, pruning: bool) -> Path:
     return path
 
 
-def _run(tmp_path: Path, *, pruning: bool) -> tuple[Any, list[JobRecord], dict[str, Any]]:
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One prepared-data cache for the file's runs (same source, tokenizer and sequence length)."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def _run(
+    tmp_path: Path, data_cache: Path, *, pruning: bool, canary: bool = True
+) -> tuple[Any, list[JobRecord], dict[str, Any]]:
     store = SqliteStore(tmp_path / "gpuscout.db")
     run = run_local(
-        _manifest(tmp_path, pruning=pruning), store=store, runs_dir=tmp_path / "runs",
-        data_cache_dir=tmp_path / "data-cache",
+        _manifest(tmp_path, pruning=pruning), store=store, runs_dir=tmp_path / "runs", data_cache_dir=data_cache,
+        canary=canary,
     )  # fmt: skip
     result = store.get_result(run.run_id)
     assert result is not None
     return run, store.list_jobs(run.run_id), result.analysis
 
 
-def test_search_prunes_and_finds_the_exhaustive_winner(tmp_path: Path) -> None:
-    # Given the same 8 candidates searched with pruning and run exhaustively (pruning off)
-    searched, trials, analysis = _run(tmp_path, pruning=True)
-    exhaustive, all_jobs, full = _run(tmp_path, pruning=False)
+@pytest.mark.slow(seconds=70)
+def test_a_search_launches_every_candidate_once_prunes_with_why_and_reports_it(
+    tmp_path: Path, data_cache: Path
+) -> None:
+    # Given 8 candidates searched with pruning (each distinct configuration canaried first)
+    searched, trials, analysis = _run(tmp_path, data_cache, pruning=True)
 
-    # Then both runs succeed; the exhaustive run completed every candidate
-    assert searched.status is RunStatus.SUCCEEDED and exhaustive.status is RunStatus.SUCCEEDED
-    assert len(all_jobs) == 8 and all(j.status is JobStatus.COMPLETED for j in all_jobs)
-    # the search launched each candidate once and stopped some early, each with why
-    assert sorted(j.variant_name for j in trials) == sorted(j.variant_name for j in all_jobs)
+    # Then the run succeeds, the search launched each candidate once and stopped some early, each with why
+    assert searched.status is RunStatus.SUCCEEDED
+    _, the_plan = plan_manifest(_manifest(tmp_path, pruning=True))
+    assert sorted(j.variant_name for j in trials) == sorted(j.variant_name for j in the_plan.jobs)
+    assert len(trials) == 8
     pruned = [j for j in trials if j.status is JobStatus.PRUNED]
     assert pruned, [(j.variant_name, j.status) for j in trials]
     assert all("clearly worse than" in (j.failure_reason or "") and "95 % interval" in (j.failure_reason or "")
@@ -79,6 +87,16 @@ def test_search_prunes_and_finds_the_exhaustive_winner(tmp_path: Path) -> None:
     assert sum(t["status"] == "PRUNED" for t in outcome["trials"]) == len(pruned)
     report = (Path(str(searched.run_dir)) / "report" / "report.md").read_text(encoding="utf-8")
     assert "## Settings search" in report and "PRUNED" in report
+    assert analysis["recommendation"]["variant_name"] == outcome["best"]
+
+
+@pytest.mark.slow(seconds=60)
+def test_pruning_keeps_the_exhaustive_runs_winner_on_the_same_measurements(tmp_path: Path, data_cache: Path) -> None:
+    # Given the same 8 candidates run exhaustively (pruning off; no canaries: the search test above canaries them)
+    exhaustive, all_jobs, full = _run(tmp_path, data_cache, pruning=False, canary=False)
+    # Then every candidate completed
+    assert exhaustive.status is RunStatus.SUCCEEDED
+    assert len(all_jobs) == 8 and all(j.status is JobStatus.COMPLETED for j in all_jobs)
 
     # and on the exhaustive run's own measurements (its step lines replayed through the search), pruning keeps
     # the winner: the same candidate wins with pruning as without, and the replay prunes too
@@ -87,10 +105,9 @@ def test_search_prunes_and_finds_the_exhaustive_winner(tmp_path: Path) -> None:
     assert pruned_replay.best == full_replay.best and not full_replay.pruned
     assert full_replay.best[0] == full["recommendation"]["variant_name"]
 
-    # The live winners are not compared: two separate runs on a shared 2-core machine (the suite runs two test
-    # processes) do not share its noise, and under load the exhaustive run has ranked b4-a2 over b8-a1 while the
-    # search ranked them the other way. The replay above compares on identical measurements.
-    assert analysis["recommendation"]["variant_name"] == outcome["best"]
+    # The live winners of the two runs are not compared: two separate runs on a shared 2-core machine (the suite
+    # runs two test processes) do not share its noise, and under load an exhaustive run has ranked b4-a2 over b8-a1
+    # while the search ranked them the other way. The replay compares on identical measurements.
 
 
 def _replay(tmp_path: Path, *, full_run: Any, jobs: list[JobRecord], pruning: bool) -> SearchSummary:

@@ -151,7 +151,7 @@ def _track(run_id: str, download_dir: Path) -> Any:
     return done
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=14)
 def test_track_logs_a_cloud_run_to_its_mlflow_server_and_wandb_beside_its_jobs(
     cloud: Cloud, server: str, tmp_path: Path
 ) -> None:
@@ -257,7 +257,7 @@ def test_track_refuses_a_run_without_tracking_or_without_an_analysis(cloud: Clou
     assert f"run {planned['run_id']} has no analysis yet (status PLANNED)" in done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 def test_a_job_output_that_cannot_be_read_is_one_problem_and_the_rest_is_still_logged(
     cloud: Cloud, tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ def _quick(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow(seconds=59)
 def test_quick_mode_runs_in_pieces_that_merge_into_one_table(tmp_path: Path) -> None:
     # Given two pieces run separately (as on two short GPU rentals), each with its own rows
     started = time.perf_counter()

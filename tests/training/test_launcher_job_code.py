@@ -83,6 +83,7 @@ def _launch(tmp_path: Path, env: dict[str, str], timeout: float = 240) -> subpro
                           text=True, timeout=timeout, check=False)  # fmt: skip
 
 
+@pytest.mark.slow(seconds=16)
 def test_the_two_tower_job_runs_through_the_launcher_on_two_ranks(tmp_path: Path) -> None:
     # Given the two-tower job's planned request (code channel, arguments, the helper's settings, requirements)
     request = _request(max_steps=8)

@@ -51,6 +51,7 @@ def test_a_trial_trains_exactly_what_its_candidates_job_would(tmp_path: Path) ->
         train.parse_hyperparameters(["--search_candidate", "b4-a2"], {"SM_HPS": json.dumps(static)})
 
 
+@pytest.mark.slow(seconds=12)
 def test_a_trial_prints_the_running_cost_its_tuning_job_minimizes(dataset: Path, tmp_path: Path) -> None:
     # Given a tuning trial of the tiny model: static micro-batch 8 x 1, candidate b2-a2-w0, $3.60/h, first objective
     # value after 3 timed steps, a checkpoint every 5 steps

@@ -103,7 +103,7 @@ def _step_lines(stdout: str) -> dict[int, dict[str, float]]:
     return {int(v["step"]): v for v in lines if v and "loss" in v}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=21)
 def test_a_tracked_job_logs_params_steps_and_benchmark_to_mlflow_and_wandb(dataset: Path, tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
@@ -207,7 +207,7 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=11)
 def test_an_unreachable_tracker_is_reported_once_and_the_benchmark_and_the_other_tracker_go_on(
     dataset: Path, tmp_path: Path
 ) -> None:

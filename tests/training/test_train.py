@@ -71,7 +71,7 @@ def _result(root: Path) -> BenchmarkResult:
     return BenchmarkResult.model_validate_json((root / "opt/ml/output/data/benchmark.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=22)
 def test_tiny_model_trains_and_resumes_after_a_hard_exit(dataset: Path, tmp_path: Path) -> None:
     full = _run(tmp_path / "full", dataset)
     assert full.returncode == 0, full.stderr[-3000:]
@@ -226,7 +226,7 @@ def test_every_rank_runs_the_same_number_of_validation_forwards() -> None:
     assert train.validation_starts(100, 2, 2, 1, 3) == [2, 6, 10]  # capped at validation_batches
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 @pytest.mark.timeout(240)
 def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, tmp_path: Path) -> None:
     # Given 2 gloo ranks (torchrun) and one validation micro-batch: rank 0 has it, rank 1 has none

@@ -1,7 +1,10 @@
 """analyze_run's output for fixed inputs must not change: a guard for performance work on gpuscout.analysis/costs.
 
 The expected files in tests/fixtures/analysis/ were generated from the code before it was optimized. Only the two
-clock readings (``generated_at``, ``price_snapshot.taken_at``) are left out; every other value must match exactly.
+clock readings (``generated_at``, ``price_snapshot.taken_at``) are left out; every other value must match exactly,
+floats to 1e-9 relative: numpy picks its exp/log kernels by CPU (AVX-512 or AVX2), and the last bits of a fitted
+target-loss time differ between the two kinds of machine the suite runs on (1.2492867069020235 on an AVX2-only AMD
+EPYC against 1.2492867069019609 where the files were written).
 When a change *should* alter the analysis, regenerate them deliberately and review the diff:
 
     .venv/bin/python tests/unit/test_analysis_regression.py
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -165,6 +169,8 @@ def _first_difference(actual: Any, expected: Any, path: str = "") -> str | None:
             found = _first_difference(a, e, f"{path}[{i}]")
             if found:
                 return found
+        return None
+    if type(actual) is float and type(expected) is float and math.isclose(actual, expected, rel_tol=1e-9, abs_tol=0):
         return None
     return None if actual == expected and type(actual) is type(expected) else f"{path}: {actual!r} != {expected!r}"
 

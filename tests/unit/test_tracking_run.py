@@ -72,7 +72,7 @@ def _job_runs(uri: str, experiment: str, artifacts: str, names: dict[str, str]) 
     return ids
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=11)
 def test_the_run_logs_its_ranked_results_and_report_to_mlflow_and_wandb(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
@@ -160,7 +160,7 @@ def test_a_tracker_that_fails_is_reported_not_raised(tmp_path: Path, monkeypatch
     assert problem.startswith("MLflow: the run's results were not logged (")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 def test_an_http_server_that_keeps_artifacts_in_s3_gets_the_run_s_artifacts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
