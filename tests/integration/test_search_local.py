@@ -48,13 +48,10 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
-def _run(
-    tmp_path: Path, data_cache: Path, *, pruning: bool, canary: bool = True
-) -> tuple[Any, list[JobRecord], dict[str, Any]]:
+def _run(tmp_path: Path, data_cache: Path, *, pruning: bool) -> tuple[Any, list[JobRecord], dict[str, Any]]:
     store = SqliteStore(tmp_path / "gpuscout.db")
     run = run_local(
         _manifest(tmp_path, pruning=pruning), store=store, runs_dir=tmp_path / "runs", data_cache_dir=data_cache,
-        canary=canary,
     )  # fmt: skip
     result = store.get_result(run.run_id)
     assert result is not None
@@ -65,7 +62,7 @@ def _run(
 def test_a_search_launches_every_candidate_once_prunes_with_why_and_reports_it(
     tmp_path: Path, data_cache: Path
 ) -> None:
-    # Given 8 candidates searched with pruning (each distinct configuration canaried first)
+    # Given 8 candidates searched with pruning
     searched, trials, analysis = _run(tmp_path, data_cache, pruning=True)
 
     # Then the run succeeds, the search launched each candidate once and stopped some early, each with why
@@ -92,8 +89,8 @@ def test_a_search_launches_every_candidate_once_prunes_with_why_and_reports_it(
 
 @pytest.mark.slow(seconds=60)
 def test_pruning_keeps_the_exhaustive_runs_winner_on_the_same_measurements(tmp_path: Path, data_cache: Path) -> None:
-    # Given the same 8 candidates run exhaustively (pruning off; no canaries: the search test above canaries them)
-    exhaustive, all_jobs, full = _run(tmp_path, data_cache, pruning=False, canary=False)
+    # Given the same 8 candidates run exhaustively (pruning off)
+    exhaustive, all_jobs, full = _run(tmp_path, data_cache, pruning=False)
     # Then every candidate completed
     assert exhaustive.status is RunStatus.SUCCEEDED
     assert len(all_jobs) == 8 and all(j.status is JobStatus.COMPLETED for j in all_jobs)
