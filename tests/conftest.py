@@ -22,7 +22,7 @@ def slow_seconds(item: pytest.Item) -> float:
     mark = item.get_closest_marker("slow")
     if mark is None:
         return 0.0
-    return float(mark.kwargs.get("seconds", mark.args[0] if mark.args else DEFAULT_SLOW_SECONDS))
+    return float(mark.kwargs.get("seconds", DEFAULT_SLOW_SECONDS))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gpuscout import paths
 from gpuscout.errors import CatalogError
-from gpuscout.spec.cpu import detect_cpu_precisions
+from gpuscout.spec.cpu import cpuinfo_field, detect_cpu_precisions
 from gpuscout.spec.hardware import SKUS, GpuSku, detect_sku
 
 LOCAL = "local"
@@ -215,14 +215,7 @@ class LocalHardware(BaseModel):
 
 
 def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+    return cpuinfo_field("model name") or platform.processor() or None
 
 
 def _memory_gib() -> float | None:

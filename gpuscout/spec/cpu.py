@@ -51,17 +51,26 @@ def bf16_support(flags: Collection[str], max_isa: str | None) -> CpuPrecisions:
     return CpuPrecisions(False, f"this CPU has {flag}, but ONEDNN_MAX_CPU_ISA={max_isa} keeps oneDNN from using it")
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The instruction-set flags of the first processor in ``cpuinfo`` (empty where there is none, e.g. macOS)."""
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpuinfo_field(*names: str, cpuinfo: Path = CPUINFO) -> str | None:
+    """The first processor's value of the first of ``names`` in ``cpuinfo`` (None where there is no such file or
+    field, e.g. macOS)."""
     try:
         with cpuinfo.open(encoding="utf-8") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                if key.strip().lower() in names:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The instruction-set flags of the first processor in ``cpuinfo`` (empty where there are none)."""
+    return frozenset((cpuinfo_field("flags", "features", cpuinfo=cpuinfo) or "").split())
 
 
 def detect_cpu_precisions(environ: Mapping[str, str] | None = None) -> CpuPrecisions:
@@ -70,7 +79,8 @@ def detect_cpu_precisions(environ: Mapping[str, str] | None = None) -> CpuPrecis
     return bf16_support(cpu_flags(), env.get("ONEDNN_MAX_CPU_ISA"))
 
 
-_HALF = ("bf16", "bfloat16", "fp16", "float16", "half", "mixed_precision", "amp")
+_HALF_VALUES = ("bf16", "bfloat16", "fp16", "float16", "half")
+_HALF = (*_HALF_VALUES, "mixed_precision", "amp")
 _OFF = {"", "0", "false", "no", "off", "none", "auto", "fp32", "float32", "no_amp"}
 
 
@@ -81,6 +91,6 @@ def half_precision_argument(arguments: Mapping[str, object]) -> str | None:
         text = str(value).strip().lower()
         if any(word in key.lower() for word in _HALF) and text not in _OFF:
             return f"{key}={value}"
-        if text in ("bf16", "bfloat16", "fp16", "float16", "half"):
+        if text in _HALF_VALUES:
             return f"{key}={value}"
     return None

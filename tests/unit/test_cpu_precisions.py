@@ -11,7 +11,7 @@ from gpuscout.local.runner import half_precision_warnings
 from gpuscout.paths import REPO_DIR
 from gpuscout.plan.planner import plan
 from gpuscout.spec.catalog import LocalHardware, detect_local_hardware, load_catalog
-from gpuscout.spec.cpu import bf16_support, cpu_flags, half_precision_argument
+from gpuscout.spec.cpu import bf16_support, cpu_flags, cpuinfo_field, half_precision_argument
 from gpuscout.spec.manifest import load_manifest, validate_manifest_data
 
 CATALOG = load_catalog()
@@ -48,6 +48,8 @@ def test_flags_are_read_from_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\nprocessor\t: 1\n")
     assert cpu_flags(info) == {"fpu", "avx", "avx2", "fma"}
     assert cpu_flags(tmp_path / "missing") == frozenset()
+    assert cpuinfo_field("model name", cpuinfo=info) == "AMD EPYC"
+    assert cpuinfo_field("cpu mhz", cpuinfo=info) is None
 
 
 def test_under_the_suites_kernels_this_machine_has_no_native_bf16():
