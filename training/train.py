@@ -458,6 +458,22 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
     return model, architecture_from_config(hp.model_name_or_path, model.config), hp.model_name_or_path
 
 
+def deepspeed_collectives_through_torch() -> None:
+    """On a CPU, DeepSpeed's collectives go through torch.distributed (gloo), as they do (NCCL) on the GPUs it is
+    benchmarked on.
+
+    On a CPU, DeepSpeed's TorchBackend would first JIT-compile its shared-memory allreduce op (``deepspeed_shm_comm``:
+    g++ and ninja at run time, about 1 to 2 minutes on a 2-core machine the first time, then cached in
+    ~/.cache/torch_extensions) and route allreduce through it. On CUDA that op does not exist (the CUDA accelerator
+    has no ShareMemCommBuilder), so every collective there is torch.distributed's. ZeRO on a CPU is only this
+    project's stand-in for the GPU path (the planner refuses ZeRO on a CPU target), and a stand-in should run the
+    same collectives: no compiler at run time. ``build_shm_op`` builds nothing for an op that
+    ``deepspeed.ops.__compatible_ops__`` (DeepSpeed's own table of which ops may be built here) marks incompatible."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def deepspeed_config(hp: Hyperparameters, precision: str, world_size: int, hidden_size: int) -> dict[str, Any]:
     from gpuscout.paths import DEEPSPEED_DIR
 
@@ -863,6 +879,8 @@ class Benchmark:
         if hp.deepspeed_stage:
             import deepspeed
 
+            if dist.device.type == "cpu":
+                deepspeed_collectives_through_torch()
             assert self.arch is not None
             self.optimizations.append(f"deepspeed_zero{hp.deepspeed_stage}")
             ds_config = deepspeed_config(hp, self.precision, dist.world_size, self.arch.hidden_size)
