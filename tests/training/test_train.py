@@ -185,6 +185,7 @@ sys.path.insert(0, {training!r})
 if {fixed}:
     import train
     train.init_distributed()
+    train.deepspeed_collectives_through_torch()  # as train.py does before DeepSpeed starts on a CPU
 import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")
 import torch.distributed as dist
@@ -208,6 +209,7 @@ def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tm
         # Then train.py's single-process environment lets it start a one-rank group
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "world 1 rank 0" in proc.stdout
+        assert "deepspeed_shm_comm" not in proc.stdout  # no shared-memory op compiled or loaded on a CPU
     else:
         # (without it, DeepSpeed's SageMaker discovery fails before step 1: the bug this guards against)
         assert proc.returncode != 0 and "OMPI_COMM_WORLD_RANK" in proc.stderr
