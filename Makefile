@@ -5,21 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
-export PYTHONDONTWRITEBYTECODE := 1
+unexport PYTHONDONTWRITEBYTECODE
 export MPLBACKEND := Agg
 
 .PHONY: demo test check lint format types synth install clean gpu-check gpu-memory-probe
 
-## pip compiles the ~20,000 files it installs to bytecode one at a time (45 of the install's 70 s, measured on a 2-core
-## Xeon, 2026-11-25); compileall does the same on every core (29 s there). Bytecode is only a cache: a file that does
-## not compile on this Python (torch ships a 3.12-only test helper) is compiled, and fails, only if imported, as
-## after pip's own compile, so compileall's verdict is not the install's.
+## --no-compile: pip would compile all ~20,000 files it installs to bytecode, one at a time (45 of the install's 70 s on
+## a 2-core Xeon, 2026-11-25; compileall on both cores still took 29 s). Python compiles a module the first time it is
+## imported and keeps it in __pycache__, so only what runs is compiled, once. That needs bytecode writing on: these
+## machines' environment sets PYTHONDONTWRITEBYTECODE=1, so make passes it to no recipe (unexport above).
 $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --no-compile --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -r requirements-dev.txt
-	$(PY) -m pip install --quiet --no-deps -e .
-	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_path('purelib'), quiet=2, workers=0)"
+	$(PY) -m pip install --quiet --no-compile --no-deps -e .
 	touch $@
 
 node_modules/.stamp-install: package.json package-lock.json
