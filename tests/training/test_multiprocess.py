@@ -345,6 +345,8 @@ def test_two_ranks_validate_checkpoint_survive_a_kill_resume_identically_and_sto
     assert sorted(train_again) == list(range(1, MAX_STEPS + 1))
     assert train_again == train_ref and val_again == val_ref  # bit for bit (gloo, fp32, one thread per rank)
 
+    if variant.get("deepspeed_stage") == "2":
+        return  # the steady-state stop is rank 0's decision broadcast between steps: run under DDP and ZeRO-3 below
     # Given the steady-state stop rule (a wide tolerance: CPU step times are noisy), When the job runs
     steady = one_host(tmp_path / "steady", dataset, {**hps, **STEADY_STATE})
     cleanup.append(steady)
@@ -388,13 +390,11 @@ def test_two_hosts_on_localhost_train_like_two_ranks_on_one_host(
 
 @pytest.mark.slow(seconds=41)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", ["2", "3"])
-def test_single_process_deepspeed_resumes_after_a_kill(
-    dataset: Path, tmp_path: Path, stage: str, cleanup: list[Job]
-) -> None:
+def test_single_process_deepspeed_resumes_after_a_kill(dataset: Path, tmp_path: Path, cleanup: list[Job]) -> None:
     # Given a CPU host without the processes-per-host hyperparameter: the launcher runs train.py itself (1 rank,
-    # DeepSpeed sees SM_TRAINING_ENV and no launcher variables)
-    hps = {**HPS, "deepspeed_stage": stage}
+    # DeepSpeed sees SM_TRAINING_ENV and no launcher variables), with ZeRO-3 (ZeRO-2's kill and resume runs on two
+    # ranks above; this path does not depend on the stage, and each launch is a train.py start-up)
+    hps = {**HPS, "deepspeed_stage": "3"}
     full = one_host(tmp_path / "full", dataset, hps, processes=1)
     cleanup.append(full)
     full.run()

@@ -34,3 +34,15 @@ def test_make_test_sets_them():
     for name, value in SLOWEST_KIND.items():
         assert re.search(rf"^test: export {name} := {value}$", makefile, re.M), name
     assert Path(REPO_DIR / ".ci" / "run").read_text().strip().endswith("make test")
+
+
+def test_the_venvs_bytecode_is_written_when_first_imported():
+    """make install leaves bytecode to Python (pip --no-compile): every module is compiled on its first import and
+    kept. With PYTHONDONTWRITEBYTECODE set (these machines' environment sets it) nothing would be kept, and every
+    process of the suite would compile torch's and transformers' modules again; make unexports it."""
+    import sys
+
+    assert not sys.flags.dont_write_bytecode, "run the suite with `make test` (it unexports PYTHONDONTWRITEBYTECODE)"
+    makefile = (REPO_DIR / "Makefile").read_text()
+    assert re.search(r"^unexport PYTHONDONTWRITEBYTECODE$", makefile, re.M)
+    assert "--no-compile -r requirements-dev.txt" in makefile
