@@ -12,7 +12,7 @@ from typing import Any
 import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 
-from gpuscout.spec.catalog import load_catalog
+from gpuscout.domain.catalog import load_catalog
 from stacks.config import ConfigError, load_config
 from stacks.gpuscout_stack import GpuscoutStack
 

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from gpuscout.analysis.intervals import ratio_ci95
+from gpuscout.domain import flops
+from gpuscout.domain.hardware import detect_sku
+from gpuscout.domain.models import PRESETS, Architecture
 from gpuscout.paths import TRAINING_DIR
-from gpuscout.spec import flops
-from gpuscout.spec.hardware import detect_sku
-from gpuscout.spec.models import PRESETS, Architecture
 
 if str(TRAINING_DIR) not in sys.path:
     sys.path.insert(0, str(TRAINING_DIR))

@@ -35,8 +35,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from gpuscout.domain.models import PRESETS
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
-from gpuscout.spec.models import PRESETS
 
 BASELINE_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_baseline.py"
 DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-0.5b")

@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "training"), str(REPO)]
 
-from gpuscout.spec.models import PRESETS, Architecture  # noqa: E402 - after the path set-up above
+from gpuscout.domain.models import PRESETS, Architecture  # noqa: E402 - after the path set-up above
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,9 @@ def architecture(probe: Probe) -> Architecture:
 
 def predicted_gb(probe: Probe) -> float:
     """The planner's peak for the probe's configuration, less the CUDA context (max_memory_allocated omits it)."""
+    from gpuscout.domain.manifest import Variant
     from gpuscout.plan.memory import CUDA_CONTEXT_GB
     from gpuscout.plan.planner import memory_per_gpu_gb
-    from gpuscout.spec.manifest import Variant
 
     arch = architecture(probe)
     variant = Variant(

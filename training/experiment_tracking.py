@@ -1,5 +1,5 @@
 """Experiment tracking for train.py: MLflow and/or Weights & Biases, on rank 0, when the job's ``GPUSCOUT_TRACKING``
-variable (gpuscout.spec.tracking.JobTracking as JSON) names them.
+variable (gpuscout.domain.tracking.JobTracking as JSON) names them.
 
 What a tracked job records, in each tracker it names:
 
@@ -21,7 +21,7 @@ time; W&B's service process runs beside the job (its system-metrics sampling is 
 
 Tracking never fails a job: an exception from a tracker (an unreachable server, a missing package) is printed once
 on stderr and that tracker is dropped for the rest of the job; the benchmark goes on. An unreachable MLflow server is
-retried for a bounded time (gpuscout.spec.tracking.MLFLOW_HTTP_DEFAULTS). mlflow and wandb are imported
+retried for a bounded time (gpuscout.domain.tracking.MLFLOW_HTTP_DEFAULTS). mlflow and wandb are imported
 only when a tracker starts, so an untracked job never loads them.
 """
 
@@ -38,9 +38,9 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.metric_lines import usd_per_million_tokens
-from gpuscout.spec.tracking import (
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.metric_lines import usd_per_million_tokens
+from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
     RUN_ID_TAG,

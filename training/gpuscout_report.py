@@ -13,7 +13,7 @@ training image put on PYTHONPATH). It times every optimizer step between two ``s
 ``time.perf_counter`` (call ``step`` after something that waits for the device, e.g. ``loss.item()``, or pass
 ``sync=torch.cuda.synchronize`` to :func:`configure`), excludes the warm-up steps from every throughput figure,
 applies the manifest's stop rule (``max_steps``, or steady state: the 95 % interval of the rate within tolerance) and
-writes ``$SM_OUTPUT_DATA_DIR/benchmark.json`` in the schema of gpuscout/spec/benchmark.py. An uncaught exception is
+writes ``$SM_OUTPUT_DATA_DIR/benchmark.json`` in the schema of gpuscout/domain/benchmark.py. An uncaught exception is
 written as a failed benchmark.json with the exception as the reason (so "out of memory" is classified as OOM).
 
 Without calling it, a script may print metric lines instead (``gpuscout_metric step=3 samples=256 loss=0.71``);
@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmark_callback import StepRecord, StepStats, default_warmup_steps
 
-from gpuscout.spec.metric_lines import PREFIX, format_metric_line
+from gpuscout.domain.metric_lines import PREFIX, format_metric_line
 
 SCHEMA_VERSION = "1.1"
 LOG_LINE_RE = re.compile(rf"^{PREFIX}\b(?P<rest>.*)$")  # docs/byo.md: the regexes the runner applies

@@ -59,7 +59,7 @@ from packing import CausalLMWithLoss, chunked_cross_entropy, make_inputs, plain_
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gpuscout.spec.models import PRESETS
+from gpuscout.domain.models import PRESETS
 
 LAYER_FEATURES = ("hidden", "intermediate", "kv_width", "heads", "one")
 MASK_FEATURES = ("heads", "one")

@@ -37,9 +37,8 @@ from experiment_tracking import JobTracker
 from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs, unpack_blocks
 
 import gpuscout
-from gpuscout.errors import TrainingError
-from gpuscout.spec import flops
-from gpuscout.spec.benchmark import (
+from gpuscout.domain import flops
+from gpuscout.domain.benchmark import (
     BenchmarkResult,
     DatasetInfo,
     Efficiency,
@@ -53,10 +52,11 @@ from gpuscout.spec.benchmark import (
     Timing,
     TrainConfig,
 )
-from gpuscout.spec.candidates import parse_candidate_name
-from gpuscout.spec.hardware import detect_sku
-from gpuscout.spec.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
-from gpuscout.spec.models import PRESETS, Architecture
+from gpuscout.domain.candidates import parse_candidate_name
+from gpuscout.domain.hardware import detect_sku
+from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
+from gpuscout.domain.models import PRESETS, Architecture
+from gpuscout.errors import TrainingError
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
 MODEL_CHANNEL_DIR = "/opt/ml/input/data/model"  # where SageMaker puts the "model" input channel
@@ -196,7 +196,7 @@ def parse_hyperparameters(
     return hp
 
 
-# A candidate's settings (gpuscout.spec.candidates) -> train.py's hyperparameter names.
+# A candidate's settings (gpuscout.domain.candidates) -> train.py's hyperparameter names.
 CANDIDATE_HYPERPARAMETERS = {
     "per_device_batch_size": "per_device_train_batch_size",
     "gradient_accumulation_steps": "gradient_accumulation_steps",

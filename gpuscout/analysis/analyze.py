@@ -38,15 +38,15 @@ from gpuscout.analysis.results import (
     SearchTargetOutcome,
     SearchTrial,
 )
+from gpuscout.domain.catalog import LOCAL
 from gpuscout.plan.search import SearchPlan
-from gpuscout.spec.catalog import LOCAL
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
 MIN_TIMED_STEPS = 2  # fewer timed steps give no interval: a verdict cannot rest on them
 
 
-# -- manifest access (a gpuscout.spec.manifest.Manifest or its dict) ---------------------------------------------------
+# -- manifest access (a gpuscout.domain.manifest.Manifest or its dict) ------------------------------------------------
 def _get(obj: Any, name: str, default: Any = None) -> Any:
     if obj is None:
         return default
@@ -567,7 +567,7 @@ def analyze_run(
 ) -> RunAnalysis:
     """Analyze one run's jobs: metrics, costs, exclusions, ranking and a recommendation.
 
-    ``manifest`` is a gpuscout.spec.manifest.Manifest or its dict (default: the one stored on the run). ``prices``
+    ``manifest`` is a gpuscout.domain.manifest.Manifest or its dict (default: the one stored on the run). ``prices``
     defaults to the catalog table with the manifest's price overrides; a caller may pass a book refreshed from the
     AWS Price List API (``PriceBook.refresh_from_aws``). docs/costs.md has every formula.
     """

@@ -100,7 +100,7 @@ def _field(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def _catalog_entries(catalog: Any) -> Iterable[tuple[str, Any]]:
-    """(instance_type, entry) pairs from a gpuscout.spec.catalog.Catalog, a mapping, or an iterable of entries."""
+    """(instance_type, entry) pairs from a gpuscout.domain.catalog.Catalog, a mapping, or an iterable of entries."""
     if catalog is None:
         return []
     for attr in ("instances", "entries"):

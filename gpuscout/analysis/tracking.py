@@ -31,9 +31,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpuscout.errors import GpuscoutError
-from gpuscout.spec.manifest import TrackingSection
-from gpuscout.spec.tracking import (
+from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
     MLFLOW_PARENT_TAG,
@@ -45,6 +44,7 @@ from gpuscout.spec.tracking import (
     mlflow_experiment_id,
     prepare_mlflow_uri,
 )
+from gpuscout.errors import GpuscoutError
 from gpuscout.store.base import ResultRecord, RunRecord
 
 RANKED_COLUMNS = (

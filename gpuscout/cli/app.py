@@ -149,8 +149,8 @@ def open_store(db: Path | None, stack_name: str | None = None, *, read_only: boo
 @app.command()
 def validate(file: ManifestArg) -> None:
     """Check a manifest against the schema and the instance catalog; list every problem with its field path."""
-    from gpuscout.spec.catalog import load_catalog
-    from gpuscout.spec.manifest import load_manifest
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest import load_manifest
 
     manifest = load_manifest(file, catalog=load_catalog())
     targets = len(manifest.targets)
@@ -174,9 +174,9 @@ def validate(file: ManifestArg) -> None:
 def plan(file: ManifestArg) -> None:
     """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget."""
     from gpuscout.cli.local_view import plan_table
+    from gpuscout.domain.catalog import load_catalog
     from gpuscout.local.runner import plan_manifest
     from gpuscout.plan.search import describe_plan
-    from gpuscout.spec.catalog import load_catalog
 
     catalog = load_catalog()
     manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
@@ -193,7 +193,7 @@ def plan(file: ManifestArg) -> None:
 @app.command("catalog")
 def catalog_cmd() -> None:
     """List the instance types gpuscout knows: GPUs, memory, peak TFLOPS and on-demand price."""
-    from gpuscout.spec.catalog import load_catalog
+    from gpuscout.domain.catalog import load_catalog
 
     table = Table(title="Instance catalog", title_justify="left")
     for col, justify in (

@@ -15,8 +15,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.runner import JobOutcome, JobProgress, result_rows
-from gpuscout.spec.jobspec import JobSpec
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 

@@ -2,7 +2,7 @@
 SageMaker request shapes, Lambda settings from the environment, and the client that submits manifests to a deployed
 stack and reads its results.
 
-May import: gpuscout.spec, gpuscout.plan, gpuscout.analysis, gpuscout.store, gpuscout.errors, gpuscout.paths.
+May import: gpuscout.domain, gpuscout.plan, gpuscout.analysis, gpuscout.store, gpuscout.errors, gpuscout.paths.
 Not gpuscout.local or gpuscout.cli. Modules a Lambda imports at start-up import the analysis lazily, so the
 job_events function never loads numpy or matplotlib.
 """

@@ -42,10 +42,10 @@ from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
 from gpuscout.cloud.sagemaker_requests import output_tar_key
 from gpuscout.cloud.sources import hyperparameter_problems, source_problems, target_problems, tracking_problems
+from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.manifest import Manifest, load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.planner import make_run_id, plan
-from gpuscout.spec.catalog import Catalog, load_catalog
-from gpuscout.spec.manifest import Manifest, load_manifest, parse_manifest
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
 from gpuscout.store.dynamodb import DynamoDbStore
 

@@ -46,6 +46,9 @@ from gpuscout.cloud.tuning_requests import (
     search_target_key,
     tuning_job_request,
 )
+from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.manifest import Manifest, parse_manifest, validate_manifest_data
 from gpuscout.errors import (
     BudgetExceededError,
     GpuscoutError,
@@ -56,9 +59,6 @@ from gpuscout.errors import (
 )
 from gpuscout.plan.canary import plan_cloud_canaries
 from gpuscout.plan.planner import Plan, make_run_id, plan
-from gpuscout.spec.catalog import Catalog, load_catalog
-from gpuscout.spec.jobspec import JobSpec
-from gpuscout.spec.manifest import Manifest, parse_manifest, validate_manifest_data
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JobRecord,

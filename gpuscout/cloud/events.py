@@ -40,8 +40,8 @@ from gpuscout.cloud.tuning_requests import (
     tuning_job_name,
     tuning_name_of_arn,
 )
+from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.errors import GpuscoutError, RunNotFoundError
-from gpuscout.spec.benchmark import BenchmarkResult
 from gpuscout.store.base import TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
 
 BENCHMARK_FILE = "benchmark.json"

@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from gpuscout.cloud.sources import CODE_PREFIX, RAW_PREFIX
+from gpuscout.domain.manifest import parse_document
 from gpuscout.errors import Problem
-from gpuscout.spec.manifest import parse_document
 
 # Never uploaded: caches, version control, virtual environments (they would make the digest change for nothing).
 IGNORED_DIRS = frozenset({"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"})

@@ -28,8 +28,8 @@ from pathlib import Path, PurePosixPath
 
 from gpuscout.analysis.tracking import TrackingOutcome, log_run, run_to_track
 from gpuscout.cloud.client import CloudStack
+from gpuscout.domain.tracking import workstation_destinations
 from gpuscout.errors import GpuscoutError
-from gpuscout.spec.tracking import workstation_destinations
 from gpuscout.store.base import JobRecord
 
 WANDB_FOLDER = "wandb"  # wandb's own folder name under its dir

@@ -16,9 +16,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpuscout.spec.jobspec import JOB_NAME_RE, JobSpec
-from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
-from gpuscout.spec.tracking import tracking_environment
+from gpuscout.domain.jobspec import JOB_NAME_RE, JobSpec
+from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
+from gpuscout.domain.tracking import tracking_environment
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 PROCESSING_INPUT_DIR = "/opt/ml/processing/input/raw"
@@ -169,7 +169,7 @@ def training_job_request(
         "GPUSCOUT_JOB_NAME": spec.job_name,
         "GPUSCOUT_CHECKPOINT_DIR": CHECKPOINT_LOCAL_PATH,
         **(job_code_environment(spec) if spec.job_code is not None else {}),
-        **tracking_environment(spec),  # GPUSCOUT_TRACKING when the manifest tracks (gpuscout.spec.tracking)
+        **tracking_environment(spec),  # GPUSCOUT_TRACKING when the manifest tracks (gpuscout.domain.tracking)
         **(environment or {}),
     }
     return {

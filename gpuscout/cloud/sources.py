@@ -19,9 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from gpuscout.errors import Problem
-from gpuscout.spec.manifest import Manifest
-from gpuscout.spec.tracking import (
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.tracking import (
     CLOUD_WANDB_DIR,
     REMOTE_MLFLOW_RE,
     SAGEMAKER_ENV_VALUE_MAX_CHARS,
@@ -30,6 +29,7 @@ from gpuscout.spec.tracking import (
     cloud_destinations,
     encode,
 )
+from gpuscout.errors import Problem
 
 # Step Functions passes at most 256 KiB between states, and the plan carries every job's CreateTrainingJob request
 # (about 4.5 KiB each with a deployed stack's ARNs): 40 jobs leave room for the data-preparation result and the
@@ -128,9 +128,9 @@ IMAGE_MIN_COMPUTE_CAPABILITY = (7, 5)
 
 def _image_cannot_run(instance_type: str) -> str | None:
     """Why the training image cannot run on ``instance_type``'s GPU, or None."""
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.hardware import SKUS
     from gpuscout.errors import CatalogError
-    from gpuscout.spec.catalog import load_catalog
-    from gpuscout.spec.hardware import SKUS
 
     try:
         sku = SKUS.get(load_catalog().get(instance_type).gpu_sku or "")

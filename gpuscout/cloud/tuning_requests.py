@@ -2,10 +2,11 @@
 
 The planner (gpuscout.plan.search) has already expanded each target's candidates and dropped the ones that cannot
 run; only the launchable ones become values of one categorical hyperparameter, ``search_candidate``, whose value is
-the candidate's name. train.py turns the name back into settings (gpuscout.spec.candidates.parse_candidate_name); every
-other hyperparameter is the same for all candidates of a target and is static. The objective is the running $ per
-1M tokens that train.py prints on its step lines once it knows the job's price (``price_per_hour_usd``), minimized;
-SageMaker reads it with the same MetricDefinitions regexes as every training job (gpuscout.spec.metric_lines).
+the candidate's name. train.py turns the name back into settings
+(gpuscout.domain.candidates.parse_candidate_name); every other hyperparameter is the same for all candidates of a
+target and is static. The objective is the running $ per 1M tokens that train.py prints on its step lines once it
+knows the job's price (``price_per_hour_usd``), minimized;
+SageMaker reads it with the same MetricDefinitions regexes as every training job (gpuscout.domain.metric_lines).
 
 SageMaker names a tuning job's training jobs (its trials) with the tuning job's name as prefix, so trials start with
 ``gs-`` like every gpuscout job: the EventBridge rule sends their state changes to job_events, which creates each
@@ -30,10 +31,10 @@ from gpuscout.cloud.sagemaker_requests import (
     max_wait_seconds,
     training_job_request,
 )
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.errors import GpuscoutError
 from gpuscout.plan.search import SearchPlan, TargetSearch
-from gpuscout.spec.jobspec import JobSpec
-from gpuscout.spec.metric_lines import OBJECTIVE_METRIC
 
 # CategoricalParameterRange.Values holds at most 30 values (botocore's SageMaker model, ParameterValues).
 MAX_CATEGORICAL_VALUES = 30

@@ -3,5 +3,5 @@ SageMaker container layout, training subprocesses and their progress, failure cl
 analysis and report. Console rendering is not here: the runner reports through ``runner.RunObserver`` and the CLI
 draws.
 
-May import: gpuscout.spec, gpuscout.plan, gpuscout.analysis, gpuscout.store, gpuscout.errors, gpuscout.paths.
+May import: gpuscout.domain, gpuscout.plan, gpuscout.analysis, gpuscout.store, gpuscout.errors, gpuscout.paths.
 """

@@ -30,6 +30,12 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 from pydantic import ValidationError
 
 from gpuscout import paths
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.catalog import LOCAL, Catalog, load_catalog
+from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.metric_lines import parse_metric_line
+from gpuscout.domain.tracking import local_destinations, tracking_environment
 from gpuscout.errors import BudgetExceededError, DataPreparationError, GpuscoutError, ManifestError, Problem
 from gpuscout.local.contention import ContentionMonitor
 from gpuscout.local.lock import RunsFolderLock
@@ -42,12 +48,6 @@ from gpuscout.local.process_control import (
 )
 from gpuscout.local.startup import measure_startup_seconds
 from gpuscout.plan.canary import CANARY_STEPS, plan_canaries
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.catalog import LOCAL, Catalog, load_catalog
-from gpuscout.spec.dataset_checks import dataset_problems, global_batch_blocks
-from gpuscout.spec.jobspec import JobSpec
-from gpuscout.spec.metric_lines import parse_metric_line
-from gpuscout.spec.tracking import local_destinations, tracking_environment
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JOB_STATUS_RANK,
@@ -87,9 +87,9 @@ def plan_manifest(
 
     Returns ``(manifest, plan)``; raises ManifestError / PlanError. The budget is *not* checked here.
     """
+    from gpuscout.domain.catalog import detect_local_hardware
+    from gpuscout.domain.manifest import load_manifest
     from gpuscout.plan.planner import make_run_id, plan
-    from gpuscout.spec.catalog import detect_local_hardware
-    from gpuscout.spec.manifest import load_manifest
 
     catalog = catalog or load_catalog()
     manifest = load_manifest(manifest_path, catalog=catalog)
@@ -111,9 +111,9 @@ def plan_manifest(
 
 def half_precision_warnings(manifest: Any, local_hardware: Any) -> list[str]:
     """One warning per variant of a job section whose arguments ask its script for bf16/fp16 when the jobs run on a
-    CPU without native bf16 (gpuscout.spec.cpu): there its matmuls run at about 1 % of fp32 speed, and the run
+    CPU without native bf16 (gpuscout.domain.cpu): there its matmuls run at about 1 % of fp32 speed, and the run
     would measure that. The built-in training job trains in fp32 on a CPU (the planner refuses 16 bits there)."""
-    from gpuscout.spec.cpu import half_precision_argument
+    from gpuscout.domain.cpu import half_precision_argument
 
     if manifest.job is None or local_hardware.device != "cpu" or local_hardware.cpu_bf16_native is not False:
         return []
@@ -148,9 +148,9 @@ def calibrate_job(
     fails is a PlanError with the reason: nothing is planned or timed."""
     import tempfile
 
+    from gpuscout.domain.manifest import JobEstimate
     from gpuscout.errors import PlanError
     from gpuscout.plan.planner import Calibration, plan
-    from gpuscout.spec.manifest import JobEstimate
 
     job = manifest.job
     provisional = manifest.model_copy(update={"job": job.model_copy(update={"estimate": JobEstimate(units_per_s=1.0)})})
@@ -1119,7 +1119,7 @@ def _run_search(
 def check_prepared_data(
     data_dir: Path, manifest: Any, specs: Sequence[JobSpec], *, store: ResultStore, observer: RunObserver
 ) -> set[str]:
-    """Degenerate data, before anything is measured (spec.dataset_checks): warnings are shown loudly; a job whose
+    """Degenerate data, before anything is measured (domain.dataset_checks): warnings are shown loudly; a job whose
     global batch the training split cannot fill is recorded FAILED with the fix and not run. Returns those jobs."""
     try:
         summary = json.loads((data_dir / "dataset.json").read_text(encoding="utf-8"))
@@ -1254,7 +1254,7 @@ def close_abandoned_run(
     """``gpuscout analyze RUN_ID``: close a run whose ``gpuscout local`` process is gone (SIGKILL, a reboot, an
     OOM kill) from what its finished jobs left: analysis, report and a final status. A final run is re-analysed and
     its report regenerated from the stored jobs; its status stays."""
-    from gpuscout.spec.manifest import validate_manifest_data
+    from gpuscout.domain.manifest import validate_manifest_data
 
     observer = observer or SilentObserver()
     catalog = catalog or load_catalog()

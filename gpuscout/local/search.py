@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import optuna
 
 from gpuscout.analysis.intervals import ratio_ci95
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.plan.search import SearchPlan, TargetSearch
-from gpuscout.spec.jobspec import JobSpec
 from gpuscout.store.base import JobRecord, JobStatus
 
 CANDIDATE_PARAM = "candidate"
@@ -128,7 +128,7 @@ def _value_from_record(
     if stats is not None and stats.timed_steps >= 2:
         mean, low, high = stats.throughput()
     else:
-        throughput = (record.benchmark or {}).get("throughput") or {}  # benchmark.json (spec.benchmark)
+        throughput = (record.benchmark or {}).get("throughput") or {}  # benchmark.json (domain.benchmark)
         mean = float(throughput.get("tokens_per_s") or 0.0)
         ci = throughput.get("tokens_per_s_ci95") or (mean, mean)
         low, high = float(ci[0] or mean), float(ci[1] or mean)

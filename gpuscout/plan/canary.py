@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuscout.spec.jobspec import JobSpec
+from gpuscout.domain.jobspec import JobSpec
 
 CANARY_STEPS = 2
 CANARY_MAX_RUNTIME_S = 1800  # a canary that takes longer than this is stopped and counts as failed

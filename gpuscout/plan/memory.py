@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuscout.domain.flops import matmul_params, total_params
+from gpuscout.domain.models import Architecture
 from gpuscout.errors import PlanError
 from gpuscout.paths import MEMORY_DIR
-from gpuscout.spec.flops import matmul_params, total_params
-from gpuscout.spec.models import Architecture
 
 CALIBRATION_PATH = MEMORY_DIR / "calibration.json"
 STATE_BYTES_PER_PARAM = 16.0

@@ -3,7 +3,7 @@
 Prediction (docs/manifest.md "How the planner predicts"):
 
 * GPU targets use the FLOPs model. tokens/s = u x GPUs x dense peak(precision) / FLOPs per token, FLOPs per token
-  from :mod:`gpuscout.spec.flops` with T_eff = sequence_length (an upper bound for packed data). ``u`` is the assumed
+  from :mod:`gpuscout.domain.flops` with T_eff = sequence_length (an upper bound for packed data). ``u`` is the assumed
   utilization of the GPU family (:data:`ASSUMED_MFU`), times :data:`ZERO3_FACTOR` under ZeRO-3 and
   :data:`MULTI_NODE_FACTOR` across instances. With gradient checkpointing ``u`` is applied to the hardware FLOPs
   (forward recomputed), so the predicted MFU drops by model/hardware FLOPs.
@@ -33,15 +33,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from gpuscout.domain.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
+from gpuscout.domain.flops import hardware_flops_per_token, model_flops_per_token
+from gpuscout.domain.jobspec import JOB_NAME_RE, JobCode, JobSpec, Prediction
+from gpuscout.domain.manifest import Manifest, Target, Variant
+from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.plan import memory, search
 from gpuscout.plan.memory import StepSettings
 from gpuscout.plan.search import SearchPlan
-from gpuscout.spec.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
-from gpuscout.spec.flops import hardware_flops_per_token, model_flops_per_token
-from gpuscout.spec.jobspec import JOB_NAME_RE, JobCode, JobSpec, Prediction
-from gpuscout.spec.manifest import Manifest, Target, Variant
-from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
 
 # Assumed model-FLOPs utilization per GPU SKU for fine-tuning a decoder with HF Trainer + SDPA, no custom kernels.
 # A100: ~40 % is what well-tuned Megatron/DeepSpeed runs report at 7B scale (e.g. the BLOOM and OPT logs ~35-50 %);
@@ -287,7 +287,7 @@ def what_fits(
 
 def _cpu_precision_reason(hw: LocalHardware | None, precision: str) -> str:
     """Why a local CPU refuses a 16-bit precision: train.py trains in fp32 on a CPU, and on a CPU without native bf16
-    a 16-bit matmul runs at about 1 % of fp32 speed (gpuscout.spec.cpu)."""
+    a 16-bit matmul runs at about 1 % of fp32 speed (gpuscout.domain.cpu)."""
     if hw is None or hw.device != "cpu":
         return ""
     why = ": train.py trains in fp32 on a CPU (autocast to 16 bits is for GPUs)"

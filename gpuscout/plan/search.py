@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from gpuscout.spec.candidates import candidate_name
-from gpuscout.spec.manifest import SEARCH_DIMENSIONS, Manifest, SearchSpace, Target, Variant
+from gpuscout.domain.candidates import candidate_name
+from gpuscout.domain.manifest import SEARCH_DIMENSIONS, Manifest, SearchSpace, Target, Variant
 
 
 class SkippedCandidate(BaseModel):

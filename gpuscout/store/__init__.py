@@ -1,6 +1,6 @@
 """Result stores: one protocol (base.ResultStore), SQLite locally, DynamoDB in the cloud.
 
-May import: gpuscout.spec, gpuscout.errors, gpuscout.paths (and boto3 in dynamodb.py, sqlite3 in sqlite.py).
+May import: gpuscout.domain, gpuscout.errors, gpuscout.paths (and boto3 in dynamodb.py, sqlite3 in sqlite.py).
 """
 
 from gpuscout.store.base import (

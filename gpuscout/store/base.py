@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from gpuscout.spec.jobspec import JobSpec
+    from gpuscout.domain.jobspec import JobSpec
 
 
 class RunStatus(StrEnum):

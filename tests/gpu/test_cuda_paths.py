@@ -133,10 +133,10 @@ def test_the_planners_peak_memory_is_within_15_percent(
     from packing import CausalLMWithLoss, liger_available
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from gpuscout.domain.manifest import Variant
+    from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
     from gpuscout.plan.memory import CUDA_CONTEXT_GB
     from gpuscout.plan.planner import memory_per_gpu_gb
-    from gpuscout.spec.manifest import Variant
-    from gpuscout.spec.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
 
     if fused and not liger_available():
         pytest.fail("liger-kernel is not installed")

@@ -96,10 +96,10 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
 
     import pytest
 
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest import load_manifest
     from gpuscout.errors import PlanError
     from gpuscout.plan.planner import plan
-    from gpuscout.spec.catalog import load_catalog
-    from gpuscout.spec.manifest import load_manifest
 
     # Given the two-tower local manifest without job.estimate
     text = (REPO_DIR / "examples" / "two-tower" / "local.yaml").read_text()

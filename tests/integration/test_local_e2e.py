@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 
 from gpuscout.cli import app as cli
 from gpuscout.cli.local_view import RichRunObserver
+from gpuscout.domain.catalog import Catalog
+from gpuscout.domain.manifest import load_manifest
 from gpuscout.local import runner as local
 from gpuscout.local.runner import prepare_data, run_local, verify_prepared
-from gpuscout.spec.catalog import Catalog
-from gpuscout.spec.manifest import load_manifest
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

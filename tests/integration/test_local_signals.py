@@ -21,11 +21,11 @@ from rich.console import Console
 
 from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local import runner as local
 from gpuscout.local.process_control import SignalGuard, process_alive
 from gpuscout.local.runner import JobFolders, JobOutcome, remove_stale_staging, run_local
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.jobspec import JobSpec
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

@@ -31,7 +31,7 @@ from moto.sagemaker.responses import SageMakerResponse
 from gpuscout.cloud.control_plane import TUNING_JOB_VARIANT, PlanRefused
 from gpuscout.cloud.events import enforce_budget
 from gpuscout.cloud.tuning_requests import SearchTarget, search_target_key
-from gpuscout.spec.metric_lines import OBJECTIVE_METRIC
+from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.runner import JobProgress, plan_manifest, run_local
 from gpuscout.local.search import SearchSummary, StopCheck, run_search
-from gpuscout.spec.jobspec import JobSpec
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 
 from gpuscout.cli import app as cli
 from gpuscout.cloud.sagemaker_requests import output_tar_key
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.tracking import JOB_NAME_TAG, LEVEL_TAG, MLFLOW_PARENT_TAG, RUN_ID_TAG, TRACKING_ENV, JobTracking
 from gpuscout.paths import TRAINING_DIR
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.tracking import JOB_NAME_TAG, LEVEL_TAG, MLFLOW_PARENT_TAG, RUN_ID_TAG, TRACKING_ENV, JobTracking
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler

@@ -17,7 +17,7 @@ import pytest
 import torch
 import train
 
-from gpuscout.spec.benchmark import BenchmarkResult
+from gpuscout.domain.benchmark import BenchmarkResult
 
 HPS = {
     "job_name": "gs-test-ckpt",
@@ -243,10 +243,10 @@ def test_a_load_that_fails_after_changing_the_engine_never_starts_fresh(tmp_path
 
 
 def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -> None:
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest import validate_manifest_data
     from gpuscout.errors import ManifestError
     from gpuscout.plan.planner import plan
-    from gpuscout.spec.catalog import load_catalog
-    from gpuscout.spec.manifest import validate_manifest_data
 
     catalog = load_catalog()
     data: dict[str, Any] = {

@@ -199,6 +199,6 @@ def test_dataset_problems_are_one_line_naming_what_to_change(tmp_path: Path) -> 
 
 
 def test_the_qwen_vocabulary_the_planner_assumes_is_the_one_prepared() -> None:
-    from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB
+    from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB
 
     assert dp.QWEN_BPE_RANKS + len(dp.QWEN_SPECIAL_TOKENS) == QWEN_TOKENIZER_VOCAB

@@ -18,11 +18,11 @@ import pytest
 from launcher import failure_reason
 
 from gpuscout.cloud.sagemaker_requests import RequestSettings, training_job_request
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.manifest import parse_manifest
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from gpuscout.plan.canary import plan_cloud_canaries
 from gpuscout.plan.planner import plan
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.manifest import parse_manifest
 
 LAUNCHER = TRAINING_DIR / "launcher.py"
 TWO_TOWER = REPO_DIR / "examples" / "two-tower"

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
+from gpuscout.domain.flops import matmul_params
+from gpuscout.domain.models import PRESETS
 from gpuscout.plan import memory
 from gpuscout.plan.memory import StepSettings, load_calibration
-from gpuscout.spec.flops import matmul_params
-from gpuscout.spec.models import PRESETS
 
 memory_probe = pytest.importorskip("memory_probe")
 

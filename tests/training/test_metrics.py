@@ -7,9 +7,9 @@ import re
 import pytest
 from benchmark_callback import StepRecord, StepStats, default_warmup_steps, percentile
 
-from gpuscout.spec import flops
-from gpuscout.spec.metric_lines import METRIC_DEFINITIONS, format_metric_line, parse_metric_line
-from gpuscout.spec.models import PRESETS
+from gpuscout.domain import flops
+from gpuscout.domain.metric_lines import METRIC_DEFINITIONS, format_metric_line, parse_metric_line
+from gpuscout.domain.models import PRESETS
 
 
 def _stats(rates: list[float], warmup: int = 3) -> StepStats:

@@ -29,8 +29,8 @@ from typing import Any
 import data_preparation as dp
 import pytest
 
+from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
-from gpuscout.spec.benchmark import BenchmarkResult
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a job's processes in /proc")
 

@@ -16,7 +16,7 @@ import torch
 from packing import CausalLMWithLoss, liger_available, make_inputs
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from gpuscout.spec.models import PRESETS
+from gpuscout.domain.models import PRESETS
 
 VOCAB = 211
 LENGTHS = (9, 23, 14, 5)  # four documents in one block of 56 tokens (5 of padding)

@@ -16,7 +16,7 @@ from packing import (
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from gpuscout.spec.models import PRESETS
+from gpuscout.domain.models import PRESETS
 
 
 def _model(attention: str = "sdpa", vocab: int = 97) -> Qwen2ForCausalLM:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import train
 
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.metric_lines import METRIC_DEFINITIONS, OBJECTIVE_METRIC
 from gpuscout.errors import TrainingError
 from gpuscout.paths import TRAINING_DIR
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.metric_lines import METRIC_DEFINITIONS, OBJECTIVE_METRIC
 from tests.unit.test_tuning_requests import _plan, _requests
 
 # What a trial gets on top of a training job's hyperparameters (or instead of them: its name)

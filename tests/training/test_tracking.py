@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 from experiment_tracking import JobTracker, summary_metrics
 
-from gpuscout.paths import TRAINING_DIR
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.jobspec import JobSpec, Prediction
-from gpuscout.spec.manifest import TrackingSection
-from gpuscout.spec.metric_lines import parse_metric_line
-from gpuscout.spec.tracking import (
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.jobspec import JobSpec, Prediction
+from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.metric_lines import parse_metric_line
+from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
     RUN_ID_TAG,
@@ -28,6 +27,7 @@ from gpuscout.spec.tracking import (
     JobTracking,
     tracking_environment,
 )
+from gpuscout.paths import TRAINING_DIR
 from tests import wandb_offline_reader as wb
 
 RUN_ID = "r-track"

@@ -15,11 +15,11 @@ import jsonschema
 import pytest
 import train
 
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
+from gpuscout.domain.tracking import TRACKING_ENV, JobTracking, WandbDestination
 from gpuscout.errors import TrainingError
 from gpuscout.paths import TRAINING_DIR
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
-from gpuscout.spec.tracking import TRACKING_ENV, JobTracking, WandbDestination
 from tests import wandb_offline_reader as wb
 
 HPS = {

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuscout.domain.catalog import LocalHardware, load_catalog
+from gpuscout.domain.manifest import load_manifest, parse_manifest, validate_manifest_data
 from gpuscout.errors import ManifestError
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from gpuscout.plan.planner import plan
-from gpuscout.spec.catalog import LocalHardware, load_catalog
-from gpuscout.spec.manifest import load_manifest, parse_manifest, validate_manifest_data
 
 sys.path.insert(0, str(TRAINING_DIR))
 import gpuscout_report
@@ -110,7 +110,7 @@ def _reporter(tmp_path, **kw):
 
 
 def test_the_helper_excludes_warmup_and_writes_the_schema(tmp_path):
-    from gpuscout.spec.benchmark import BenchmarkResult
+    from gpuscout.domain.benchmark import BenchmarkResult
 
     rep, lines = _reporter(tmp_path, unit="samples", max_steps=6, warmup_steps=2)
     stops = [rep.step(samples=100, loss=1.0, seconds=s) for s in (9.0, 9.0, 1.0, 1.0, 1.0, 1.0)]
@@ -155,8 +155,8 @@ def test_metric_lines_without_the_helper(tmp_path):
 
 def test_a_job_manifest_round_trips_through_its_dump_as_the_cloud_steps_pass_it() -> None:
     # Given the two-tower cloud manifest (Validate hands Plan manifest.model_dump(mode="json"), defaults filled in)
+    from gpuscout.domain.manifest import load_manifest, validate_manifest_data
     from gpuscout.paths import REPO_DIR
-    from gpuscout.spec.manifest import load_manifest, validate_manifest_data
 
     manifest = load_manifest(REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
     dumped = manifest.model_dump(mode="json")
@@ -167,10 +167,10 @@ def test_a_job_manifest_round_trips_through_its_dump_as_the_cloud_steps_pass_it(
 
 def test_units_per_step_is_per_device_and_may_be_a_product_of_hyperparameters() -> None:
     # Given the HF Trainer cloud example: samples per process per step = batch_size x gradient_accumulation_steps
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest import load_manifest
     from gpuscout.paths import REPO_DIR
     from gpuscout.plan.planner import plan
-    from gpuscout.spec.catalog import load_catalog
-    from gpuscout.spec.manifest import load_manifest
 
     manifest = load_manifest(REPO_DIR / "examples" / "hf-trainer" / "cloud.yaml")
     jobs = {(j.instance_type, j.variant_name, j.spot): j for j in plan(manifest, load_catalog(), run_id="r").jobs}

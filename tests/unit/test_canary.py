@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuscout import paths
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.runner import plan_manifest
 from gpuscout.plan.canary import CANARY_MAX_RUNTIME_S, CANARY_STEPS, configuration_key, plan_canaries
-from gpuscout.spec.jobspec import JobSpec
 
 MANIFEST = """
 name: canary-plan

@@ -2,10 +2,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuscout.domain.catalog import LocalHardware, detect_local_hardware, load_catalog
+from gpuscout.domain.hardware import SKUS
 from gpuscout.errors import CatalogError
 from gpuscout.paths import INSTANCES_DIR
-from gpuscout.spec.catalog import LocalHardware, detect_local_hardware, load_catalog
-from gpuscout.spec.hardware import SKUS
 
 EXPECTED = {
     "ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.p5e.48xlarge", "ml.p5en.48xlarge",

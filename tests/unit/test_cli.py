@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.cli import app as cli
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.manifest import load_manifest
 from gpuscout.paths import MANIFESTS_DIR
-from gpuscout.spec.benchmark import BenchmarkResult
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.manifest import load_manifest
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

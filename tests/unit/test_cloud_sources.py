@@ -7,8 +7,8 @@ import json
 import pytest
 
 from gpuscout.cloud.sources import cloud_problems, source_problems
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.manifest import Manifest, parse_manifest
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.manifest import Manifest, parse_manifest
 
 BUCKET = "gpuscout-data-123456789012"
 BASE = """

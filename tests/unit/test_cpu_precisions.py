@@ -1,4 +1,4 @@
-"""Which precisions the CPU multiplies natively (gpuscout.spec.cpu), and what gpuscout local does with it: the
+"""Which precisions the CPU multiplies natively (gpuscout.domain.cpu), and what gpuscout local does with it: the
 planner's refusal of a 16-bit local CPU job says why, and a user's script asked for bf16 on a CPU without native bf16
 is warned about before anything is timed."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from gpuscout.domain.catalog import LocalHardware, detect_local_hardware, load_catalog
+from gpuscout.domain.cpu import bf16_support, cpu_flags, cpuinfo_field, half_precision_argument
+from gpuscout.domain.manifest import load_manifest, validate_manifest_data
 from gpuscout.errors import PlanError
 from gpuscout.local.runner import half_precision_warnings
 from gpuscout.paths import REPO_DIR
 from gpuscout.plan.planner import plan
-from gpuscout.spec.catalog import LocalHardware, detect_local_hardware, load_catalog
-from gpuscout.spec.cpu import bf16_support, cpu_flags, cpuinfo_field, half_precision_argument
-from gpuscout.spec.manifest import load_manifest, validate_manifest_data
 
 CATALOG = load_catalog()
 EPYC = {"fpu", "avx", "avx2", "fma"}  # the AVX2-only AMD EPYC of the pool

@@ -12,10 +12,10 @@ from rich.console import Console
 
 from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
 from gpuscout.local import runner as local
 from gpuscout.local.runner import JobOutcome, run_local
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.dataset_checks import dataset_problems, global_batch_blocks
 from gpuscout.store.base import JobStatus
 from gpuscout.store.sqlite import SqliteStore
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscout.spec.hardware import SKUS, detect_sku
+from gpuscout.domain.hardware import SKUS, detect_sku
 
 
 @pytest.mark.parametrize(

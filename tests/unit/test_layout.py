@@ -23,13 +23,13 @@ PACKAGE = REPO / "gpuscout"
 # Subpackage -> the subpackages it may import. "base" = the top-level modules errors.py, paths.py and __init__.py.
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
-    "spec": {"base"},
-    "plan": {"base", "spec"},
-    "store": {"base", "spec"},
-    "analysis": {"base", "spec", "plan", "store"},
-    "local": {"base", "spec", "plan", "store", "analysis"},
-    "cloud": {"base", "spec", "plan", "store", "analysis"},
-    "cli": {"base", "spec", "plan", "store", "analysis", "local", "cloud"},
+    "domain": {"base"},
+    "plan": {"base", "domain"},
+    "store": {"base", "domain"},
+    "analysis": {"base", "domain", "plan", "store"},
+    "local": {"base", "domain", "plan", "store", "analysis"},
+    "cloud": {"base", "domain", "plan", "store", "analysis"},
+    "cli": {"base", "domain", "plan", "store", "analysis", "local", "cloud"},
     "__main__": {"cli"},
 }
 BASE_MODULES = {"gpuscout", "gpuscout.errors", "gpuscout.paths"}
@@ -92,6 +92,14 @@ def test_imports_point_down_only(module: str) -> None:
         if layer(name) != own and layer(name) not in ALLOWED[own]
     ]
     assert not wrong, f"{module} ({own}) may import only {sorted(ALLOWED[own])}: " + "; ".join(wrong)
+
+
+def test_no_folder_is_named_like_a_test_folder() -> None:
+    """Tools that follow RSpec's and Jasmine's convention read `spec/` as tests and leave it out of the picture: the
+    package of what a benchmark is was `spec/` and is `domain/`."""
+    tops = [p for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "node_modules"]
+    named = [p for top in tops for p in [top, *top.rglob("*")] if p.is_dir() and p.name in {"spec", "specs"}]
+    assert not named, named
 
 
 def test_every_subpackage_says_what_it_owns_and_may_import() -> None:
@@ -180,4 +188,4 @@ def test_training_scripts_import_only_what_the_image_can_load(script: str) -> No
         for line, name, _ in gpuscout_imports(REPO / "training" / script, set(MODULES))
         if layer(name) not in {"base", "spec"} and name not in allowed
     ]
-    assert not wrong, f"training/{script} imports beyond gpuscout.spec and the base modules: " + "; ".join(wrong)
+    assert not wrong, f"training/{script} imports beyond gpuscout.domain and the base modules: " + "; ".join(wrong)

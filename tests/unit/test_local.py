@@ -13,11 +13,11 @@ from rich.console import Console
 
 from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.errors import BudgetExceededError, DataPreparationError
 from gpuscout.local import runner as local
 from gpuscout.local.runner import JobFolders, JobOutcome, JobProgress, run_job, run_local
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.jobspec import JobSpec, Prediction
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -340,7 +340,7 @@ def test_progress_shows_tokens_for_the_built_in_job_and_samples_for_a_samples_jo
 
 
 def test_the_progress_of_a_users_own_job_knows_its_step_budget() -> None:
-    from gpuscout.spec.jobspec import JobCode
+    from gpuscout.domain.jobspec import JobCode
 
     # Given a job of the user's own code: max_steps reaches its helper through the environment, not hyperparameters
     code = JobCode(source_dir="/src", entry_point="train.py", unit="samples", environment={"GPUSCOUT_MAX_STEPS": "12"})

@@ -4,10 +4,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuscout.domain.catalog import LocalHardware, load_catalog
+from gpuscout.domain.manifest import MAX_MANIFEST_BYTES, Manifest, load_manifest, parse_manifest
 from gpuscout.errors import ManifestError
 from gpuscout.paths import MANIFESTS_DIR
-from gpuscout.spec.catalog import LocalHardware, load_catalog
-from gpuscout.spec.manifest import MAX_MANIFEST_BYTES, Manifest, load_manifest, parse_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "manifests"
 CATALOG = load_catalog()

@@ -11,10 +11,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from gpuscout.errors import ManifestError
 from gpuscout.paths import MANIFESTS_DIR
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 CATALOG = load_catalog()
 EXAMPLES = sorted(MANIFESTS_DIR.glob("*.yaml"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from gpuscout.domain.flops import total_params
+from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
 from gpuscout.plan import memory
 from gpuscout.plan.memory import StepSettings, estimate, load_calibration
-from gpuscout.spec.flops import total_params
-from gpuscout.spec.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
 
 
 def arch(name: str = "qwen2.5-1.5b"):

@@ -4,12 +4,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuscout.domain.catalog import LocalHardware, load_catalog
+from gpuscout.domain.jobspec import JOB_NAME_RE
+from gpuscout.domain.manifest import load_manifest, validate_manifest_data
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.plan.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan
-from gpuscout.spec.catalog import LocalHardware, load_catalog
-from gpuscout.spec.jobspec import JOB_NAME_RE
-from gpuscout.spec.manifest import load_manifest, validate_manifest_data
 
 CATALOG = load_catalog()
 CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
@@ -259,7 +259,7 @@ def test_local_predictions_use_the_tokenizers_real_vocabulary_and_measured_start
 
 
 def test_the_planner_and_train_py_agree_on_the_vocabulary():
-    from gpuscout.spec.models import QWEN_TOKENIZER_VOCAB, training_vocab
+    from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, training_vocab
 
     assert training_vocab("qwen2-tiny", 4096, QWEN_TOKENIZER_VOCAB) == QWEN_TOKENIZER_VOCAB
     assert training_vocab("qwen2.5-1.5b", 151_936, QWEN_TOKENIZER_VOCAB) == 151_936

@@ -11,8 +11,8 @@ from botocore.stub import Stubber
 
 from gpuscout.analysis import pricing
 from gpuscout.analysis.pricing import PriceBook, SpotAssumption
+from gpuscout.domain.catalog import load_catalog
 from gpuscout.errors import PricingError
-from gpuscout.spec.catalog import load_catalog
 
 SPOT = SpotAssumption(default_discount=0.6, assumption="test: 60 % off", source="test", date="2026-11-01")
 

@@ -15,8 +15,8 @@ from gpuscout.cloud.sagemaker_requests import (
     processing_job_request,
     training_job_request,
 )
-from gpuscout.spec.jobspec import JobSpec, Prediction
-from gpuscout.spec.metric_lines import METRIC_DEFINITIONS
+from gpuscout.domain.jobspec import JobSpec, Prediction
+from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
 
 SETTINGS = RequestSettings(
     role_arn="arn:aws:iam::123456789012:role/sm",
@@ -162,10 +162,10 @@ def _check_constraints(shape: Any, value: Any, where: str) -> None:
 
 
 def _two_tower_plan(source_dir: str = "s3://data-b/raw/code/two-tower-cloud-0123456789abcdef/") -> list[JobSpec]:
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest import parse_manifest
     from gpuscout.paths import REPO_DIR
     from gpuscout.plan.planner import plan
-    from gpuscout.spec.catalog import load_catalog
-    from gpuscout.spec.manifest import parse_manifest
 
     text = (
         (REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
@@ -221,8 +221,8 @@ def test_a_job_section_request_needs_its_code_in_s3() -> None:
 
 
 def test_a_tracked_job_gets_its_tracking_settings_in_one_environment_value() -> None:
-    from gpuscout.spec.manifest import TrackingSection
-    from gpuscout.spec.tracking import TRACKING_ENV, JobTracking
+    from gpuscout.domain.manifest import TrackingSection
+    from gpuscout.domain.tracking import TRACKING_ENV, JobTracking
 
     # Given a job whose manifest tracks with a SageMaker managed MLflow server and W&B (offline)
     arn = "arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team"

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuscout.domain.catalog import LocalHardware, load_catalog
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.manifest import parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.local import runner as local
 from gpuscout.local.runner import JobFolders, JobOutcome, run_local
 from gpuscout.local.search import StopCheck, objective_value, run_search
 from gpuscout.plan.planner import plan
-from gpuscout.spec.catalog import LocalHardware, load_catalog
-from gpuscout.spec.jobspec import JobSpec
-from gpuscout.spec.manifest import parse_manifest
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

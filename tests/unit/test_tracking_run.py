@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from gpuscout.analysis.tracking import RANKED_COLUMNS, log_run, ranked_rows
-from gpuscout.spec.manifest import TrackingSection
-from gpuscout.spec.tracking import (
+from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
     MLFLOW_PARENT_TAG,
@@ -217,9 +217,9 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gpuscout import paths
+    from gpuscout.domain.jobspec import JobSpec
+    from gpuscout.domain.tracking import TRACKING_ENV, JobTracking
     from gpuscout.local import runner as local
-    from gpuscout.spec.jobspec import JobSpec
-    from gpuscout.spec.tracking import TRACKING_ENV, JobTracking
     from gpuscout.store.base import JobStatus, RunStatus
     from gpuscout.store.sqlite import SqliteStore
 

@@ -1,4 +1,4 @@
-"""Where tracking data goes (gpuscout.spec.tracking), which jobs are tracked, what a cloud run refuses
+"""Where tracking data goes (gpuscout.domain.tracking), which jobs are tracked, what a cloud run refuses
 (gpuscout.cloud.sources.tracking_problems), and that nothing loads mlflow or wandb without a tracking section."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 
 from gpuscout.cloud.sources import cloud_problems, tracking_problems
-from gpuscout.local.runner import JobOutcome, SilentObserver, run_canaries
-from gpuscout.paths import REPO_DIR
-from gpuscout.plan.planner import plan
-from gpuscout.spec.catalog import LocalHardware, load_catalog
-from gpuscout.spec.jobspec import JobCode, JobSpec
-from gpuscout.spec.manifest import Manifest, TrackingSection, validate_manifest_data
-from gpuscout.spec.tracking import (
+from gpuscout.domain.catalog import LocalHardware, load_catalog
+from gpuscout.domain.jobspec import JobCode, JobSpec
+from gpuscout.domain.manifest import Manifest, TrackingSection, validate_manifest_data
+from gpuscout.domain.tracking import (
     CLOUD_WANDB_DIR,
     TRACKING_ENV,
     JobTracking,
     local_destinations,
     tracking_environment,
 )
+from gpuscout.local.runner import JobOutcome, SilentObserver, run_canaries
+from gpuscout.paths import REPO_DIR
+from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobStatus
 
 CATALOG = load_catalog()
@@ -210,7 +210,7 @@ def test_a_server_and_wandb_offline_are_fine_in_the_cloud(tracking: dict[str, An
 def test_the_core_and_the_cli_load_neither_tracker() -> None:
     code = (
         "import sys, json, gpuscout.cli.app, gpuscout.local.runner, gpuscout.cloud.control_plane, "
-        "gpuscout.analysis.tracking, gpuscout.spec.tracking; "
+        "gpuscout.analysis.tracking, gpuscout.domain.tracking; "
         "print(json.dumps([m for m in ('mlflow', 'wandb') if m in sys.modules]))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_DIR, capture_output=True, text=True, check=True)
@@ -245,7 +245,7 @@ class _Experiments:
 def test_the_experiment_is_found_created_or_taken_from_a_job_that_created_it_first() -> None:
     from types import SimpleNamespace
 
-    from gpuscout.spec.tracking import MlflowDestination, mlflow_experiment_id
+    from gpuscout.domain.tracking import MlflowDestination, mlflow_experiment_id
 
     dest = MlflowDestination(tracking_uri="sqlite:////x.db", experiment="e")
     active = SimpleNamespace(experiment_id="3", lifecycle_stage="active")

@@ -20,17 +20,17 @@ from gpuscout.cloud.tuning_requests import (
     tuning_job_name,
     tuning_job_request,
 )
-from gpuscout.plan.planner import Plan, plan
-from gpuscout.spec.candidates import candidate_name, parse_candidate_name
-from gpuscout.spec.catalog import load_catalog
-from gpuscout.spec.jobspec import JOB_NAME_RE
-from gpuscout.spec.manifest import parse_manifest
-from gpuscout.spec.metric_lines import (
+from gpuscout.domain.candidates import candidate_name, parse_candidate_name
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.jobspec import JOB_NAME_RE
+from gpuscout.domain.manifest import parse_manifest
+from gpuscout.domain.metric_lines import (
     OBJECTIVE_KEY,
     OBJECTIVE_METRIC,
     format_metric_line,
     usd_per_million_tokens,
 )
+from gpuscout.plan.planner import Plan, plan
 from tests.unit.test_sagemaker_requests import SAGEMAKER, _assert_valid, _check_constraints
 
 SETTINGS = RequestSettings(

@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuscout.spec.jobspec import JobSpec
-from gpuscout.spec.manifest import TrackingSection
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.manifest import TrackingSection
 
 TRACKING_ENV = "GPUSCOUT_TRACKING"
 SAGEMAKER_ENV_VALUE_MAX_CHARS = 512  # CreateTrainingJob Environment: each value at most 512 characters

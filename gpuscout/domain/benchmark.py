@@ -21,7 +21,7 @@ class _Strict(BaseModel):
 class Hardware(_Strict):
     device: Literal["cuda", "cpu"]
     gpu_name: str | None = None  # as the driver reports it
-    gpu_sku: str | None = None  # gpuscout.spec.hardware key, None when not recognised or on CPU
+    gpu_sku: str | None = None  # gpuscout.domain.hardware key, None when not recognised or on CPU
     gpus_per_node: int = Field(ge=0)
     nodes: int = Field(ge=1)
     world_size: int = Field(ge=1)

@@ -2,8 +2,8 @@
 
 Each file states the hardware facts of one SageMaker instance type (GPU SKU and count, memory, vCPU, RAM, NVMe,
 network, EFA), suggested training settings and an on-demand price with its region, date and source. GPU facts that
-belong to the SKU (dense peaks, supported precisions) come from :mod:`gpuscout.spec.hardware`, so they are stated once;
-a file's ``gpu_memory_gb`` must equal its SKU's.
+belong to the SKU (dense peaks, supported precisions) come from :mod:`gpuscout.domain.hardware`, so they are stated
+once; a file's ``gpu_memory_gb`` must equal its SKU's.
 
 ``local.json`` describes "the machine you are on": its hardware is detected at run time by
 :func:`detect_local_hardware` (torch is imported lazily there, because the Lambdas import this module).
@@ -22,9 +22,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuscout import paths
+from gpuscout.domain.cpu import cpuinfo_field, detect_cpu_precisions
+from gpuscout.domain.hardware import SKUS, GpuSku, detect_sku
 from gpuscout.errors import CatalogError
-from gpuscout.spec.cpu import cpuinfo_field, detect_cpu_precisions
-from gpuscout.spec.hardware import SKUS, GpuSku, detect_sku
 
 LOCAL = "local"
 Role = Literal["training", "processing", "local"]
@@ -184,14 +184,14 @@ class LocalHardware(BaseModel):
 
     device: Literal["cpu", "cuda"]
     gpu_name: str | None = None
-    gpu_sku: str | None = None  # gpuscout.spec.hardware key; None on CPU or for an unrecognised GPU
+    gpu_sku: str | None = None  # gpuscout.domain.hardware key; None on CPU or for an unrecognised GPU
     gpu_count: int = Field(default=0, ge=0)
     gpu_memory_gb: float | None = None
     cpu_model: str | None = None
     cpu_count: int = Field(default=1, ge=1)
     memory_gib: float | None = None
     startup_s: float | None = Field(default=None, ge=0)  # measured start-up of a training process (probe)
-    # Whether the CPU multiplies bf16 matrices natively (gpuscout.spec.cpu), and why; None when not detected
+    # Whether the CPU multiplies bf16 matrices natively (gpuscout.domain.cpu), and why; None when not detected
     cpu_bf16_native: bool | None = None
     cpu_bf16_reason: str | None = None
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpuscout.spec.manifest import TrackingSection
+from gpuscout.domain.manifest import TrackingSection
 
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker TrainingJobName rule
 
@@ -77,7 +77,7 @@ class JobSpec(BaseModel):
     hyperparameters: dict[str, str]
     prediction: Prediction
     job_code: JobCode | None = None  # the user's own code; None = training/train.py
-    # the manifest's experiment trackers, defaults resolved (gpuscout.spec.tracking); None = not tracked
+    # the manifest's experiment trackers, defaults resolved (gpuscout.domain.tracking); None = not tracked
     tracking: TrackingSection | None = None
 
     @field_validator("job_name")

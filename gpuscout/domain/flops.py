@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuscout.spec.models import Architecture
+from gpuscout.domain.models import Architecture
 
 
 def matmul_params(arch: Architecture) -> int:

@@ -1,5 +1,5 @@
 """A settings-search candidate's name and back (docs/search.md "Candidates"): ``candidate_name`` writes the slug
-the planner gives a candidate (gpuscout.plan.search), ``parse_candidate_name`` reads it back. In spec/ because
+the planner gives a candidate (gpuscout.plan.search), ``parse_candidate_name`` reads it back. In domain/ because
 the training image needs the reverse: a SageMaker tuning trial gets only the name (its ``search_candidate``
 hyperparameter) and train.py turns it into settings."""
 

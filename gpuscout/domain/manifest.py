@@ -23,9 +23,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from yaml.events import AliasEvent
 
+from gpuscout.domain.catalog import LOCAL, Catalog, InstanceType, LocalHardware, load_catalog
+from gpuscout.domain.models import HF_ID_TO_PRESET, PRESETS, Architecture
 from gpuscout.errors import ManifestError, Problem
-from gpuscout.spec.catalog import LOCAL, Catalog, InstanceType, LocalHardware, load_catalog
-from gpuscout.spec.models import HF_ID_TO_PRESET, PRESETS, Architecture
 
 MAX_MANIFEST_BYTES = 256 * 1024
 MAX_NESTING = 32
