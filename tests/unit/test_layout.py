@@ -186,6 +186,6 @@ def test_training_scripts_import_only_what_the_image_can_load(script: str) -> No
     wrong = [
         f"line {line}: {name}"
         for line, name, _ in gpuscout_imports(REPO / "training" / script, set(MODULES))
-        if layer(name) not in {"base", "spec"} and name not in allowed
+        if layer(name) not in {"base", "domain"} and name not in allowed
     ]
     assert not wrong, f"training/{script} imports beyond gpuscout.domain and the base modules: " + "; ".join(wrong)
