@@ -175,7 +175,7 @@ def plan(file: ManifestArg) -> None:
     """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget."""
     from gpuscout.cli.local_view import plan_table
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.local.runner import plan_manifest
+    from gpuscout.local.planning import plan_manifest
     from gpuscout.plan.search import describe_plan
 
     catalog = load_catalog()
@@ -306,7 +306,7 @@ def runs(
     ] = OutputFormat.TABLE,
 ) -> None:
     """List runs, newest first. A local run whose process is gone shows as ABANDONED."""
-    from gpuscout.local.runner import is_abandoned
+    from gpuscout.local.closing import is_abandoned
 
     if fmt is OutputFormat.CSV:
         raise GpuscoutError("runs supports --format table or json")
@@ -374,7 +374,7 @@ def results(
 ) -> None:
     """Show a run's ranked results: tokens/s, MFU, $ per 1M tokens, status, and the recommendation."""
     from gpuscout.cli.local_view import ranked_table, recommendation_text
-    from gpuscout.local.runner import result_rows
+    from gpuscout.local.results import result_rows
 
     store = open_store(db, stack_name, read_only=True)
     run = store.get_run(run_id)
@@ -423,7 +423,7 @@ def _csv_value(value: object) -> object:
 def _analysis_for(run: RunRecord, result: ResultRecord | None, *, reprice: bool) -> dict[str, Any] | None:
     if not reprice:
         return result.analysis if result else None
-    from gpuscout.local.runner import repriced_analysis
+    from gpuscout.local.results import repriced_analysis
 
     return repriced_analysis(run, result)
 
@@ -478,7 +478,7 @@ def analyze(
     ABANDONED. Unfinished jobs become STOPPED; a run that is still running is refused.
     """
     from gpuscout.cli.local_view import RichRunObserver
-    from gpuscout.local.runner import close_abandoned_run
+    from gpuscout.local.closing import close_abandoned_run
 
     store = open_store(db, read_only=True)
     run = store.get_run(run_id)
@@ -521,7 +521,7 @@ def track(
                 soft_wrap=True,
             )  # fmt: skip
     else:
-        from gpuscout.local.runner import track_local_run
+        from gpuscout.local.closing import track_local_run
 
         store = open_store(db, read_only=True)
         outcome = track_local_run(store.get_run(run_id), store)

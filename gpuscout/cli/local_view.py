@@ -16,7 +16,8 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.local.runner import JobOutcome, JobProgress, result_rows
+from gpuscout.local.job_process import JobOutcome, JobProgress
+from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 

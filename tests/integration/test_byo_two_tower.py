@@ -111,7 +111,7 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
     store = SqliteStore(tmp_path / "results.db")
     messages = []
 
-    from gpuscout.local.runner import SilentObserver
+    from gpuscout.local.observer import SilentObserver
 
     class Observer(SilentObserver):
         def message(self, text, *, warning=False):

@@ -22,7 +22,8 @@ from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import Catalog
 from gpuscout.domain.manifest import load_manifest
 from gpuscout.local import runner as local
-from gpuscout.local.runner import prepare_data, run_local, verify_prepared
+from gpuscout.local.data_cache import prepare_data, verify_prepared
+from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 

@@ -23,9 +23,12 @@ from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.local import closing
 from gpuscout.local import runner as local
+from gpuscout.local.data_cache import remove_stale_staging
+from gpuscout.local.job_process import JobFolders, JobOutcome
 from gpuscout.local.process_control import SignalGuard, process_alive
-from gpuscout.local.runner import JobFolders, JobOutcome, remove_stale_staging, run_local
+from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -174,7 +177,7 @@ def test_a_second_signal_cannot_cut_the_final_analysis_short(tmp_path: Path, mon
         return {}
 
     monkeypatch.setattr(local, "run_job", fake_run_job)
-    monkeypatch.setattr(local, "_analyze_and_report", analysis_hit_by_a_second_signal)
+    monkeypatch.setattr(closing, "analyze_and_report", analysis_hit_by_a_second_signal)
     store = SqliteStore(tmp_path / "g.db")
     observer = RichRunObserver(Console(file=io.StringIO()))
     run = run_local(

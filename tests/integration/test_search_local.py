@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.local.runner import JobProgress, plan_manifest, run_local
+from gpuscout.local.job_process import JobProgress
+from gpuscout.local.planning import plan_manifest
+from gpuscout.local.runner import run_local
 from gpuscout.local.search import SearchSummary, StopCheck, run_search
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore

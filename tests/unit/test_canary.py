@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gpuscout import paths
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.local.runner import plan_manifest
+from gpuscout.local.planning import plan_manifest
 from gpuscout.plan.canary import CANARY_MAX_RUNTIME_S, CANARY_STEPS, configuration_key, plan_canaries
 
 MANIFEST = """

@@ -17,7 +17,8 @@ from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.errors import BudgetExceededError, DataPreparationError
 from gpuscout.local import runner as local
-from gpuscout.local.runner import JobFolders, JobOutcome, JobProgress, run_job, run_local
+from gpuscout.local.job_process import JobFolders, JobOutcome, JobProgress, job_max_steps, run_job
+from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -346,5 +347,5 @@ def test_the_progress_of_a_users_own_job_knows_its_step_budget() -> None:
     code = JobCode(source_dir="/src", entry_point="train.py", unit="samples", environment={"GPUSCOUT_MAX_STEPS": "12"})
     spec = _spec(job_code=code, hyperparameters={"batch_size": "128"})
     # Then the progress bar still shows "step n/12", not "n/None"
-    assert local._max_steps(spec) == 12
-    assert local._max_steps(_spec()) == 3
+    assert job_max_steps(spec) == 12
+    assert job_max_steps(_spec()) == 3

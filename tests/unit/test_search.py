@@ -15,7 +15,8 @@ from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.local import runner as local
-from gpuscout.local.runner import JobFolders, JobOutcome, run_local
+from gpuscout.local.job_process import JobFolders, JobOutcome
+from gpuscout.local.runner import run_local
 from gpuscout.local.search import StopCheck, objective_value, run_search
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus

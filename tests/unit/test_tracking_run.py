@@ -220,6 +220,8 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     from gpuscout.domain.jobspec import JobSpec
     from gpuscout.domain.tracking import TRACKING_ENV, JobTracking
     from gpuscout.local import runner as local
+    from gpuscout.local.job_process import JobFolders, JobOutcome
+    from gpuscout.local.observer import SilentObserver
     from gpuscout.store.base import JobStatus, RunStatus
     from gpuscout.store.sqlite import SqliteStore
 
@@ -246,15 +248,15 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     fixture = json.loads((FIXTURE.parents[1] / "benchmarks" / "g5-2xl-bs4-ckpt-r0.json").read_text())
     given: dict[str, str | None] = {}
 
-    def run_job(spec: JobSpec, folders: local.JobFolders, **_: object) -> local.JobOutcome:
+    def run_job(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
         given[spec.job_name] = folders.environment(spec).get(TRACKING_ENV)
         benchmark = fixture | {"job_name": spec.job_name, "run_id": spec.run_id, "instance_type": "local"}
-        return local.JobOutcome(JobStatus.COMPLETED, benchmark, None, 1.0)
+        return JobOutcome(JobStatus.COMPLETED, benchmark, None, 1.0)
 
     monkeypatch.setattr(local, "run_job", run_job)
     messages: list[str] = []
 
-    class Observer(local.SilentObserver):
+    class Observer(SilentObserver):
         def message(self, text: str, *, warning: bool = False) -> None:
             messages.append(text)
 

@@ -22,7 +22,9 @@ from gpuscout.domain.tracking import (
     local_destinations,
     tracking_environment,
 )
-from gpuscout.local.runner import JobOutcome, SilentObserver, run_canaries
+from gpuscout.local.job_process import JobOutcome
+from gpuscout.local.observer import SilentObserver
+from gpuscout.local.runner import run_canaries
 from gpuscout.paths import REPO_DIR
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobStatus

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.report import render_markdown
 from gpuscout.cli.local_view import _tps_text
-from gpuscout.local.runner import result_rows
+from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 BASE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks" / "p4d-bs8-r0.json").read_text())

@@ -1,0 +1,150 @@
+"""How a local run ends: closed (analyzed, reported, status SUCCEEDED, PARTIAL, FAILED or STOPPED) by its own
+runner; or, when its runner died, found abandoned (its host's process is gone) and closed by ``gpuscout runs
+--close``; and a finished run logged to its experiment trackers again (``gpuscout track``).
+
+May import: gpuscout.domain, gpuscout.store, gpuscout.analysis (tracking, lazily) and gpuscout.local's results,
+observer and process_control."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.tracking import local_destinations
+from gpuscout.errors import GpuscoutError
+from gpuscout.local.observer import RunObserver, SilentObserver
+from gpuscout.local.process_control import (
+    process_alive,
+    this_host,
+)
+from gpuscout.local.results import analyze_and_report
+from gpuscout.store.base import (
+    FINAL_RUN_STATUSES,
+    JobRecord,
+    JobStatus,
+    ResultStore,
+    RunRecord,
+    RunStatus,
+)
+
+if TYPE_CHECKING:
+    from gpuscout.analysis.tracking import TrackingOutcome
+
+
+UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)
+# A resumed search keeps these trials (an interrupted one, STOPPED, runs again).
+FINISHED_TRIAL_STATUSES = (JobStatus.COMPLETED, JobStatus.PRUNED, JobStatus.FAILED, JobStatus.OOM)
+
+
+def close_run(
+    run_id: str,
+    store: ResultStore,
+    manifest: Any,
+    catalog: Catalog,
+    *,
+    run_dir: Path,
+    observer: RunObserver,
+    interrupted: str | None,
+    current_job: str | None = None,
+) -> tuple[RunRecord, dict[str, Any] | None, list[JobRecord]]:
+    """Bring a run to its final state: unfinished jobs STOPPED (with why), finished jobs analysed and reported,
+    the run SUCCEEDED, STOPPED or FAILED. ``interrupted`` names what stopped it (Ctrl-C, SIGTERM, "abandoned ...").
+    Used at the end of every ``run_local`` and by ``gpuscout analyze`` for a run whose process is gone."""
+    for job in store.list_jobs(run_id):
+        if job.status in UNFINISHED_JOB_STATUSES:
+            why = interrupted or "run ended"
+            reason = f"interrupted ({why})" if job.job_name == current_job else f"not finished: run interrupted ({why})"
+            if job.status is JobStatus.PLANNED:
+                reason = f"not started: run interrupted ({why})"
+            store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
+    jobs = store.list_jobs(run_id)
+    completed = [j for j in jobs if j.status is JobStatus.COMPLETED]
+    analysis: dict[str, Any] | None = None
+    if completed:
+        store.update_run(run_id, status=RunStatus.ANALYZING)
+        try:
+            analysis = analyze_and_report(
+                store.get_run(run_id), store, manifest, catalog, report_dir=run_dir / "report", observer=observer
+            )
+        except Exception as err:
+            store.update_run(run_id, status=RunStatus.FAILED, error=f"analysis failed: {err}")
+            raise
+    tracking = manifest.resolved_tracking()
+    if analysis is not None and tracking is not None:  # the run's results to its experiment trackers
+        from gpuscout.analysis.tracking import log_run
+
+        logged = log_run(run_id, analysis, run_dir / "report", local_destinations(tracking, run_dir.parent))
+        for line in logged.logged + logged.problems:
+            observer.message(f"tracking: {line}", warning=line in logged.problems)
+    if interrupted:
+        final = store.update_run(run_id, status=RunStatus.STOPPED, error=f"interrupted ({interrupted})")
+    elif completed:
+        final = store.update_run(run_id, status=RunStatus.SUCCEEDED, error=None)
+    else:
+        final = store.update_run(run_id, status=RunStatus.FAILED, error=f"all {len(jobs)} jobs failed")
+    return final, analysis, jobs
+
+
+def is_abandoned(run: RunRecord) -> bool:
+    """A local run that is not final, started on this host by a process that no longer exists."""
+    if run.status in FINAL_RUN_STATUSES or run.pid is None or run.host != this_host():
+        return False
+    return not process_alive(run.pid)
+
+
+def track_local_run(run: RunRecord, store: ResultStore) -> TrackingOutcome:
+    """``gpuscout track RUN_ID``: log a local run's stored analysis and report to its manifest's trackers again (as
+    the end of ``gpuscout local`` did; e.g. after a tracker was unreachable then). The trackers' defaults are the run
+    folder's (``<runs dir>/mlflow.db``, ``<runs dir>/wandb/``); a relative ``tracking_uri`` is taken from the current
+    folder."""
+    from gpuscout.analysis.tracking import log_run, run_to_track
+
+    tracking, analysis = run_to_track(run, store.get_result(run.run_id))
+    if run.run_dir is None:
+        raise GpuscoutError(f"run {run.run_id} has no local run folder (a cloud run? pass --stack-name)")
+    run_dir = Path(run.run_dir)
+    return log_run(run.run_id, analysis, run_dir / "report", local_destinations(tracking, run_dir.parent))
+
+
+def close_abandoned_run(
+    run: RunRecord, store: ResultStore, *, observer: RunObserver | None = None, catalog: Catalog | None = None
+) -> RunRecord:
+    """``gpuscout analyze RUN_ID``: close a run whose ``gpuscout local`` process is gone (SIGKILL, a reboot, an
+    OOM kill) from what its finished jobs left: analysis, report and a final status. A final run is re-analysed and
+    its report regenerated from the stored jobs; its status stays."""
+    from gpuscout.domain.manifest import validate_manifest_data
+
+    observer = observer or SilentObserver()
+    catalog = catalog or load_catalog()
+    if run.run_dir is None or run.manifest is None:
+        raise GpuscoutError(f"run {run.run_id} has no local run folder or manifest to analyse")
+    running = run.status not in FINAL_RUN_STATUSES and run.pid is not None and run.host == this_host()
+    if running and run.pid is not None and process_alive(run.pid):
+        raise GpuscoutError(
+            f"run {run.run_id} is still running (pid {run.pid} on {run.host}); stop it first (Ctrl-C or kill -TERM)"
+        )
+    manifest = validate_manifest_data(run.manifest, run.manifest_source, catalog)
+    run_dir = Path(run.run_dir)
+    if run.status in FINAL_RUN_STATUSES:
+        analysis = None
+        jobs = store.list_jobs(run.run_id)
+        if any(j.status is JobStatus.COMPLETED for j in jobs):
+            analysis = analyze_and_report(
+                run, store, manifest, catalog, report_dir=run_dir / "report", observer=observer
+            )
+        final = store.get_run(run.run_id)
+    else:
+        where = f"pid {run.pid} on {run.host}" if run.pid is not None else "its process"
+        final, analysis, jobs = close_run(
+            run.run_id,
+            store,
+            manifest,
+            catalog,
+            run_dir=run_dir,
+            observer=observer,
+            interrupted=f"abandoned: {where} ended without closing the run",
+        )
+    report_md = run_dir / "report" / "report.md"
+    observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
+    return final

@@ -1,0 +1,222 @@
+"""The prepared-data cache of local runs: ``training/data_preparation.py`` run once per (source, tokenizer, sequence
+length) into ``runs/.cache/data/<key>``, verified against its own file list, staging folders of interrupted runs
+removed; and the checks of degenerate prepared data before any job runs.
+
+May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process / observer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuscout import paths
+from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.errors import DataPreparationError
+from gpuscout.local.job_process import (
+    STDERR_TAIL_LINES,
+    TERMINATE_GRACE_S,
+    child_env,
+    int_or_none,
+    job_record,
+    tail_lines,
+)
+from gpuscout.local.observer import RunObserver
+from gpuscout.local.process_control import (
+    child_popen_kwargs,
+    process_alive,
+    stop_process_group,
+)
+from gpuscout.store.base import (
+    JobStatus,
+    ResultStore,
+)
+
+SMALL_CORPUS_DOCUMENTS = 2000
+
+# -- data preparation -----------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def data_cache_key(manifest: Any) -> str:
+    """Hash of everything that determines the prepared data: source, tokenizer, sequence length, caps, script."""
+    dataset, tokenizer = manifest.dataset, manifest.tokenizer
+    source = dataset.source
+    if dataset.kind == "local":
+        source = str(Path(source).expanduser().resolve())
+    script = paths.TRAINING_DIR / "data_preparation.py"
+    key = {
+        "source": source,
+        "format": dataset.format,
+        "text_field": dataset.text_field,
+        "max_documents": dataset.max_documents,
+        "min_characters": dataset.min_characters,
+        "validation_fraction": dataset.validation_fraction,
+        "tokenizer": tokenizer.kind,
+        "tokenizer_path": tokenizer.path,
+        "vocab_size": tokenizer.resolved_vocab_size,
+        "sequence_length": manifest.sequence_length,
+        "script_sha256": _file_sha256(script) if script.is_file() else None,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_preparation_command(manifest: Any, output: Path, *, workers: int) -> list[str]:
+    dataset, tokenizer = manifest.dataset, manifest.tokenizer
+    command = [
+        sys.executable,
+        str(paths.TRAINING_DIR / "data_preparation.py"),
+        "--input",
+        dataset.source,
+        "--output",
+        str(output),
+        "--tokenizer",
+        tokenizer.kind,
+        "--sequence-length",
+        str(manifest.sequence_length),
+        "--validation-fraction",
+        str(dataset.validation_fraction),
+        "--min-characters",
+        str(dataset.min_characters),
+        "--text-field",
+        dataset.text_field,
+        "--workers",
+        str(workers),
+        "--seed",
+        str(manifest.training.seed),
+    ]
+    if tokenizer.resolved_vocab_size is not None:
+        command += ["--vocab-size", str(tokenizer.resolved_vocab_size)]
+    if tokenizer.path is not None:
+        command += ["--tokenizer-path", tokenizer.path]
+    if dataset.max_documents is not None:
+        command += ["--max-documents", str(dataset.max_documents)]
+    return command
+
+
+def prep_workers(max_documents: int | None) -> int:
+    """Tokenizer processes for data preparation: one for small capped corpora (starting a process pool costs more
+    than it saves on a few hundred documents), else up to four."""
+    if max_documents is not None and max_documents <= SMALL_CORPUS_DOCUMENTS:
+        return 1
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def verify_prepared(folder: Path) -> str | None:
+    """Why a prepared dataset cannot be reused (a shard missing or changed: its sha256 over the shards, in the
+    order data_preparation.py hashed them, differs from dataset.json's), or None when it is intact."""
+    try:
+        summary = json.loads((folder / "dataset.json").read_text(encoding="utf-8"))
+        digest = hashlib.sha256()
+        for split in ("train", "validation"):
+            for shard in summary["splits"][split]["shards"]:
+                for kind in ("input_ids", "segment_ids"):
+                    with open(folder / shard[kind], "rb") as handle:
+                        while chunk := handle.read(1 << 20):
+                            digest.update(chunk)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    if digest.hexdigest() != summary.get("sha256"):
+        return "sha256 of the shards differs from dataset.json"
+    return None
+
+
+def remove_stale_staging(cache_dir: Path) -> list[Path]:
+    """Remove staging folders (``.<key>.<pid>.tmp``) whose preparing process no longer exists."""
+    removed = []
+    for staging in cache_dir.glob(".*.*.tmp"):
+        pid = int_or_none(staging.name.rsplit(".", 2)[-2])
+        if staging.is_dir() and pid is not None and not process_alive(pid):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
+def _preparation_error(log_path: Path, returncode: int) -> str:
+    """The one line that says why data preparation failed: its own error line, else the log's last line."""
+    lines = [line.strip() for line in tail_lines(log_path, STDERR_TAIL_LINES).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "data_preparation: error:" in line:
+            return line.split("data_preparation: error:", 1)[1].strip()
+    return f"exit {returncode}" + (f": {lines[-1]}" if lines else "")
+
+
+def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] = lambda _text: None) -> Path:
+    """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
+    key = data_cache_key(manifest)
+    target = cache_dir / key
+    if (target / "dataset.json").is_file():
+        problem = verify_prepared(target)
+        if problem is None:
+            notify(f"data: reusing prepared data {target}")
+            return target
+        notify(f"data: the cached data in {target} is damaged ({problem}); preparing it again")
+        shutil.rmtree(target, ignore_errors=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(cache_dir)
+    staging = cache_dir / f".{key}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    workers = prep_workers(manifest.dataset.max_documents)
+    command = data_preparation_command(manifest, staging, workers=workers)
+    log_path = cache_dir / f"{key}.prepare.log"
+    notify(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=child_env({}), **child_popen_kwargs()
+        )
+        try:
+            proc.wait()
+        except BaseException:  # Ctrl-C, SIGTERM, SIGHUP: no half-prepared data and no orphan left behind
+            stop_process_group(proc, TERMINATE_GRACE_S)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    if proc.returncode != 0 or not (staging / "dataset.json").is_file():
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataPreparationError(
+            f"data preparation failed: {_preparation_error(log_path, proc.returncode)} (log: {log_path})"
+        )
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process prepared the same data at the same time: use theirs.
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "dataset.json").is_file():
+            raise
+    notify(f"data: prepared in {time.monotonic() - started:.1f} s")
+    return target
+
+
+def check_prepared_data(
+    data_dir: Path, manifest: Any, specs: Sequence[JobSpec], *, store: ResultStore, observer: RunObserver
+) -> set[str]:
+    """Degenerate data, before anything is measured (domain.dataset_checks): warnings are shown loudly; a job whose
+    global batch the training split cannot fill is recorded FAILED with the fix and not run. Returns those jobs."""
+    try:
+        summary = json.loads((data_dir / "dataset.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataPreparationError(f"prepared data in {data_dir} is unreadable ({err}); delete the folder") from err
+    requested = manifest.tokenizer.resolved_vocab_size
+    for problem in dataset_problems(summary, requested_vocab_size=requested):
+        observer.message(f"data: {problem.message}", warning=True)
+    refused: set[str] = set()
+    for spec in specs:
+        batch = global_batch_blocks(spec.hyperparameters, spec.gpus_per_instance * spec.instance_count or 1)
+        for problem in dataset_problems(summary, global_batch=batch):
+            if problem.severity == "refuse":
+                reason = f"not run: degenerate data: {problem.message}"
+                store.put_job(job_record(spec, JobStatus.FAILED).model_copy(update={"failure_reason": reason}))
+                observer.message(f"{spec.job_name}: {reason}", warning=True)
+                refused.add(spec.job_name)
+    return refused

@@ -1,0 +1,394 @@
+"""One local job: its SageMaker-shaped ``opt/ml`` folders and environment, train.py (or the user's entry point) as a
+child process whose stdout is pumped into its log and parsed for progress, the wait (a settings search may stop it,
+``max_runtime_seconds`` does), the stop, and what became of it: benchmark.json read back, or the failure classified
+(OOM, failed, stopped, pruned) with the end of its stderr.
+
+May import: gpuscout.domain, gpuscout.store and gpuscout.local's process_control and contention."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import ValidationError
+
+from gpuscout import paths
+from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.metric_lines import parse_metric_line
+from gpuscout.domain.tracking import tracking_environment
+from gpuscout.local.contention import ContentionMonitor
+from gpuscout.local.process_control import (
+    child_popen_kwargs,
+    stop_process_group,
+)
+from gpuscout.store.base import (
+    JOB_STATUS_RANK,
+    JobRecord,
+    JobStatus,
+    utcnow,
+)
+
+CURRENT_HOST = "algo-1"
+STDERR_TAIL_LINES = 20
+FAILURE_REASON_MAX_CHARS = 1500
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda oom", "cannot allocate memory")
+TERMINATE_GRACE_S = 10.0
+TIMED_OUT = "max_runtime_seconds"
+
+# -- one job ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobFolders:
+    root: Path  # runs/<run_id>/jobs/<job_name>
+    opt_ml: Path
+    config: Path
+    train_channel: Path
+    model: Path
+    output: Path
+    output_data: Path
+    checkpoints: Path
+    stdout_log: Path
+    stderr_log: Path
+
+    @classmethod
+    def create(cls, root: Path, spec: JobSpec, data_dir: Path | None) -> JobFolders:
+        opt_ml = root / "opt" / "ml"
+        folders = cls(
+            root=root,
+            opt_ml=opt_ml,
+            config=opt_ml / "input" / "config",
+            train_channel=opt_ml / "input" / "data" / "train",
+            model=opt_ml / "model",
+            output=opt_ml / "output",
+            output_data=opt_ml / "output" / "data",
+            checkpoints=opt_ml / "checkpoints",
+            stdout_log=root / "train.log",
+            stderr_log=root / "train.stderr.log",
+        )
+        for folder in (folders.config, folders.train_channel.parent, folders.model, folders.output_data):
+            folder.mkdir(parents=True, exist_ok=True)
+        folders.checkpoints.mkdir(parents=True, exist_ok=True)
+        if folders.train_channel.is_symlink() or folders.train_channel.exists():
+            folders.train_channel.unlink()
+        if data_dir is not None:  # a job section's code reads its own data: no train channel
+            folders.train_channel.symlink_to(data_dir.resolve(), target_is_directory=True)
+        (folders.config / "hyperparameters.json").write_text(json.dumps(spec.hyperparameters, indent=2) + "\n")
+        resource = {"current_host": CURRENT_HOST, "hosts": [CURRENT_HOST], "network_interface_name": "lo"}
+        (folders.config / "resourceconfig.json").write_text(json.dumps(resource, indent=2) + "\n")
+        (folders.config / "inputdataconfig.json").write_text(
+            json.dumps({"train": {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"}}) + "\n"
+        )
+        return folders
+
+    def environment(self, spec: JobSpec) -> dict[str, str]:
+        """The SM_* variables SageMaker sets in a training container, pointing into this folder tree (and, for a
+        tracked built-in job, GPUSCOUT_TRACKING)."""
+        tracked = spec.tracking is not None and spec.job_code is None
+        return {
+            "SM_CHANNEL_TRAIN": str(self.train_channel),
+            "SM_CHANNELS": json.dumps(["train"]),
+            "SM_MODEL_DIR": str(self.model),
+            "SM_OUTPUT_DIR": str(self.output),
+            "SM_OUTPUT_DATA_DIR": str(self.output_data),
+            "SM_INPUT_DIR": str(self.opt_ml / "input"),
+            "SM_INPUT_CONFIG_DIR": str(self.config),
+            "SM_HPS": json.dumps(spec.hyperparameters),
+            "SM_NUM_GPUS": str(spec.gpus_per_instance),
+            "SM_NUM_CPUS": str(os.cpu_count() or 1),
+            "SM_HOSTS": json.dumps([CURRENT_HOST]),
+            "SM_CURRENT_HOST": CURRENT_HOST,
+            "SM_CURRENT_INSTANCE_TYPE": spec.instance_type,
+            "SM_TRAINING_ENV": json.dumps({"job_name": spec.job_name, "hosts": [CURRENT_HOST]}),
+            "GPUSCOUT_CHECKPOINT_DIR": str(self.checkpoints),
+            "GPUSCOUT_RUN_ID": spec.run_id,
+            "GPUSCOUT_JOB_NAME": spec.job_name,
+            # root is <runs_dir>/<run_id>/jobs/<job_name>: the trackers' local defaults live in <runs_dir>
+            **(tracking_environment(spec, runs_dir=self.root.parents[2]) if tracked else {}),
+        }
+
+
+@dataclass
+class JobProgress:
+    """What the latest metric lines of a running job said."""
+
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    lines: int = 0
+    summary: dict[str, float] = field(default_factory=dict)
+
+    samples_per_s: float | None = None
+    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (step, tokens, seconds) per step line
+
+    def update(self, line: str) -> None:
+        self.lines += 1
+        values = parse_metric_line(line)
+        if values is None:
+            return
+        if line.lstrip().startswith("gpuscout_summary"):
+            self.summary.update(values)
+            return
+        if "step" in values:
+            self.step = int(values["step"])
+        if "loss" in values:
+            self.loss = values["loss"]
+        if "tokens_per_s" in values:
+            self.tokens_per_s = values["tokens_per_s"]
+        if "samples_per_s" in values:
+            self.samples_per_s = values["samples_per_s"]
+        seconds = values.get("step_time_s")
+        if "step" in values and self.tokens_per_s is not None and seconds:
+            self.steps.append((int(values["step"]), self.tokens_per_s * seconds, seconds))
+
+    def describe(self, max_steps: int | None) -> str:
+        parts = [f"step {self.step if self.step is not None else '-'}{f'/{max_steps}' if max_steps else ''}"]
+        parts.append(f"loss {self.loss:.4f}" if self.loss is not None else "loss -")
+        # the built-in job prints both rates and is measured in tokens; a user's samples job may print only samples
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        elif self.samples_per_s is not None:
+            parts.append(f"{self.samples_per_s:,.0f} samples/s")
+        else:
+            parts.append("tok/s -")
+        return "  ".join(parts)
+
+
+@dataclass
+class JobOutcome:
+    status: JobStatus
+    benchmark: dict[str, Any] | None
+    failure_reason: str | None
+    wall_seconds: float
+    contention: dict[str, Any] | None = None  # the machine's other load while the job ran (contention.py)
+
+
+def child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    pythonpath = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(paths.REPO_DIR) + (os.pathsep + pythonpath if pythonpath else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra)
+    return env
+
+
+def tail_lines(path: Path, count: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = deque((line.rstrip("\n") for line in f if line.strip()), maxlen=count)
+    except OSError:
+        return ""
+    return "\n".join(lines)
+
+
+def _pump(stream: IO[str], log_path: Path, progress: JobProgress) -> None:
+    with open(log_path, "w", encoding="utf-8") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            progress.update(line)
+
+
+def _failure_from_stderr(stderr_log: Path, stdout_log: Path) -> str:
+    tail = tail_lines(stderr_log, STDERR_TAIL_LINES) or tail_lines(stdout_log, STDERR_TAIL_LINES)
+    if not tail:
+        return "no output"
+    # The last line of a Python traceback is the exception; keep a little context before it.
+    lines = tail.splitlines()
+    return "\n".join(lines[-5:])[-FAILURE_REASON_MAX_CHARS:]
+
+
+def _classify_failure(reason: str) -> JobStatus:
+    lowered = reason.lower()
+    return JobStatus.OOM if any(marker in lowered for marker in OOM_MARKERS) else JobStatus.FAILED
+
+
+def _read_benchmark(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The validated benchmark.json as a dict, or why it could not be used."""
+    if not path.is_file():
+        return None, None
+    try:
+        result = BenchmarkResult.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as err:
+        return None, f"benchmark.json is unreadable: {str(err).splitlines()[0]}"
+    return result.model_dump(mode="json"), None
+
+
+def run_job(
+    spec: JobSpec,
+    folders: JobFolders,
+    *,
+    on_progress: Callable[[JobProgress], None] = lambda _progress: None,
+    should_stop: Callable[[JobProgress], str | None] | None = None,
+    poll_interval_s: float = 0.25,
+) -> JobOutcome:
+    """Run train.py (or a job section's entry point) for one job; never raises for a failing job
+    (KeyboardInterrupt propagates after cleanup). ``should_stop`` (a settings search's pruner) is asked at every
+    poll; the job it names a reason for is stopped and returned PRUNED with that reason."""
+    command = [sys.executable, str(paths.TRAINING_DIR / "train.py")]
+    cwd, env = folders.root, folders.environment(spec)
+    if spec.job_code is not None:
+        command, cwd, env = job_code_command(spec, folders)
+    started = time.monotonic()
+    job_progress = JobProgress()
+    with open(folders.stderr_log, "w", encoding="utf-8") as stderr:
+        proc = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=child_env(env),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+            **child_popen_kwargs(),
+        )
+        assert proc.stdout is not None
+        reader = threading.Thread(
+            target=_pump, args=(proc.stdout, folders.stdout_log, job_progress), name=f"log-{spec.job_name}"
+        )
+        reader.start()
+        stopped: str | None = None
+        monitor = ContentionMonitor(proc.pid)
+        try:
+            with monitor:
+                stopped = _wait(
+                    proc, spec, started, job_progress, on_progress, should_stop=should_stop,
+                    poll_interval_s=poll_interval_s,
+                )  # fmt: skip
+        except KeyboardInterrupt:
+            _stop(proc)
+            reader.join(timeout=TERMINATE_GRACE_S)
+            raise
+        reader.join(timeout=TERMINATE_GRACE_S)
+    wall = time.monotonic() - started
+    on_progress(job_progress)
+    if should_stop is not None and stopped is None:
+        should_stop(job_progress)  # the steps printed after the last poll still count (the job has finished)
+    timed_out = stopped == TIMED_OUT
+    contention = monitor.summary()
+    if spec.job_code is not None and proc.returncode == 0 and stopped is None:
+        benchmark_from_log(spec, folders, env)
+    benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
+    completed = benchmark is not None and benchmark["status"] == "completed"
+    # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
+    # stop reached it (the signal then cut its exit short); its measurement is whole
+    finished = completed and (proc.returncode == 0 or (stopped is not None and not timed_out))
+    if stopped is not None and not timed_out and not finished:
+        return JobOutcome(JobStatus.PRUNED, benchmark, stopped, wall, contention)
+    if timed_out:
+        reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
+        return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
+    if finished:
+        return JobOutcome(JobStatus.COMPLETED, benchmark, None, wall, contention)
+    if benchmark is not None and benchmark.get("failure_reason"):
+        reason = str(benchmark["failure_reason"])
+    elif unreadable:
+        reason = unreadable
+    else:
+        tail = _failure_from_stderr(folders.stderr_log, folders.stdout_log)
+        script = spec.job_code.entry_point if spec.job_code else "train.py"
+        reason = f"{script} exited with code {proc.returncode}: {tail}"
+    return JobOutcome(_classify_failure(reason), benchmark, reason, wall, contention)
+
+
+def job_code_command(spec: JobSpec, folders: JobFolders) -> tuple[list[str], Path, dict[str, str]]:
+    """A job section's command, folder and environment: a copy of the user's folder in the job folder
+    (``code/``, as SageMaker puts source_dir in /opt/ml/code), ``python ENTRY_POINT --key value ...`` with the
+    variant's hyperparameters, training/ on PYTHONPATH (``import gpuscout_report``) and the helper's GPUSCOUT_*
+    settings."""
+    code = spec.job_code
+    assert code is not None
+    target = folders.root / "code"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(code.source_dir, target, ignore=shutil.ignore_patterns("__pycache__", ".git", "*.pyc"))
+    command = [sys.executable, code.entry_point]
+    for key, value in spec.hyperparameters.items():
+        command += [f"--{key}", value]
+    env = folders.environment(spec) | code.environment | {"GPUSCOUT_ENTRY_POINT": code.entry_point}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(paths.TRAINING_DIR), str(paths.REPO_DIR), os.environ.get("PYTHONPATH", "")]
+    )
+    return command, target, env
+
+
+def benchmark_from_log(spec: JobSpec, folders: JobFolders, env: Mapping[str, str]) -> None:
+    """A job section's script that printed metric lines instead of calling the helper: the helper builds
+    benchmark.json from its log (training/gpuscout_report.py --from-log); its error, if any, lands in stderr."""
+    if (folders.output_data / "benchmark.json").is_file():
+        return
+    command = [sys.executable, str(paths.TRAINING_DIR / "gpuscout_report.py"), "--from-log", str(folders.stdout_log)]
+    with open(folders.stderr_log, "a", encoding="utf-8") as stderr:
+        subprocess.run(command, env=child_env(env), stdout=stderr, stderr=stderr, check=False, timeout=120)
+
+
+def _wait(
+    proc: subprocess.Popen[str],
+    spec: JobSpec,
+    started: float,
+    job_progress: JobProgress,
+    on_progress: Callable[[JobProgress], None],
+    *,
+    should_stop: Callable[[JobProgress], str | None] | None,
+    poll_interval_s: float,
+) -> str | None:
+    """Wait for the job, reporting progress; stop it at max_runtime_seconds (returns TIMED_OUT) or when
+    ``should_stop`` gives a reason (returns it). None: the job ended by itself."""
+    while True:
+        try:
+            proc.wait(timeout=poll_interval_s)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        on_progress(job_progress)
+        if should_stop is not None and (why := should_stop(job_progress)):
+            _stop(proc)
+            return why
+        if time.monotonic() - started > spec.max_runtime_seconds:
+            _stop(proc)
+            return TIMED_OUT
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    stop_process_group(proc, TERMINATE_GRACE_S)
+
+
+def job_max_steps(spec: JobSpec) -> int | None:
+    """The job's step budget: train.py's hyperparameter, or what the gpuscout_report helper gets (user's code)."""
+    steps = int_or_none(spec.hyperparameters.get("max_steps"))
+    if steps is None and spec.job_code is not None:
+        steps = int_or_none(spec.job_code.environment.get("GPUSCOUT_MAX_STEPS"))
+    return steps
+
+
+def int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def job_record(spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None) -> JobRecord:
+    return JobRecord.from_spec(
+        spec,
+        status,
+        benchmark=outcome.benchmark if outcome else None,
+        failure_reason=outcome.failure_reason if outcome else None,
+        training_seconds=round(outcome.wall_seconds) if outcome else None,
+        contention=outcome.contention if outcome else None,
+        status_rank=JOB_STATUS_RANK[status],
+        last_event_time=utcnow(),
+    )
