@@ -76,7 +76,7 @@ def architecture(probe: Probe) -> Architecture:
 
 def predicted_gb(probe: Probe) -> float:
     """The planner's peak for the probe's configuration, less the CUDA context (max_memory_allocated omits it)."""
-    from gpuscout.domain.manifest import Variant
+    from gpuscout.domain.manifest_training import Variant
     from gpuscout.plan.memory import CUDA_CONTEXT_GB
     from gpuscout.plan.planner import memory_per_gpu_gb
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.manifest_search import TrackingSection
 from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,

@@ -150,7 +150,7 @@ def open_store(db: Path | None, stack_name: str | None = None, *, read_only: boo
 def validate(file: ManifestArg) -> None:
     """Check a manifest against the schema and the instance catalog; list every problem with its field path."""
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.manifest import load_manifest
+    from gpuscout.domain.manifest_loader import load_manifest
 
     manifest = load_manifest(file, catalog=load_catalog())
     targets = len(manifest.targets)

@@ -43,7 +43,8 @@ from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder
 from gpuscout.cloud.sagemaker_requests import output_tar_key
 from gpuscout.cloud.sources import hyperparameter_problems, source_problems, target_problems, tracking_problems
 from gpuscout.domain.catalog import Catalog, load_catalog
-from gpuscout.domain.manifest import Manifest, load_manifest, parse_manifest
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.planner import make_run_id, plan
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord

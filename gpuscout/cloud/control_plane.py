@@ -48,7 +48,8 @@ from gpuscout.cloud.tuning_requests import (
 )
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.domain.manifest import Manifest, parse_manifest, validate_manifest_data
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_loader import parse_manifest, validate_manifest_data
 from gpuscout.errors import (
     BudgetExceededError,
     GpuscoutError,

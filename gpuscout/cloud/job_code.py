@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from gpuscout.cloud.sources import CODE_PREFIX, RAW_PREFIX
-from gpuscout.domain.manifest import parse_document
+from gpuscout.domain.manifest_loader import parse_document
 from gpuscout.errors import Problem
 
 # Never uploaded: caches, version control, virtual environments (they would make the digest change for nothing).

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.manifest_search import TrackingSection
 
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker TrainingJobName rule
 

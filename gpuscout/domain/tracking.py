@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.manifest_search import TrackingSection
 
 TRACKING_ENV = "GPUSCOUT_TRACKING"
 SAGEMAKER_ENV_VALUE_MAX_CHARS = 512  # CreateTrainingJob Environment: each value at most 512 characters

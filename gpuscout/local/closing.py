@@ -113,7 +113,7 @@ def close_abandoned_run(
     """``gpuscout analyze RUN_ID``: close a run whose ``gpuscout local`` process is gone (SIGKILL, a reboot, an
     OOM kill) from what its finished jobs left: analysis, report and a final status. A final run is re-analysed and
     its report regenerated from the stored jobs; its status stays."""
-    from gpuscout.domain.manifest import validate_manifest_data
+    from gpuscout.domain.manifest_loader import validate_manifest_data
 
     observer = observer or SilentObserver()
     catalog = catalog or load_catalog()

@@ -33,7 +33,7 @@ def plan_manifest(
     Returns ``(manifest, plan)``; raises ManifestError / PlanError. The budget is *not* checked here.
     """
     from gpuscout.domain.catalog import detect_local_hardware
-    from gpuscout.domain.manifest import load_manifest
+    from gpuscout.domain.manifest_loader import load_manifest
     from gpuscout.plan.planner import make_run_id, plan
 
     catalog = catalog or load_catalog()
@@ -93,7 +93,7 @@ def calibrate_job(
     fails is a PlanError with the reason: nothing is planned or timed."""
     import tempfile
 
-    from gpuscout.domain.manifest import JobEstimate
+    from gpuscout.domain.manifest_training import JobEstimate
     from gpuscout.errors import PlanError
     from gpuscout.plan.planner import Calibration, plan
 

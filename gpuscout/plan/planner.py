@@ -36,7 +36,9 @@ from pydantic import BaseModel, ConfigDict
 from gpuscout.domain.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
 from gpuscout.domain.flops import hardware_flops_per_token, model_flops_per_token
 from gpuscout.domain.jobspec import JOB_NAME_RE, JobCode, JobSpec, Prediction
-from gpuscout.domain.manifest import Manifest, Target, Variant
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_targets import Target
+from gpuscout.domain.manifest_training import Variant
 from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.plan import memory, search

@@ -13,7 +13,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gpuscout.domain.candidates import candidate_name
-from gpuscout.domain.manifest import SEARCH_DIMENSIONS, Manifest, SearchSpace, Target, Variant
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_search import SEARCH_DIMENSIONS, SearchSpace
+from gpuscout.domain.manifest_targets import Target
+from gpuscout.domain.manifest_training import Variant
 
 
 class SkippedCandidate(BaseModel):

@@ -133,7 +133,7 @@ def test_the_planners_peak_memory_is_within_15_percent(
     from packing import CausalLMWithLoss, liger_available
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from gpuscout.domain.manifest import Variant
+    from gpuscout.domain.manifest_training import Variant
     from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
     from gpuscout.plan.memory import CUDA_CONTEXT_GB
     from gpuscout.plan.planner import memory_per_gpu_gb

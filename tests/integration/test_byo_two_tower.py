@@ -97,7 +97,7 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
     import pytest
 
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.manifest import load_manifest
+    from gpuscout.domain.manifest_loader import load_manifest
     from gpuscout.errors import PlanError
     from gpuscout.plan.planner import plan
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from gpuscout.cli import app as cli
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import Catalog
-from gpuscout.domain.manifest import load_manifest
+from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.local import runner as local
 from gpuscout.local.data_cache import prepare_data, verify_prepared
 from gpuscout.local.runner import run_local

@@ -244,7 +244,7 @@ def test_a_load_that_fails_after_changing_the_engine_never_starts_fresh(tmp_path
 
 def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -> None:
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.manifest import validate_manifest_data
+    from gpuscout.domain.manifest_loader import validate_manifest_data
     from gpuscout.errors import ManifestError
     from gpuscout.plan.planner import plan
 

@@ -19,7 +19,7 @@ from launcher import failure_reason
 
 from gpuscout.cloud.sagemaker_requests import RequestSettings, training_job_request
 from gpuscout.domain.catalog import load_catalog
-from gpuscout.domain.manifest import parse_manifest
+from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from gpuscout.plan.canary import plan_cloud_canaries
 from gpuscout.plan.planner import plan

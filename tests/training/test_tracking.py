@@ -17,7 +17,7 @@ from experiment_tracking import JobTracker, summary_metrics
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.jobspec import JobSpec, Prediction
-from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.manifest_search import TrackingSection
 from gpuscout.domain.metric_lines import parse_metric_line
 from gpuscout.domain.tracking import (
     JOB_NAME_TAG,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from gpuscout.domain.catalog import LocalHardware, load_catalog
-from gpuscout.domain.manifest import load_manifest, parse_manifest, validate_manifest_data
+from gpuscout.domain.manifest_loader import load_manifest, parse_manifest, validate_manifest_data
 from gpuscout.errors import ManifestError
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from gpuscout.plan.planner import plan
@@ -155,7 +155,7 @@ def test_metric_lines_without_the_helper(tmp_path):
 
 def test_a_job_manifest_round_trips_through_its_dump_as_the_cloud_steps_pass_it() -> None:
     # Given the two-tower cloud manifest (Validate hands Plan manifest.model_dump(mode="json"), defaults filled in)
-    from gpuscout.domain.manifest import load_manifest, validate_manifest_data
+    from gpuscout.domain.manifest_loader import load_manifest, validate_manifest_data
     from gpuscout.paths import REPO_DIR
 
     manifest = load_manifest(REPO_DIR / "examples" / "two-tower" / "cloud.yaml")
@@ -168,7 +168,7 @@ def test_a_job_manifest_round_trips_through_its_dump_as_the_cloud_steps_pass_it(
 def test_units_per_step_is_per_device_and_may_be_a_product_of_hyperparameters() -> None:
     # Given the HF Trainer cloud example: samples per process per step = batch_size x gradient_accumulation_steps
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.manifest import load_manifest
+    from gpuscout.domain.manifest_loader import load_manifest
     from gpuscout.paths import REPO_DIR
     from gpuscout.plan.planner import plan
 

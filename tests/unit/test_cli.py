@@ -18,7 +18,7 @@ from gpuscout.analysis.analyze import analyze_run
 from gpuscout.cli import app as cli
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.catalog import load_catalog
-from gpuscout.domain.manifest import load_manifest
+from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore

@@ -32,7 +32,7 @@ from gpuscout.cloud.client import (
     execution_console_url,
 )
 from gpuscout.cloud.sources import source_problems
-from gpuscout.domain.manifest import load_manifest, parse_manifest
+from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.paths import MANIFESTS_DIR, REPO_DIR
 from gpuscout.plan.planner import make_run_id

@@ -8,7 +8,8 @@ import pytest
 
 from gpuscout.cloud.sources import cloud_problems, source_problems
 from gpuscout.domain.catalog import load_catalog
-from gpuscout.domain.manifest import Manifest, parse_manifest
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_loader import parse_manifest
 
 BUCKET = "gpuscout-data-123456789012"
 BASE = """

@@ -8,7 +8,7 @@ import pytest
 
 from gpuscout.domain.catalog import LocalHardware, detect_local_hardware, load_catalog
 from gpuscout.domain.cpu import bf16_support, cpu_flags, cpuinfo_field, half_precision_argument
-from gpuscout.domain.manifest import load_manifest, validate_manifest_data
+from gpuscout.domain.manifest_loader import load_manifest, validate_manifest_data
 from gpuscout.errors import PlanError
 from gpuscout.local.planning import half_precision_warnings
 from gpuscout.paths import REPO_DIR

@@ -47,7 +47,7 @@ def test_the_image_pins_what_the_tests_run() -> None:
 def test_every_bundled_corpus_package_is_in_the_image_and_here() -> None:
     import data_preparation as dp
 
-    from gpuscout.domain.manifest import BUNDLED_SOURCES
+    from gpuscout.domain.manifest_training import BUNDLED_SOURCES
 
     assert set(dp.BUNDLED_PACKAGES) == set(BUNDLED_SOURCES)
     for source, package in dp.BUNDLED_PACKAGES.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuscout.cloud.job_code import code_digest, code_files, with_source_dir
-from gpuscout.domain.manifest import parse_document
+from gpuscout.domain.manifest_loader import parse_document
 
 
 def test_links_out_of_the_folder_and_linked_folders_are_refused_with_the_fix(tmp_path: Path) -> None:

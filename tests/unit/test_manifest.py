@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from gpuscout.domain.catalog import LocalHardware, load_catalog
-from gpuscout.domain.manifest import MAX_MANIFEST_BYTES, Manifest, load_manifest, parse_manifest
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_loader import MAX_MANIFEST_BYTES, load_manifest, parse_manifest
 from gpuscout.errors import ManifestError
 from gpuscout.paths import MANIFESTS_DIR
 

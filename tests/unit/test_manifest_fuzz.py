@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuscout.domain.catalog import load_catalog
-from gpuscout.domain.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_loader import MAX_MANIFEST_BYTES, parse_manifest
 from gpuscout.errors import ManifestError
 from gpuscout.paths import MANIFESTS_DIR
 

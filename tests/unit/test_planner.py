@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.jobspec import JOB_NAME_RE
-from gpuscout.domain.manifest import load_manifest, validate_manifest_data
+from gpuscout.domain.manifest_loader import load_manifest, validate_manifest_data
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.plan.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan

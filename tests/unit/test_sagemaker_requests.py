@@ -163,7 +163,7 @@ def _check_constraints(shape: Any, value: Any, where: str) -> None:
 
 def _two_tower_plan(source_dir: str = "s3://data-b/raw/code/two-tower-cloud-0123456789abcdef/") -> list[JobSpec]:
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.manifest import parse_manifest
+    from gpuscout.domain.manifest_loader import parse_manifest
     from gpuscout.paths import REPO_DIR
     from gpuscout.plan.planner import plan
 
@@ -221,7 +221,7 @@ def test_a_job_section_request_needs_its_code_in_s3() -> None:
 
 
 def test_a_tracked_job_gets_its_tracking_settings_in_one_environment_value() -> None:
-    from gpuscout.domain.manifest import TrackingSection
+    from gpuscout.domain.manifest_search import TrackingSection
     from gpuscout.domain.tracking import TRACKING_ENV, JobTracking
 
     # Given a job whose manifest tracks with a SageMaker managed MLflow server and W&B (offline)

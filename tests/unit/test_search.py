@@ -12,7 +12,7 @@ import yaml
 
 from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.domain.manifest import parse_manifest
+from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.local import runner as local
 from gpuscout.local.job_process import JobFolders, JobOutcome

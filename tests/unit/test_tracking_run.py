@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gpuscout.analysis.tracking import RANKED_COLUMNS, log_run, ranked_rows
-from gpuscout.domain.manifest import TrackingSection
+from gpuscout.domain.manifest_search import TrackingSection
 from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,

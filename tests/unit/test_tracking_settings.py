@@ -14,7 +14,9 @@ import pytest
 from gpuscout.cloud.sources import cloud_problems, tracking_problems
 from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.jobspec import JobCode, JobSpec
-from gpuscout.domain.manifest import Manifest, TrackingSection, validate_manifest_data
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.manifest_loader import validate_manifest_data
+from gpuscout.domain.manifest_search import TrackingSection
 from gpuscout.domain.tracking import (
     CLOUD_WANDB_DIR,
     TRACKING_ENV,

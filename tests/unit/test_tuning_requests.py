@@ -23,7 +23,7 @@ from gpuscout.cloud.tuning_requests import (
 from gpuscout.domain.candidates import candidate_name, parse_candidate_name
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JOB_NAME_RE
-from gpuscout.domain.manifest import parse_manifest
+from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.domain.metric_lines import (
     OBJECTIVE_KEY,
     OBJECTIVE_METRIC,
