@@ -31,7 +31,7 @@ class ModelInputs:
     segment_ids: torch.Tensor
 
     # The counts are computed on access only: on a GPU each one is a device-to-host copy that stalls the host,
-    # and the training loop counts tokens on the CPU copy of the batch instead (train.token_counts).
+    # and the training loop counts tokens on the CPU copy of the batch instead (train_data.token_counts).
     @property
     def tokens(self) -> int:
         """Non-padding tokens in the batch."""

@@ -16,8 +16,12 @@ from typing import Any
 import pytest
 import torch
 import train
+import train_args
+import train_distributed
+import train_loop
 
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.errors import TrainingError
 
 HPS = {
     "job_name": "gs-test-ckpt",
@@ -109,11 +113,11 @@ class FakeDeepSpeedEngine:
         return str(folder), {}
 
 
-def _deepspeed_bench() -> tuple[train.Benchmark, train.Parts, FakeDeepSpeedEngine]:
-    hp = train.Hyperparameters(model_preset="qwen2-tiny", checkpoint_interval=2)
-    bench = train.Benchmark(hp, train.Dist(1, 0, 0, 1, torch.device("cpu")))
+def _deepspeed_bench() -> tuple[train_loop.Benchmark, train_loop.Parts, FakeDeepSpeedEngine]:
+    hp = train_args.Hyperparameters(model_preset="qwen2-tiny", checkpoint_interval=2)
+    bench = train_loop.Benchmark(hp, train_distributed.Dist(1, 0, 0, 1, torch.device("cpu")))
     engine = FakeDeepSpeedEngine()
-    parts = train.Parts(model=None, wrapped=engine, optimizer=None, scheduler=None, warmup=3, engine=engine)  # type: ignore[arg-type]
+    parts = train_loop.Parts(model=None, wrapped=engine, optimizer=None, scheduler=None, warmup=3, engine=engine)  # type: ignore[arg-type]
     return bench, parts, engine
 
 
@@ -238,7 +242,7 @@ def test_a_load_that_fails_after_changing_the_engine_never_starts_fresh(tmp_path
     bench, parts, engine = _deepspeed_bench()
     engine.load_checkpoint = broken_load  # type: ignore[method-assign]
     # When it resumes, Then it refuses to train on from a half-loaded model instead of starting fresh
-    with pytest.raises(train.TrainingError, match="already overwritten part of the model"):
+    with pytest.raises(TrainingError, match="already overwritten part of the model"):
         bench._resume(tmp_path, parts)
 
 
@@ -258,7 +262,7 @@ def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -
     # Given training.checkpoint_keep: 3, When planned, Then train.py receives it
     job = plan(validate_manifest_data(data, "keep.yaml", catalog), catalog, run_id="r1").jobs[0]
     assert job.hyperparameters["checkpoint_keep"] == "3"
-    hp = train.parse_hyperparameters(
+    hp = train_args.parse_hyperparameters(
         [], {"SM_HPS": json.dumps(job.hyperparameters), "SM_INPUT_CONFIG_DIR": "/nonexistent"}
     )
     assert hp.checkpoint_keep == 3
@@ -266,8 +270,8 @@ def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -
     data["training"]["checkpoint_keep"] = 0
     with pytest.raises(ManifestError, match=r"training\.checkpoint_keep"):
         validate_manifest_data(data, "keep.yaml", catalog)
-    with pytest.raises(train.TrainingError, match="checkpoint_keep must be at least 1"):
-        train.parse_hyperparameters(["--checkpoint_keep", "0"], {"SM_INPUT_CONFIG_DIR": "/nonexistent"})
+    with pytest.raises(TrainingError, match="checkpoint_keep must be at least 1"):
+        train_args.parse_hyperparameters(["--checkpoint_keep", "0"], {"SM_INPUT_CONFIG_DIR": "/nonexistent"})
 
 
 @pytest.mark.parametrize(

@@ -116,7 +116,8 @@ def test_documents_are_the_pieces_of_the_blocks() -> None:
 
 
 def test_baseline_model_has_train_py_weights_and_default_attention() -> None:
-    import train
+    import train_args
+    import train_model
     from data_preparation import DatasetSummary
 
     baseline = _load("hf_trainer_baseline")
@@ -126,8 +127,8 @@ def test_baseline_model_has_train_py_weights_and_default_attention() -> None:
         documents_read=1, dropped={}, tokens=1, padding_fraction=0.0, t_eff=1.0, sha256="", seed=0,
         validation_fraction=0.0, splits={},
     )  # fmt: skip
-    hp = train.Hyperparameters(model_preset="qwen2-tiny", seed=5)
-    ours, _, _ = train.build_model(hp, summary, Path("."))
+    hp = train_args.Hyperparameters(model_preset="qwen2-tiny", seed=5)
+    ours, _, _ = train_model.build_model(hp, summary, Path("."))
     theirs, _ = baseline.build_model("qwen2-tiny", summary, seed=5)
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.equal(a, b)

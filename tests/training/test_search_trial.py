@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import train
+import train_args
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS, OBJECTIVE_METRIC
@@ -36,9 +36,9 @@ def test_a_trial_trains_exactly_what_its_candidates_job_would(tmp_path: Path) ->
             # When train.py reads a trial's hyperparameters (the static ones, the candidate, SageMaker's own)
             hps = {**static, "search_candidate": spec.variant_name, "_tuning_objective_metric": OBJECTIVE_METRIC}
             env = {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_HPS": json.dumps(hps), "TRAINING_JOB_NAME": trial}
-            as_trial = dataclasses.asdict(train.parse_hyperparameters([], env))
+            as_trial = dataclasses.asdict(train_args.parse_hyperparameters([], env))
             as_job = dataclasses.asdict(
-                train.parse_hyperparameters([], {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_HPS": json.dumps(
+                train_args.parse_hyperparameters([], {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_HPS": json.dumps(
                     spec.hyperparameters)})
             )  # fmt: skip
             # Then it trains with the same settings as the candidate's own job, under the trial's name
@@ -48,7 +48,7 @@ def test_a_trial_trains_exactly_what_its_candidates_job_would(tmp_path: Path) ->
             assert as_trial["job_name"] == trial and as_trial["search_candidate"] == spec.variant_name
             assert as_trial["price_per_hour_usd"] == spec.price_per_hour_usd * spec.instance_count
     with pytest.raises(TrainingError, match="hyperparameter search_candidate: 'b4-a2' is not a search candidate"):
-        train.parse_hyperparameters(["--search_candidate", "b4-a2"], {"SM_HPS": json.dumps(static)})
+        train_args.parse_hyperparameters(["--search_candidate", "b4-a2"], {"SM_HPS": json.dumps(static)})
 
 
 @pytest.mark.slow(seconds=12)

@@ -13,7 +13,9 @@ from pathlib import Path
 import data_preparation as dp
 import jsonschema
 import pytest
-import train
+import train_args
+import train_data
+import train_model
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
@@ -120,22 +122,22 @@ def test_tiny_model_trains_and_resumes_after_a_hard_exit(dataset: Path, tmp_path
 def test_hyperparameters_from_sagemaker_and_cli(tmp_path: Path) -> None:
     (tmp_path / "hyperparameters.json").write_text(json.dumps({**HPS, "attention_implementation": '"eager"'}))
     env = {"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_HPS": json.dumps({"max_steps": "30"})}
-    hp = train.parse_hyperparameters(["--warmup_steps", "", "--fused-adamw=true"], env)
+    hp = train_args.parse_hyperparameters(["--warmup_steps", "", "--fused-adamw=true"], env)
     assert hp.max_steps == 30 and hp.warmup_steps is None and hp.fused_adamw is True
     assert hp.attention_implementation == "eager" and hp.packing is True and hp.learning_rate == 0.003
     with pytest.raises(TrainingError, match=r"unknown hyperparameter.*learnig_rate"):
-        train.parse_hyperparameters(["--learnig_rate", "1"], env)
+        train_args.parse_hyperparameters(["--learnig_rate", "1"], env)
     with pytest.raises(TrainingError, match="not true or false"):
-        train.parse_hyperparameters(["--packing", "maybe"], env)
+        train_args.parse_hyperparameters(["--packing", "maybe"], env)
     with pytest.raises(TrainingError, match="exactly one of model_preset"):
-        train.parse_hyperparameters(["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], env)
+        train_args.parse_hyperparameters(["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], env)
 
 
 def test_hub_model_offline_fails_clearly(dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hp = train.Hyperparameters(model_name_or_path="Qwen/Qwen2.5-0.5B")
+    hp = train_args.Hyperparameters(model_name_or_path="Qwen/Qwen2.5-0.5B")
     with pytest.raises(TrainingError, match="HF_HUB_OFFLINE=1"):
-        train.build_model(hp, dp.load_summary(dataset), tmp_path)
+        train_model.build_model(hp, dp.load_summary(dataset), tmp_path)
 
 
 def test_an_s3_model_loads_from_its_input_channel_without_network(
@@ -149,29 +151,33 @@ def test_an_s3_model_loads_from_its_input_channel_without_network(
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(channel)
     monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)  # the image's entry point is not SageMaker's toolkit
-    monkeypatch.setattr(train, "MODEL_CHANNEL_DIR", str(channel))
-    monkeypatch.setattr(train, "_download_s3_model", lambda *_a: pytest.fail("downloaded although the channel has it"))
-    hp = train.Hyperparameters(model_name_or_path="s3://gpuscout-data-1/raw/models/tiny/")
+    monkeypatch.setattr(train_model, "MODEL_CHANNEL_DIR", str(channel))
+    monkeypatch.setattr(
+        train_model, "_download_s3_model", lambda *_a: pytest.fail("downloaded although the channel has it")
+    )
+    hp = train_args.Hyperparameters(model_name_or_path="s3://gpuscout-data-1/raw/models/tiny/")
     # When train.py builds the model, Then it loads the channel's copy
-    model, arch, name = train.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
+    model, arch, name = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
     assert arch.hidden_size == 32 and name == "s3://gpuscout-data-1/raw/models/tiny/"
     assert model.config.num_hidden_layers == 1
 
 
 def test_canary_layers_cut_the_model_to_a_few_layers(dataset: Path, tmp_path: Path) -> None:
-    hp = train.Hyperparameters(model_preset="qwen2.5-0.5b", canary_layers=2)
-    model, arch, _ = train.build_model(hp, dp.load_summary(dataset), tmp_path)
+    hp = train_args.Hyperparameters(model_preset="qwen2.5-0.5b", canary_layers=2)
+    model, arch, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path)
     assert model.config.num_hidden_layers == 2 and arch.num_hidden_layers == 2
     assert model.config.hidden_size == 896  # the preset's layer shape, unchanged
     with pytest.raises(TrainingError, match="canary_layers"):
-        train.parse_hyperparameters(["--model_preset", "qwen2-tiny", "--canary_layers", "-1"], {})
+        train_args.parse_hyperparameters(["--model_preset", "qwen2-tiny", "--canary_layers", "-1"], {})
 
 
 def test_deepspeed_configs_fill_every_auto() -> None:
-    hp = train.Hyperparameters(model_preset="qwen2-tiny", per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    hp = train_args.Hyperparameters(
+        model_preset="qwen2-tiny", per_device_train_batch_size=2, gradient_accumulation_steps=4
+    )
     for stage in (2, 3):
         hp.deepspeed_stage = stage
-        config = train.deepspeed_config(hp, "bf16", world_size=16, hidden_size=896)
+        config = train_model.deepspeed_config(hp, "bf16", world_size=16, hidden_size=896)
         assert "auto" not in json.dumps(config)
         assert "optimizer" not in config  # torch AdamW from train.py, so no DeepSpeed op build
         assert config["train_batch_size"] == 2 * 4 * 16
@@ -183,9 +189,10 @@ DEEPSPEED_INIT = """
 import os, sys
 sys.path.insert(0, {training!r})
 if {fixed}:
-    import train
-    train.init_distributed()
-    train.deepspeed_collectives_through_torch()  # as train.py does before DeepSpeed starts on a CPU
+    import train_distributed
+    import train_model
+    train_distributed.init_distributed()
+    train_model.deepspeed_collectives_through_torch()  # as train.py does before DeepSpeed starts on a CPU
 import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")
 import torch.distributed as dist
@@ -216,16 +223,14 @@ def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tm
 
 
 def test_every_rank_runs_the_same_number_of_validation_forwards() -> None:
-    import train
-
     # 5 blocks, batch 2, 2 ranks: rank 0 has blocks 0-1 and 4, rank 1 only 2-3; both run two forwards
-    assert train.validation_starts(5, 2, 2, 0, 10) == [0, 4]
-    assert train.validation_starts(5, 2, 2, 1, 10) == [2, None]
+    assert train_data.validation_starts(5, 2, 2, 0, 10) == [0, 4]
+    assert train_data.validation_starts(5, 2, 2, 1, 10) == [2, None]
     # the h100-settings-sweep case: [1,1,1,1,1,0,0,0] real batches on 8 ranks -> one forward each
-    counts = [len(train.validation_starts(5, 1, 8, r, 4)) for r in range(8)]
+    counts = [len(train_data.validation_starts(5, 1, 8, r, 4)) for r in range(8)]
     assert counts == [1] * 8
-    assert train.validation_starts(0, 2, 2, 0, 10) == []
-    assert train.validation_starts(100, 2, 2, 1, 3) == [2, 6, 10]  # capped at validation_batches
+    assert train_data.validation_starts(0, 2, 2, 0, 10) == []
+    assert train_data.validation_starts(100, 2, 2, 1, 3) == [2, 6, 10]  # capped at validation_batches
 
 
 @pytest.mark.slow(seconds=15)
@@ -246,7 +251,7 @@ def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, t
         "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
     }  # fmt: skip
     # and W&B offline tracking, as a SageMaker job gets it: rank 0 tracks, and every rank leaves through
-    # train.leave_together (os._exit after W&B's teardown)
+    # train_distributed.leave_together (os._exit after W&B's teardown)
     tracking = JobTracking(wandb=WandbDestination(project="gpuscout-test", mode="offline",
                                                   dir=str(root / "opt/ml/output/data"), log_artifacts=False),
                            variant="ddp", instance_count=1, spot=False)  # fmt: skip

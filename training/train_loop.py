@@ -1,0 +1,675 @@
+"""train.py's timed loop (the ``Benchmark`` class): set-up (data, model, optimizer, DeepSpeed or DDP, resume from the
+newest complete checkpoint), the steps (micro-batches, accumulation, warm-up excluded from timing, GPU work
+synchronized before the clock is read), validation on every rank, checkpoints, the stop rules (fixed steps or steady
+state, decided on rank 0 for every rank) and the measured result (tokens/s of non-padding tokens, MFU, memory, loss).
+
+Imported by train.py; may import gpuscout.domain and gpuscout.errors, and the train_* components beside it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
+from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
+from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
+from experiment_tracking import JobTracker
+from packing import CausalLMWithLoss, make_inputs, unpack_blocks
+from train_args import Hyperparameters
+from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_starts
+from train_distributed import Dist
+from train_facts import CPU_NOTE, hardware_info, resolve_precision, software_info
+from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config
+
+from gpuscout.domain import flops
+from gpuscout.domain.benchmark import (
+    BenchmarkResult,
+    DatasetInfo,
+    Efficiency,
+    Loss,
+    LossPoint,
+    Memory,
+    StopInfo,
+    Throughput,
+    Timing,
+    TrainConfig,
+)
+from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
+from gpuscout.domain.models import Architecture
+from gpuscout.errors import TrainingError
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0  # cumulative non-padding tokens, all ranks
+    train_time_s: float = 0.0
+    train_loss: list[LossPoint] = field(default_factory=list)
+    validation_loss: list[LossPoint] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "train_time_s": self.train_time_s,
+            "train_loss": [p.model_dump() for p in self.train_loss],
+            "validation_loss": [p.model_dump() for p in self.validation_loss],
+            "records": [dataclasses.asdict(r) for r in self.records],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Progress:
+        return cls(
+            step=state["step"],
+            tokens=state["tokens"],
+            train_time_s=state["train_time_s"],
+            train_loss=[LossPoint(**p) for p in state["train_loss"]],
+            validation_loss=[LossPoint(**p) for p in state["validation_loss"]],
+            records=[StepRecord(**r) for r in state["records"]],
+        )
+
+
+@dataclass
+class Splits:
+    """The prepared blocks (token ids, document segment ids) in the sequence length trained on."""
+
+    train_ids: np.ndarray
+    train_seg: np.ndarray
+    val_ids: np.ndarray
+    val_seg: np.ndarray
+
+
+@dataclass
+class Parts:
+    """What the step loop drives and checkpoints save."""
+
+    model: CausalLMWithLoss  # the module checkpoints save
+    wrapped: Any  # what the forward runs through: the model, DDP or the DeepSpeed engine
+    optimizer: Any
+    scheduler: Any
+    warmup: int  # benchmark warmup steps (also the LR warmup length)
+    engine: Any = None  # DeepSpeed's engine, which owns optimizer and scheduler steps
+    scaler: Any = None  # fp16 without DeepSpeed
+    autocast: Any = field(default_factory=nullcontext)
+    compute_dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class StepWork:
+    """One rank's counters of one optimizer step."""
+
+    loss_sum: torch.Tensor
+    tokens: int = 0
+    samples: int = 0
+    wait: float = 0.0
+    grad_norm: float | None = None
+
+
+class Benchmark:
+    def __init__(self, hp: Hyperparameters, dist: Dist, tracker: JobTracker | None = None) -> None:
+        self.hp = hp
+        self.dist = dist
+        self.tracker = tracker or JobTracker(None)  # experiment tracking (experiment_tracking.py); rank 0 only
+        self.started = time.perf_counter()
+        self.data_dir = Path(os.environ.get("SM_CHANNEL_TRAIN", "/opt/ml/input/data/train"))
+        self.output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data"))
+        self.model_dir = Path(os.environ.get("SM_MODEL_DIR", "/opt/ml/model"))
+        self.sampler = GpuSampler([dist.local_rank]) if dist.device.type == "cuda" else GpuSampler([])
+        self.precision, self.precision_note = resolve_precision(hp.precision, dist.device)
+        self.hardware = hardware_info(dist, self.precision, self.sampler)
+        self.software = software_info()
+        self.summary: DatasetSummary | None = None
+        self.arch: Architecture | None = None
+        self.model_name = hp.model_preset or hp.model_name_or_path
+        self.params_total = 0
+        self.optimizations: list[str] = []
+        self.progress = Progress()
+        self.resumed_from: int | None = None
+        self.sequence_length = hp.sequence_length
+        self.t_eff = 0.0
+
+    def log(self, message: str) -> None:
+        if self.dist.is_main:
+            print(f"[train] {message}", flush=True)
+
+    # ------------------------------------------------------------ result
+
+    def train_config(self) -> TrainConfig:
+        arch = self.arch
+        hp = self.hp
+        return TrainConfig(
+            model=self.model_name,
+            params_total=self.params_total,
+            params_matmul=flops.matmul_params(arch) if arch else 0,
+            num_layers=arch.num_hidden_layers if arch else 0,
+            num_heads=arch.num_attention_heads if arch else 0,
+            head_dim=arch.attention_head_dim if arch else 0,
+            sequence_length=self.sequence_length,
+            per_device_batch_size=hp.per_device_train_batch_size,
+            gradient_accumulation_steps=hp.gradient_accumulation_steps,
+            global_batch_size=hp.per_device_train_batch_size * hp.gradient_accumulation_steps * self.dist.world_size,
+            precision=self.precision,
+            packing=hp.packing,
+            attention=hp.attention_implementation,
+            torch_compile=hp.torch_compile,
+            gradient_checkpointing=hp.gradient_checkpointing,
+            deepspeed_stage=hp.deepspeed_stage,
+            dataloader_workers=hp.dataloader_num_workers,
+            learning_rate=hp.learning_rate,
+            seed=hp.seed,
+            optimizations=self.optimizations,
+        )
+
+    def dataset_info(self) -> DatasetInfo:
+        s = self.summary
+        if s is None:
+            return DatasetInfo(sha256="", documents=0, tokens=0, padding_fraction=0.0, tokenizer="")
+        return DatasetInfo(
+            sha256=s.sha256,
+            documents=s.documents,
+            tokens=s.splits["train"].tokens,
+            padding_fraction=s.splits["train"].padding_fraction,
+            tokenizer=str(s.tokenizer["id"]),
+        )
+
+    def memory(self) -> Memory:
+        util, power = self.sampler.stop()
+        host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux -> GB
+        if self.dist.device.type != "cuda":
+            return Memory(host_rss_peak_gb=round(host, 3))
+        return Memory(
+            peak_allocated_gb=torch.cuda.max_memory_allocated(self.dist.device) / 1e9,
+            peak_reserved_gb=torch.cuda.max_memory_reserved(self.dist.device) / 1e9,
+            gpu_utilization_mean=util,
+            power_w_mean=power,
+            host_rss_peak_gb=round(host, 3),
+        )
+
+    def write(self, result: BenchmarkResult) -> None:
+        if not self.dist.is_main:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "benchmark.json").write_text(result.model_dump_json(indent=2) + "\n")
+        self.log(f"wrote {self.output_dir / 'benchmark.json'} ({result.status})")
+
+    def failed(self, reason: str) -> BenchmarkResult:
+        return BenchmarkResult(
+            status="failed",
+            job_name=self.hp.job_name,
+            run_id=self.hp.run_id or None,
+            instance_type=self.hp.instance_type,
+            failure_reason=reason[:4000],
+            hardware=self.hardware,
+            software=self.software,
+            config=self.train_config(),
+            dataset=self.dataset_info(),
+            memory=self.memory(),
+        )
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> BenchmarkResult:
+        """Set-up (data, model, optimizer, engine), resume, the timed step loop, the final validation, the result."""
+        self._seed_and_check()
+        data = self._load_data()
+        parts = self._set_up()
+        ckpt_root = checkpoint_root()
+        if self.hp.search_candidate:  # a tuning job's trials share its checkpoint location: one folder each
+            ckpt_root = ckpt_root / self.hp.job_name
+        self._resume(ckpt_root, parts)
+        stats = StepStats(warmup_steps=parts.warmup, records=list(self.progress.records))
+        first_step = self.progress.step + 1
+        loader = self._loader(data, first_step)
+        self.log(
+            f"model {self.model_name}: {self.params_total / 1e6:.2f} M parameters, {self.precision}, "
+            f"{self.dist.world_size} rank(s) on {self.dist.device.type}; {len(data.train_ids)} train blocks of "
+            f"{self.sequence_length}; T_eff {self.t_eff:.1f}; warmup {parts.warmup} steps; "
+            f"steps {first_step}..{self.hp.max_steps}"
+        )
+        startup_s = time.perf_counter() - self.started
+        self.sampler.start()
+        stop_reason = self._train(parts, data, stats, iter(loader), ckpt_root)
+        self._validate(parts, data)
+        if os.environ.get("GPUSCOUT_SAVE_MODEL") == "1" and self.dist.is_main and parts.engine is None:
+            parts.model.lm.save_pretrained(str(self.model_dir))  # type: ignore[operator]
+        return self._result(stats, parts.warmup, startup_s, stop_reason)
+
+    # ------------------------------------------------------------ set-up: data, model, optimizer, engine
+
+    def _seed_and_check(self) -> None:
+        hp, dist = self.hp, self.dist
+        torch.manual_seed(hp.seed)
+        random.seed(hp.seed)
+        if dist.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.precision != "fp32"
+            torch.backends.cudnn.allow_tf32 = self.precision != "fp32"
+        if self.precision_note:
+            self.log(self.precision_note)
+
+    def _load_data(self) -> Splits:
+        hp = self.hp
+        self.summary = load_summary(self.data_dir)
+        train_ids, train_seg = load_split(self.data_dir, "train")
+        val_ids, val_seg = load_split(self.data_dir, "validation")
+        self.sequence_length = hp.sequence_length or self.summary.sequence_length
+        train_ids, train_seg = split_blocks(train_ids, train_seg, self.sequence_length)
+        val_ids, val_seg = split_blocks(val_ids, val_seg, self.sequence_length)
+        if not hp.packing:  # one padded row per document piece; padding is neither counted nor a target
+            train_ids, train_seg = unpack_blocks(train_ids, train_seg)
+            val_ids, val_seg = unpack_blocks(val_ids, val_seg)
+        if len(train_ids) == 0:
+            raise TrainingError(f"{self.data_dir}: the train split is empty")
+        # Each token attends within its own document piece either way (document mask or a row of its own).
+        self.t_eff = flops.effective_context(piece_lengths(train_seg))
+        return Splits(train_ids, train_seg, val_ids, val_seg)
+
+    def _set_up(self) -> Parts:
+        model = self._build_model()
+        warmup = self.hp.warmup_steps if self.hp.warmup_steps is not None else default_warmup_steps(self.hp.max_steps)
+        if warmup >= self.hp.max_steps:
+            raise TrainingError(f"warmup_steps={warmup} leaves no timed step with max_steps={self.hp.max_steps}")
+        optimizer, scheduler = self._optimizer(model, warmup)
+        parts = self._wrap(model, optimizer, scheduler, warmup)
+        cuda_autocast = self.dist.device.type == "cuda" and self.precision != "fp32" and parts.engine is None
+        if cuda_autocast:
+            parts.autocast = torch.autocast("cuda", dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+        parts.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        return parts
+
+    def _build_model(self) -> CausalLMWithLoss:
+        hp, dist = self.hp, self.dist
+        assert self.summary is not None
+        with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
+            lm, self.arch, self.model_name = build_model(hp, self.summary, Path(work))
+        self.params_total = sum(p.numel() for p in lm.parameters())
+        if hp.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.optimizations.append("gradient_checkpointing")
+        loss_kind = "plain"
+        if hp.fused_cross_entropy:
+            from packing import liger_available
+
+            liger = dist.device.type == "cuda" and hp.deepspeed_stage != 3 and liger_available()
+            loss_kind = "liger" if liger else "chunked"
+            self.optimizations.append("liger_cross_entropy" if liger else "chunked_cross_entropy")
+        model = CausalLMWithLoss(lm, loss=loss_kind).to(dist.device)
+        if hp.torch_compile:
+            model.compile()
+            self.optimizations.append("torch_compile")
+        return model
+
+    def _optimizer(self, model: CausalLMWithLoss, warmup: int) -> tuple[Any, Any]:
+        hp, cuda = self.hp, self.dist.device.type == "cuda"
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        adam_kwargs: dict[str, Any] = {"lr": hp.learning_rate, "betas": (0.9, 0.95), "eps": 1e-8}
+        if hp.fused_adamw:
+            adam_kwargs["fused" if cuda else "foreach"] = True
+            self.optimizations.append("fused_adamw" if cuda else "foreach_adamw")
+        else:
+            adam_kwargs["foreach"] = False
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            **adam_kwargs,
+        )
+        lr_warmup = max(1, warmup)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / lr_warmup))
+        return optimizer, scheduler
+
+    def _wrap(self, model: CausalLMWithLoss, optimizer: Any, scheduler: Any, warmup: int) -> Parts:
+        """DeepSpeed's engine (it owns optimizer and scheduler), DDP across ranks, or the model itself."""
+        hp, dist = self.hp, self.dist
+        if hp.deepspeed_stage:
+            import deepspeed
+
+            if dist.device.type == "cpu":
+                deepspeed_collectives_through_torch()
+            assert self.arch is not None
+            self.optimizations.append(f"deepspeed_zero{hp.deepspeed_stage}")
+            ds_config = deepspeed_config(hp, self.precision, dist.world_size, self.arch.hidden_size)
+            engine, optimizer, _, scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            )
+            return Parts(model, engine, optimizer, scheduler, warmup, engine=engine)
+        wrapped: Any = model
+        if dist.world_size > 1:
+            wrapped = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None
+            )
+        scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        return Parts(model, wrapped, optimizer, scheduler, warmup, scaler=scaler)
+
+    def _loader(self, data: Splits, first_step: int) -> torch.utils.data.DataLoader[Any]:
+        hp = self.hp
+        pinned = hp.pin_memory and self.dist.device.type == "cuda"
+        if pinned:  # with pageable memory a non_blocking host-to-device copy is synchronous
+            self.optimizations.append("pinned_memory")
+        return torch.utils.data.DataLoader(
+            Blocks(data.train_ids, data.train_seg),
+            batch_sampler=StepBatches(len(data.train_ids), hp, self.dist, first_step),
+            num_workers=hp.dataloader_num_workers,
+            collate_fn=collate,
+            pin_memory=pinned,
+            persistent_workers=False,
+        )
+
+    # ------------------------------------------------------------ the timed step loop
+
+    def _train(self, parts: Parts, data: Splits, stats: StepStats, batches: Iterator[Any], ckpt_root: Path) -> str:
+        """Steps from the one after the resumed step to max_steps (or steady state); returns why it stopped."""
+        hp = self.hp
+        watch = Stopwatch(self.dist.synchronize)
+        exit_after = int(os.environ.get("GPUSCOUT_EXIT_AFTER_STEP", "0"))
+        parts.model.train()
+        first_step = self.progress.step + 1
+        for steps_here, step in enumerate(range(first_step, hp.max_steps + 1), start=1):
+            t0 = watch.now()
+            work = self._micro_batches(parts, batches)
+            work.grad_norm = self._optimizer_step(parts)
+            seconds = watch.now() - t0
+            self._record_step(step, work, stats, parts, seconds=seconds, timed=not stats.is_warmup(steps_here))
+            if hp.eval_interval and step % hp.eval_interval == 0 and step < hp.max_steps:
+                self._validate(parts, data)
+            if hp.checkpoint_interval and step % hp.checkpoint_interval == 0:
+                self._save(ckpt_root, parts)
+            if exit_after and step == exit_after:
+                self.log(f"GPUSCOUT_EXIT_AFTER_STEP={exit_after}: exiting hard (interruption test)")
+                sys.stdout.flush()
+                os._exit(3)
+            reason = self._steady_state(stats)
+            if reason:
+                return reason
+        return "max_steps reached"
+
+    def _micro_batches(self, parts: Parts, batches: Iterator[Any]) -> StepWork:
+        """Forward and backward of the step's micro-batches (DeepSpeed steps its optimizer inside)."""
+        hp, dist = self.hp, self.dist
+        work = StepWork(loss_sum=torch.zeros((), device=dist.device))
+        for micro in range(hp.gradient_accumulation_steps):
+            tw = time.perf_counter()
+            ids, seg = next(batches)
+            work.wait += time.perf_counter() - tw
+            n_tok, _ = token_counts(seg, hp.packing)
+            work.tokens, work.samples = work.tokens + n_tok, work.samples + len(ids)
+            ids = ids.to(dist.device, non_blocking=True)
+            seg = seg.to(dist.device, non_blocking=True)
+            inputs = make_inputs(
+                ids, seg, packing=hp.packing, attention=hp.attention_implementation, dtype=parts.compute_dtype
+            )
+            last = micro == hp.gradient_accumulation_steps - 1
+            no_sync = not last and parts.engine is None and dist.world_size > 1
+            with parts.wrapped.no_sync() if no_sync else nullcontext(), parts.autocast:
+                loss = parts.wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+            if parts.engine is not None:
+                parts.engine.backward(loss)
+                parts.engine.step()
+            else:
+                scaled = loss / hp.gradient_accumulation_steps
+                (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
+            work.loss_sum += loss.detach()
+        return work
+
+    def _optimizer_step(self, parts: Parts) -> float | None:
+        """Clip, step and zero the gradients; the gradient norm (None under DeepSpeed: it clips internally)."""
+        if parts.engine is not None:
+            return None
+        optimizer, scaler = parts.optimizer, parts.scaler
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parts.model.parameters(), 1.0))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        parts.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _record_step(
+        self, step: int, work: StepWork, stats: StepStats, parts: Parts, *, seconds: float, timed: bool
+    ) -> None:
+        """Sum the step's counters over the ranks, record them and print rank 0's metric line."""
+        hp, dist = self.hp, self.dist
+        total_tokens, total_samples, total_loss = dist.all_reduce_sum(
+            [work.tokens, work.samples, float(work.loss_sum) / hp.gradient_accumulation_steps]
+        )
+        mean_loss = total_loss / dist.world_size
+        if not math.isfinite(mean_loss):
+            raise TrainingError(f"loss is {mean_loss} at step {step}; lower learning_rate or use bf16")
+        stats.add(
+            StepRecord(
+                step=step,
+                seconds=seconds,
+                tokens=int(total_tokens),
+                samples=int(total_samples),
+                dataloader_wait_s=work.wait,
+                loss=mean_loss,
+                timed=timed,
+            )
+        )
+        prog = self.progress
+        prog.step, prog.records = step, stats.records
+        prog.tokens += int(total_tokens)
+        prog.train_time_s += seconds
+        prog.train_loss.append(LossPoint(step=step, tokens=prog.tokens, elapsed_s=prog.train_time_s, loss=mean_loss))
+        if dist.is_main:
+            mem = torch.cuda.max_memory_allocated(dist.device) / 1e9 if dist.device.type == "cuda" else None
+            metrics = {
+                "step": step,
+                "loss": mean_loss,
+                "tokens_per_s": total_tokens / seconds,
+                "samples_per_s": total_samples / seconds,
+                "step_time_s": seconds,
+                "lr": float(parts.scheduler.get_last_lr()[0]),
+                "grad_norm": work.grad_norm,  # None under DeepSpeed (it clips internally)
+                "gpu_mem_gb": mem,
+            }
+            timed_records = [r for r in stats.timed if r.seconds > 0]
+            if hp.price_per_hour_usd and timed and len(timed_records) >= hp.objective_min_timed_steps:
+                rate = sum(r.tokens for r in timed_records) / sum(r.seconds for r in timed_records)
+                metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, rate)
+            print(format_metric_line(metrics), flush=True)
+            self.tracker.log_step(step, {**metrics, "gpu_util_pct": self.sampler.recent_utilization()})
+
+    def _steady_state(self, stats: StepStats) -> str | None:
+        """Why to stop now under stop_rule=steady_state (every rank follows rank 0's decision), else None."""
+        hp, dist = self.hp, self.dist
+        if hp.stop_rule != "steady_state":
+            return None
+        done, reason = stats.steady_state_reached(ci_tolerance=hp.ci_tolerance, min_timed_steps=hp.min_timed_steps)
+        if dist.world_size > 1:  # every rank stops on rank 0's decision
+            flag = torch.tensor([1.0 if done else 0.0], device=dist.device)
+            torch.distributed.broadcast(flag, 0)
+            done = bool(flag.item())
+        return (reason or "throughput steady on rank 0") if done else None
+
+    # ------------------------------------------------------------ the result
+
+    def _efficiency(self, tokens_per_s: float) -> Efficiency:
+        hp, dist = self.hp, self.dist
+        assert self.arch is not None
+        flops_per_token = flops.model_flops_per_token(self.arch, self.t_eff)
+        hw_flops = flops.hardware_flops_per_token(self.arch, self.t_eff, activation_recompute=hp.gradient_checkpointing)
+        peak = self.hardware.peak_tflops_per_gpu
+        gpus = dist.world_size if dist.device.type == "cuda" else 0
+        if gpus and peak:
+            mfu: float | None = flops.mfu(tokens_per_s, flops_per_token, gpus, peak)
+            hfu: float | None = flops.mfu(tokens_per_s, hw_flops, gpus, peak)
+            note = None
+        else:
+            mfu = hfu = None
+            note = CPU_NOTE if dist.device.type != "cuda" else f"no dense peak known for {self.hardware.gpu_name}"
+        return Efficiency(
+            flops_per_token=flops_per_token,
+            hardware_flops_per_token=hw_flops,
+            t_eff=self.t_eff,
+            mfu=mfu,
+            hfu=hfu,
+            note=note,
+        )
+
+    def _result(self, stats: StepStats, warmup: int, startup_s: float, stop_reason: str) -> BenchmarkResult:
+        hp = self.hp
+        s = stats.summary()
+        tokens_per_s = float(s["tokens_per_s"])
+        gpus = self.dist.world_size if self.dist.device.type == "cuda" else 0
+        efficiency = self._efficiency(tokens_per_s)
+        progress = self.progress
+        result = BenchmarkResult(
+            status="completed",
+            job_name=hp.job_name,
+            run_id=hp.run_id or None,
+            instance_type=hp.instance_type,
+            hardware=self.hardware,
+            software=self.software,
+            config=self.train_config(),
+            dataset=self.dataset_info(),
+            timing=Timing(
+                warmup_steps=warmup,
+                timed_steps=int(s["timed_steps"]),
+                total_steps=progress.step,
+                step_time_mean_s=s["step_time_mean_s"],
+                step_time_p50_s=s["step_time_p50_s"],
+                step_time_p90_s=s["step_time_p90_s"],
+                wall_time_s=time.perf_counter() - self.started,
+                train_time_s=s["train_time_s"],
+                dataloader_wait_fraction=s["dataloader_wait_fraction"],
+                startup_time_s=startup_s,
+            ),
+            throughput=Throughput(
+                tokens_per_s=tokens_per_s,
+                tokens_per_s_ci95=s["tokens_per_s_ci95"],
+                tokens_per_s_per_gpu=tokens_per_s / gpus if gpus else None,
+                samples_per_s=s["samples_per_s"],
+                tokens_timed=int(s["tokens_timed"]),
+            ),
+            efficiency=efficiency,
+            memory=self.memory(),
+            loss=Loss(
+                train=progress.train_loss,
+                validation=progress.validation_loss,
+                final_train_loss=progress.train_loss[-1].loss if progress.train_loss else None,
+                final_validation_loss=progress.validation_loss[-1].loss if progress.validation_loss else None,
+            ),
+            stop=StopInfo(
+                rule=hp.stop_rule, reason=stop_reason, steps=progress.step, resumed_from_step=self.resumed_from
+            ),
+        )
+        if self.dist.is_main:
+            summary = {
+                "tokens_per_s": tokens_per_s,
+                "mfu": efficiency.mfu,
+                "hfu": efficiency.hfu,
+                "step_time_p50_s": s["step_time_p50_s"],
+                "step_time_p90_s": s["step_time_p90_s"],
+                "peak_gpu_mem_gb": result.memory.peak_allocated_gb,
+                "final_loss": result.loss.final_train_loss if result.loss else None,
+                "final_val_loss": result.loss.final_validation_loss if result.loss else None,
+            }
+            print(format_metric_line(summary, summary=True), flush=True)
+        return result
+
+    # ------------------------------------------------------------ validation and checkpoints
+
+    def _validate(self, parts: Parts, data: Splits) -> None:
+        hp, dist = self.hp, self.dist
+        wrapped, ids, seg = parts.wrapped, data.val_ids, data.val_seg
+        if hp.validation_batches == 0 or len(ids) == 0:
+            return
+        b = hp.per_device_train_batch_size
+        loss_sum, target_sum = 0.0, 0
+        wrapped.eval()
+        with torch.no_grad():
+            # Every rank runs the same number of forwards (DDP broadcasts buffers and ZeRO-3 gathers parameters in
+            # each forward: a rank that stops early leaves the others waiting for ever); a rank without a real
+            # batch of its own runs the split's first blocks and counts nothing.
+            for start in validation_starts(len(ids), b, dist.world_size, dist.rank, hp.validation_batches):
+                real = start is not None
+                lo = start if start is not None else 0
+                ids_b = torch.from_numpy(ids[lo : lo + b])
+                seg_b = torch.from_numpy(seg[lo : lo + b])
+                _, targets = token_counts(seg_b, hp.packing)
+                inputs = make_inputs(
+                    ids_b.to(dist.device), seg_b.to(dist.device), packing=hp.packing,
+                    attention=hp.attention_implementation, dtype=parts.compute_dtype,
+                )  # fmt: skip
+                with parts.autocast:
+                    loss = wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+                if real and targets > 0:
+                    loss_sum += float(loss) * targets
+                    target_sum += targets
+        wrapped.train()
+        total_loss, total_targets = self.dist.all_reduce_sum([loss_sum, float(target_sum)])
+        if total_targets:
+            value = total_loss / total_targets
+            p = self.progress
+            p.validation_loss.append(LossPoint(step=p.step, tokens=p.tokens, elapsed_s=p.train_time_s, loss=value))
+            if dist.is_main:
+                print(format_metric_line({"step": p.step, "val_loss": value}), flush=True)
+                self.tracker.log_step(p.step, {"val_loss": value})
+
+    def _checkpointer(self, root: Path) -> Checkpointer:
+        return Checkpointer(root, self.dist, self.hp.checkpoint_keep, self.log)
+
+    def _save(self, root: Path, parts: Parts) -> None:
+        state: dict[str, Any] = {
+            "progress": self.progress.to_state(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "python": random.getstate(),
+            },
+        }
+        if parts.engine is None:  # under DeepSpeed its engine saves model, optimizer and scheduler (every rank)
+            state["model"] = parts.model.state_dict()
+            state["optimizer"] = parts.optimizer.state_dict()
+            state["scheduler"] = parts.scheduler.state_dict()
+            state["scaler"] = parts.scaler.state_dict() if parts.scaler else None
+        self._checkpointer(root).save(self.progress.step, state, parts.engine)
+
+    def _resume(self, root: Path, parts: Parts) -> None:
+        """Continue from the newest checkpoint under ``root`` that verifies and loads, if any."""
+        state = self._checkpointer(root).resume(lambda folder: self._load(folder, parts))
+        if state is None:
+            return
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        random.setstate(state["rng"]["python"])
+        self.progress = Progress.from_state(state["progress"])
+        self.resumed_from = self.progress.step
+
+    @staticmethod
+    def _load(folder: Path, parts: Parts) -> dict[str, Any]:
+        """Read checkpoint ``folder`` into the model, optimizer and scheduler (or the engine); state.pt's content."""
+        state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+        # a corrupt or truncated state.pt raises above, before anything changed; from here on the model changes
+        try:
+            if parts.engine is not None:
+                loaded, _ = parts.engine.load_checkpoint(str(folder.parent / DEEPSPEED), tag=folder.name)
+                if loaded is None:  # DeepSpeed warns and returns None for a missing tag folder
+                    raise TrainingError(f"DeepSpeed found no checkpoint {folder.name} in {folder.parent / DEEPSPEED}")
+            else:
+                parts.model.load_state_dict(state["model"])
+                parts.optimizer.load_state_dict(state["optimizer"])
+                parts.scheduler.load_state_dict(state["scheduler"])
+                if parts.scaler is not None and state.get("scaler"):
+                    parts.scaler.load_state_dict(state["scaler"])
+        except Exception as err:
+            raise PartlyLoadedError(f"{type(err).__name__}: {err}") from err
+        return state
