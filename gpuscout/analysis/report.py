@@ -17,7 +17,7 @@ from matplotlib.ticker import FuncFormatter
 
 from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.errors import GpuscoutError
-from gpuscout.plan.planner import rate_text
+from gpuscout.plan.job_section import rate_text
 
 MAX_BARS = 40
 MAX_CURVES = 10

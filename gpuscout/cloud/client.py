@@ -7,7 +7,7 @@ that says what to do.
 
 ``submit`` validates the manifest locally first (a bad manifest never leaves the machine), uploads it to
 ``s3://<data bucket>/manifests/<name>.yaml`` (the S3 event starts the state machine) and computes the run id exactly
-as the control plane does (``planner.make_run_id`` of the manifest name, key and ETag). A manifest with a job section
+as the control plane does (``plan.jobs.make_run_id`` of the manifest name, key and ETag). A manifest with a job section
 (the user's own code) has its ``source_dir`` uploaded first and is submitted pointing at it (gpuscout.cloud.job_code).
 """
 
@@ -46,7 +46,8 @@ from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
-from gpuscout.plan.planner import make_run_id, plan
+from gpuscout.plan.jobs import make_run_id
+from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
 from gpuscout.store.dynamodb import DynamoDbStore
 

@@ -3,7 +3,7 @@
 Each function is what one Lambda handler calls; inputs and outputs are the state machine's JSON
 (docs/internals.md, "Cloud contract"). AWS clients and the store are passed in, so tests run them against moto.
 
-Idempotency: the run id is deterministic from the manifest object (key + ETag, ``planner.make_run_id``). A second
+Idempotency: the run id is deterministic from the manifest object (key + ETag, ``plan.jobs.make_run_id``). A second
 delivery of the same object reaches ``plan_jobs``, finds the run already planned and raises PlanRefused without
 launching anything or touching the first run's rows. A run that ended FAILED or REFUSED may be tried again: the same
 object uploaded again is planned as ``<run_id>-r2`` (then ``-r3``, ...), a new run with its own rows and job names
@@ -59,7 +59,8 @@ from gpuscout.errors import (
     RunNotFoundError,
 )
 from gpuscout.plan.canary import plan_cloud_canaries
-from gpuscout.plan.planner import Plan, make_run_id, plan
+from gpuscout.plan.jobs import Plan, make_run_id
+from gpuscout.plan.planner import plan
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JobRecord,

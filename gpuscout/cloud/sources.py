@@ -257,7 +257,7 @@ def hyperparameter_problems(manifest: Manifest) -> list[Problem]:
     """A job section's arguments as SageMaker HyperParameters: each variant's (and the canary's) merged arguments
     within CreateTrainingJob's 100 entries, every value within 2,500 characters. The built-in job's own
     hyperparameters are gpuscout's (about 30, short)."""
-    from gpuscout.plan.planner import argument_text  # the text each value is sent as (lazy: the planner is heavy)
+    from gpuscout.plan.job_section import argument_text  # the text each value is sent as (lazy: the planner is heavy)
 
     job = manifest.job
     if job is None:

@@ -41,6 +41,8 @@ from gpuscout.store.base import (
 )
 
 SMALL_CORPUS_DOCUMENTS = 2000
+# the code that makes the prepared data: a change to either prepares it again
+PREPARATION_SCRIPTS = ("data_preparation.py", "data_sources.py")
 
 # -- data preparation -----------------------------------------------------------------------------------------
 
@@ -55,7 +57,7 @@ def data_cache_key(manifest: Any) -> str:
     source = dataset.source
     if dataset.kind == "local":
         source = str(Path(source).expanduser().resolve())
-    script = paths.TRAINING_DIR / "data_preparation.py"
+    scripts = [paths.TRAINING_DIR / name for name in PREPARATION_SCRIPTS]
     key = {
         "source": source,
         "format": dataset.format,
@@ -67,7 +69,7 @@ def data_cache_key(manifest: Any) -> str:
         "tokenizer_path": tokenizer.path,
         "vocab_size": tokenizer.resolved_vocab_size,
         "sequence_length": manifest.sequence_length,
-        "script_sha256": _file_sha256(script) if script.is_file() else None,
+        "script_sha256": [_file_sha256(script) if script.is_file() else None for script in scripts],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -34,7 +34,8 @@ def plan_manifest(
     """
     from gpuscout.domain.catalog import detect_local_hardware
     from gpuscout.domain.manifest_loader import load_manifest
-    from gpuscout.plan.planner import make_run_id, plan
+    from gpuscout.plan.jobs import make_run_id
+    from gpuscout.plan.planner import plan
 
     catalog = catalog or load_catalog()
     manifest = load_manifest(manifest_path, catalog=catalog)
@@ -89,13 +90,14 @@ def calibrate_job(
 ) -> dict[str, Any]:
     """A job section without job.estimate: each variant's script runs CALIBRATION_WARMUP_STEPS +
     CALIBRATION_TIMED_STEPS steps on this machine (stopped by the gpuscout_report helper, a temporary folder), and
-    its measured rate and step time become the plan's prediction (planner.Calibration). A variant whose calibration
-    fails is a PlanError with the reason: nothing is planned or timed."""
+    its measured rate and step time become the plan's prediction (plan.job_section.Calibration). A variant whose
+    calibration fails is a PlanError with the reason: nothing is planned or timed."""
     import tempfile
 
     from gpuscout.domain.manifest_training import JobEstimate
     from gpuscout.errors import PlanError
-    from gpuscout.plan.planner import Calibration, plan
+    from gpuscout.plan.job_section import Calibration
+    from gpuscout.plan.planner import plan
 
     job = manifest.job
     provisional = manifest.model_copy(update={"job": job.model_copy(update={"estimate": JobEstimate(units_per_s=1.0)})})

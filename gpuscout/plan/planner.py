@@ -20,30 +20,35 @@ Prediction (docs/manifest.md "How the planner predicts"):
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import re
-import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from gpuscout.domain.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
 from gpuscout.domain.flops import hardware_flops_per_token, model_flops_per_token
-from gpuscout.domain.jobspec import JOB_NAME_RE, JobCode, JobSpec, Prediction
+from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant
 from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
-from gpuscout.errors import BudgetExceededError, PlanError
+from gpuscout.errors import PlanError
 from gpuscout.plan import memory, search
+from gpuscout.plan.job_section import Calibration, plan_job_section
+from gpuscout.plan.jobs import (
+    CLOUD_OVERHEAD_S,
+    LOCAL_OVERHEAD_S,
+    MAX_RUNTIME_S,
+    MIN_RUNTIME_S,
+    RUNTIME_MARGIN_S,
+    RUNTIME_SAFETY_FACTOR,
+    Plan,
+    hyperparameters,
+    repeated_specs,
+)
 from gpuscout.plan.memory import StepSettings
-from gpuscout.plan.search import SearchPlan
 
 # Assumed model-FLOPs utilization per GPU SKU for fine-tuning a decoder with HF Trainer + SDPA, no custom kernels.
 # A100: ~40 % is what well-tuned Megatron/DeepSpeed runs report at 7B scale (e.g. the BLOOM and OPT logs ~35-50 %);
@@ -60,114 +65,8 @@ ASSUMED_MFU: dict[str, float] = {
 ZERO3_FACTOR = 0.90  # parameter all-gathers per layer, partly overlapped
 MULTI_NODE_FACTOR = 0.90  # gradient/parameter traffic over EFA instead of NVLink only
 MEASURED_EFFICIENCY = 0.30  # share of a bare matmul's FLOPS a training step reaches on CPU / unknown GPU
-CLOUD_OVERHEAD_S = 360.0
-LOCAL_OVERHEAD_S = 0.0
-RUNTIME_SAFETY_FACTOR = 3.0
-RUNTIME_MARGIN_S = 600
-MIN_RUNTIME_S = 1800
-MAX_RUNTIME_S = 5 * 24 * 3600
 MEMORY_USABLE_FRACTION = 0.90
 DEEPSPEED_CONFIGS = {2: "zero2.json", 3: "zero3.json"}
-
-
-class Plan(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str
-    manifest_name: str
-    budget_usd: float
-    jobs: list[JobSpec]
-    search: SearchPlan | None = None  # a settings search: jobs are its candidates, launched as trials
-
-    @property
-    def predicted_cost_usd(self) -> float:
-        """Every job's predicted cost; for a search, what its trials can cost at most: each target's
-        ``max_trials`` costliest candidates run in full, capped by the search's spend cap."""
-        if self.search is None:
-            return sum(j.prediction.cost_usd for j in self.jobs)
-        total = 0.0
-        for target in self.search.targets:
-            costs = sorted((j.prediction.cost_usd for j in self.jobs if j.target_index == target.target_index),
-                           reverse=True)  # fmt: skip
-            total += sum(costs[: target.max_trials])
-        return min(total, self.search.max_cost_usd)
-
-    @property
-    def predicted_seconds(self) -> float:
-        """Longest single job (jobs run in parallel in the cloud)."""
-        return max((j.prediction.training_seconds + j.prediction.overhead_seconds for j in self.jobs), default=0.0)
-
-    def check_budget(self) -> None:
-        if self.predicted_cost_usd > self.budget_usd:
-            raise BudgetExceededError(self.predicted_cost_usd, self.budget_usd)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", text.lower())).strip("-")
-
-
-def make_run_id(name: str, *, key: str | None = None, etag: str | None = None) -> str:
-    """Run id: ``<name>-<hash of key+etag>`` when given (the same S3 object twice -> the same id, so a re-delivered
-    event does not start a second run), else ``<name>-<UTC yyyymmdd-hhmmss>-<random>``. Lowercase letters, digits
-    and hyphens, at most 48 characters, so it fits in SageMaker names and tags."""
-    base = _slug(name)[:24].strip("-") or "run"
-    if key is not None or etag is not None:
-        digest = hashlib.sha256(f"{key or ''}\x00{etag or ''}".encode()).hexdigest()[:12]
-        return f"{base}-{digest}"
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return f"{base}-{stamp}-{secrets.token_hex(3)}"
-
-
-def _same_arguments(arguments: dict[str, str], *, job_name: str) -> dict[str, str]:
-    """A user's job passes the same arguments under every job name."""
-    return dict(arguments)
-
-
-def repeated_specs(
-    manifest: Manifest,
-    run_id: str,
-    *,
-    ti: int,
-    target: Target,
-    vi: int,
-    variant: Variant,
-    hyperparameters_for: Callable[..., dict[str, str]],
-    **fields: Any,
-) -> list[JobSpec]:
-    """One JobSpec per repetition of a target x variant: names, indices, the target's instance fields and the
-    manifest's tracking here, the rest (prices, precision, runtime, prediction, ...) in ``fields``;
-    ``hyperparameters_for(job_name=...)``."""
-    specs = []
-    for rep in range(manifest.repetitions):
-        name = job_name(run_id, target_index=ti, target=target, variant_index=vi, variant=variant, rep=rep)
-        specs.append(
-            JobSpec(
-                job_name=name,
-                run_id=run_id,
-                target_index=ti,
-                variant_name=variant.name,
-                repetition=rep,
-                instance_type=target.instance_type,
-                instance_count=target.instance_count,
-                spot=target.spot,
-                hyperparameters=hyperparameters_for(job_name=name),
-                tracking=manifest.resolved_tracking(),
-                **fields,
-            )
-        )
-    return specs
-
-
-def job_name(run_id: str, *, target_index: int, target: Target, variant_index: int, variant: Variant, rep: int) -> str:
-    """``gs-<run hash>-t<i>v<j>r<k>-<instance>-<variant>``, at most 63 characters. The head is unique by
-    construction; the descriptive tail is cut to fit."""
-    run_hash = hashlib.sha256(run_id.encode()).hexdigest()[:6]
-    head = f"gs-{run_hash}-t{target_index}v{variant_index}r{rep}"
-    tail = f"{_slug(target.instance_type.removeprefix('ml.'))}-{_slug(variant.name)}"
-    name = f"{head}-{tail}"[:63].rstrip("-")
-    if not JOB_NAME_RE.match(name):  # cannot happen with slugs; guards the contract
-        raise PlanError(f"could not form a valid SageMaker job name from {name!r}")
-    return name
 
 
 @functools.cache
@@ -520,229 +419,3 @@ def plan(
         run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs,
         search=search_plan,
     )  # fmt: skip
-
-
-def _flag(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def hyperparameters(
-    manifest: Manifest,
-    *,
-    run_id: str,
-    job_name: str,
-    instance_type: str,
-    variant: Variant,
-    batch: int,
-    accum: int,
-    max_steps: int,
-    precision: str,
-) -> dict[str, str]:
-    """train.py's hyperparameters (docs/internals.md), all strings; warmup_steps omitted for auto."""
-    t = manifest.training
-    model, _, sequence_length = manifest.builtin()
-    hp: dict[str, str] = {"run_id": run_id, "job_name": job_name, "instance_type": instance_type}
-    if model.preset:
-        hp["model_preset"] = model.preset
-    else:
-        hp["model_name_or_path"] = model.hf_id or model.path or ""
-    hp.update(
-        {
-            "sequence_length": str(sequence_length),
-            "per_device_train_batch_size": str(batch),
-            "gradient_accumulation_steps": str(accum),
-            "max_steps": str(max_steps),
-            "learning_rate": repr(t.learning_rate),
-            "weight_decay": repr(t.weight_decay),
-            "seed": str(t.seed),
-            "precision": precision,
-            "packing": _flag(variant.packing),
-            "attention_implementation": variant.attention,
-            "gradient_checkpointing": _flag(variant.gradient_checkpointing),
-            "torch_compile": _flag(variant.torch_compile),
-            "dataloader_num_workers": str(variant.dataloader_workers),
-            "deepspeed_stage": str(variant.deepspeed_stage),
-            "fused_cross_entropy": _flag(variant.fused_cross_entropy),
-            "fused_adamw": _flag(variant.fused_adamw),
-            "stop_rule": t.stop_rule.kind,
-            "ci_tolerance": repr(t.stop_rule.ci_tolerance),
-            "min_timed_steps": str(t.stop_rule.min_timed_steps),
-            "eval_interval": str(t.eval_interval),
-            "checkpoint_interval": str(t.checkpoint_interval),
-            "checkpoint_keep": str(t.checkpoint_keep),
-            "validation_batches": str(t.validation_batches),
-        }
-    )
-    if t.warmup_steps is not None:
-        hp["warmup_steps"] = str(t.warmup_steps)
-    return hp
-
-
-# -- a job section: the user's own code ---------------------------------------------------------------------------
-
-
-def argument_text(value: object) -> str:
-    if isinstance(value, bool):
-        return _flag(value)
-    return repr(value) if isinstance(value, float) else str(value)
-
-
-def job_section_environment(manifest: Manifest, *, max_steps: int) -> dict[str, str]:
-    """What the gpuscout_report helper reads (training/gpuscout_report.py): the unit, warm-up and stop rule."""
-    t = manifest.training
-    assert manifest.job is not None
-    env = {
-        "GPUSCOUT_UNIT": manifest.job.unit,
-        "GPUSCOUT_MAX_STEPS": str(max_steps),
-        "GPUSCOUT_STOP_RULE": t.stop_rule.kind,
-        "GPUSCOUT_CI_TOLERANCE": repr(t.stop_rule.ci_tolerance),
-        "GPUSCOUT_MIN_TIMED_STEPS": str(t.stop_rule.min_timed_steps),
-    }
-    if t.warmup_steps is not None:
-        env["GPUSCOUT_WARMUP_STEPS"] = str(t.warmup_steps)
-    if manifest.job.items_per_sample is not None:
-        env["GPUSCOUT_ITEMS_PER_SAMPLE"] = repr(manifest.job.items_per_sample)
-    return env
-
-
-def _job_target_devices(
-    target: Target, inst: InstanceType, local_hardware: LocalHardware | None, *, single: bool
-) -> tuple[int, int, LocalHardware | None]:
-    """(GPUs per instance, devices the job uses in all, the local hardware) of a target. ``single``: one process
-    per host (job.distribution), which uses one device of each host."""
-    if inst.is_local:
-        hw = local_hardware or detect_local_hardware()
-        gpus = hw.gpu_count if hw.device == "cuda" else 0
-        return gpus, 1 if single else max(gpus, 1), hw
-    per_host = 1 if single else max(inst.gpu_count, 1)
-    return inst.gpu_count, per_host * target.instance_count, local_hardware
-
-
-def rate_text(value: float) -> str:
-    """20,000 / 412 / 3.75: whole numbers with separators from 100 up, three significant digits below."""
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """A short run of one variant of the user's code on this machine (gpuscout.local.runner.calibrate_job)."""
-
-    rate: float  # work units per second (the job's unit), the whole job
-    step_seconds: float  # mean timed optimizer step
-    timed_steps: int
-
-
-def _calibrated_prediction(
-    where: str, variant: Variant, calibration: Mapping[str, Calibration] | None, *, unit: str, max_steps: int
-) -> tuple[float, float, str]:
-    """(rate, training seconds, method) of a local target without job.estimate, from its variant's calibration."""
-    measured = (calibration or {}).get(variant.name)
-    if measured is None:
-        raise PlanError(
-            f"{where}, variant {variant.name!r}: no job.estimate and no calibration run; `gpuscout local` and "
-            "`gpuscout plan` calibrate a local target by running a few steps first"
-        )
-    method = (
-        f"calibrated: {rate_text(measured.rate)} {unit}/s, {measured.step_seconds:.3g} s/step measured over "
-        f"{measured.timed_steps} timed steps of this variant on this machine"
-    )
-    return measured.rate, max_steps * measured.step_seconds, method
-
-
-def plan_job_section(
-    manifest: Manifest,
-    catalog: Catalog,
-    *,
-    run_id: str,
-    local_hardware: LocalHardware | None = None,
-    calibration: Mapping[str, Calibration] | None = None,
-) -> Plan:
-    """A job section's JobSpecs. There is no FLOPs model for the user's code, so the prediction is the user's own
-    estimate (job.estimate: units/s per device, per instance type when given) x devices, or, with no estimate, a
-    calibration: a few steps of each variant measured on this machine (local targets only); the method says which."""
-    job = manifest.job
-    assert job is not None
-    max_steps = manifest.training.max_steps or 0
-    estimate = job.estimate
-    env = job_section_environment(manifest, max_steps=max_steps)
-    jobs: list[JobSpec] = []
-    for ti, target in enumerate(manifest.targets):
-        inst = catalog.get(target.instance_type)
-        gpus, devices, local_hardware = _job_target_devices(
-            target, inst, local_hardware, single=job.distribution == "single"
-        )
-        precision = manifest.resolved_precision(target, catalog, local_hardware if inst.is_local else None)
-        price = target.price_per_hour_usd or inst.on_demand_usd_per_hour
-        if price is None:
-            raise PlanError(f"targets[{ti}] {target.instance_type}: no price; set price_per_hour_usd")
-        spot_price = target.spot_price_per_hour_usd if target.spot else None
-        billed_price = spot_price if spot_price is not None else price
-        where = f"targets[{ti}] {target.instance_type}"
-        if estimate is None and not inst.is_local:
-            raise PlanError(
-                f"{where}: job.estimate is required for a cloud target: there is no FLOPs model for your code and "
-                "gpuscout cannot measure an instance before launching it; state units_per_s per GPU (`gpuscout "
-                "local` on a machine with that GPU measures it)"
-            )
-        overhead_s = CLOUD_OVERHEAD_S
-        if inst.is_local:
-            hw = local_hardware
-            overhead_s = hw.startup_s if hw is not None and hw.startup_s is not None else LOCAL_OVERHEAD_S
-        for vi, variant in enumerate(manifest.variants):
-            if estimate is None:
-                rate, training_s, method = _calibrated_prediction(
-                    where, variant, calibration, unit=job.unit, max_steps=max_steps
-                )
-            else:
-                per_device = estimate.units_per_s_by_instance_type.get(target.instance_type, estimate.units_per_s)
-                typed = (
-                    " for this instance type" if target.instance_type in estimate.units_per_s_by_instance_type else ""
-                )
-                rate = per_device * devices
-                units_per_step = manifest.units_per_step(variant) * devices  # per device (process) x devices
-                training_s = max_steps * units_per_step / rate
-                method = (
-                    f"user's estimate (job.estimate{typed}): {rate_text(per_device)} {job.unit}/s per device x "
-                    f"{devices} device{'s' if devices != 1 else ''}; {units_per_step:g} {job.unit}/step; no FLOPs "
-                    "model for your own code"
-                )
-            cost = (training_s + overhead_s) / 3600.0 * billed_price * target.instance_count
-            runtime = int(RUNTIME_SAFETY_FACTOR * training_s + overhead_s + RUNTIME_MARGIN_S)
-            runtime = min(max(runtime, MIN_RUNTIME_S), MAX_RUNTIME_S)
-            if job.unit == "samples":
-                tokens_rate = rate * job.items_per_sample if job.items_per_sample else None
-                rates: dict[str, float | None] = {"samples_per_s": rate, "tokens_per_s": tokens_rate}
-            else:
-                rates = {"tokens_per_s": rate}
-            args = {**job.arguments, **variant.hyperparameters}
-            arguments = {k: argument_text(v) for k, v in args.items()}
-            jobs += repeated_specs(
-                manifest, run_id, ti=ti, target=target, vi=vi, variant=variant,
-                hyperparameters_for=partial(_same_arguments, arguments),
-                gpus_per_instance=gpus,
-                price_per_hour_usd=price,
-                spot_price_per_hour_usd=spot_price,
-                precision=precision,
-                max_runtime_seconds=runtime,
-                prediction=Prediction(
-                    **rates,
-                    unit=job.unit,
-                    mfu_assumed=None,
-                    training_seconds=training_s,
-                    overhead_seconds=overhead_s,
-                    cost_usd=cost,
-                    method=method,
-                ),
-                job_code=JobCode(
-                    source_dir=job.source_dir,
-                    entry_point=job.entry_point,
-                    requirements=job.requirements,
-                    unit=job.unit,
-                    items_per_sample=job.items_per_sample,
-                    distribution=job.distribution,
-                    canary_arguments={k: argument_text(v) for k, v in job.canary_arguments.items()},
-                    environment=env,
-                ),
-            )  # fmt: skip
-    jobs.sort(key=lambda j: j.repetition)
-    return Plan(run_id=run_id, manifest_name=manifest.name, budget_usd=manifest.constraints.budget_usd, jobs=jobs)

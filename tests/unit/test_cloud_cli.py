@@ -35,7 +35,7 @@ from gpuscout.cloud.sources import source_problems
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.paths import MANIFESTS_DIR, REPO_DIR
-from gpuscout.plan.planner import make_run_id
+from gpuscout.plan.jobs import make_run_id
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 

@@ -45,21 +45,21 @@ def test_the_image_pins_what_the_tests_run() -> None:
 
 
 def test_every_bundled_corpus_package_is_in_the_image_and_here() -> None:
-    import data_preparation as dp
+    import data_sources
 
     from gpuscout.domain.manifest_training import BUNDLED_SOURCES
 
-    assert set(dp.BUNDLED_PACKAGES) == set(BUNDLED_SOURCES)
-    for source, package in dp.BUNDLED_PACKAGES.items():
+    assert set(data_sources.BUNDLED_PACKAGES) == set(BUNDLED_SOURCES)
+    for source, package in data_sources.BUNDLED_PACKAGES.items():
         assert package in IMAGE, f"{source} needs {package}, which the training image does not install"
         assert package in RUNTIME, f"{source} needs {package}, which `gpuscout local` does not install"
 
 
 @pytest.mark.parametrize("source", ["bundled:hebrew-bible", "bundled:hebrew-chatterbot"])
 def test_every_bundled_corpus_reads_with_the_pinned_packages(source: str) -> None:
-    import data_preparation as dp
+    import data_sources
 
-    documents = list(dp._bundled_documents(source))
+    documents = list(data_sources._bundled_documents(source))
     assert len(documents) > 10 and all(isinstance(d, str) and d.strip() for d in documents[:10])
     assert any("\u05d0" <= ch <= "\u05ea" for ch in documents[0]), "not Hebrew text"
 

@@ -189,3 +189,19 @@ def test_training_scripts_import_only_what_the_image_can_load(script: str) -> No
         if layer(name) not in {"base", "domain"} and name not in allowed
     ]
     assert not wrong, f"training/{script} imports beyond gpuscout.domain and the base modules: " + "; ".join(wrong)
+
+
+LONGEST_FILE_LINES = 700
+
+
+def test_no_file_is_longer_than_a_newcomer_can_read_in_one_sitting() -> None:
+    """One room per stage: a module over LONGEST_FILE_LINES lines is split where its stages part (as the local runner,
+    train.py and the manifest were), unless its opening docstring says why it must be one piece ("one piece")."""
+    long = []
+    for folder in ("gpuscout", "training", "stacks", "lambdas"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            lines = text.count("\n")
+            if lines > LONGEST_FILE_LINES and "one piece" not in (ast.get_docstring(ast.parse(text)) or ""):
+                long.append(f"{path.relative_to(REPO)}: {lines} lines")
+    assert not long, long

@@ -9,7 +9,8 @@ from gpuscout.domain.jobspec import JOB_NAME_RE
 from gpuscout.domain.manifest_loader import load_manifest, validate_manifest_data
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.paths import MANIFESTS_DIR
-from gpuscout.plan.planner import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id, plan
+from gpuscout.plan.jobs import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id
+from gpuscout.plan.planner import plan
 
 CATALOG = load_catalog()
 CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)

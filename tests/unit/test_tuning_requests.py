@@ -30,7 +30,8 @@ from gpuscout.domain.metric_lines import (
     format_metric_line,
     usd_per_million_tokens,
 )
-from gpuscout.plan.planner import Plan, plan
+from gpuscout.plan.jobs import Plan
+from gpuscout.plan.planner import plan
 from tests.unit.test_sagemaker_requests import SAGEMAKER, _assert_valid, _check_constraints
 
 SETTINGS = RequestSettings(
