@@ -5,8 +5,8 @@ Runs as a SageMaker Processing job (raw data in /opt/ml/processing/input/raw, re
 process (``prepare(PrepareConfig(...))``). Identical input and arguments give byte-identical output.
 
 Pipeline: read documents (jsonl / json / txt / parquet from a folder, a file, an S3 prefix, or a bundled corpus:
-data_sources.py) -> NFC-normalize, drop empty / too short / exact duplicates -> deterministic train/validation split by a hash of
-the text -> tokenize (several processes), append EOS per document -> concatenate and cut into blocks of
+data_sources.py) -> NFC-normalize, drop empty / too short / exact duplicates -> deterministic train/validation split
+by a hash of the text -> tokenize (several processes), append EOS per document -> concatenate and cut into blocks of
 ``sequence_length`` tokens, keeping a segment id per token (1, 2, ... per document piece in a block, 0 = padding)
 so training can mask attention across documents -> shards of .npy files.
 """
