@@ -1,7 +1,7 @@
 """train.py's data pipeline: the prepared blocks as a dataset, the sampler that hands each step its micro-batches
 on every rank, collation, the train/validation split and where each rank's validation batches start.
 
-Imported by train.py; may import gpuscout.domain."""
+Imported by train.py; may import gpuscout.errors and train_args / train_distributed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """train.py's distributed set-up: the ranks (one process, torchrun's variables, or SageMaker's environment for one
 process), the process group (NCCL on GPUs, gloo on CPUs) and the way a finished rank leaves.
 
-Imported by train.py; may import gpuscout.errors."""
+Imported by train.py; imports nothing of gpuscout."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a benchmark records about where it ran: the precision the device supports, the hardware (GPU SKU and dense
 peak, CPU, memory, ranks and nodes) and the software versions.
 
-Imported by train.py; may import gpuscout.domain."""
+Imported by train.py; may import gpuscout.domain, gpuscout.errors, benchmark_callback and train_distributed."""
 
 from __future__ import annotations
 

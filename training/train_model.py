@@ -1,7 +1,8 @@
 """Building what train.py trains: the model (a preset with random weights, a local path, the SageMaker "model"
 channel or an S3 download), its architecture facts for FLOPs, and DeepSpeed's configuration and collectives.
 
-Imported by train.py; may import gpuscout.domain, gpuscout.errors and gpuscout.paths."""
+Imported by train.py; may import gpuscout.domain, gpuscout.errors, gpuscout.paths, data_preparation, packing
+and train_args."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 length) into ``runs/.cache/data/<key>``, verified against its own file list, staging folders of interrupted runs
 removed; and the checks of degenerate prepared data before any job runs.
 
-May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process / observer."""
+May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process / observer / process_control."""
 
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ from gpuscout.store.base import (
 SMALL_CORPUS_DOCUMENTS = 2000
 # the code that makes the prepared data: a change to either prepares it again
 PREPARATION_SCRIPTS = ("data_preparation.py", "data_sources.py")
-
-# -- data preparation -----------------------------------------------------------------------------------------
 
 
 def _file_sha256(path: Path) -> str:

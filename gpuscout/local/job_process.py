@@ -46,8 +46,6 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda oom", "cannot allocate
 TERMINATE_GRACE_S = 10.0
 TIMED_OUT = "max_runtime_seconds"
 
-# -- one job ------------------------------------------------------------------------------------------------------
-
 
 @dataclass
 class JobFolders:

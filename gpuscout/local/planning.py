@@ -2,7 +2,7 @@
 over budget), 16-bit precision checked against this CPU, and a job section's variants without an estimate calibrated
 here by a short run of the user's script.
 
-May import: gpuscout.domain, gpuscout.plan, gpuscout.store and gpuscout.local.job_process."""
+May import: gpuscout.domain, gpuscout.plan, gpuscout.store and gpuscout.local.job_process / startup."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from gpuscout.local.startup import measure_startup_seconds
 from gpuscout.store.base import (
     JobStatus,
 )
-
-# -- planning ---------------------------------------------------------------------------------------------------
 
 
 def plan_manifest(

@@ -2,7 +2,7 @@
 end of a run, and an old run's analysis repriced.
 
 May import: gpuscout.domain, gpuscout.store, gpuscout.analysis (lazily: numpy and matplotlib load only here) and
-gpuscout.local.job_process."""
+gpuscout.local.observer."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from gpuscout.store.base import (
     ResultStore,
     RunRecord,
 )
-
-# -- results table ------------------------------------------------------------------------------------------------
 
 
 def _stop_text(a: Mapping[str, Any]) -> str | None:

@@ -1,7 +1,7 @@
 """Planning a job section (the user's own training code): the arguments each variant's script gets and their text,
 the environment it runs with, and its prediction, from the user's estimate or from a calibration run on this machine.
 
-May import: gpuscout.domain, gpuscout.errors and gpuscout.plan's jobs and memory."""
+May import: gpuscout.domain, gpuscout.errors and gpuscout.plan.jobs."""
 
 from __future__ import annotations
 

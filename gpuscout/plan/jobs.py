@@ -1,7 +1,7 @@
 """A run's jobs as the planner hands them on: the ``Plan`` (jobs, canaries, search, budget check), run ids and job
 names, repetitions, the hyperparameters train.py receives, and the runtime limits and overheads a job is planned with.
 
-May import: gpuscout.domain, gpuscout.errors and gpuscout.plan's memory and search."""
+May import: gpuscout.domain, gpuscout.errors and gpuscout.plan.search."""
 
 from __future__ import annotations
 
