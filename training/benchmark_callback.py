@@ -9,6 +9,7 @@ allocator growth, cuDNN autotune) are excluded from every throughput figure.
 from __future__ import annotations
 
 import math
+import resource
 import statistics
 import threading
 import time
@@ -43,6 +44,92 @@ class StepRecord:
     dataloader_wait_s: float
     loss: float
     timed: bool = True  # False for warmup steps (also the first steps after resuming from a checkpoint)
+    # the process's own resource use during the step (ResourceMeter; None where not measured)
+    user_s: float | None = None  # CPU time in user mode, all threads of the process
+    system_s: float | None = None  # CPU time in the kernel on the process's behalf (page faults, syscalls)
+    minor_faults: int | None = None  # page faults served without I/O (a fresh or reclaimed page mapped in)
+    major_faults: int | None = None  # page faults that read from disk
+    voluntary_switches: int | None = None  # the process waited (I/O, a lock, a collective)
+    involuntary_switches: int | None = None  # the scheduler took the CPU away (another task wanted it)
+    sm_clock_mhz: float | None = None  # GPU 0 of this rank's SM clock at the step's end (NVML)
+    throttle_reasons: int | None = None  # NVML clock-event (throttle) reason bits at the step's end, 0 = none
+
+
+USAGE_FIELDS = (
+    "user_s",
+    "system_s",
+    "minor_faults",
+    "major_faults",
+    "voluntary_switches",
+    "involuntary_switches",
+    "sm_clock_mhz",
+    "throttle_reasons",
+)
+
+
+def step_accounts(records: list[StepRecord]) -> list[dict[str, Any]]:
+    """benchmark.json's ``steps``: each step's time, work and resource use (gpuscout.domain.benchmark.StepAccount)."""
+    out = []
+    for r in records:
+        row: dict[str, Any] = {
+            "step": r.step,
+            "seconds": r.seconds,
+            "timed": r.timed,
+            "tokens": r.tokens,
+            "samples": r.samples,
+        }
+        row.update({name: getattr(r, name) for name in USAGE_FIELDS if getattr(r, name) is not None})
+        out.append(row)
+    return out
+
+
+@dataclass
+class StepUsage:
+    """A ResourceMeter reading: what the process had used by then."""
+
+    user_s: float
+    system_s: float
+    minor_faults: int
+    major_faults: int
+    voluntary_switches: int
+    involuntary_switches: int
+
+
+class ResourceMeter:
+    """The process's own CPU time, page faults and context switches (getrusage(RUSAGE_SELF): every thread of the
+    process, not its children), read around each optimizer step; plus the GPU's SM clock and throttle reasons where
+    NVML answers. A reading costs a few microseconds."""
+
+    def __init__(self, sampler: GpuSampler | None = None) -> None:
+        self._sampler = sampler
+
+    @staticmethod
+    def read() -> StepUsage:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return StepUsage(
+            user_s=r.ru_utime,
+            system_s=r.ru_stime,
+            minor_faults=r.ru_minflt,
+            major_faults=r.ru_majflt,
+            voluntary_switches=r.ru_nvcsw,
+            involuntary_switches=r.ru_nivcsw,
+        )
+
+    def since(self, before: StepUsage) -> dict[str, Any]:
+        """StepRecord's usage fields for the span from ``before`` until now."""
+        now = self.read()
+        fields: dict[str, Any] = {
+            "user_s": round(now.user_s - before.user_s, 6),
+            "system_s": round(now.system_s - before.system_s, 6),
+            "minor_faults": now.minor_faults - before.minor_faults,
+            "major_faults": now.major_faults - before.major_faults,
+            "voluntary_switches": now.voluntary_switches - before.voluntary_switches,
+            "involuntary_switches": now.involuntary_switches - before.involuntary_switches,
+        }
+        if self._sampler is not None:
+            clock, reasons = self._sampler.clocks()
+            fields["sm_clock_mhz"], fields["throttle_reasons"] = clock, reasons
+        return fields
 
 
 @dataclass
@@ -160,6 +247,25 @@ class GpuSampler:
         if self.available and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
             self._thread.start()
+
+    def clocks(self) -> tuple[float | None, int | None]:
+        """The first GPU's SM clock (MHz) and its clock-event (throttle) reason bits now; (None, None) without
+        NVML or when NVML does not answer."""
+        if not self.available:
+            return None, None
+        handle = self._handles[0]
+        try:
+            clock = float(self._nvml.nvmlDeviceGetClockInfo(handle, self._nvml.NVML_CLOCK_SM))
+        except Exception:
+            clock = None
+        try:
+            reasons = int(self._nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+        except Exception:
+            try:  # older NVML bindings name it for throttling
+                reasons = int(self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+            except Exception:
+                reasons = None
+        return clock, reasons
 
     def recent_utilization(self) -> float | None:
         """Mean utilization (%) of the samples taken since the previous call (one optimizer step's, for experiment

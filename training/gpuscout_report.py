@@ -35,11 +35,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from benchmark_callback import StepRecord, StepStats, default_warmup_steps
+from benchmark_callback import ResourceMeter, StepRecord, StepStats, default_warmup_steps, step_accounts
 
+from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import PREFIX, format_metric_line
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 LOG_LINE_RE = re.compile(rf"^{PREFIX}\b(?P<rest>.*)$")  # docs/byo.md: the regexes the runner applies
 LOG_VALUE_RE = re.compile(r" (?P<key>[a-z_]+)=(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
 
@@ -70,6 +71,7 @@ class Reporter:
         clock: Callable[[], float] = time.perf_counter,
         emit: Callable[[str], None] | None = None,
         reporter_name: str = "helper",
+        measure_usage: bool = True,
     ) -> None:
         self.unit = unit or os.environ.get("GPUSCOUT_UNIT", "samples")
         if self.unit not in ("tokens", "samples"):
@@ -89,6 +91,9 @@ class Reporter:
         self._sync: Callable[[], object] = lambda: None
         self._started = clock()
         self._last = self._started
+        # the process's own CPU time, page faults and switches between step() calls (not when reading a log)
+        self._meter = ResourceMeter() if measure_usage else None
+        self._used = ResourceMeter.read()
         self._phase: str | None = None  # None = automatic: the first warmup_steps steps are warm-up
         self._losses: list[dict[str, Any]] = []
         self._tokens_total = 0
@@ -108,6 +113,7 @@ class Reporter:
             raise ValueError(f"phase is 'warmup' or 'timed', not {name!r}")
         self._phase = name
         self._last = self._now()
+        self._used = ResourceMeter.read()
 
     def step(
         self,
@@ -123,6 +129,8 @@ class Reporter:
         now = self._now()
         elapsed = seconds if seconds is not None else now - self._last
         self._last = now
+        usage = self._meter.since(self._used) if self._meter is not None else {}
+        self._used = ResourceMeter.read()
         if samples is None and self.unit == "samples":
             raise ValueError("a samples job must pass step(samples=...)")
         samples = int(samples or 0)
@@ -132,7 +140,7 @@ class Reporter:
             raise ValueError("a tokens job must pass step(tokens=...) (non-padding tokens of all ranks)")
         number = len(self.stats.records) + 1
         timed = self._phase == "timed" or (self._phase is None and not self.stats.is_warmup(number))
-        self.stats.add(StepRecord(number, elapsed, int(tokens), samples, 0.0, float(loss or 0.0), timed=timed))
+        self.stats.add(StepRecord(number, elapsed, int(tokens), samples, 0.0, float(loss or 0.0), timed=timed, **usage))
         self._tokens_total += int(tokens)
         self._samples_total += samples
         if loss is not None:
@@ -279,6 +287,8 @@ class Reporter:
             "reason": self.stop_reason or f"the script ended after {count} steps",
             "steps": count,
         }
+        result["steps"] = step_accounts(stats.records)
+        result["disturbance"] = detect(result["steps"])
         return result
 
     def _write(self, result: dict[str, Any]) -> None:
@@ -458,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="benchmark.json from a log of gpuscout_metric lines")
     parser.add_argument("--from-log", required=True, type=Path)
     args = parser.parse_args(argv)
-    rep = Reporter(reporter_name="stdout", emit=lambda _line: None)
+    rep = Reporter(reporter_name="stdout", emit=lambda _line: None, measure_usage=False)
     try:
         from_log(args.from_log.read_text(encoding="utf-8", errors="replace").splitlines(), rep)
     except ValueError as err:

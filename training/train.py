@@ -26,12 +26,14 @@ import torch
 from experiment_tracking import JobTracker
 from train_args import parse_hyperparameters
 from train_distributed import init_distributed, leave_together
+from train_facts import process_age_s
 from train_loop import Benchmark
 
 from gpuscout.errors import TrainingError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import_time_s = process_age_s()  # the interpreter's start and the imports above, before any of the job's work
     try:
         hp = parse_hyperparameters(argv)
     except TrainingError as err:
@@ -39,10 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dist = init_distributed()
     tracker = JobTracker.from_environment(is_main=dist.is_main)
-    # the job's parameters for its experiment trackers; started before the benchmark's clock (not its start-up time)
+    # the job's parameters for its experiment trackers (their start counts in the start-up time)
     params = {**dataclasses.asdict(hp), "device": dist.device.type, "world_size": dist.world_size}
     tracker.start(params, variant=hp.search_candidate or None)  # a tuning trial is its candidate
-    bench = Benchmark(hp, dist, tracker)
+    bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s)
     try:
         result = bench.run()
     except Exception as err:  # every failure becomes a status=failed benchmark.json the analysis can classify

@@ -48,6 +48,7 @@ class Hyperparameters:
     deepspeed_stage: int = 0
     fused_cross_entropy: bool = False
     fused_adamw: bool = False
+    host_allocator: str = "training"  # training | system (host_allocator.py)
     stop_rule: str = "fixed"  # fixed | steady_state
     ci_tolerance: float = 0.02  # fraction of the mean
     min_timed_steps: int = 10
@@ -76,6 +77,8 @@ class Hyperparameters:
             problems.append(f"attention_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.deepspeed_stage not in (0, 2, 3):
             problems.append("deepspeed_stage must be 0, 2 or 3")
+        if self.host_allocator not in ("training", "system"):
+            problems.append("host_allocator must be training or system")
         if self.stop_rule not in ("fixed", "steady_state"):
             problems.append("stop_rule must be fixed or steady_state")
         if not 0 < self.ci_tolerance < 1:

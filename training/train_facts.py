@@ -25,6 +25,18 @@ from gpuscout.errors import TrainingError
 CPU_NOTE = "n/a on CPU: no dense tensor-core peak"
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time against /proc/uptime, 10 ms
+    resolution), or None where that cannot be read: the benchmark's clock then starts when it is asked."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, after the command name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def resolve_precision(requested: str, device: torch.device) -> tuple[str, str | None]:
     """The precision to train in and a note when it differs from the request."""
     if device.type != "cuda":
@@ -82,10 +94,11 @@ def _version(package: str) -> str | None:
         return None
 
 
-def software_info() -> Software:
+def software_info(host_allocator: str | None = None) -> Software:
     import transformers
 
     return Software(
+        host_allocator=host_allocator,
         python=platform.python_version(),
         torch=torch.__version__,
         transformers=transformers.__version__,

@@ -21,9 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import host_allocator
 import numpy as np
 import torch
-from benchmark_callback import GpuSampler, StepRecord, StepStats, Stopwatch, default_warmup_steps
+from benchmark_callback import (
+    GpuSampler,
+    ResourceMeter,
+    StepRecord,
+    StepStats,
+    Stopwatch,
+    default_warmup_steps,
+    step_accounts,
+)
 from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
@@ -31,22 +40,25 @@ from packing import CausalLMWithLoss, make_inputs, unpack_blocks
 from train_args import Hyperparameters
 from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_starts
 from train_distributed import Dist
-from train_facts import CPU_NOTE, hardware_info, resolve_precision, software_info
+from train_facts import CPU_NOTE, hardware_info, process_age_s, resolve_precision, software_info
 from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config
 
 from gpuscout.domain import flops
 from gpuscout.domain.benchmark import (
     BenchmarkResult,
     DatasetInfo,
+    Disturbance,
     Efficiency,
     Loss,
     LossPoint,
     Memory,
+    StepAccount,
     StopInfo,
     Throughput,
     Timing,
     TrainConfig,
 )
+from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
 from gpuscout.domain.models import Architecture
 from gpuscout.errors import TrainingError
@@ -117,21 +129,31 @@ class StepWork:
     samples: int = 0
     wait: float = 0.0
     grad_norm: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)  # rank 0's StepRecord usage fields (ResourceMeter.since)
 
 
 class Benchmark:
-    def __init__(self, hp: Hyperparameters, dist: Dist, tracker: JobTracker | None = None) -> None:
+    def __init__(
+        self,
+        hp: Hyperparameters,
+        dist: Dist,
+        tracker: JobTracker | None = None,
+        *,
+        import_time_s: float | None = None,
+    ) -> None:
         self.hp = hp
         self.dist = dist
         self.tracker = tracker or JobTracker(None)  # experiment tracking (experiment_tracking.py); rank 0 only
-        self.started = time.perf_counter()
+        # one clock from the process's start: wall and start-up times include the interpreter and the imports
+        self.started = time.perf_counter() - (process_age_s() or 0.0)
+        self.import_time_s = import_time_s  # process start to main(): the interpreter and train.py's imports
         self.data_dir = Path(os.environ.get("SM_CHANNEL_TRAIN", "/opt/ml/input/data/train"))
         self.output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data"))
         self.model_dir = Path(os.environ.get("SM_MODEL_DIR", "/opt/ml/model"))
         self.sampler = GpuSampler([dist.local_rank]) if dist.device.type == "cuda" else GpuSampler([])
         self.precision, self.precision_note = resolve_precision(hp.precision, dist.device)
         self.hardware = hardware_info(dist, self.precision, self.sampler)
-        self.software = software_info()
+        self.software = software_info(host_allocator.configure(hp.host_allocator))
         self.summary: DatasetSummary | None = None
         self.arch: Architecture | None = None
         self.model_name = hp.model_preset or hp.model_name_or_path
@@ -376,11 +398,14 @@ class Benchmark:
         exit_after = int(os.environ.get("GPUSCOUT_EXIT_AFTER_STEP", "0"))
         parts.model.train()
         first_step = self.progress.step + 1
+        meter = ResourceMeter(self.sampler)
         for steps_here, step in enumerate(range(first_step, hp.max_steps + 1), start=1):
             t0 = watch.now()
+            used = meter.read()
             work = self._micro_batches(parts, batches)
             work.grad_norm = self._optimizer_step(parts)
             seconds = watch.now() - t0
+            work.usage = meter.since(used)
             self._record_step(step, work, stats, parts, seconds=seconds, timed=not stats.is_warmup(steps_here))
             if hp.eval_interval and step % hp.eval_interval == 0 and step < hp.max_steps:
                 self._validate(parts, data)
@@ -460,6 +485,7 @@ class Benchmark:
                 dataloader_wait_s=work.wait,
                 loss=mean_loss,
                 timed=timed,
+                **work.usage,
             )
         )
         prog = self.progress
@@ -550,6 +576,7 @@ class Benchmark:
                 train_time_s=s["train_time_s"],
                 dataloader_wait_fraction=s["dataloader_wait_fraction"],
                 startup_time_s=startup_s,
+                import_time_s=self.import_time_s,
             ),
             throughput=Throughput(
                 tokens_per_s=tokens_per_s,
@@ -569,7 +596,11 @@ class Benchmark:
             stop=StopInfo(
                 rule=hp.stop_rule, reason=stop_reason, steps=progress.step, resumed_from_step=self.resumed_from
             ),
+            steps=[StepAccount(**row) for row in step_accounts(stats.records)],
         )
+        result.disturbance = Disturbance(**detect([row.model_dump() for row in result.steps]))
+        if result.disturbance.disturbed:
+            self.log(f"disturbed measurement: {result.disturbance.evidence}")
         if self.dist.is_main:
             summary = {
                 "tokens_per_s": tokens_per_s,

@@ -39,6 +39,7 @@ from gpuscout.analysis.results import (
     SearchTrial,
 )
 from gpuscout.domain.catalog import LOCAL
+from gpuscout.domain.disturbance import detect
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
@@ -125,6 +126,8 @@ class _Rep(NamedTuple):
     timed_steps: int | None
     stop_rule: str | None
     stop_reason: str | None
+    disturbance: Mapping[str, Any] | None  # the Disturbance fields (domain/disturbance.py); None: no steps recorded
+    steps: list[Any]  # benchmark.json's steps (StepAccount dicts)
 
 
 _LOSS_POINT = operator.itemgetter("tokens", "elapsed_s", "loss")  # LossPoint dict -> (tokens, s, loss)
@@ -188,6 +191,8 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,
             stop_rule=(bench.get("stop") or {}).get("rule"),
             stop_reason=(bench.get("stop") or {}).get("reason"),
+            disturbance=bench.get("disturbance") or (detect(bench["steps"]) if bench.get("steps") else None),
+            steps=bench.get("steps") or [],
         )
     except (KeyError, TypeError, ValueError, IndexError) as err:
         return f"unreadable benchmark.json ({type(err).__name__}: {err})"
@@ -241,6 +246,28 @@ def _contention_note(jobs: Sequence[JobRecord]) -> str | None:
         return None
     first = str(flagged[0].get("note") or "measured under competition")
     return first if len(jobs) == 1 else f"{len(flagged)} of {len(jobs)} repetitions {first}"
+
+
+def _disturbed(rep: _Rep) -> bool:
+    return bool(rep.disturbance and rep.disturbance.get("disturbed"))
+
+
+def _step_times(rep: _Rep) -> list[tuple[int, float]]:
+    timed = [(int(s["step"]), float(s["seconds"])) for s in rep.steps if s.get("timed", True)]
+    return _downsample(timed, LOSS_CURVE_POINTS)
+
+
+def _disturbance_note(all_reps: Sequence[tuple[JobRecord, _Rep]], used: Sequence[_Rep]) -> str | None:
+    """What the disturbance detector found in a group's repetitions, and whether the figures still include it."""
+    flagged = [(job, rep) for job, rep in all_reps if _disturbed(rep)]
+    if not flagged:
+        return None
+    evidence = str((flagged[0][1].disturbance or {}).get("evidence") or "steps ran at different speeds")
+    if not any(_disturbed(rep) for rep in used):
+        names = ", ".join(job.job_name for job, _ in flagged)
+        return f"re-measured: {names} was disturbed ({evidence}) and is left out of the figures"
+    first = "disturbed measurement: " + evidence
+    return first if len(all_reps) == 1 else f"{len(flagged)} of {len(all_reps)} repetitions: {first}"
 
 
 def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -323,6 +350,10 @@ def _measure_group(
     if not completed:
         return fields
 
+    measured = completed
+    if any(not _disturbed(rep) for _, rep in completed):  # a disturbed repetition re-measured cleanly is left out
+        completed = [(job, rep) for job, rep in completed if not _disturbed(rep)]
+        fields["repetitions"] = len(completed)
     reps = [r for _, r in completed]
     tps = [r.tokens_per_s for r in reps]
     mean_tps, ci = intervals.mean_ci95(tps)
@@ -369,6 +400,8 @@ def _measure_group(
         **stop_outcome(reps, spec),
         settings_key=settings_key(first),
         contention_note=_contention_note([job for job, _ in completed]),
+        disturbance_note=_disturbance_note(measured, reps),
+        disturbed=any(_disturbed(rep) for rep in reps),
         tokens_per_s_per_gpu=tokens_rate / world
         if tokens_rate is not None and reps[0].device == "cuda"
         else None,  # no GPUs, no per-GPU figure
@@ -383,6 +416,7 @@ def _measure_group(
         time_breakdown=breakdown,
         overhead_seconds=breakdown.overhead_seconds,
         loss_curve=list(map(_LOSS_POINT, _downsample(reps[0].curve_points, LOSS_CURVE_POINTS))),  # for the charts
+        step_times=_step_times(next((r for r in reps if _disturbed(r)), reps[0])),
     )
     if target_loss is not None:
         loss_requests.append((len(out), ([r.curve for r in reps], target_loss, tps)))

@@ -133,6 +133,14 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
         instance_count=best.instance_count,
         variant_name=best.variant_name,
     )
+    if len(ranked) == 1 and best.disturbed:
+        return Recommendation(
+            **base,
+            summary=f"Cannot tell: {_disturbed_text([best])}. {best.label}: {facts}, {other}; it is the only target x "
+            "variant left.",
+            clear_winner=False,
+            verdict="cannot_tell",
+        )
     if len(ranked) == 1:
         return Recommendation(
             **base,
@@ -148,6 +156,13 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
         else f"{margin:.1%} faster than the runner-up {runner.label} ({_metric_text(runner, objective)})"
     )
     verdict, why = judge(best, runner, objective)
+    below = [j for j in ranked[2:] if j.disturbed]
+    if below and verdict in ("clear", "provisional"):  # a disturbed measurement may hide a faster setting
+        why = (why + " " if verdict == "provisional" else "") + (
+            f"a disturbed measurement ranks lower and may be faster than measured ({_disturbed_text(below)}). "
+            "To make it firm, run it again and compare."
+        )
+        verdict = "provisional"
     lead = f"{best.label} leads on the mean: {facts}, {other}; {comparison}."
     summary = {
         "clear": f"Recommended: {best.label}: {facts}, {other}; {comparison}.",
@@ -166,11 +181,16 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
     )
 
 
+def _disturbed_text(jobs: Sequence[JobAnalysis]) -> str:
+    return "; ".join(f"{j.label}: {j.disturbance_note}" for j in jobs)
+
+
 def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, str]:
     """The verdict between the leader and the runner-up, and why (docs/costs.md, "The verdict").
 
     - same_settings: the two run the same settings under different names, so any difference is noise;
-    - cannot_tell: either has no usable interval (missing, zero-width, reaching zero, fewer than 2 timed steps);
+    - cannot_tell: either was disturbed (domain/disturbance.py: its steps did not run at one speed), or has no
+      usable interval (missing, zero-width, reaching zero, fewer than 2 timed steps);
     - no_clear_winner: the 95 % intervals overlap;
     - provisional: they do not overlap, but an interval is within-run only (one repetition: step-to-step noise, not
       run-to-run noise), a steady-state stop never reached its tolerance, or a measurement was taken while other
@@ -182,6 +202,9 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, 
             f"{best.label} and {runner.label} run the same settings under different names, so the difference "
             "between them is measurement noise"
         )
+    disturbed = [j for j in (best, runner) if j.disturbed]
+    if disturbed:
+        return "cannot_tell", _disturbed_text(disturbed) + "; run it again on a quiet machine"
     mine, theirs = _interval(best, objective), _interval(runner, objective)
     unusable = [j for j, ci in ((best, mine), (runner, theirs)) if ci is None or ci[1] - ci[0] <= 0 or ci[0] <= 0]
     if unusable:

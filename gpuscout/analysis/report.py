@@ -104,6 +104,7 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
         "peak mem GB",
         "stop",
         "Pareto",
+        "note",
     ]
     rows = []
     for job in analysis.jobs:
@@ -123,6 +124,7 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
                 _num(job.peak_memory_gb, 1),
                 ("⚠ " if job.tolerance_reached is False else "") + job.stop_text if job.rate is not None else "–",
                 "yes" if job.on_pareto_front else "",
+                ("⚠ " if job.disturbed or job.contention_note else "") + job.measurement_note,
             ]
         )
     return header, rows
@@ -229,6 +231,32 @@ def _chart_loss(analysis: RunAnalysis, *, dollars: bool) -> Figure | None:
     return fig
 
 
+def _chart_step_times(analysis: RunAnalysis) -> Figure | None:
+    """Each job's timed steps against their step number: a disturbed measurement shows as a slow phase or a scatter
+    of slow steps (drawn in red, and named so in the legend)."""
+    jobs = [j for j in analysis.jobs if j.step_times][:MAX_CURVES]
+    if not jobs:
+        return None
+    fig = Figure(figsize=(10, 4.6), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for job in jobs:
+        steps = [step for step, _ in job.step_times]
+        millis = [1000 * seconds for _, seconds in job.step_times]
+        if job.disturbed:
+            ax.plot(steps, millis, color=FRONT_COLOUR, marker="x", linewidth=1.4, label=f"{job.label} (disturbed)")
+        else:
+            ax.plot(steps, millis, marker=".", linewidth=1.0, label=job.label)
+    ax.set_xlabel("optimizer step (timed steps only; warm-up excluded)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    left_out = sum(1 for j in analysis.jobs if j.step_times) - len(jobs)
+    title = "Step times: one speed, or disturbed?" + (f" (best {MAX_CURVES} shown)" if left_out else "")
+    ax.set_title(title, fontsize=11)
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
 def _chart_pareto(analysis: RunAnalysis) -> Figure | None:
     jobs = [j for j in analysis.jobs if j.tokens_per_s is not None and j.effective_usd_per_million_tokens is not None]
     if not jobs:
@@ -299,6 +327,7 @@ CHARTS: dict[str, tuple[str, Callable[[RunAnalysis], Figure | None]]] = {
     "loss_vs_cost.png": ("Loss against cost", lambda a: _chart_loss(a, dollars=True)),
     "pareto.png": ("Pareto front", _chart_pareto),
     "time_breakdown.png": ("Time breakdown", _chart_time_breakdown),
+    "step_times.png": ("Step times", _chart_step_times),
 }
 
 

@@ -56,6 +56,9 @@ class JobAnalysis(BaseModel):
     tolerance_reached: bool | None = None  # steady_state only; None for the fixed rule
     settings_key: str | None = None  # equal keys = the same settings under different names
     contention_note: str | None = None  # local runs: measured while other processes competed (never a clear win)
+    # the figures include a disturbed measurement (domain/disturbance.py): never a firm or provisional winner
+    disturbed: bool = False
+    disturbance_note: str | None = None  # what the detector found, also when a clean re-measurement replaced it
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
     hfu: float | None = None
@@ -101,6 +104,8 @@ class JobAnalysis(BaseModel):
     overhead_seconds: float | None = None
     overhead_usd: float | None = None
     loss_curve: list[tuple[float, float, float]] = Field(default_factory=list)  # (tokens, elapsed s, train loss)
+    # (step, seconds) of the timed steps of the repetition the per-step chart shows (a disturbed one if any)
+    step_times: list[tuple[int, float]] = Field(default_factory=list)
     # decision
     excluded_reason: str | None = None
     rank: int | None = None
@@ -118,6 +123,15 @@ class JobAnalysis(BaseModel):
             f"±{100 * self.ci_half_width_fraction:.1f} %" if self.ci_half_width_fraction is not None else "no interval"
         )
         return f"steady state not reached ({achieved} > ±{100 * (self.ci_tolerance or 0):.1f} %){timed}"
+
+    @property
+    def measurement_note(self) -> str:
+        """What makes the row's number weaker than it looks: an unreliable interval, competition, disturbance."""
+        flags = []
+        if self.ci_kind == "unreliable":
+            flags.append(self.ci_method or "unreliable interval")
+        flags += [note for note in (self.contention_note, self.disturbance_note) if note]
+        return "; ".join(flags)
 
     @property
     def label(self) -> str:

@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.1"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+SCHEMA_VERSION = "1.2"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+# 1.2: steps (each step's time and the process's resource use), disturbance, timing.import_time_s
 
 
 class _Strict(BaseModel):
@@ -40,6 +41,7 @@ class Software(_Strict):
     deepspeed: str | None = None
     gpuscout: str
     image_digest: str | None = None
+    host_allocator: str | None = None  # the host memory allocator in effect and its settings (train.py)
 
 
 class TrainConfig(_Strict):
@@ -80,10 +82,11 @@ class Timing(_Strict):
     step_time_mean_s: float
     step_time_p50_s: float
     step_time_p90_s: float
-    wall_time_s: float  # whole script, start to end
+    wall_time_s: float  # whole script, from the process's start to the end
     train_time_s: float  # sum of all optimizer-step times, warmup included
     dataloader_wait_fraction: float = Field(ge=0, le=1)
-    startup_time_s: float = 0.0  # model build, data load, compile before step 1
+    startup_time_s: float = 0.0  # from the process's start to step 1: imports, model build, data load
+    import_time_s: float | None = None  # the part of startup_time_s spent before the script's main() began
 
 
 class Throughput(_Strict):
@@ -136,6 +139,43 @@ class StopInfo(_Strict):
     resumed_from_step: int | None = None
 
 
+class StepAccount(_Strict):
+    """One optimizer step as rank 0 measured it: its time and what the process used meanwhile (getrusage of the
+    training process, all its threads; NVML on a GPU). Resource fields are None where not measured (a job whose
+    steps come from its printed metric lines)."""
+
+    step: int
+    seconds: float
+    timed: bool  # False: warm-up, excluded from every throughput figure
+    tokens: int = 0  # non-padding tokens of all ranks (0 when the job reports none)
+    samples: int = 0
+    user_s: float | None = None  # CPU seconds in user mode
+    system_s: float | None = None  # CPU seconds in the kernel on the process's behalf (page faults, syscalls)
+    minor_faults: int | None = None
+    major_faults: int | None = None
+    voluntary_switches: int | None = None
+    involuntary_switches: int | None = None
+    sm_clock_mhz: float | None = None
+    throttle_reasons: int | None = None  # NVML clock-event reason bits at the step's end
+
+
+class Disturbance(_Strict):
+    """The disturbance detector's verdict on the timed steps (gpuscout/domain/disturbance.py, docs/metrics.md)."""
+
+    disturbed: bool
+    evidence: str | None = None  # one line: what the steps and the accounting show
+    timed_steps: int
+    slow_steps: int  # timed steps slower than SLOW_FACTOR x the reference step
+    reference_step_s: float | None = None  # median of the fastest quarter of the timed steps
+    slow_median_ratio: float | None = None  # median slow step / reference step
+    phase_ratio: float | None = None  # the two-phase split's later median / earlier median, when one was found
+    system_share_slow: float | None = None  # kernel CPU time / step time during the slow steps
+    system_share_fast: float | None = None
+    minor_faults_per_s_slow: float | None = None
+    minor_faults_per_s_fast: float | None = None
+    throttled_steps: int = 0  # timed steps whose GPU reported a power or thermal slowdown
+
+
 class JobInfo(_Strict):
     """The user's own training code (a manifest's job section) and how it reported."""
 
@@ -164,3 +204,5 @@ class BenchmarkResult(_Strict):
     memory: Memory = Field(default_factory=Memory)
     loss: Loss | None = None
     stop: StopInfo | None = None
+    steps: list[StepAccount] = Field(default_factory=list)  # every step of this process run, warm-up included
+    disturbance: Disturbance | None = None

@@ -253,6 +253,9 @@ class Variant(StrictModel):
     attention: Literal["sdpa", "eager", "flex"] = "sdpa"
     fused_cross_entropy: bool = False
     fused_adamw: bool = False
+    # train.py's host memory allocator: "training" keeps freed memory for the next step, "system" leaves malloc as
+    # the environment set it (training/host_allocator.py, docs/metrics.md "Host allocator")
+    host_allocator: Literal["training", "system"] = "training"
 
     @field_validator("hyperparameters")
     @classmethod

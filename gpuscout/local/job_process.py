@@ -303,6 +303,23 @@ def run_job(
     return JobOutcome(_classify_failure(reason), benchmark, reason, wall, contention)
 
 
+def _code_ignore(target: Path) -> Callable[[str, list[str]], set[str]]:
+    """What a copy of the user's folder leaves out: caches, .git, and the folder the copy goes into (a runs folder
+    inside source_dir would otherwise be copied into itself until the path is too long)."""
+    plain = shutil.ignore_patterns("__pycache__", ".git", "*.pyc")
+    inside = target.resolve()
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skipped = set(plain(directory, names))
+        for name in names:
+            path = (Path(directory) / name).resolve()
+            if path == inside or path in inside.parents:
+                skipped.add(name)
+        return skipped
+
+    return ignore
+
+
 def job_code_command(spec: JobSpec, folders: JobFolders) -> tuple[list[str], Path, dict[str, str]]:
     """A job section's command, folder and environment: a copy of the user's folder in the job folder
     (``code/``, as SageMaker puts source_dir in /opt/ml/code), ``python ENTRY_POINT --key value ...`` with the
@@ -312,7 +329,7 @@ def job_code_command(spec: JobSpec, folders: JobFolders) -> tuple[list[str], Pat
     assert code is not None
     target = folders.root / "code"
     shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(code.source_dir, target, ignore=shutil.ignore_patterns("__pycache__", ".git", "*.pyc"))
+    shutil.copytree(code.source_dir, target, ignore=_code_ignore(target))
     command = [sys.executable, code.entry_point]
     for key, value in spec.hyperparameters.items():
         command += [f"--{key}", value]

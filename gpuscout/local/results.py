@@ -34,12 +34,9 @@ def _note(a: Mapping[str, Any]) -> str | None:
     """Exclusion or failure first; else what makes the row's number weaker than it looks."""
     if a.get("excluded_reason") or a.get("failure"):
         return a.get("excluded_reason") or a.get("failure")
-    flags = []  # the stop rule's outcome has a column of its own ("stop")
-    if a.get("ci_kind") == "unreliable":
-        flags.append(str(a.get("ci_method") or "unreliable interval"))
-    if a.get("contention_note"):
-        flags.append(str(a["contention_note"]))
-    return "; ".join(f for f in flags if f) or None
+    from gpuscout.analysis.results import JobAnalysis  # the stop rule's outcome has a column of its own ("stop")
+
+    return JobAnalysis.model_validate(a).measurement_note or None
 
 
 def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -> list[dict[str, Any]]:
@@ -82,6 +79,8 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                     "tolerance_reached": a.get("tolerance_reached"),
                     "stop": _stop_text(a),
                     "contention": a.get("contention_note"),
+                    "disturbed": bool(a.get("disturbed")),
+                    "disturbance": a.get("disturbance_note"),
                     "note": _note(a),
                 }
             )
@@ -118,6 +117,8 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                 "tolerance_reached": None,
                 "stop": ((job.benchmark or {}).get("stop") or {}).get("reason"),
                 "contention": (job.contention or {}).get("note"),
+                "disturbed": bool(((job.benchmark or {}).get("disturbance") or {}).get("disturbed")),
+                "disturbance": ((job.benchmark or {}).get("disturbance") or {}).get("evidence"),
                 "note": job.failure_reason,
             }
         )

@@ -228,9 +228,18 @@ def _run_planned(
                     _run_search(the_plan, [s for s in specs if s.job_name not in refused], store=store,
                                 observer=observer, run_one=run_one)  # fmt: skip
                 else:
-                    for spec in specs:
-                        if spec.job_name not in refused:
-                            run_one(spec, None)
+                    records = [run_one(spec, None) for spec in list(specs) if spec.job_name not in refused]
+                    for record in [r for r in records if _disturbed(r)]:  # once each, after the others: interleaved
+                        again = remeasure_spec(record, specs)
+                        evidence = ((record.benchmark or {}).get("disturbance") or {}).get("evidence")
+                        observer.message(
+                            f"{record.job_name}: disturbed measurement ({evidence}); measuring it once more as "
+                            f"{again.job_name} before ranking",
+                            warning=True,
+                        )
+                        specs.append(again)
+                        store.put_job(job_record(again, JobStatus.PLANNED))
+                        run_one(again, None)
         except KeyboardInterrupt as err:
             guard.defer()
             interrupted = getattr(err, "signal_name", "Ctrl-C")
@@ -259,6 +268,31 @@ def _run_planned(
     report_md = run_dir / "report" / "report.md"
     observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
     return final
+
+
+def _disturbed(record: JobRecord) -> bool:
+    """A completed job whose steps the disturbance detector flagged (benchmark.json's ``disturbance``)."""
+    benchmark = record.benchmark or {}
+    return record.status is JobStatus.COMPLETED and bool((benchmark.get("disturbance") or {}).get("disturbed"))
+
+
+def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:
+    """The same job once more, under a name of its own, as the next repetition of its target x variant: the analysis
+    ranks a variant on its undisturbed repetitions and says which one it left out."""
+    spec = JobSpec.model_validate(record.spec)
+    name = f"{spec.job_name[:60].rstrip('-')}-m2"
+    same = [s.repetition for s in specs if (s.target_index, s.variant_name) == (spec.target_index, spec.variant_name)]
+    return spec.model_copy(
+        update={
+            "job_name": name,
+            "repetition": max(same, default=spec.repetition) + 1,
+            "hyperparameters": (  # train.py's job_name; a user's own script's arguments stay as they are
+                {**spec.hyperparameters, "job_name": name}
+                if "job_name" in spec.hyperparameters
+                else spec.hyperparameters
+            ),
+        }
+    )
 
 
 def _run_search(

@@ -181,6 +181,7 @@ def hyperparameters(
             "deepspeed_stage": str(variant.deepspeed_stage),
             "fused_cross_entropy": flag_value(variant.fused_cross_entropy),
             "fused_adamw": flag_value(variant.fused_adamw),
+            "host_allocator": variant.host_allocator,
             "stop_rule": t.stop_rule.kind,
             "ci_tolerance": repr(t.stop_rule.ci_tolerance),
             "min_timed_steps": str(t.stop_rule.min_timed_steps),

@@ -88,6 +88,15 @@ def test_tiny_model_trains_and_resumes_after_a_hard_exit(dataset: Path, tmp_path
     assert [p.step for p in result.loss.validation] == [10, 20]
     assert result.timing.warmup_steps == 3 and result.timing.timed_steps == 17
     assert result.throughput.tokens_per_s > 0
+    # every step's time and the process's own resource use; the detector's verdict on them; one clock
+    assert [s.step for s in result.steps] == list(range(1, 21)) and sum(s.timed for s in result.steps) == 17
+    assert all(s.user_s is not None and s.minor_faults is not None and s.involuntary_switches is not None
+               for s in result.steps)  # fmt: skip
+    assert sum(s.user_s or 0 for s in result.steps) > 0 and result.steps[0].sm_clock_mhz is None  # no GPU
+    assert result.disturbance is not None and result.disturbance.timed_steps == 17
+    assert result.timing.import_time_s is not None and 0 < result.timing.import_time_s < result.timing.startup_time_s
+    assert result.timing.startup_time_s < result.timing.wall_time_s
+    assert "malloc kept for training" in (result.software.host_allocator or "")
     low, high = result.throughput.tokens_per_s_ci95
     assert low <= high
     assert result.efficiency is not None and result.efficiency.mfu is None

@@ -222,3 +222,42 @@ def test_a_local_cpu_run_has_no_spot_price_and_no_per_gpu_figure() -> None:
     assert job.tokens_per_s_per_gpu is None
     assert any("no spot price" in a for a in analysis.assumptions)
     assert "spot targets are billed at the spot price" not in " ".join(analysis.assumptions)
+
+
+def _disturbed(bench: dict[str, Any]) -> dict[str, Any]:
+    # the b4-a1 slow phase of the quickstart (docs/metrics.md, "Disturbed measurements"): 25-33 ms, then 48-70 ms
+    millis = [30, 30, 30, 27, 28, 32, 33, 64, 48, 63, 65, 66, 57, 62, 61, 67, 67, 64, 66, 60, 53, 70]
+    steps = [{"step": i + 1, "seconds": ms / 1000, "timed": i >= 3} for i, ms in enumerate(millis)]
+    return {**bench, "steps": steps}
+
+
+def test_a_disturbed_leader_cannot_win_and_a_disturbed_follower_keeps_the_leader_provisional() -> None:
+    fast = [24_000, 24_400, 23_800]
+    slow = [12_100, 11_900, 12_300]
+    clean = [_job("fast", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate(fast)]
+    clean += [_job("slow", r, _bench(v, (v * 0.97, v * 1.03)), workers=2) for r, v in enumerate(slow)]
+    # Given a clear win measured cleanly, when the leader's every repetition was disturbed: cannot tell
+    leader = [_job("fast", r, _disturbed(_bench(v, (v * 0.97, v * 1.03)))) for r, v in enumerate(fast)]
+    analysis = _verdict(leader + clean[3:])
+    rec = analysis.recommendation
+    assert rec.verdict == "cannot_tell" and not rec.clear_winner
+    assert "local / fast: 3 of 3 repetitions: disturbed measurement: 12 of 19 timed steps" in rec.summary
+    fast_row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
+    assert fast_row["disturbed"] and "disturbed measurement" in fast_row["note"]
+    assert "⚠ 3 of 3 repetitions: disturbed measurement" in render_markdown(analysis, [])
+    # When a third, disturbed variant ranks last: the clean leader is no more than provisional
+    third = [
+        _job("third", r, _disturbed(_bench(v, (v * 0.97, v * 1.03))), workers=4) for r, v in enumerate([6_000] * 3)
+    ]
+    rec = _verdict(clean + third).recommendation
+    assert rec.verdict == "provisional" and "local / third: 3 of 3 repetitions: disturbed" in rec.summary
+    # And a disturbed repetition beside clean ones is left out of the figures, and the note says which
+    mixed = [*clean[:2], _job("fast", 2, _disturbed(_bench(9_000, (8_700, 9_300)))), *clean[3:]]
+    job = next(j for j in _verdict(mixed).jobs if j.variant_name == "fast")
+    assert job.repetitions == 2 and not job.disturbed and job.tokens_per_s == 24_200
+    assert job.disturbance_note and job.disturbance_note.startswith("re-measured: gs-v-fast-r2 was disturbed (12 of")
+
+
+def test_a_lone_disturbed_candidate_is_not_a_firm_answer() -> None:
+    analysis = _verdict([_job("only", 0, _disturbed(_bench(20_000, (19_000, 21_000))))])
+    assert analysis.recommendation.verdict == "cannot_tell" and not analysis.recommendation.clear_winner

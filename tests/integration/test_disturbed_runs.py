@@ -1,0 +1,124 @@
+"""A slow phase injected into a job's timed steps, through `gpuscout local` as a user runs it: the job is flagged
+disturbed with the evidence, re-measured once after the others, left out of the figures when the re-measurement is
+clean, and never wins while it is not; a job without injection is not flagged (docs/metrics.md, "Disturbed
+measurements")."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuscout.local.observer import SilentObserver
+from gpuscout.local.runner import run_local
+from gpuscout.store.base import JobStatus, RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+# Each step is a 12 ms sleep (steady on a loaded machine, unlike arithmetic); a disturbed run sleeps 40 ms from step
+# 9 on: a slow phase of 8 of the 14 timed steps. "once" disturbs its first run only (a marker file remembers it).
+SCRIPT = """
+import argparse
+import time
+from pathlib import Path
+
+import gpuscout_report as gs
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch_size", type=int)
+parser.add_argument("--disturb", default="never")
+parser.add_argument("--marker", default="")
+args = parser.parse_args()
+disturb = args.disturb == "always" or (args.disturb == "once" and not Path(args.marker).exists())
+if args.disturb == "once":
+    Path(args.marker).write_text("measured")
+step = 0
+while True:
+    step += 1
+    time.sleep(0.040 if disturb and step > 8 else 0.012)
+    if gs.step(samples=args.batch_size, loss=1.0 / step):
+        break
+gs.done()
+"""
+
+
+def _manifest(folder: Path) -> Path:
+    (folder / "job.py").write_text(SCRIPT)
+    marker = str(folder / "once.marker")
+    manifest = {
+        "name": "disturbed",
+        "job": {
+            "source_dir": str(folder),
+            "entry_point": "job.py",
+            "unit": "samples",
+            "estimate": {"units_per_s": 2000, "units_per_step": "batch_size"},
+        },
+        "training": {"max_steps": 16, "warmup_steps": 2},
+        "targets": [{"instance_type": "local", "price_per_hour_usd": 0.096}],
+        "variants": [
+            {"name": "steady", "hyperparameters": {"batch_size": 8}},
+            {"name": "once", "hyperparameters": {"batch_size": 16, "disturb": "once", "marker": marker}},
+            {"name": "always", "hyperparameters": {"batch_size": 64, "disturb": "always"}},
+        ],
+        "constraints": {"budget_usd": 1.0},
+        "objective": "cheapest_per_token",
+    }
+    path = folder / "disturbed.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+@pytest.mark.slow(seconds=12)
+def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
+    store = SqliteStore(tmp_path / "results.db")
+    messages: list[str] = []
+
+    class Observer(SilentObserver):
+        def message(self, text, *, warning=False):
+            messages.append(str(text))
+
+    run = run_local(_manifest(tmp_path), store=store, runs_dir=tmp_path / "runs", observer=Observer())
+    assert run.status is RunStatus.SUCCEEDED
+    jobs = {j.variant_name + ("-m2" if j.job_name.endswith("-m2") else ""): j for j in store.list_jobs(run.run_id)}
+    assert set(jobs) == {"steady", "once", "once-m2", "always", "always-m2"}
+    assert all(j.status is JobStatus.COMPLETED for j in jobs.values())
+
+    # the per-step accounting is in benchmark.json
+    steps = jobs["steady"].benchmark["steps"]
+    assert len(steps) == 16 and sum(not s["timed"] for s in steps) == 2
+    assert all(s["user_s"] is not None and s["minor_faults"] is not None for s in steps)
+
+    # the injected slow phase is flagged with its evidence; the steady job and the clean re-measurement are not
+    flagged = {name: (j.benchmark.get("disturbance") or {}) for name, j in jobs.items()}
+    assert {name for name, d in flagged.items() if d.get("disturbed")} == {"once", "always", "always-m2"}
+    evidence = flagged["once"]["evidence"]
+    assert evidence.startswith("8 of 14 timed steps 3.") and "fastest quarter's median" in evidence
+    assert "minor faults/s" in evidence and flagged["once"]["slow_steps"] == 8
+    assert flagged["steady"]["evidence"] is None and flagged["steady"]["slow_steps"] == 0
+    # the runner said so and measured each disturbed job once more, after the others
+    remeasured = [m for m in messages if "disturbed measurement" in m]
+    assert len(remeasured) == 2 and all("measuring it once more as" in m for m in remeasured)
+    order = [j.job_name for j in sorted(store.list_jobs(run.run_id), key=lambda j: j.updated_at)]
+    assert order.index(jobs["once-m2"].job_name) > order.index(jobs["always"].job_name)
+
+    analysis = store.get_result(run.run_id).analysis
+    by_variant = {a["variant_name"]: a for a in analysis["jobs"]}
+    # "once": ranked on its clean re-measurement, with a note that names the measurement left out
+    once = by_variant["once"]
+    assert once["disturbed"] is False and once["repetitions"] == 1
+    assert once["disturbance_note"].startswith(f"re-measured: {jobs['once'].job_name} was disturbed (8 of 14")
+    # "always": the fastest per sample, but both measurements were disturbed: it cannot win
+    always = by_variant["always"]
+    assert always["disturbed"] is True and always["rank"] == 1
+    assert always["disturbance_note"].startswith("2 of 2 repetitions: disturbed measurement: 8 of 14 timed steps")
+    recommendation = analysis["recommendation"]
+    assert recommendation["verdict"] == "cannot_tell" and recommendation["clear_winner"] is False
+    assert "local / always: 2 of 2 repetitions: disturbed measurement" in recommendation["summary"]
+    assert by_variant["steady"]["disturbance_note"] is None
+
+    # the report shows it: the note column and the per-step chart
+    report_dir = tmp_path / "runs" / run.run_id / "report"
+    report = (report_dir / "report.md").read_text()
+    assert "| note |" in report and "⚠ 2 of 2 repetitions: disturbed measurement" in report
+    assert "re-measured: " in report and (report_dir / "step_times.png").is_file()
+    assert "⚠ 2 of 2 repetitions: disturbed measurement" in (report_dir / "report.html").read_text()
+    assert json.loads((report_dir / "report.json").read_text())["jobs"][0]["disturbed"] is True
