@@ -128,6 +128,7 @@ class _Rep(NamedTuple):
     stop_reason: str | None
     disturbance: Mapping[str, Any] | None  # the Disturbance fields (domain/disturbance.py); None: no steps recorded
     steps: list[Any]  # benchmark.json's steps (StepAccount dicts)
+    host_allocator: str | None
 
 
 _LOSS_POINT = operator.itemgetter("tokens", "elapsed_s", "loss")  # LossPoint dict -> (tokens, s, loss)
@@ -193,6 +194,7 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             stop_reason=(bench.get("stop") or {}).get("reason"),
             disturbance=bench.get("disturbance") or (detect(bench["steps"]) if bench.get("steps") else None),
             steps=bench.get("steps") or [],
+            host_allocator=(bench.get("software") or {}).get("host_allocator"),
         )
     except (KeyError, TypeError, ValueError, IndexError) as err:
         return f"unreadable benchmark.json ({type(err).__name__}: {err})"
@@ -402,6 +404,7 @@ def _measure_group(
         contention_note=_contention_note([job for job, _ in completed]),
         disturbance_note=_disturbance_note(measured, reps),
         disturbed=any(_disturbed(rep) for rep in reps),
+        host_allocator=reps[0].host_allocator,
         tokens_per_s_per_gpu=tokens_rate / world
         if tokens_rate is not None and reps[0].device == "cuda"
         else None,  # no GPUs, no per-GPU figure

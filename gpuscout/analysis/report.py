@@ -403,6 +403,7 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
                 j.target_loss_detail or "–",
                 j.workload_basis or "–",
                 _prediction_text(j),
+                j.host_allocator or "–",
             ]
             for j in analysis.jobs
             if j.tokens_per_s is not None or j.samples_per_s is not None
@@ -414,6 +415,7 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
             "time to target loss",
             "workload",
             "planner's prediction",
+            "host allocator",
         ],
     }
 

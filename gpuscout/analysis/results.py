@@ -59,6 +59,7 @@ class JobAnalysis(BaseModel):
     # the figures include a disturbed measurement (domain/disturbance.py): never a firm or provisional winner
     disturbed: bool = False
     disturbance_note: str | None = None  # what the detector found, also when a clean re-measurement replaced it
+    host_allocator: str | None = None  # train.py's host memory allocator (benchmark.json software.host_allocator)
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
     hfu: float | None = None

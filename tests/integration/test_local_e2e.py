@@ -127,6 +127,8 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     ranked = {a["variant_name"]: a for a in result.analysis["jobs"]}
     assert sorted(ranked[v]["rank"] for v in ("b2-a2", "b4-a1")) == [1, 2]
     assert ranked["broken"]["rank"] is None
+    assert "malloc kept for training" in ranked["b4-a1"]["host_allocator"]  # what was measured includes it
+    assert ranked["b4-a1"]["host_allocator"] in (run_dir / "report" / "report.md").read_text()
     assert result.analysis["recommendation"]["job_name"] in {jobs["b2-a2"].job_name, jobs["b4-a1"].job_name}
     assert "n/a (CPU)" in printed
     assert "Recommendation" in printed

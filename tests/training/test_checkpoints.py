@@ -19,6 +19,7 @@ import train
 import train_args
 import train_distributed
 import train_loop
+import train_state
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.errors import TrainingError
@@ -113,11 +114,11 @@ class FakeDeepSpeedEngine:
         return str(folder), {}
 
 
-def _deepspeed_bench() -> tuple[train_loop.Benchmark, train_loop.Parts, FakeDeepSpeedEngine]:
+def _deepspeed_bench() -> tuple[train_loop.Benchmark, train_state.Parts, FakeDeepSpeedEngine]:
     hp = train_args.Hyperparameters(model_preset="qwen2-tiny", checkpoint_interval=2)
     bench = train_loop.Benchmark(hp, train_distributed.Dist(1, 0, 0, 1, torch.device("cpu")))
     engine = FakeDeepSpeedEngine()
-    parts = train_loop.Parts(model=None, wrapped=engine, optimizer=None, scheduler=None, warmup=3, engine=engine)  # type: ignore[arg-type]
+    parts = train_state.Parts(model=None, wrapped=engine, optimizer=None, scheduler=None, warmup=3, engine=engine)  # type: ignore[arg-type]
     return bench, parts, engine
 
 

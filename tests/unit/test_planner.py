@@ -20,8 +20,8 @@ HP_KEYS = {
     "run_id", "job_name", "instance_type", "sequence_length", "per_device_train_batch_size",
     "gradient_accumulation_steps", "max_steps", "learning_rate", "weight_decay", "seed", "precision", "packing",
     "attention_implementation", "gradient_checkpointing", "torch_compile", "dataloader_num_workers",
-    "deepspeed_stage", "fused_cross_entropy", "fused_adamw", "stop_rule", "ci_tolerance", "min_timed_steps",
-    "eval_interval", "checkpoint_interval", "checkpoint_keep", "validation_batches",
+    "deepspeed_stage", "fused_cross_entropy", "fused_adamw", "host_allocator", "stop_rule", "ci_tolerance",
+    "min_timed_steps", "eval_interval", "checkpoint_interval", "checkpoint_keep", "validation_batches",
 }  # fmt: skip
 
 
