@@ -39,9 +39,14 @@ MIN_PHASE_STEPS = 3
 MAX_SPLITS = 64  # split points tried by the two-phase test (evenly spaced): linear in the steps, not quadratic
 MIN_STEPS = 6
 THROTTLE_FRACTION = 0.10
+KERNEL_RISE = 0.05  # the kernel's share of the slow steps' time above the others' that the evidence blames on it
 # NVML clock-event reasons that slow a GPU down against its will: software power cap, hardware slowdown, software
 # and hardware thermal slowdown, power brake (GPU idle, application clocks and sync boost are not disturbances)
 THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def _rate(per_s: float) -> str:
+    return f"{per_s / 1000:.0f}k" if per_s >= 10_000 else f"{per_s:,.0f}"
 
 
 def _share(steps: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -55,17 +60,22 @@ def _share(steps: Sequence[Mapping[str, Any]], key: str) -> float | None:
 
 def _two_phases(times: Sequence[float]) -> tuple[int, float] | None:
     """The split (index of the first step of the second phase) whose phase medians differ most, and that ratio
-    (>= 1); None when the steps are too few for two phases."""
-    best: tuple[int, float] | None = None
+    (>= 1); None when the steps are too few for two phases. Medians tie over many splits around a change, so among
+    the splits within 1 % of the largest ratio the one whose phases lie closest to their own medians wins: the
+    change point itself."""
+    candidates: list[tuple[int, float, float]] = []  # split, ratio, spread around the two medians
     splits = range(MIN_PHASE_STEPS, len(times) - MIN_PHASE_STEPS + 1)
     for k in splits[:: max(1, math.ceil(len(splits) / MAX_SPLITS))]:
         a, b = statistics.median(times[:k]), statistics.median(times[k:])
         if min(a, b) <= 0:
             continue
-        ratio = max(a, b) / min(a, b)
-        if best is None or ratio > best[1]:
-            best = (k, ratio)
-    return best
+        spread = math.fsum(abs(t - a) for t in times[:k]) + math.fsum(abs(t - b) for t in times[k:])
+        candidates.append((k, max(a, b) / min(a, b), spread))
+    if not candidates:
+        return None
+    top = max(ratio for _, ratio, _ in candidates)
+    k, ratio, _ = min((c for c in candidates if c[1] >= 0.99 * top), key=lambda c: c[2])
+    return k, ratio
 
 
 def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -125,13 +135,19 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
     out.update(accounting)
     evidence = "; ".join(reasons)
-    if accounting["system_share_slow"] is not None and accounting["minor_faults_per_s_slow"] is not None:
-        fast_sys, fast_faults = accounting["system_share_fast"], accounting["minor_faults_per_s_fast"]
-        evidence += (
-            f"; in those steps the kernel took {100 * accounting['system_share_slow']:.0f} % of the time at "
-            f"{accounting['minor_faults_per_s_slow'] / 1000:.0f}k minor faults/s"
-        )
-        if fast_sys is not None and fast_faults is not None:
-            evidence += f" ({100 * fast_sys:.0f} % and {fast_faults / 1000:.0f}k/s in the others)"
+    slow_sys, slow_faults = accounting["system_share_slow"], accounting["minor_faults_per_s_slow"]
+    fast_sys, fast_faults = accounting["system_share_fast"], accounting["minor_faults_per_s_fast"]
+    if slow_sys is not None and slow_faults is not None and fast_sys is not None and fast_faults is not None:
+        if slow_sys > fast_sys + KERNEL_RISE:
+            evidence += (
+                f"; in those steps the kernel took {100 * slow_sys:.0f} % of the time at {_rate(slow_faults)} minor "
+                f"faults/s ({100 * fast_sys:.0f} % and {_rate(fast_faults)}/s in the others)"
+            )
+        else:
+            evidence += (
+                f"; the process's own kernel time did not rise in them ({100 * slow_sys:.0f} % at {_rate(slow_faults)} "
+                f"minor faults/s, {100 * fast_sys:.0f} % at {_rate(fast_faults)}/s in the others): the time went "
+                "outside it (the CPU taken by another process, I/O or a wait)"
+            )
     out.update(disturbed=True, evidence=evidence)
     return out

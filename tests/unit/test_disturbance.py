@@ -46,7 +46,7 @@ def test_the_accounting_is_compared_between_slow_and_other_steps():
         )
     d = detect(rows)
     assert (
-        "in those steps the kernel took 70 % of the time at 60k minor faults/s (0 % and 0k/s in the others)"
+        "in those steps the kernel took 70 % of the time at 60k minor faults/s (0 % and 0/s in the others)"
         in (d["evidence"])
     )
     assert d["system_share_slow"] == pytest.approx(0.7) and d["minor_faults_per_s_fast"] == 0
