@@ -118,3 +118,25 @@ def test_the_training_allocator_is_glibc_kept_or_says_why_not():
     assert "as the environment set it" in host_allocator.configure("system")
     with pytest.raises(ValueError, match="host_allocator must be one of training, system"):
         host_allocator.configure("fast")
+
+
+def test_the_gpu_clock_and_throttle_reasons_are_read_per_step_where_nvml_answers(monkeypatch):
+    import types
+
+    from benchmark_callback import GpuSampler
+
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=1,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        nvmlDeviceGetClockInfo=lambda handle, kind: 1755 if (handle, kind) == ("gpu0", 1) else 0,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda handle: 0x20,  # software thermal slowdown
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    used = ResourceMeter(GpuSampler([0])).since(ResourceMeter.read())
+    assert used["sm_clock_mhz"] == 1755.0 and used["throttle_reasons"] == 0x20
+    del fake.nvmlDeviceGetCurrentClocksEventReasons  # an older binding names it for throttling
+    fake.nvmlDeviceGetCurrentClocksThrottleReasons = lambda handle: 0x4
+    assert GpuSampler([0]).clocks() == (1755.0, 0x4)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML at all: nothing measured, nothing invented
+    assert GpuSampler([0]).clocks() == (None, None)
