@@ -77,6 +77,7 @@ def step_accounts(records: list[StepRecord]) -> list[dict[str, Any]]:
             "timed": r.timed,
             "tokens": r.tokens,
             "samples": r.samples,
+            "dataloader_wait_s": r.dataloader_wait_s,
         }
         row.update({name: getattr(r, name) for name in USAGE_FIELDS if getattr(r, name) is not None})
         out.append(row)

@@ -254,6 +254,22 @@ def _disturbed(rep: _Rep) -> bool:
     return bool(rep.disturbance and rep.disturbance.get("disturbed"))
 
 
+def _undisturbed_factor(reps: Sequence[_Rep]) -> float | None:
+    """How much faster the disturbed repetitions would have been had every timed step run at the reference step's
+    speed (their timed time / (reference step x timed steps), the largest); None when a disturbed repetition has no
+    steps to tell."""
+    factors = []
+    for rep in reps:
+        if not _disturbed(rep):
+            continue
+        reference = float((rep.disturbance or {}).get("reference_step_s") or 0)
+        timed = [float(s["seconds"]) for s in rep.steps if s.get("timed", True)]
+        if reference <= 0 or not timed:
+            return None
+        factors.append(max(1.0, math.fsum(timed) / (reference * len(timed))))
+    return max(factors) if factors else None
+
+
 def _step_times(rep: _Rep) -> list[tuple[int, float]]:
     timed = [(int(s["step"]), float(s["seconds"])) for s in rep.steps if s.get("timed", True)]
     return _downsample(timed, LOSS_CURVE_POINTS)
@@ -267,7 +283,7 @@ def _disturbance_note(all_reps: Sequence[tuple[JobRecord, _Rep]], used: Sequence
     evidence = str((flagged[0][1].disturbance or {}).get("evidence") or "steps ran at different speeds")
     if not any(_disturbed(rep) for rep in used):
         names = ", ".join(job.job_name for job, _ in flagged)
-        return f"re-measured: {names} was disturbed ({evidence}) and is left out of the figures"
+        return f"left out of the figures: {names} was disturbed ({evidence})"
     first = "disturbed measurement: " + evidence
     return first if len(all_reps) == 1 else f"{len(flagged)} of {len(all_reps)} repetitions: {first}"
 
@@ -404,6 +420,7 @@ def _measure_group(
         contention_note=_contention_note([job for job, _ in completed]),
         disturbance_note=_disturbance_note(measured, reps),
         disturbed=any(_disturbed(rep) for rep in reps),
+        undisturbed_factor=_undisturbed_factor(reps),
         host_allocator=reps[0].host_allocator,
         tokens_per_s_per_gpu=tokens_rate / world
         if tokens_rate is not None and reps[0].device == "cuda"

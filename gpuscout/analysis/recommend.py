@@ -156,7 +156,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
         else f"{margin:.1%} faster than the runner-up {runner.label} ({_metric_text(runner, objective)})"
     )
     verdict, why = judge(best, runner, objective)
-    below = [j for j in ranked[2:] if j.disturbed]
+    below = [j for j in ranked[2:] if j.disturbed and _could_lead(j, best, objective)]
     if below and verdict in ("clear", "provisional"):  # a disturbed measurement may hide a faster setting
         why = (why + " " if verdict == "provisional" else "") + (
             f"a disturbed measurement ranks lower and may be faster than measured ({_disturbed_text(below)}). "
@@ -179,6 +179,16 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
         clear_winner=verdict == "clear",
         verdict=verdict,
     )
+
+
+def _could_lead(job: JobAnalysis, best: JobAnalysis, objective: str) -> bool:
+    """A disturbed job lower down could have led had all its steps run at its own reference speed."""
+    factor = job.undisturbed_factor
+    if factor is None:
+        return True  # nothing to bound it with
+    if objective in COST_OBJECTIVES:
+        return _cost(job) / factor <= _cost(best)
+    return _speed(job) * factor >= _speed(best)
 
 
 def _disturbed_text(jobs: Sequence[JobAnalysis]) -> str:

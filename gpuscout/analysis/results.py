@@ -59,6 +59,9 @@ class JobAnalysis(BaseModel):
     # the figures include a disturbed measurement (domain/disturbance.py): never a firm or provisional winner
     disturbed: bool = False
     disturbance_note: str | None = None  # what the detector found, also when a clean re-measurement replaced it
+    # disturbed: how much faster it would have been with every timed step at its reference step's speed (an upper
+    # bound the verdict uses to tell whether a disturbed job lower down could have led); None = cannot tell
+    undisturbed_factor: float | None = None
     host_allocator: str | None = None  # train.py's host memory allocator (benchmark.json software.host_allocator)
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None

@@ -149,6 +149,7 @@ class StepAccount(_Strict):
     timed: bool  # False: warm-up, excluded from every throughput figure
     tokens: int = 0  # non-padding tokens of all ranks (0 when the job reports none)
     samples: int = 0
+    dataloader_wait_s: float = 0.0  # rank 0's wait for its next batches, part of seconds
     user_s: float | None = None  # CPU seconds in user mode
     system_s: float | None = None  # CPU seconds in the kernel on the process's behalf (page faults, syscalls)
     minor_faults: int | None = None
@@ -168,7 +169,7 @@ class Disturbance(_Strict):
     slow_steps: int  # timed steps slower than SLOW_FACTOR x the reference step
     reference_step_s: float | None = None  # median of the fastest quarter of the timed steps
     slow_median_ratio: float | None = None  # median slow step / reference step
-    phase_ratio: float | None = None  # the two-phase split's later median / earlier median, when one was found
+    phase_ratio: float | None = None  # the two-phase split's slower median / faster median (>= 1)
     system_share_slow: float | None = None  # kernel CPU time / step time during the slow steps
     system_share_fast: float | None = None
     minor_faults_per_s_slow: float | None = None

@@ -13,10 +13,15 @@ behind a mean and a single hiccup does not condemn a run:
 - a step is slow when it took more than ``SLOW_FACTOR`` times the reference; the job is disturbed when at least
   ``MIN_SLOW_STEPS`` steps were slow and their time above the reference is at least ``MIN_EXCESS_FRACTION`` of the
   timed time (a lone hiccup, or two slow steps among hundreds, change the figure by less than that);
-- or the steps split into two phases (each at least ``MIN_PHASE_STEPS`` long) whose medians differ by ``PHASE_FACTOR``
-  or more: a level shift, even one too small to make single steps "slow";
-- or, on a GPU, ``THROTTLE_FRACTION`` or more of the timed steps ended with NVML reporting a power or thermal
+- or the steps split into two phases (each at least ``MIN_PHASE_STEPS`` long, at the change point that least
+  absolute deviations from the phases' medians find) whose medians differ by ``PHASE_FACTOR`` or more, and the slower
+  phase's time above the faster phase's median is at least ``MIN_EXCESS_FRACTION`` of the timed time: a level shift,
+  even one too small to make single steps "slow", but not three slow steps at the end of a long run;
+- or, on a GPU, ``THROTTLE_FRACTION`` or more of the timed steps ended with NVML reporting a thermal or hardware
   slowdown.
+
+A step's time here excludes its wait for data (``dataloader_wait_s``): an input pipeline that cannot keep up is a
+cost of the settings, already in the throughput, not a disturbance.
 
 Where the steps carry the process's resource use (train.py and the report helper record it with getrusage), the
 evidence line compares the slow steps with the others: the kernel's share of the step time and the minor-fault rate.
@@ -40,9 +45,16 @@ MAX_SPLITS = 64  # split points tried by the two-phase test (evenly spaced): lin
 MIN_STEPS = 6
 THROTTLE_FRACTION = 0.10
 KERNEL_RISE = 0.05  # the kernel's share of the slow steps' time above the others' that the evidence blames on it
-# NVML clock-event reasons that slow a GPU down against its will: software power cap, hardware slowdown, software
-# and hardware thermal slowdown, power brake (GPU idle, application clocks and sync boost are not disturbances)
-THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+# NVML clock-event reasons that slow a GPU down against its will: hardware slowdown, software and hardware thermal
+# slowdown, power brake. Not counted: the software power cap (0x4), the normal state of a fully loaded H100 or A100
+# running at its power limit; GPU idle, application clocks and sync boost. All bits stay recorded in steps[].
+THROTTLE_BITS = 0x8 | 0x20 | 0x40 | 0x80
+
+
+def _compute_s(step: Mapping[str, Any]) -> float:
+    """The step's time without its wait for data: a starved input pipeline is the settings' cost (it is in the
+    throughput), not a disturbance."""
+    return max(0.0, float(step.get("seconds") or 0) - float(step.get("dataloader_wait_s") or 0))
 
 
 def _rate(per_s: float) -> str:
@@ -59,44 +71,40 @@ def _share(steps: Sequence[Mapping[str, Any]], key: str) -> float | None:
 
 
 def _two_phases(times: Sequence[float]) -> tuple[int, float] | None:
-    """The split (index of the first step of the second phase) whose phase medians differ most, and that ratio
-    (>= 1); None when the steps are too few for two phases. Medians tie over many splits around a change, so among
-    the splits within 1 % of the largest ratio the one whose phases lie closest to their own medians wins: the
-    change point itself."""
-    candidates: list[tuple[int, float, float]] = []  # split, ratio, spread around the two medians
+    """The change point of a level shift: the split (index of the first step of the second phase) whose two phases
+    lie closest to their own medians (least absolute deviations), and the ratio of those medians (>= 1); None when
+    the steps are too few for two phases. Without a shift the ratio stays near 1."""
+    best: tuple[int, float, float] | None = None  # split, ratio, spread around the two medians
     splits = range(MIN_PHASE_STEPS, len(times) - MIN_PHASE_STEPS + 1)
     for k in splits[:: max(1, math.ceil(len(splits) / MAX_SPLITS))]:
         a, b = statistics.median(times[:k]), statistics.median(times[k:])
         if min(a, b) <= 0:
             continue
         spread = math.fsum(abs(t - a) for t in times[:k]) + math.fsum(abs(t - b) for t in times[k:])
-        candidates.append((k, max(a, b) / min(a, b), spread))
-    if not candidates:
-        return None
-    top = max(ratio for _, ratio, _ in candidates)
-    k, ratio, _ = min((c for c in candidates if c[1] >= 0.99 * top), key=lambda c: c[2])
-    return k, ratio
+        if best is None or spread < best[2]:
+            best = (k, max(a, b) / min(a, b), spread)
+    return (best[0], best[1]) if best else None
 
 
 def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The Disturbance fields (gpuscout.domain.benchmark.Disturbance) of a job's steps (benchmark.json's ``steps``:
     ``seconds``, ``timed``, ``step`` and, where measured, ``system_s``, ``minor_faults``, ``throttle_reasons``)."""
-    timed = [s for s in steps if s.get("timed", True) and float(s.get("seconds") or 0) > 0]
+    timed = [s for s in steps if s.get("timed", True) and _compute_s(s) > 0]
     out: dict[str, Any] = {"disturbed": False, "evidence": None, "timed_steps": len(timed), "slow_steps": 0}
     if len(timed) < MIN_STEPS:
         return out
-    times = [float(s["seconds"]) for s in timed]
+    times = [_compute_s(s) for s in timed]
     total = math.fsum(times)
     quarter = sorted(times)[: max(2, math.ceil(len(times) / 4))]
     reference = statistics.median(quarter)
     slow = [s for s, t in zip(timed, times, strict=True) if t > SLOW_FACTOR * reference]
-    excess = math.fsum(float(s["seconds"]) - reference for s in slow)
+    excess = math.fsum(_compute_s(s) - reference for s in slow)
     phase = _two_phases(times)
     throttled = [s for s in timed if int(s.get("throttle_reasons") or 0) & THROTTLE_BITS]
     out.update(
         slow_steps=len(slow),
         reference_step_s=reference,
-        slow_median_ratio=statistics.median(float(s["seconds"]) for s in slow) / reference if slow else None,
+        slow_median_ratio=statistics.median(_compute_s(s) for s in slow) / reference if slow else None,
         phase_ratio=phase[1] if phase else None,
         throttled_steps=len(throttled),
     )
@@ -109,18 +117,22 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             f"({1000 * reference:.0f} ms), {100 * excess / total:.0f} % of the timed time"
         )
         odd = slow
+    phase_excess = 0.0
     if phase is not None and phase[1] >= PHASE_FACTOR:
-        k, ratio = phase
-        first, second = timed[:k], timed[k:]
+        k = phase[0]
         later_slower = statistics.median(times[k:]) > statistics.median(times[:k])
-        slower = second if later_slower else first
+        slower, faster = (timed[k:], times[:k]) if later_slower else (timed[:k], times[k:])
+        floor = statistics.median(faster)
+        phase_excess = math.fsum(max(0.0, _compute_s(s) - floor) for s in slower)
+    if phase is not None and phase[1] >= PHASE_FACTOR and phase_excess >= MIN_EXCESS_FRACTION * total:
+        ratio = phase[1]
         reasons.append(
             f"steps {slower[0].get('step', '?')}-{slower[-1].get('step', '?')} ran {ratio:.1f}x slower than the "
             f"{'earlier' if later_slower else 'later'} ones"
         )
         odd = odd or slower
     if len(throttled) >= max(1, math.ceil(THROTTLE_FRACTION * len(timed))):
-        reasons.append(f"the GPU reported a power or thermal slowdown in {len(throttled)} of {len(timed)} steps")
+        reasons.append(f"the GPU reported a thermal or hardware slowdown in {len(throttled)} of {len(timed)} steps")
         odd = odd or throttled
     if not reasons:
         return out

@@ -106,7 +106,7 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     # "once": ranked on its clean re-measurement, with a note that names the measurement left out
     once = by_variant["once"]
     assert once["disturbed"] is False and once["repetitions"] == 1
-    assert once["disturbance_note"].startswith(f"re-measured: {jobs['once'].job_name} was disturbed (8 of 14")
+    assert once["disturbance_note"].startswith(f"left out of the figures: {jobs['once'].job_name} was disturbed (8 of")
     # "always": the fastest per sample, but both measurements were disturbed: it cannot win
     always = by_variant["always"]
     assert always["disturbed"] is True and always["rank"] == 1
@@ -120,6 +120,6 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     report_dir = tmp_path / "runs" / run.run_id / "report"
     report = (report_dir / "report.md").read_text()
     assert "| note |" in report and "⚠ 2 of 2 repetitions: disturbed measurement" in report
-    assert "re-measured: " in report and (report_dir / "step_times.png").is_file()
+    assert "left out of the figures: " in report and (report_dir / "step_times.png").is_file()
     assert "⚠ 2 of 2 repetitions: disturbed measurement" in (report_dir / "report.html").read_text()
     assert json.loads((report_dir / "report.json").read_text())["jobs"][0]["disturbed"] is True
