@@ -26,6 +26,7 @@ import numpy as np  # a matplotlib dependency, so always present where gpuscout'
 
 from gpuscout.analysis import costs, intervals
 from gpuscout.analysis.costs import TimeBreakdown
+from gpuscout.analysis.disturbed import disturbance_note, disturbed, undisturbed_factor
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide
 from gpuscout.analysis.results import (
@@ -250,42 +251,9 @@ def _contention_note(jobs: Sequence[JobRecord]) -> str | None:
     return first if len(jobs) == 1 else f"{len(flagged)} of {len(jobs)} repetitions {first}"
 
 
-def _disturbed(rep: _Rep) -> bool:
-    return bool(rep.disturbance and rep.disturbance.get("disturbed"))
-
-
-def _undisturbed_factor(reps: Sequence[_Rep]) -> float | None:
-    """How much faster the disturbed repetitions would have been had every timed step run at the reference step's
-    speed (their timed time / (reference step x timed steps), the largest); None when a disturbed repetition has no
-    steps to tell."""
-    factors = []
-    for rep in reps:
-        if not _disturbed(rep):
-            continue
-        reference = float((rep.disturbance or {}).get("reference_step_s") or 0)
-        timed = [float(s["seconds"]) for s in rep.steps if s.get("timed", True)]
-        if reference <= 0 or not timed:
-            return None
-        factors.append(max(1.0, math.fsum(timed) / (reference * len(timed))))
-    return max(factors) if factors else None
-
-
 def _step_times(rep: _Rep) -> list[tuple[int, float]]:
     timed = [(int(s["step"]), float(s["seconds"])) for s in rep.steps if s.get("timed", True)]
     return _downsample(timed, LOSS_CURVE_POINTS)
-
-
-def _disturbance_note(all_reps: Sequence[tuple[JobRecord, _Rep]], used: Sequence[_Rep]) -> str | None:
-    """What the disturbance detector found in a group's repetitions, and whether the figures still include it."""
-    flagged = [(job, rep) for job, rep in all_reps if _disturbed(rep)]
-    if not flagged:
-        return None
-    evidence = str((flagged[0][1].disturbance or {}).get("evidence") or "steps ran at different speeds")
-    if not any(_disturbed(rep) for rep in used):
-        names = ", ".join(job.job_name for job, _ in flagged)
-        return f"left out of the figures: {names} was disturbed ({evidence})"
-    first = "disturbed measurement: " + evidence
-    return first if len(all_reps) == 1 else f"{len(flagged)} of {len(all_reps)} repetitions: {first}"
 
 
 def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -369,8 +337,8 @@ def _measure_group(
         return fields
 
     measured = completed
-    if any(not _disturbed(rep) for _, rep in completed):  # a disturbed repetition re-measured cleanly is left out
-        completed = [(job, rep) for job, rep in completed if not _disturbed(rep)]
+    if any(not disturbed(rep) for _, rep in completed):  # a disturbed repetition re-measured cleanly is left out
+        completed = [(job, rep) for job, rep in completed if not disturbed(rep)]
         fields["repetitions"] = len(completed)
     reps = [r for _, r in completed]
     tps = [r.tokens_per_s for r in reps]
@@ -418,9 +386,9 @@ def _measure_group(
         **stop_outcome(reps, spec),
         settings_key=settings_key(first),
         contention_note=_contention_note([job for job, _ in completed]),
-        disturbance_note=_disturbance_note(measured, reps),
-        disturbed=any(_disturbed(rep) for rep in reps),
-        undisturbed_factor=_undisturbed_factor(reps),
+        disturbance_note=disturbance_note(measured, reps),
+        disturbed=any(disturbed(rep) for rep in reps),
+        undisturbed_factor=undisturbed_factor(reps),
         host_allocator=reps[0].host_allocator,
         tokens_per_s_per_gpu=tokens_rate / world
         if tokens_rate is not None and reps[0].device == "cuda"
@@ -436,7 +404,7 @@ def _measure_group(
         time_breakdown=breakdown,
         overhead_seconds=breakdown.overhead_seconds,
         loss_curve=list(map(_LOSS_POINT, _downsample(reps[0].curve_points, LOSS_CURVE_POINTS))),  # for the charts
-        step_times=_step_times(next((r for r in reps if _disturbed(r)), reps[0])),
+        step_times=_step_times(next((r for r in reps if disturbed(r)), reps[0])),
     )
     if target_loss is not None:
         loss_requests.append((len(out), ([r.curve for r in reps], target_loss, tps)))

@@ -1,0 +1,56 @@
+"""What the analysis does with a disturbed measurement (gpuscout/domain/disturbance.py decides which are): leave a
+disturbed repetition out when an undisturbed one of the same variant exists, say so in the variant's note, and bound
+how much faster a disturbed one could have been (the verdict's question whether it could have led).
+
+May import: gpuscout.store."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gpuscout.store.base import JobRecord
+
+
+class Measured(Protocol):
+    """One repetition's measurement, as the analysis reads it from benchmark.json."""
+
+    @property
+    def disturbance(self) -> Mapping[str, Any] | None: ...  # the Disturbance fields; None: no steps recorded
+
+    @property
+    def steps(self) -> list[Any]: ...  # benchmark.json's steps (StepAccount dicts)
+
+
+def disturbed(rep: Measured) -> bool:
+    return bool(rep.disturbance and rep.disturbance.get("disturbed"))
+
+
+def undisturbed_factor(reps: Sequence[Measured]) -> float | None:
+    """How much faster the disturbed repetitions would have been had every timed step run at the reference step's
+    speed (their timed time / (reference step x timed steps), the largest); None when a disturbed repetition has no
+    steps to tell."""
+    factors = []
+    for rep in reps:
+        if not disturbed(rep):
+            continue
+        reference = float((rep.disturbance or {}).get("reference_step_s") or 0)
+        timed = [float(s["seconds"]) for s in rep.steps if s.get("timed", True)]
+        if reference <= 0 or not timed:
+            return None
+        factors.append(max(1.0, math.fsum(timed) / (reference * len(timed))))
+    return max(factors) if factors else None
+
+
+def disturbance_note(all_reps: Sequence[tuple[JobRecord, Measured]], used: Sequence[Measured]) -> str | None:
+    """What the disturbance detector found in a group's repetitions, and whether the figures still include it."""
+    flagged = [(job, rep) for job, rep in all_reps if disturbed(rep)]
+    if not flagged:
+        return None
+    evidence = str((flagged[0][1].disturbance or {}).get("evidence") or "steps ran at different speeds")
+    if not any(disturbed(rep) for rep in used):
+        names = ", ".join(job.job_name for job, _ in flagged)
+        return f"left out of the figures: {names} was disturbed ({evidence})"
+    first = "disturbed measurement: " + evidence
+    return first if len(all_reps) == 1 else f"{len(flagged)} of {len(all_reps)} repetitions: {first}"
