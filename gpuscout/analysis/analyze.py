@@ -26,7 +26,7 @@ import numpy as np  # a matplotlib dependency, so always present where gpuscout'
 
 from gpuscout.analysis import costs, intervals
 from gpuscout.analysis.costs import TimeBreakdown
-from gpuscout.analysis.disturbed import disturbance_note, disturbed, undisturbed_factor
+from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide
 from gpuscout.analysis.results import (
@@ -193,7 +193,8 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,
             stop_rule=(bench.get("stop") or {}).get("rule"),
             stop_reason=(bench.get("stop") or {}).get("reason"),
-            disturbance=bench.get("disturbance") or (detect(bench["steps"]) if bench.get("steps") else None),
+            # judged again from the steps (this release's detector), else what the job wrote
+            disturbance=detect(bench["steps"]) if bench.get("steps") else bench.get("disturbance"),
             steps=bench.get("steps") or [],
             host_allocator=(bench.get("software") or {}).get("host_allocator"),
         )
@@ -389,6 +390,7 @@ def _measure_group(
         disturbance_note=disturbance_note(measured, reps),
         disturbed=any(disturbed(rep) for rep in reps),
         undisturbed_factor=undisturbed_factor(reps),
+        kernel_note=kernel_note(reps),
         host_allocator=reps[0].host_allocator,
         tokens_per_s_per_gpu=tokens_rate / world
         if tokens_rate is not None and reps[0].device == "cuda"

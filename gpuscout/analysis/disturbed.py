@@ -2,7 +2,7 @@
 disturbed repetition out when an undisturbed one of the same variant exists, say so in the variant's note, and bound
 how much faster a disturbed one could have been (the verdict's question whether it could have led).
 
-May import: gpuscout.store."""
+May import: gpuscout.domain and gpuscout.store."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from gpuscout.domain.disturbance import kernel_note as domain_kernel_note
 from gpuscout.store.base import JobRecord
 
 
@@ -41,6 +42,13 @@ def undisturbed_factor(reps: Sequence[Measured]) -> float | None:
             return None
         factors.append(max(1.0, math.fsum(timed) / (reference * len(timed))))
     return max(factors) if factors else None
+
+
+def kernel_note(reps: Sequence[Measured]) -> str | None:
+    """The domain's kernel note for the repetition whose kernel share was the largest, if any earns one."""
+    notes = [(float((r.disturbance or {}).get("system_share") or 0), domain_kernel_note(r.disturbance)) for r in reps]
+    notes = [(share, note) for share, note in notes if note]
+    return max(notes)[1] if notes else None
 
 
 def disturbance_note(all_reps: Sequence[tuple[JobRecord, Measured]], used: Sequence[Measured]) -> str | None:

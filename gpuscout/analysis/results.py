@@ -62,6 +62,7 @@ class JobAnalysis(BaseModel):
     # disturbed: how much faster it would have been with every timed step at its reference step's speed (an upper
     # bound the verdict uses to tell whether a disturbed job lower down could have led); None = cannot tell
     undisturbed_factor: float | None = None
+    kernel_note: str | None = None  # the kernel took a large share of the step time (a steady cost, not a disturbance)
     host_allocator: str | None = None  # train.py's host memory allocator (benchmark.json software.host_allocator)
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
@@ -134,7 +135,7 @@ class JobAnalysis(BaseModel):
         flags = []
         if self.ci_kind == "unreliable":
             flags.append(self.ci_method or "unreliable interval")
-        flags += [note for note in (self.contention_note, self.disturbance_note) if note]
+        flags += [note for note in (self.contention_note, self.disturbance_note, self.kernel_note) if note]
         return "; ".join(flags)
 
     @property

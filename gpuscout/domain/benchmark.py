@@ -174,7 +174,9 @@ class Disturbance(_Strict):
     system_share_fast: float | None = None
     minor_faults_per_s_slow: float | None = None
     minor_faults_per_s_fast: float | None = None
-    throttled_steps: int = 0  # timed steps whose GPU reported a power or thermal slowdown
+    throttled_steps: int = 0  # timed steps whose GPU reported a thermal or hardware slowdown
+    system_share: float | None = None  # kernel CPU time / step time over all timed steps (not a disturbance itself)
+    minor_faults_per_s: float | None = None  # over all timed steps
 
 
 class JobInfo(_Strict):

@@ -44,11 +44,25 @@ MIN_PHASE_STEPS = 3
 MAX_SPLITS = 64  # split points tried by the two-phase test (evenly spaced): linear in the steps, not quadratic
 MIN_STEPS = 6
 THROTTLE_FRACTION = 0.10
+KERNEL_NOTE_SHARE = 0.25  # the kernel's share of all timed step time that earns a note (not a disturbance)
 KERNEL_RISE = 0.05  # the kernel's share of the slow steps' time above the others' that the evidence blames on it
 # NVML clock-event reasons that slow a GPU down against its will: hardware slowdown, software and hardware thermal
 # slowdown, power brake. Not counted: the software power cap (0x4), the normal state of a fully loaded H100 or A100
 # running at its power limit; GPU idle, application clocks and sync boost. All bits stay recorded in steps[].
 THROTTLE_BITS = 0x8 | 0x20 | 0x40 | 0x80
+
+
+def kernel_note(disturbance: Mapping[str, Any] | None) -> str | None:
+    """A note when the kernel took KERNEL_NOTE_SHARE or more of the timed steps' time: a steady cost (page faults, most
+    often) that the figures include and the step statistics cannot see, since every step pays it alike."""
+    share = (disturbance or {}).get("system_share")
+    if share is None or share < KERNEL_NOTE_SHARE:
+        return None
+    faults = (disturbance or {}).get("minor_faults_per_s") or 0.0
+    return (
+        f"the kernel took {100 * share:.0f} % of the step time at {_rate(faults)} minor page faults/s "
+        "(a host allocator that returns memory every step does this; see host_allocator)"
+    )
 
 
 def _compute_s(step: Mapping[str, Any]) -> float:
@@ -107,6 +121,8 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         slow_median_ratio=statistics.median(_compute_s(s) for s in slow) / reference if slow else None,
         phase_ratio=phase[1] if phase else None,
         throttled_steps=len(throttled),
+        system_share=_share(timed, "system_s"),  # the whole timed time's, not a disturbance by itself
+        minor_faults_per_s=_share(timed, "minor_faults"),
     )
 
     reasons: list[str] = []

@@ -267,3 +267,27 @@ def test_a_disturbed_leader_cannot_win_and_a_disturbed_follower_keeps_the_leader
 def test_a_lone_disturbed_candidate_is_not_a_firm_answer() -> None:
     analysis = _verdict([_job("only", 0, _disturbed(_bench(20_000, (19_000, 21_000))))])
     assert analysis.recommendation.verdict == "cannot_tell" and not analysis.recommendation.clear_winner
+
+
+def test_a_kernel_busy_with_page_faults_earns_a_note_but_does_not_change_the_verdict() -> None:
+    fast = [24_000, 24_400, 23_800]
+    slow = [12_100, 11_900, 12_300]
+
+    def faulting(bench: dict[str, Any]) -> dict[str, Any]:  # every step alike: half its time in the kernel
+        steps = [
+            {"step": i + 1, "seconds": 0.03, "timed": i >= 3, "system_s": 0.015, "minor_faults": 1650}
+            for i in range(20)
+        ]
+        return {**bench, "steps": steps}
+
+    jobs = [_job("fast", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate(fast)]
+    jobs += [_job("slow", r, faulting(_bench(v, (v * 0.97, v * 1.03))), workers=2) for r, v in enumerate(slow)]
+    analysis = _verdict(jobs)
+    assert analysis.recommendation.verdict == "clear"
+    slow_job = next(j for j in analysis.jobs if j.variant_name == "slow")
+    assert not slow_job.disturbed and slow_job.kernel_note == (
+        "the kernel took 50 % of the step time at 55k minor page faults/s (a host allocator that returns memory "
+        "every step does this; see host_allocator)"
+    )
+    assert slow_job.kernel_note in slow_job.measurement_note
+    assert next(j for j in analysis.jobs if j.variant_name == "fast").kernel_note is None
