@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from experiment_tracking import JobTracker
+from stop_signal import StopSignal
 from train_args import parse_hyperparameters
 from train_distributed import init_distributed, leave_together
 from train_facts import process_age_s
@@ -44,7 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the job's parameters for its experiment trackers (their start counts in the start-up time)
     params = {**dataclasses.asdict(hp), "device": dist.device.type, "world_size": dist.world_size}
     tracker.start(params, variant=hp.search_candidate or None)  # a tuning trial is its candidate
-    bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s)
+    stop = StopSignal()
+    bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
+    if dist.world_size == 1:  # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
+        stop.install()
     try:
         result = bench.run()
     except Exception as err:  # every failure becomes a status=failed benchmark.json the analysis can classify

@@ -34,6 +34,7 @@ from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, check
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
 from packing import CausalLMWithLoss, make_inputs, unpack_blocks
+from stop_signal import StopSignal
 from train_args import Hyperparameters
 from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_starts
 from train_distributed import Dist
@@ -70,6 +71,7 @@ class Benchmark:
         tracker: JobTracker | None = None,
         *,
         import_time_s: float | None = None,
+        stop: StopSignal | None = None,
     ) -> None:
         self.hp = hp
         self.dist = dist
@@ -77,6 +79,7 @@ class Benchmark:
         # one clock from the process's start: wall and start-up times include the interpreter and the imports
         self.started = time.perf_counter() - (process_age_s() or 0.0)
         self.import_time_s = import_time_s  # process start to main(): the interpreter and train.py's imports
+        self.stop = stop or StopSignal()  # SIGTERM (stop_signal.py): installed by train.py for one-process jobs
         self.data_dir = Path(os.environ.get("SM_CHANNEL_TRAIN", "/opt/ml/input/data/train"))
         self.output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data"))
         self.model_dir = Path(os.environ.get("SM_MODEL_DIR", "/opt/ml/model"))
@@ -194,8 +197,13 @@ class Benchmark:
         )
         startup_s = time.perf_counter() - self.started
         self.sampler.start()
+        self.stop.in_loop = True
         stop_reason = self._train(parts, data, stats, iter(loader), ckpt_root)
-        self._validate(parts, data)
+        if self.stop.received is not None:  # stopping on SIGTERM: no validation, the result as measured
+            if not stats.timed:
+                raise TrainingError(f"{stop_reason}, before any timed step: nothing was measured")
+        else:
+            self._validate(parts, data)
         if os.environ.get("GPUSCOUT_SAVE_MODEL") == "1" and self.dist.is_main and parts.engine is None:
             parts.model.lm.save_pretrained(str(self.model_dir))  # type: ignore[operator]
         return self._result(stats, parts.warmup, startup_s, stop_reason)
@@ -345,6 +353,10 @@ class Benchmark:
                 self.log(f"GPUSCOUT_EXIT_AFTER_STEP={exit_after}: exiting hard (interruption test)")
                 sys.stdout.flush()
                 os._exit(3)
+            if self.stop.received is not None:  # SIGTERM: after this step, with a checkpoint when the job keeps them
+                if hp.checkpoint_interval and step % hp.checkpoint_interval != 0:
+                    self._save(ckpt_root, parts)
+                return self.stop.reason(step)
             reason = self._steady_state(stats)
             if reason:
                 return reason

@@ -284,7 +284,10 @@ def run_job(
     completed = benchmark is not None and benchmark["status"] == "completed"
     # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
     # stop reached it (the signal then cut its exit short); its measurement is whole
-    finished = completed and (proc.returncode == 0 or (stopped is not None and not timed_out))
+    # (a job that stopped itself on the runner's SIGTERM wrote a complete benchmark.json after the stop: not finished)
+    stopped_itself = str(((benchmark or {}).get("stop") or {}).get("reason") or "").startswith("stopped on SIG")
+    finished = completed and not (stopped is not None and stopped_itself)
+    finished = finished and (proc.returncode == 0 or (stopped is not None and not timed_out))
     if stopped is not None and not timed_out and not finished:
         return JobOutcome(JobStatus.PRUNED, benchmark, stopped, wall, contention)
     if timed_out:
