@@ -136,6 +136,9 @@ class GpuscoutStack(Stack):
             "ResultsTableName": self.results.table.table_name,
             "StateMachineArn": self.workflow.state_machine.state_machine_arn,
             "NotificationTopicArn": self.notifications.topic.topic_arn,
+            # for the CLI's quota pre-flight (gpuscout/cloud/quotas.py): what the canaries and the Map will ask for
+            "CanaryInstanceType": config.canary_instance_type or "none",
+            "MapMaxConcurrency": str(config.map_max_concurrency),
         }.items():
             CfnOutput(self, name, value=value)
 

@@ -153,6 +153,8 @@ def submit(
         soft_wrap=True,
     )
     console.print(f"run id:    [bold]{escape(submission.run_id)}[/]", soft_wrap=True)
+    for warning in submission.warnings:  # the quota pre-flight's: jobs that will wait, quotas that were not read
+        console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
     if submission.execution_arn:
         console.print(f"execution: {escape(submission.console_url)}", soft_wrap=True)
     else:

@@ -40,9 +40,12 @@ from botocore.exceptions import (
 
 from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
+from gpuscout.cloud.quotas import QuotaBook, plan_needs
+from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.sagemaker_requests import output_tar_key
 from gpuscout.cloud.sources import hyperparameter_problems, source_problems, target_problems, tracking_problems
 from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
@@ -58,6 +61,7 @@ OUTPUT_DATA_BUCKET = "DataBucketName"
 OUTPUT_ARTIFACTS_BUCKET = "ArtifactsBucketName"
 OUTPUT_TABLE = "ResultsTableName"
 OUTPUT_STATE_MACHINE = "StateMachineArn"
+DEFAULT_MAP_CONCURRENCY = 4  # the stack's default map_max_concurrency (stacks/config.py), for older stacks
 REQUIRED_OUTPUTS = (OUTPUT_DATA_BUCKET, OUTPUT_ARTIFACTS_BUCKET, OUTPUT_TABLE, OUTPUT_STATE_MACHINE)
 # How long `submit` looks for the execution the upload started (EventBridge usually starts it within seconds).
 DEFAULT_EXECUTION_WAIT_S = 15.0
@@ -139,6 +143,8 @@ class StackOutputs:
     artifacts_bucket: str
     table_name: str
     state_machine_arn: str
+    canary_instance_type: str | None = None  # None: canaries off, or a stack deployed before this output existed
+    map_max_concurrency: int | None = None  # None: a stack deployed before this output existed
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ class Submission:
     console_url: str  # the execution's page, or the state machine's when not found yet
     search: bool = False  # a settings search: job_count is the most trials its tuning jobs may launch
     tracked: bool = False  # the manifest has a tracking section: `gpuscout track` logs the run level at the end
+    warnings: tuple[str, ...] = ()  # the quota pre-flight's (jobs would wait for each other; quotas not readable)
 
     @property
     def manifest_uri(self) -> str:
@@ -242,6 +249,10 @@ class CloudStack:
             artifacts_bucket=outputs[OUTPUT_ARTIFACTS_BUCKET],
             table_name=outputs[OUTPUT_TABLE],
             state_machine_arn=outputs[OUTPUT_STATE_MACHINE],
+            canary_instance_type=(
+                None if outputs.get("CanaryInstanceType", "none") == "none" else outputs["CanaryInstanceType"]
+            ),
+            map_max_concurrency=int(outputs["MapMaxConcurrency"]) if outputs.get("MapMaxConcurrency") else None,
         )
 
     @cached_property
@@ -310,6 +321,7 @@ class CloudStack:
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
         the_plan = plan(manifest, catalog or load_catalog(), run_id=expected_run_id)
         the_plan.check_budget()
+        warnings = self.quota_preflight(path, the_plan.jobs)
         # The control plane plans a new attempt (<run id>-r2, ...) after a FAILED or REFUSED run of this exact
         # object, and refuses it otherwise: the same rule here, so the printed run id is the one that will run.
         try:
@@ -356,7 +368,22 @@ class CloudStack:
             execution_arn=execution_arn,
             console_url=console_url,
             tracked=manifest.tracking is not None,
+            warnings=tuple(warnings),
         )
+
+    def quota_preflight(self, path: Path, jobs: list[JobSpec]) -> list[str]:
+        """The account's SageMaker training quotas against the plan (quotas.py): raises ManifestError naming the
+        quota and where to raise it when a job could never start; returns the warnings."""
+        outputs = self.outputs
+        needs = plan_needs(
+            jobs,
+            concurrency=outputs.map_max_concurrency or DEFAULT_MAP_CONCURRENCY,
+            canary_instance_type=outputs.canary_instance_type,
+        )
+        problems, warnings = check_quotas(needs, QuotaBook(self._client("service-quotas")))
+        if problems:
+            raise ManifestError(str(path), problems)
+        return warnings
 
     def find_execution(
         self, key: str, etag: str, *, started_after: datetime, wait_seconds: float = DEFAULT_EXECUTION_WAIT_S

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import boto3
 import pytest
@@ -31,6 +31,7 @@ from gpuscout.cloud.client import (
     StackNotFoundError,
     execution_console_url,
 )
+from gpuscout.cloud.quotas import Quota, training_quota_name
 from gpuscout.cloud.sources import source_problems
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
@@ -106,9 +107,31 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUSCOUT_STACK_NAME", raising=False)
 
 
+class AccountQuotas:
+    """The account's SageMaker quotas as Service Quotas would list them (moto does not implement
+    ListServiceQuotas): ``values`` by quota name; a type not named has 10 on-demand and 10 spot instances."""
+
+    values: ClassVar[dict[str, float]] = {}
+    region = REGION
+
+    def __init__(self, client: object) -> None:
+        pass
+
+    def quotas(self) -> dict[str, Quota]:
+        from gpuscout.domain.catalog import load_catalog
+
+        names = [
+            training_quota_name(t, spot=spot) for t in load_catalog().training_types for spot in (False, True)
+        ] + list(self.values)
+        return {n: Quota(n, f"L-{abs(hash(n)) % 10**8:08d}", self.values.get(n, 10.0)) for n in names}
+
+
 @pytest.fixture
-def deployed(aws_env: None) -> Iterator[Deployed]:
-    """The stack's resources and a CloudFormation stack `Gpuscout` whose outputs name them."""
+def deployed(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[Deployed]:
+    """The stack's resources and a CloudFormation stack `Gpuscout` whose outputs name them, in an account whose
+    training quotas are 10 instances of every type unless a test sets ``AccountQuotas.values``."""
+    monkeypatch.setattr("gpuscout.cloud.client.QuotaBook", AccountQuotas)
+    monkeypatch.setattr(AccountQuotas, "values", {})
     with mock_aws():
         s3 = boto3.client("s3", region_name=REGION)
         s3.create_bucket(Bucket=ARTIFACTS_BUCKET)
@@ -594,4 +617,21 @@ def test_a_job_manifest_with_requirements_under_network_isolation_is_refused_bef
         CloudStack().submit(folder / "cloud.yaml", wait_seconds=0)
     [problem] = info.value.problems
     assert problem.path == "job.requirements" and "pip cannot install requirements.txt" in problem.message
+    assert _keys(deployed.s3) == []
+
+
+def test_a_zero_gpu_quota_is_refused_at_submit_with_its_name_and_link_and_nothing_is_uploaded(
+    deployed: Deployed, tmp_path: Path
+) -> None:
+    # Given a new account: the first target type's on-demand training quota is 0
+    manifest = _manifest(tmp_path)
+    target = yaml.safe_load(manifest.read_text())["targets"][0]["instance_type"]
+    AccountQuotas.values = {training_quota_name(target, spot=False): 0.0}
+    # When it is submitted
+    result = CliRunner().invoke(cli.app, ["submit", str(manifest)])
+    # Then it is refused before anything is uploaded, naming the quota, its code and where to raise it
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())
+    assert f"the account's quota '{target} for training job usage' (L-" in text and "is 0 in us-east-1" in text
+    assert "https://us-east-1.console.aws.amazon.com/servicequotas/home/services/sagemaker/quotas/L-" in text
     assert _keys(deployed.s3) == []

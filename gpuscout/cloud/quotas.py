@@ -1,0 +1,137 @@
+"""Quota pre-flight: the account's SageMaker training quotas against what a plan will ask for, before anything runs.
+
+A new AWS account starts with the GPU training quotas at 0: a run whose jobs (or canaries) need one waits in the
+state machine's quota retries for hours and then fails. Each instance type has two quotas, named by SageMaker as
+``<type> for training job usage`` (on-demand) and ``<type> for spot training job usage`` (managed spot), counted in
+instances running at once in the region. ``QuotaBook`` reads them all with Service Quotas ListServiceQuotas (service
+code ``sagemaker``; one paginated call, cached per region for ``CACHE_SECONDS``), and ``check`` turns a plan's needs
+into refusals (a needed quota is 0, or smaller than one job's instance count: the job could never start) and warnings
+(the run would start more instances of a type at once than the quota allows: jobs wait for each other).
+
+Where Service Quotas cannot be read (no permission, an unknown region) the check says so as a warning and refuses
+nothing: the quota retries of the workflow still apply.
+
+May import: gpuscout.domain, gpuscout.errors and gpuscout.plan."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from gpuscout.domain.jobspec import JobSpec
+from gpuscout.errors import Problem
+
+SERVICE_CODE = "sagemaker"
+CACHE_SECONDS = 900.0
+_CACHE: dict[str, tuple[float, dict[str, Quota]]] = {}  # region -> (read at, quota name -> quota)
+
+
+def training_quota_name(instance_type: str, *, spot: bool) -> str:
+    """SageMaker's name of the quota that limits training jobs of ``instance_type`` (instances at once)."""
+    return f"{instance_type} for {'spot ' if spot else ''}training job usage"
+
+
+def console_url(region: str, code: str) -> str:
+    """Where a quota increase is requested."""
+    return f"https://{region}.console.aws.amazon.com/servicequotas/home/services/{SERVICE_CODE}/quotas/{code}"
+
+
+@dataclass(frozen=True)
+class Quota:
+    name: str
+    code: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a plan asks of one quota: the largest single job and the most instances it would run at once."""
+
+    instance_type: str
+    spot: bool
+    per_job: int  # instances one job of this kind needs (its instance_count)
+    at_once: int  # instances the run would start at once (jobs x count, up to the Map's concurrency)
+    what: str  # who needs it, for the message ("targets[0] ml.p5.48xlarge", "the canaries")
+
+    @property
+    def quota_name(self) -> str:
+        return training_quota_name(self.instance_type, spot=self.spot)
+
+
+def plan_needs(jobs: Sequence[JobSpec], *, concurrency: int, canary_instance_type: str | None) -> list[Need]:
+    """The quotas a plan's jobs need (per instance type and purchase option) and, when canaries run, the canary
+    type's on-demand quota (canaries run one instance each, one at a time per configuration)."""
+    groups: dict[tuple[str, bool], list[JobSpec]] = {}
+    for job in jobs:
+        groups.setdefault((job.instance_type, job.spot), []).append(job)
+    needs = []
+    for (instance_type, spot), group in groups.items():
+        per_job = max(j.instance_count for j in group)
+        busiest = sorted((j.instance_count for j in group), reverse=True)[: max(1, concurrency)]
+        targets = sorted({j.target_index for j in group})
+        what = ", ".join(f"targets[{t}]" for t in targets) + f" {instance_type}{' (spot)' if spot else ''}"
+        needs.append(Need(instance_type, spot, per_job=per_job, at_once=sum(busiest), what=what))
+    if canary_instance_type and jobs:
+        needs.append(Need(canary_instance_type, False, per_job=1, at_once=1, what="the canaries"))
+    return needs
+
+
+class QuotaBook:
+    """The region's SageMaker quotas by name, read once (ListServiceQuotas) and cached for CACHE_SECONDS."""
+
+    def __init__(self, client: Any, *, clock: Any = time.monotonic) -> None:
+        self._client = client
+        self._clock = clock
+        self.region = str(client.meta.region_name)
+
+    def quotas(self) -> dict[str, Quota]:
+        cached = _CACHE.get(self.region)
+        if cached is not None and self._clock() - cached[0] < CACHE_SECONDS:
+            return cached[1]
+        found: dict[str, Quota] = {}
+        for page in self._client.get_paginator("list_service_quotas").paginate(ServiceCode=SERVICE_CODE):
+            for q in page.get("Quotas", []):
+                if "QuotaName" in q and "QuotaCode" in q and "Value" in q:
+                    found[q["QuotaName"]] = Quota(q["QuotaName"], q["QuotaCode"], float(q["Value"]))
+        _CACHE[self.region] = (self._clock(), found)
+        return found
+
+
+def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[str]]:
+    """Refusals (as manifest problems: the field is the target) and warnings for a plan's needs."""
+    try:
+        quotas = book.quotas()
+    except (ClientError, BotoCoreError) as err:
+        return [], [
+            f"could not read the account's SageMaker quotas in {book.region} (servicequotas:ListServiceQuotas: "
+            f"{str(err).splitlines()[0]}); the run is not checked against them"
+        ]
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    for need in needs:
+        quota = quotas.get(need.quota_name)
+        field = need.what.split(" ")[0] if need.what.startswith("targets[") else "canary"
+        if quota is None:
+            warnings.append(
+                f"{need.what}: no quota named {need.quota_name!r} in {book.region} (is the type offered there?)"
+            )
+            continue
+        where = f"request an increase at {console_url(book.region, quota.code)}"
+        if quota.value < need.per_job:
+            problems.append(
+                Problem(
+                    field,
+                    f"{need.what}: the account's quota {quota.name!r} ({quota.code}) is {quota.value:g} in "
+                    f"{book.region}, and one job needs {need.per_job} instance(s): it could never start; {where}",
+                )
+            )
+        elif quota.value < need.at_once:
+            warnings.append(
+                f"{need.what}: the run would start {need.at_once} instance(s) at once; the quota {quota.name!r} "
+                f"allows {quota.value:g}, so jobs wait for each other ({where})"
+            )
+    return problems, warnings
