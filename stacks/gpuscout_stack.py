@@ -175,6 +175,14 @@ class GpuscoutStack(Stack):
                 sid="FindJobCode", actions=["s3:GetObject"], resources=[data.arn_for_objects(f"{RAW_PREFIX}*")]
             )
         )
+        # The quota pre-flight (gpuscout/cloud/quotas.py): the account's SageMaker training quotas, read only.
+        lambdas["validate_manifest"].add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadQuotas",
+                actions=["servicequotas:ListServiceQuotas", "servicequotas:ListAWSDefaultServiceQuotas"],
+                resources=["*"],
+            )
+        )
         # plan_jobs checks whether processed data exists (HEAD needs ListBucket to tell 404 from 403).
         lambdas["plan_jobs"].add_to_policy(
             iam.PolicyStatement(
@@ -340,6 +348,8 @@ class GpuscoutStack(Stack):
         for name, role in lambdas.items():
             extra = {
                 "analyze_run": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
+                "validate_manifest": "; servicequotas:ListServiceQuotas and ListAWSDefaultServiceQuotas (the quota "
+                "pre-flight reads the account's SageMaker quotas) have no resource-level permissions",
                 **{
                     recorder: "; cloudwatch:PutMetricData has none either and is limited by a cloudwatch:namespace "
                     "condition to the gpuscout namespace"

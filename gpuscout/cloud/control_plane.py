@@ -18,6 +18,7 @@ only ever move a non-final run of *their* execution (the run row records the exe
 from __future__ import annotations
 
 import json
+import logging
 import mimetypes
 import tempfile
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import publish, run_summary
+from gpuscout.cloud.quotas import QuotaBook, plan_needs
+from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.sagemaker_requests import (
     DataSource,
     RequestSettings,
@@ -73,12 +76,14 @@ from gpuscout.store.base import (
 )
 from gpuscout.store.dynamodb import DynamoDbStore
 
+logger = logging.getLogger(__name__)
 MAX_MANIFEST_BYTES = 1024 * 1024
 # The plan step's output, at most: the rest of the 256 KiB state is the manifest and the data-preparation result.
 MAX_PLAN_BYTES = STATE_PAYLOAD_LIMIT_BYTES - 48 * 1024
 # A run that ended like this may be planned again from the same manifest object (as <run_id>-r<attempt>).
 RETRYABLE_RUN_STATUSES = frozenset({RunStatus.FAILED, RunStatus.REFUSED})
 MAX_ATTEMPTS = 20
+MAX_QUOTA_WARNINGS = 20  # carried in Validate's output (each one line): the state stays small
 # How many of the newest runs fail_run_of_execution searches for the run of a failed execution.
 RUNS_SEARCHED_FOR_AN_EXECUTION = 200
 MAX_ERROR_CHARS = 4000
@@ -110,6 +115,7 @@ class Services:
     sagemaker: Any
     pricing: Any  # AWS Price List API client (its endpoint is in us-east-1)
     sns: Any = None  # the run-summary notification (analyze)
+    service_quotas: Any = None  # the account's SageMaker quotas (validate's pre-flight, quotas.py)
 
 
 @lru_cache(maxsize=1)
@@ -122,6 +128,7 @@ def services() -> Services:
         sagemaker=boto3.client("sagemaker"),
         pricing=boto3.client("pricing", region_name=PRICE_LIST_REGION),
         sns=boto3.client("sns"),
+        service_quotas=boto3.client("service-quotas"),
     )
 
 
@@ -208,9 +215,12 @@ def validate_manifest(
     s3: Any,
     settings: LambdaSettings,
     catalog: Catalog | None = None,
+    quota_book: QuotaBook | None = None,
 ) -> dict[str, Any]:
-    """Validate step. Returns ``{"run_id", "bucket", "key", "manifest"}`` or raises ManifestRejected after writing
-    ``rejected/<name>.error.json`` (every problem with its field path) and a REJECTED run row."""
+    """Validate step. Returns ``{"run_id", "bucket", "key", "manifest", "quota_warnings"}`` or raises
+    ManifestRejected after writing ``rejected/<name>.error.json`` (every problem with its field path) and a REJECTED
+    run row. With ``quota_book`` the plan's jobs and canaries are checked against the account's SageMaker training
+    quotas (quotas.py): a quota of 0 rejects the manifest, naming the quota and where to raise it."""
     bucket, key = str(execution_input["bucket"]), str(execution_input["key"])
     source = f"s3://{bucket}/{key}"
     body, object_etag = _read_object(s3, bucket, key)
@@ -223,6 +233,9 @@ def validate_manifest(
             raise ManifestError(source, [Problem("", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")])
         manifest = parse_manifest(body, source, catalog)
         refused = _cloud_problems(manifest, settings) or _job_code_problems(s3, manifest)
+        if refused:
+            raise ManifestError(source, refused)
+        refused, quota_warnings = _quota_problems(manifest, catalog, settings, quota_book)
         if refused:
             raise ManifestError(source, refused)
     except ManifestError as err:
@@ -257,7 +270,28 @@ def validate_manifest(
         "bucket": bucket,
         "key": key,
         "manifest": manifest.model_dump(mode="json"),
+        "quota_warnings": quota_warnings[:MAX_QUOTA_WARNINGS],
     }
+
+
+def _quota_problems(
+    manifest: Manifest, catalog: Catalog, settings: LambdaSettings, book: QuotaBook | None
+) -> tuple[list[Problem], list[str]]:
+    """The quota pre-flight of a valid manifest; nothing when no book is given or the manifest cannot be planned
+    (the Plan step says why)."""
+    if book is None:
+        return [], []
+    try:
+        jobs = plan(manifest, catalog, run_id="quota-preflight").jobs
+    except GpuscoutError:
+        return [], []
+    needs = plan_needs(
+        jobs, concurrency=settings.map_max_concurrency, canary_instance_type=settings.canary_instance_type
+    )
+    problems, warnings = check_quotas(needs, book)
+    for warning in warnings:
+        logger.warning("quota pre-flight: %s", warning)
+    return problems, warnings
 
 
 def _object_exists(s3: Any, bucket: str, key: str) -> bool:

@@ -4,7 +4,8 @@ A new AWS account starts with the GPU training quotas at 0: a run whose jobs (or
 state machine's quota retries for hours and then fails. Each instance type has two quotas, named by SageMaker as
 ``<type> for training job usage`` (on-demand) and ``<type> for spot training job usage`` (managed spot), counted in
 instances running at once in the region. ``QuotaBook`` reads them all with Service Quotas ListServiceQuotas (service
-code ``sagemaker``; one paginated call, cached per region for ``CACHE_SECONDS``), and ``check`` turns a plan's needs
+code ``sagemaker``; AWS's defaults from ListAWSDefaultServiceQuotas under the account's applied values, since the
+listing leaves out quotas never changed; cached per region for ``CACHE_SECONDS``), and ``check`` turns a plan's needs
 into refusals (a needed quota is 0, or smaller than one job's instance count: the job could never start) and warnings
 (the run would start more instances of a type at once than the quota allows: jobs wait for each other).
 
@@ -93,10 +94,13 @@ class QuotaBook:
         if cached is not None and self._clock() - cached[0] < CACHE_SECONDS:
             return cached[1]
         found: dict[str, Quota] = {}
-        for page in self._client.get_paginator("list_service_quotas").paginate(ServiceCode=SERVICE_CODE):
-            for q in page.get("Quotas", []):
-                if "QuotaName" in q and "QuotaCode" in q and "Value" in q:
-                    found[q["QuotaName"]] = Quota(q["QuotaName"], q["QuotaCode"], float(q["Value"]))
+        # AWS's defaults first, then the account's applied values over them: ListServiceQuotas leaves out a quota
+        # whose applied value is not available (one never changed, as in a new account), and the default holds then
+        for operation in ("list_aws_default_service_quotas", "list_service_quotas"):
+            for page in self._client.get_paginator(operation).paginate(ServiceCode=SERVICE_CODE):
+                for q in page.get("Quotas", []):
+                    if "QuotaName" in q and "QuotaCode" in q and "Value" in q:
+                        found[q["QuotaName"]] = Quota(q["QuotaName"], q["QuotaCode"], float(q["Value"]))
         _CACHE[self.region] = (self._clock(), found)
         return found
 
@@ -107,7 +111,7 @@ def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[s
         quotas = book.quotas()
     except (ClientError, BotoCoreError) as err:
         return [], [
-            f"could not read the account's SageMaker quotas in {book.region} (servicequotas:ListServiceQuotas: "
+            f"could not read the account's SageMaker quotas in {book.region} (Service Quotas: "
             f"{str(err).splitlines()[0]}); the run is not checked against them"
         ]
     problems: list[Problem] = []

@@ -31,6 +31,7 @@ class ValidatedManifest(BaseModel):
     key: str
     manifest: dict[str, Any]
     execution_arn: str | None = None
+    quota_warnings: list[str] = Field(default_factory=list)  # Validate's quota pre-flight (logged there)
 
 
 @logger.inject_lambda_context

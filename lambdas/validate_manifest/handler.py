@@ -15,6 +15,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.quotas import QuotaBook
 
 logger = Logger()
 tracer = Tracer()
@@ -40,7 +41,11 @@ def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
     logger.append_keys(manifest_key=event.key)
     try:
         result = control_plane.validate_manifest(
-            event.model_dump(), store=services.store, s3=services.s3, settings=services.settings
+            event.model_dump(),
+            store=services.store,
+            s3=services.s3,
+            settings=services.settings,
+            quota_book=QuotaBook(services.service_quotas),
         )
     except control_plane.ManifestRejected:
         metrics.add_metric(name="ManifestsRejected", unit=MetricUnit.Count, value=1)

@@ -24,6 +24,9 @@ NO_RESOURCE_LEVEL = {
     "logs:PutResourcePolicy",
     "logs:DescribeResourcePolicies",
     "logs:DescribeLogGroups",
+    # Service Authorization Reference, Service Quotas: no resource types for the two list actions
+    "servicequotas:ListServiceQuotas",
+    "servicequotas:ListAWSDefaultServiceQuotas",
 }
 
 

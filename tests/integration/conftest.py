@@ -21,8 +21,10 @@ import pytest
 from moto import mock_aws
 
 from gpuscout.cloud.control_plane import Services, services
+from gpuscout.cloud.quotas import QuotaBook
 from gpuscout.cloud.settings import get_settings
 from gpuscout.store.dynamodb import table_definition
+from tests.account_quotas import account_quotas
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 if str(REPO_DIR) not in sys.path:  # the Lambda handlers are imported as lambdas.<name>.handler, like in the bundle
@@ -118,6 +120,9 @@ class Cloud:
         )
 
 
+QUOTAS: dict[str, float] = {}  # the account's quotas a test changes (quota name -> instances)
+
+
 @pytest.fixture
 def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
     for name, value in ENVIRONMENT.items():
@@ -125,6 +130,10 @@ def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
     monkeypatch.delenv("NOTIFICATION_TOPIC_ARN", raising=False)
     get_settings.cache_clear()
     services.cache_clear()
+    # moto does not implement Service Quotas' ListServiceQuotas: an account whose training quotas were raised, unless
+    # a test sets QUOTAS (quota name -> instances)
+    QUOTAS.clear()
+    monkeypatch.setattr(QuotaBook, "quotas", lambda self: account_quotas(QUOTAS))
     with mock_aws():
         boto3.client("dynamodb", region_name=REGION).create_table(**table_definition(TABLE))
         s3 = boto3.client("s3", region_name=REGION)

@@ -12,6 +12,7 @@ from conftest import (
     ARTIFACTS_BUCKET,
     DATA_BUCKET,
     IMAGE_URI,
+    QUOTAS,
     ROLE_ARN,
     Cloud,
     benchmark_for,
@@ -85,6 +86,27 @@ def test_invalid_manifest_is_rejected_with_every_problem(cloud: Cloud) -> None:
     assert run.run_id == report["run_id"]
     assert {p["path"] for p in run.problems} == paths
     assert cloud.services.store.list_jobs(run.run_id) == []
+
+
+def test_a_zero_training_quota_of_a_target_or_the_canary_type_is_rejected_at_validate(cloud: Cloud) -> None:
+    # Given a new account: the spot training quota of the p4d target (spot: true) is 0
+    QUOTAS["ml.p4d.24xlarge for spot training job usage"] = 0.0
+    # When the manifest is validated
+    with pytest.raises(ManifestRejected) as info:
+        validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
+    # Then it is rejected naming the quota, its code and where to raise it, and the run row says so
+    message = " ".join(str(info.value).split())
+    assert (
+        "targets[1] ml.p4d.24xlarge (spot): the account's quota 'ml.p4d.24xlarge for spot training job usage' (L-"
+        in (message)
+    )
+    assert "is 0 in us-east-1" in message and "servicequotas/home/services/sagemaker/quotas/L-" in message
+    [run] = cloud.services.store.list_runs()
+    assert run.status is RunStatus.REJECTED and [p["path"] for p in run.problems] == ["targets[1]"]
+    # and with the quotas raised, a quota smaller than the run's concurrency is only a warning in the output
+    QUOTAS.clear()
+    result = validate_handler.handler(cloud.submit(cloud_manifest(name="second"), "second"), cloud.context)
+    assert result["quota_warnings"] == []
 
 
 def test_instance_types_the_stack_does_not_allow_are_rejected(cloud: Cloud) -> None:

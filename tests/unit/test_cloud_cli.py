@@ -39,6 +39,7 @@ from gpuscout.paths import MANIFESTS_DIR, REPO_DIR
 from gpuscout.plan.jobs import make_run_id
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
+from tests.account_quotas import account_quotas
 
 REGION = "us-east-1"
 DATA_BUCKET = "gpuscout-data-test"
@@ -108,8 +109,7 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class AccountQuotas:
-    """The account's SageMaker quotas as Service Quotas would list them (moto does not implement
-    ListServiceQuotas): ``values`` by quota name; a type not named has 10 on-demand and 10 spot instances."""
+    """QuotaBook's stand-in: tests set ``values`` (quota name -> instances); every other quota is 10."""
 
     values: ClassVar[dict[str, float]] = {}
     region = REGION
@@ -118,12 +118,7 @@ class AccountQuotas:
         pass
 
     def quotas(self) -> dict[str, Quota]:
-        from gpuscout.domain.catalog import load_catalog
-
-        names = [
-            training_quota_name(t, spot=spot) for t in load_catalog().training_types for spot in (False, True)
-        ] + list(self.values)
-        return {n: Quota(n, f"L-{abs(hash(n)) % 10**8:08d}", self.values.get(n, 10.0)) for n in names}
+        return account_quotas(self.values)
 
 
 @pytest.fixture

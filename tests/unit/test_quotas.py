@@ -27,9 +27,10 @@ def _empty_cache():
     quotas._CACHE.clear()
 
 
-def _book(pages: list[list[dict]]) -> tuple[QuotaBook, Stubber]:
+def _book(pages: list[list[dict]], defaults: list[dict] | None = None) -> tuple[QuotaBook, Stubber]:
     client = boto3.client("service-quotas", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(client)
+    stub.add_response("list_aws_default_service_quotas", {"Quotas": defaults or []}, {"ServiceCode": "sagemaker"})
     for i, page in enumerate(pages):
         params = {"ServiceCode": "sagemaker", **({"NextToken": f"t{i}"} if i else {})}
         response = {"Quotas": page, **({"NextToken": f"t{i + 1}"} if i + 1 < len(pages) else {})}
@@ -67,7 +68,8 @@ def test_a_zero_quota_is_refused_with_its_name_code_and_link_and_a_small_one_war
     listed[canary] = _quota(needs[canary].quota_name, "L-CANARY", 0.0)
     busy = len(needs) - 1
     listed[busy] = _quota(needs[busy].quota_name, "L-BUSY", float(needs[busy].per_job))
-    book, stub = _book([listed[:3], listed[3:]])  # two pages
+    # a new account: the zero GPU quota was never changed, so only AWS's default lists it
+    book, stub = _book([listed[1:3], listed[3:]], defaults=[listed[0], _quota(needs[1].quota_name, "L-X", 0.0)])
     problems, warnings = check(needs, book)
     stub.assert_no_pending_responses()
     assert [p.path for p in problems] == [first.what.split(" ")[0], "canary"]
@@ -87,7 +89,7 @@ def test_an_unreadable_listing_or_an_unknown_type_warns_and_refuses_nothing():
     needs = plan_needs(_jobs(), concurrency=1, canary_instance_type=None)
     client = boto3.client("service-quotas", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(client)
-    stub.add_client_error("list_service_quotas", "AccessDeniedException", "not authorized to ListServiceQuotas")
+    stub.add_client_error("list_aws_default_service_quotas", "AccessDeniedException", "not authorized")
     stub.activate()
     problems, warnings = check(needs, QuotaBook(client))
     assert problems == [] and len(warnings) == 1
