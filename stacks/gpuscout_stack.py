@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_cdk import Acknowledgment, CfnElement, CfnOutput, Duration, RemovalPolicy, Stack, Validations
+from aws_cdk import Acknowledgment, Aws, CfnElement, CfnOutput, Duration, RemovalPolicy, Stack, Validations
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct, IConstruct
@@ -181,6 +181,15 @@ class GpuscoutStack(Stack):
                 sid="ReadQuotas",
                 actions=["servicequotas:ListServiceQuotas", "servicequotas:ListAWSDefaultServiceQuotas"],
                 resources=["*"],
+            )
+        )
+        # a quota only AWS's default lists is confirmed with GetServiceQuota before it refuses a run
+        lambdas["validate_manifest"].add_to_policy(
+            iam.PolicyStatement(
+                sid="ConfirmQuotas",
+                actions=["servicequotas:GetServiceQuota"],
+                # pseudo parameters, not the stack's env: one ARN (and nag ack) whatever region it is synthesized for
+                resources=[f"arn:{Aws.PARTITION}:servicequotas:{Aws.REGION}:{Aws.ACCOUNT_ID}:sagemaker/*"],
             )
         )
         # plan_jobs checks whether processed data exists (HEAD needs ListBucket to tell 404 from 403).
@@ -372,6 +381,12 @@ class GpuscoutStack(Stack):
             f"AwsSolutions-IAM5[Resource::{data_ref}/raw/*]",
             "Checks that a job section's entry point exists in its code folder, which the manifest names anywhere "
             "under raw/ (the only prefix the SageMaker role reads); read only, never listed.",
+        )
+        acknowledge(
+            lambdas["validate_manifest"],
+            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:servicequotas:<AWS::Region>:<AWS::AccountId>:sagemaker/*]",
+            "Confirms with GetServiceQuota a SageMaker quota that only AWS's default listed (a new account's), before "
+            "refusing a run over it; which quota is known only at run time, and the action only reads.",
         )
         acknowledge(
             lambdas["plan_jobs"],

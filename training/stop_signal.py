@@ -11,7 +11,7 @@ checkpoints, skips the final validation and writes benchmark.json with ``stop.re
 N" (a measurement with too few timed steps is refused by the analysis as usual). Before the loop (data, model,
 compile) the handler raises ``StoppedBeforeStartError``, which train.py writes as a failed benchmark.json and exits 1.
 
-Imported by train.py and train_loop; may import gpuscout.errors."""
+Imported by train.py and train_loop; standard library only."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import signal
 import threading
 from types import FrameType
 
-from gpuscout.errors import TrainingError
-
 STOP_REASON_PREFIX = "stopped on "
 
 
-class StoppedBeforeStartError(TrainingError):
-    """A stop signal arrived before the first step: the job ends without a measurement."""
+class StoppedBeforeStartError(BaseException):
+    """A stop signal arrived before the first step: the job ends without a measurement. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way (a checkpoint load that falls back to an older
+    checkpoint) mistakes it for a failure of its own; train.py catches it by name."""
 
 
 class StopSignal:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from experiment_tracking import JobTracker
-from stop_signal import StopSignal
+from stop_signal import StoppedBeforeStartError, StopSignal
 from train_args import parse_hyperparameters
 from train_distributed import init_distributed, leave_together
 from train_facts import process_age_s
@@ -47,12 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracker.start(params, variant=hp.search_candidate or None)  # a tuning trial is its candidate
     stop = StopSignal()
     bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
-    if dist.world_size == 1:  # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
-        stop.install()
     try:
+        if dist.world_size == 1:  # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
+            stop.install()
         result = bench.run()
-    except Exception as err:  # every failure becomes a status=failed benchmark.json the analysis can classify
-        reason = str(err) if isinstance(err, TrainingError) else f"{type(err).__name__}: {err}"
+    except (Exception, StoppedBeforeStartError) as err:  # every failure becomes a failed benchmark.json
+        reason = (
+            str(err) if isinstance(err, TrainingError | StoppedBeforeStartError) else f"{type(err).__name__}: {err}"
+        )
         if isinstance(err, torch.OutOfMemoryError):
             reason = f"CUDA out of memory: {err}"
         print(f"train: error: {reason}", file=sys.stderr, flush=True)
@@ -65,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         bench.tracker.finish(failed, bench.output_dir / "benchmark.json")
-        if not isinstance(err, TrainingError):
+        if not isinstance(err, TrainingError | StoppedBeforeStartError):
             raise
         return 1
     bench.write(result)

@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import boto3
+from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
@@ -128,7 +129,11 @@ def services() -> Services:
         sagemaker=boto3.client("sagemaker"),
         pricing=boto3.client("pricing", region_name=PRICE_LIST_REGION),
         sns=boto3.client("sns"),
-        service_quotas=boto3.client("service-quotas"),
+        # short timeouts and 2 attempts: the quota pre-flight must not eat Validate's minute (quotas.py warns instead)
+        service_quotas=boto3.client(
+            "service-quotas",
+            config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2, "mode": "standard"}),
+        ),
     )
 
 

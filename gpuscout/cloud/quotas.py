@@ -28,7 +28,8 @@ from gpuscout.errors import Problem
 
 SERVICE_CODE = "sagemaker"
 CACHE_SECONDS = 900.0
-_CACHE: dict[str, tuple[float, dict[str, Quota]]] = {}  # region -> (read at, quota name -> quota)
+# (region, names asked for) -> (read at, quota name -> quota)
+_CACHE: dict[tuple[str, tuple[str, ...]], tuple[float, dict[str, Quota]]] = {}
 
 
 def training_quota_name(instance_type: str, *, spot: bool) -> str:
@@ -46,6 +47,7 @@ class Quota:
     name: str
     code: str
     value: float
+    source: str = "list_service_quotas"  # the operation the value came from (a default may be confirmed)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Need:
 
 def plan_needs(jobs: Sequence[JobSpec], *, concurrency: int, canary_instance_type: str | None) -> list[Need]:
     """The quotas a plan's jobs need (per instance type and purchase option) and, when canaries run, the canary
-    type's on-demand quota (canaries run one instance each, one at a time per configuration)."""
+    type's on-demand quota (one instance per canary; at most one canary per job, up to ``concurrency`` at once)."""
     groups: dict[tuple[str, bool], list[JobSpec]] = {}
     for job in jobs:
         groups.setdefault((job.instance_type, job.spot), []).append(job)
@@ -76,44 +78,82 @@ def plan_needs(jobs: Sequence[JobSpec], *, concurrency: int, canary_instance_typ
         targets = sorted({j.target_index for j in group})
         what = ", ".join(f"targets[{t}]" for t in targets) + f" {instance_type}{' (spot)' if spot else ''}"
         needs.append(Need(instance_type, spot, per_job=per_job, at_once=sum(busiest), what=what))
-    if canary_instance_type and jobs:
-        needs.append(Need(canary_instance_type, False, per_job=1, at_once=1, what="the canaries"))
+    if canary_instance_type and jobs:  # the canaries' Map runs up to `concurrency` of them at once, one instance each
+        needs.append(
+            Need(
+                canary_instance_type, False, per_job=1, at_once=min(len(jobs), max(1, concurrency)), what="the canaries"
+            )
+        )
     return needs
 
 
-class QuotaBook:
-    """The region's SageMaker quotas by name, read once (ListServiceQuotas) and cached for CACHE_SECONDS."""
+class QuotasUnreadableError(Exception):
+    """The quotas could not be read within the time the caller allows."""
 
-    def __init__(self, client: Any, *, clock: Any = time.monotonic) -> None:
+
+class QuotaBook:
+    """The region's SageMaker quotas by name: the account's applied values (ListServiceQuotas) over AWS's defaults
+    (ListAWSDefaultServiceQuotas, read only for names the applied listing lacks), cached for CACHE_SECONDS. Reading
+    stops as soon as every name asked for is found, and gives up after ``budget_s`` seconds (a Lambda step has a
+    minute)."""
+
+    def __init__(self, client: Any, *, clock: Any = time.monotonic, budget_s: float = 20.0) -> None:
         self._client = client
         self._clock = clock
+        self._budget_s = budget_s
         self.region = str(client.meta.region_name)
 
-    def quotas(self) -> dict[str, Quota]:
-        cached = _CACHE.get(self.region)
-        if cached is not None and self._clock() - cached[0] < CACHE_SECONDS:
+    def _read(self, operation: str, wanted: set[str], found: dict[str, Quota], started: float) -> None:
+        pages = self._client.get_paginator(operation).paginate(
+            ServiceCode=SERVICE_CODE, PaginationConfig={"PageSize": 100}
+        )
+        for page in pages:
+            for q in page.get("Quotas", []):
+                if "QuotaName" in q and "QuotaCode" in q and "Value" in q and q["QuotaName"] not in found:
+                    found[q["QuotaName"]] = Quota(q["QuotaName"], q["QuotaCode"], float(q["Value"]), operation)
+            if wanted and wanted <= found.keys():
+                return
+            if self._clock() - started > self._budget_s:
+                raise QuotasUnreadableError(f"{operation} took over {self._budget_s:g} s")
+
+    def quotas(self, wanted: Sequence[str] = (), *, fresh: bool = False) -> dict[str, Quota]:
+        """The quotas named in ``wanted`` (all of them when empty) that exist in the region."""
+        key = (self.region, tuple(sorted(wanted)))
+        cached = _CACHE.get(key)
+        if not fresh and cached is not None and self._clock() - cached[0] < CACHE_SECONDS:
             return cached[1]
+        started = self._clock()
         found: dict[str, Quota] = {}
-        # AWS's defaults first, then the account's applied values over them: ListServiceQuotas leaves out a quota
-        # whose applied value is not available (one never changed, as in a new account), and the default holds then
-        for operation in ("list_aws_default_service_quotas", "list_service_quotas"):
-            for page in self._client.get_paginator(operation).paginate(ServiceCode=SERVICE_CODE):
-                for q in page.get("Quotas", []):
-                    if "QuotaName" in q and "QuotaCode" in q and "Value" in q:
-                        found[q["QuotaName"]] = Quota(q["QuotaName"], q["QuotaCode"], float(q["Value"]))
-        _CACHE[self.region] = (self._clock(), found)
+        self._read("list_service_quotas", set(wanted), found, started)
+        if not wanted or not set(wanted) <= found.keys():
+            defaults: dict[str, Quota] = {}
+            self._read("list_aws_default_service_quotas", set(wanted) - found.keys(), defaults, started)
+            found = {**defaults, **found}
+        _CACHE[key] = (self._clock(), found)
         return found
+
+    def confirm(self, quota: Quota) -> Quota:
+        """A default-only value checked with GetServiceQuota (the account's applied value, where one exists)."""
+        try:
+            applied = self._client.get_service_quota(ServiceCode=SERVICE_CODE, QuotaCode=quota.code)["Quota"]
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") == "NoSuchResourceException":
+                return quota  # no applied value: AWS's default is the account's
+            raise
+        return Quota(quota.name, quota.code, float(applied.get("Value", quota.value)), "get_service_quota")
 
 
 def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[str]]:
-    """Refusals (as manifest problems: the field is the target) and warnings for a plan's needs."""
+    """Refusals (as manifest problems: the field is the target) and warnings for a plan's needs. A refusal stands on
+    a fresh read (not the cache: a quota may have been raised since) and, for a value only AWS's default gave, on
+    GetServiceQuota's answer."""
+    wanted = sorted({n.quota_name for n in needs})
     try:
-        quotas = book.quotas()
-    except (ClientError, BotoCoreError) as err:
-        return [], [
-            f"could not read the account's SageMaker quotas in {book.region} (Service Quotas: "
-            f"{str(err).splitlines()[0]}); the run is not checked against them"
-        ]
+        quotas = book.quotas(wanted)
+        if any(n.quota_name in quotas and quotas[n.quota_name].value < n.per_job for n in needs):
+            quotas = book.quotas(wanted, fresh=True)
+    except (ClientError, BotoCoreError, QuotasUnreadableError) as err:
+        return [], [_unreadable(book, err)]
     problems: list[Problem] = []
     warnings: list[str] = []
     for need in needs:
@@ -125,6 +165,14 @@ def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[s
             )
             continue
         where = f"request an increase at {console_url(book.region, quota.code)}"
+        if quota.value < need.per_job and quota.source == "list_aws_default_service_quotas":
+            try:
+                quota = book.confirm(quota)
+            except (ClientError, BotoCoreError) as err:
+                warnings.append(
+                    f"{need.what}: {quota.name!r} is {quota.value:g} by AWS's default; {_unreadable(book, err)}"
+                )
+                continue
         if quota.value < need.per_job:
             problems.append(
                 Problem(
@@ -139,3 +187,10 @@ def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[s
                 f"allows {quota.value:g}, so jobs wait for each other ({where})"
             )
     return problems, warnings
+
+
+def _unreadable(book: QuotaBook, err: Exception) -> str:
+    return (
+        f"could not read the account's SageMaker quotas in {book.region} (Service Quotas: "
+        f"{str(err).splitlines()[0]}); the run is not checked against them"
+    )

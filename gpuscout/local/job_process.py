@@ -290,6 +290,9 @@ def run_job(
     finished = finished and (proc.returncode == 0 or (stopped is not None and not timed_out))
     if stopped is not None and not timed_out and not finished:
         return JobOutcome(JobStatus.PRUNED, benchmark, stopped, wall, contention)
+    if stopped is None and stopped_itself:  # someone else's SIGTERM: what it measured is kept, but it did not finish
+        reason = str(((benchmark or {}).get("stop") or {}).get("reason"))
+        return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)

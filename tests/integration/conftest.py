@@ -133,7 +133,7 @@ def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
     # moto does not implement Service Quotas' ListServiceQuotas: an account whose training quotas were raised, unless
     # a test sets QUOTAS (quota name -> instances)
     QUOTAS.clear()
-    monkeypatch.setattr(QuotaBook, "quotas", lambda self: account_quotas(QUOTAS))
+    monkeypatch.setattr(QuotaBook, "quotas", lambda self, wanted=(), fresh=False: account_quotas(QUOTAS))
     with mock_aws():
         boto3.client("dynamodb", region_name=REGION).create_table(**table_definition(TABLE))
         s3 = boto3.client("s3", region_name=REGION)

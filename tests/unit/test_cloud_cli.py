@@ -117,7 +117,7 @@ class AccountQuotas:
     def __init__(self, client: object) -> None:
         pass
 
-    def quotas(self) -> dict[str, Quota]:
+    def quotas(self, wanted: object = (), *, fresh: bool = False) -> dict[str, Quota]:
         return account_quotas(self.values)
 
 

@@ -27,16 +27,23 @@ def _empty_cache():
     quotas._CACHE.clear()
 
 
-def _book(pages: list[list[dict]], defaults: list[dict] | None = None) -> tuple[QuotaBook, Stubber]:
+def _client() -> tuple[object, Stubber]:
     client = boto3.client("service-quotas", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(client)
-    stub.add_response("list_aws_default_service_quotas", {"Quotas": defaults or []}, {"ServiceCode": "sagemaker"})
-    for i, page in enumerate(pages):
-        params = {"ServiceCode": "sagemaker", **({"NextToken": f"t{i}"} if i else {})}
-        response = {"Quotas": page, **({"NextToken": f"t{i + 1}"} if i + 1 < len(pages) else {})}
-        stub.add_response("list_service_quotas", response, params)
     stub.activate()
-    return QuotaBook(client), stub
+    return client, stub
+
+
+def _listing(stub: Stubber, applied: list[list[dict]], defaults: list[dict] | None) -> None:
+    """One read: the applied values page by page, then (when asked) AWS's defaults."""
+    for i, page in enumerate(applied):
+        params = {"ServiceCode": "sagemaker", "MaxResults": 100, **({"NextToken": f"t{i}"} if i else {})}
+        response = {"Quotas": page, **({"NextToken": f"t{i + 1}"} if i + 1 < len(applied) else {})}
+        stub.add_response("list_service_quotas", response, params)
+    if defaults is not None:
+        stub.add_response(
+            "list_aws_default_service_quotas", {"Quotas": defaults}, {"ServiceCode": "sagemaker", "MaxResults": 100}
+        )
 
 
 def _jobs():
@@ -62,15 +69,23 @@ def test_a_zero_quota_is_refused_with_its_name_code_and_link_and_a_small_one_war
     # and three jobs of one type at once where the quota allows one
     needs.append(quotas.Need("ml.g5.48xlarge", True, per_job=1, at_once=3, what="targets[9] ml.g5.48xlarge (spot)"))
     first = needs[0]
-    listed = [_quota(n.quota_name, f"L-{i:08d}", 100.0) for i, n in enumerate(needs)]
-    listed[0] = _quota(first.quota_name, "L-00000000", 0.0)  # a new account's GPU quota
     canary = next(i for i, n in enumerate(needs) if n.what == "the canaries")
-    listed[canary] = _quota(needs[canary].quota_name, "L-CANARY", 0.0)
-    busy = len(needs) - 1
-    listed[busy] = _quota(needs[busy].quota_name, "L-BUSY", float(needs[busy].per_job))
-    # a new account: the zero GPU quota was never changed, so only AWS's default lists it
-    book, stub = _book([listed[1:3], listed[3:]], defaults=[listed[0], _quota(needs[1].quota_name, "L-X", 0.0)])
-    problems, warnings = check(needs, book)
+    applied = [_quota(n.quota_name, f"L-{i:08d}", 100.0) for i, n in enumerate(needs)]
+    applied[canary] = _quota(needs[canary].quota_name, "L-CANARY", 0.0)
+    applied[-1] = _quota(needs[-1].quota_name, "L-BUSY", 1.0)
+    # a new account: the first target's quota was never changed, so only AWS's default (0) lists it
+    default = _quota(first.quota_name, "L-00000000", 0.0)
+    client, stub = _client()
+    for _ in range(2):  # a refusal is read again, not taken from the cache (a quota may have been raised since)
+        _listing(stub, [applied[1:3], applied[3:]], defaults=[default, _quota(needs[1].quota_name, "L-X", 0.0)])
+    # and a default-only value is confirmed: GetServiceQuota has no applied value for it
+    stub.add_client_error(
+        "get_service_quota",
+        "NoSuchResourceException",
+        "The request failed because the specified service quota does not exist.",
+        expected_params={"ServiceCode": "sagemaker", "QuotaCode": "L-00000000"},
+    )
+    problems, warnings = check(needs, QuotaBook(client))
     stub.assert_no_pending_responses()
     assert [p.path for p in problems] == [first.what.split(" ")[0], "canary"]
     assert problems[0].message == (
@@ -79,21 +94,41 @@ def test_a_zero_quota_is_refused_with_its_name_code_and_link_and_a_small_one_war
         "https://us-east-1.console.aws.amazon.com/servicequotas/home/services/sagemaker/quotas/L-00000000"
     )
     assert "ml.g5.8xlarge for training job usage' (L-CANARY) is 0" in problems[1].message
-    assert len(warnings) == 1 and warnings[0].startswith(f"{needs[busy].what}: the run would start")
+    assert len(warnings) == 1 and warnings[0].startswith(f"{needs[-1].what}: the run would start 3 instance(s)")
     assert "so jobs wait for each other" in warnings[0]
-    # the listing is cached for the region: a second check asks nothing (the stub has no response left)
-    assert check(needs, book)[0] == problems
+
+
+def test_an_applied_value_found_by_get_service_quota_overrides_the_default_and_an_answer_is_cached():
+    needs = plan_needs(_jobs()[:1], concurrency=1, canary_instance_type=None)
+    client, stub = _client()
+    default = _quota(needs[0].quota_name, "L-1", 0.0)
+    _listing(stub, [[]], defaults=[default])
+    _listing(stub, [[]], defaults=[default])
+    stub.add_response(
+        "get_service_quota",
+        {"Quota": {**default, "Value": 4.0}},
+        {"ServiceCode": "sagemaker", "QuotaCode": "L-1"},
+    )
+    assert check(needs, QuotaBook(client)) == ([], [])
+    stub.assert_no_pending_responses()
+    # quotas that allow the plan are cached for the region: asking again reads nothing (no response is queued)
+    quotas._CACHE.clear()
+    _listing(stub, [[_quota(needs[0].quota_name, "L-1", 8.0)]], defaults=None)
+    book = QuotaBook(client)
+    assert check(needs, book) == ([], []) and check(needs, book) == ([], [])
+    stub.assert_no_pending_responses()
 
 
 def test_an_unreadable_listing_or_an_unknown_type_warns_and_refuses_nothing():
     needs = plan_needs(_jobs(), concurrency=1, canary_instance_type=None)
     client = boto3.client("service-quotas", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(client)
-    stub.add_client_error("list_aws_default_service_quotas", "AccessDeniedException", "not authorized")
+    stub.add_client_error("list_service_quotas", "AccessDeniedException", "not authorized")
     stub.activate()
     problems, warnings = check(needs, QuotaBook(client))
     assert problems == [] and len(warnings) == 1
     assert warnings[0].startswith("could not read the account's SageMaker quotas in us-east-1")
-    book, _ = _book([[]])  # a region that lists none of these types
-    problems, warnings = check(needs, book)
+    client, stub = _client()
+    _listing(stub, [[]], defaults=[])  # a region that lists none of these types
+    problems, warnings = check(needs, QuotaBook(client))
     assert problems == [] and len(warnings) == len(needs) and "is the type offered there?" in warnings[0]
