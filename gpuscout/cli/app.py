@@ -171,8 +171,18 @@ def validate(file: ManifestArg) -> None:
 
 
 @app.command()
-def plan(file: ManifestArg) -> None:
-    """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget."""
+def plan(
+    file: ManifestArg,
+    stack_name: Annotated[
+        str | None,
+        typer.Option(
+            "--stack-name",
+            help="Also check the plan against the account's SageMaker training quotas in that stack's region.",
+        ),
+    ] = None,
+) -> None:
+    """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget; with
+    --stack-name, refuse a target whose training quota is 0 there (the check `gpuscout submit` makes)."""
     from gpuscout.cli.local_view import plan_table
     from gpuscout.domain.catalog import load_catalog
     from gpuscout.local.planning import plan_manifest
@@ -188,6 +198,13 @@ def plan(file: ManifestArg) -> None:
     the_plan.check_budget()
     note = f" (budget ${budget:,.2f})" if budget is not None else ""
     console.print(f"[green]within budget[/]{note}")
+    if stack_name:
+        from gpuscout.cloud.client import CloudStack
+
+        stack = CloudStack(stack_name)
+        for warning in stack.quota_preflight(file, the_plan.jobs):
+            console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
+        console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
 
 
 @app.command("catalog")

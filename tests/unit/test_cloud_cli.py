@@ -630,3 +630,18 @@ def test_a_zero_gpu_quota_is_refused_at_submit_with_its_name_and_link_and_nothin
     assert f"the account's quota '{target} for training job usage' (L-" in text and "is 0 in us-east-1" in text
     assert "https://us-east-1.console.aws.amazon.com/servicequotas/home/services/sagemaker/quotas/L-" in text
     assert _keys(deployed.s3) == []
+
+
+def test_plan_with_a_stack_name_checks_the_accounts_quotas_too(deployed: Deployed, tmp_path: Path) -> None:
+    manifest = _manifest(tmp_path)
+    # Given quotas that allow the plan, `gpuscout plan --stack-name` says so after the budget
+    allowed = runner.invoke(full_app, ["plan", str(manifest), "--stack-name", "Gpuscout"])
+    assert allowed.exit_code == 0, allowed.output
+    assert "within budget" in allowed.stdout and "quotas allow it (account quotas in us-east-1)" in allowed.stdout
+    # When a target's quota is 0 there, it refuses naming the quota, and nothing is uploaded (plan never uploads)
+    target = yaml.safe_load(manifest.read_text())["targets"][0]["instance_type"]
+    AccountQuotas.values = {training_quota_name(target, spot=False): 0.0}
+    refused = runner.invoke(full_app, ["plan", str(manifest), "--stack-name", "Gpuscout"])
+    assert refused.exit_code != 0
+    assert f"the account's quota '{target} for training job usage'" in " ".join(refused.output.split())
+    assert _keys(deployed.s3) == []
