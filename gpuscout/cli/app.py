@@ -202,7 +202,8 @@ def plan(
         from gpuscout.cloud.client import CloudStack
 
         stack = CloudStack(stack_name)
-        for warning in stack.quota_preflight(file, the_plan.jobs):
+        parallel = the_plan.search.max_parallel_trials if the_plan.search else None
+        for warning in stack.quota_preflight(file, the_plan.jobs, parallel):
             console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
         console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
 

@@ -321,7 +321,9 @@ class CloudStack:
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
         the_plan = plan(manifest, catalog or load_catalog(), run_id=expected_run_id)
         the_plan.check_budget()
-        warnings = self.quota_preflight(path, the_plan.jobs)
+        warnings = self.quota_preflight(
+            path, the_plan.jobs, the_plan.search.max_parallel_trials if the_plan.search else None
+        )
         # The control plane plans a new attempt (<run id>-r2, ...) after a FAILED or REFUSED run of this exact
         # object, and refuses it otherwise: the same rule here, so the printed run id is the one that will run.
         try:
@@ -371,7 +373,7 @@ class CloudStack:
             warnings=tuple(warnings),
         )
 
-    def quota_preflight(self, path: Path, jobs: list[JobSpec]) -> list[str]:
+    def quota_preflight(self, path: Path, jobs: list[JobSpec], max_parallel_trials: int | None = None) -> list[str]:
         """The account's SageMaker training quotas against the plan (quotas.py): raises ManifestError naming the
         quota and where to raise it when a job could never start; returns the warnings."""
         outputs = self.outputs
@@ -379,6 +381,7 @@ class CloudStack:
             jobs,
             concurrency=outputs.map_max_concurrency or DEFAULT_MAP_CONCURRENCY,
             canary_instance_type=outputs.canary_instance_type,
+            max_parallel_trials=max_parallel_trials,
         )
         problems, warnings = check_quotas(needs, QuotaBook(self._client("service-quotas")))
         if problems:

@@ -287,11 +287,14 @@ def _quota_problems(
     if book is None:
         return [], []
     try:
-        jobs = plan(manifest, catalog, run_id="quota-preflight").jobs
+        the_plan = plan(manifest, catalog, run_id="quota-preflight")
     except GpuscoutError:
         return [], []
     needs = plan_needs(
-        jobs, concurrency=settings.map_max_concurrency, canary_instance_type=settings.canary_instance_type
+        the_plan.jobs,
+        concurrency=settings.map_max_concurrency,
+        canary_instance_type=settings.canary_instance_type,
+        max_parallel_trials=the_plan.search.max_parallel_trials if the_plan.search else None,
     )
     problems, warnings = check_quotas(needs, book)
     for warning in warnings:
@@ -459,13 +462,15 @@ def _tunings(
 ) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
     """A search's tuning jobs: ``[{"job_name", "target_index", "request"}]`` (one per target) and the files job_events
     reads (artifacts key -> JSON). The run's concurrency (``MAP_MAX_CONCURRENCY``) is shared: the tuning jobs' Map
-    runs at most that many at once, each with that share of parallel trials (at least one)."""
+    runs at most that many at once, each with ``search.max_parallel_trials`` parallel trials within that share (at
+    least one)."""
     search = the_plan.search
     if search is None:
         return [], {}
     assert data is not None  # a search varies the built-in job (the manifest refuses it with a job section)
     concurrency = settings.map_max_concurrency
-    per_tuning_job = max(1, concurrency // min(len(search.targets), concurrency))
+    share = max(1, concurrency // min(len(search.targets), concurrency))
+    per_tuning_job = min(search.max_parallel_trials, share)  # the manifest's, within the run's share
     tunings: list[dict[str, Any]] = []
     files: dict[str, bytes] = {}
     for target in search.targets:

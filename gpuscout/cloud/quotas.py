@@ -59,15 +59,26 @@ class Need:
     per_job: int  # instances one job of this kind needs (its instance_count)
     at_once: int  # instances the run would start at once (jobs x count, up to the Map's concurrency)
     what: str  # who needs it, for the message ("targets[0] ml.p5.48xlarge", "the canaries")
+    parallel_trials: bool = False  # a search's tuning trials: SageMaker fails (not queues) a trial over the quota
 
     @property
     def quota_name(self) -> str:
         return training_quota_name(self.instance_type, spot=self.spot)
 
 
-def plan_needs(jobs: Sequence[JobSpec], *, concurrency: int, canary_instance_type: str | None) -> list[Need]:
+def plan_needs(
+    jobs: Sequence[JobSpec],
+    *,
+    concurrency: int,
+    canary_instance_type: str | None,
+    max_parallel_trials: int | None = None,
+) -> list[Need]:
     """The quotas a plan's jobs need (per instance type and purchase option) and, when canaries run, the canary
-    type's on-demand quota (one instance per canary; at most one canary per job, up to ``concurrency`` at once)."""
+    type's on-demand quota (one instance per canary; at most one canary per job, up to ``concurrency`` at once).
+    A search (``max_parallel_trials`` given) runs that many trials of a target at once, within ``concurrency``."""
+    search = max_parallel_trials is not None
+    if search:
+        concurrency = min(concurrency, max_parallel_trials or 1)
     groups: dict[tuple[str, bool], list[JobSpec]] = {}
     for job in jobs:
         groups.setdefault((job.instance_type, job.spot), []).append(job)
@@ -77,7 +88,9 @@ def plan_needs(jobs: Sequence[JobSpec], *, concurrency: int, canary_instance_typ
         busiest = sorted((j.instance_count for j in group), reverse=True)[: max(1, concurrency)]
         targets = sorted({j.target_index for j in group})
         what = ", ".join(f"targets[{t}]" for t in targets) + f" {instance_type}{' (spot)' if spot else ''}"
-        needs.append(Need(instance_type, spot, per_job=per_job, at_once=sum(busiest), what=what))
+        needs.append(
+            Need(instance_type, spot, per_job=per_job, at_once=sum(busiest), what=what, parallel_trials=search)
+        )
     if canary_instance_type and jobs:  # the canaries' Map runs up to `concurrency` of them at once, one instance each
         needs.append(
             Need(
@@ -179,6 +192,16 @@ def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[s
                     field,
                     f"{need.what}: the account's quota {quota.name!r} ({quota.code}) is {quota.value:g} in "
                     f"{book.region}, and one job needs {need.per_job} instance(s): it could never start; {where}",
+                )
+            )
+        elif quota.value < need.at_once and need.parallel_trials:
+            fits = int(quota.value) // need.per_job
+            problems.append(
+                Problem(
+                    "search.max_parallel_trials",
+                    f"{need.what}: {need.at_once} instance(s) of parallel trials at once, but the quota {quota.name!r} "
+                    f"({quota.code}) is {quota.value:g} in {book.region}, and a tuning trial over it fails instead of "
+                    f"waiting: set search.max_parallel_trials to {max(1, fits)}, or {where}",
                 )
             )
         elif quota.value < need.at_once:

@@ -72,6 +72,9 @@ class SearchSection(StrictModel):
     sequences_per_step: int | None = Field(default=None, ge=1, le=65536)
     max_trials: int = Field(default=16, ge=1, le=500)  # jobs launched per target (candidates that do not fit: none)
     max_cost_usd: float | None = Field(default=None, gt=0.0)  # the search's spend cap; None = constraints.budget_usd
+    # cloud: trials of one target's tuning job running at once (MaxParallelTrainingJobs, also capped by the run's
+    # concurrency); each extra one can overshoot the spend cap by one trial, which the budget counts before launch
+    max_parallel_trials: int = Field(default=1, ge=1, le=20)
     pruning: SearchPruning = Field(default_factory=SearchPruning)
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)  # the sampler's; None = training.seed
 

@@ -51,15 +51,19 @@ class Plan(BaseModel):
     @property
     def predicted_cost_usd(self) -> float:
         """Every job's predicted cost; for a search, what its trials can cost at most: each target's
-        ``max_trials`` costliest candidates run in full, capped by the search's spend cap."""
+        ``max_trials`` costliest candidates run in full, capped by the search's spend cap plus what the trials still
+        running when the cap is reached can add (the guard acts when a trial ends): with ``max_parallel_trials``
+        at once, up to that many less one of each target's costliest trials."""
         if self.search is None:
             return sum(j.prediction.cost_usd for j in self.jobs)
-        total = 0.0
+        total = overshoot = 0.0
         for target in self.search.targets:
             costs = sorted((j.prediction.cost_usd for j in self.jobs if j.target_index == target.target_index),
                            reverse=True)  # fmt: skip
             total += sum(costs[: target.max_trials])
-        return min(total, self.search.max_cost_usd)
+            parallel = min(self.search.max_parallel_trials, target.max_trials)
+            overshoot += sum(costs[: parallel - 1])
+        return min(total, self.search.max_cost_usd + overshoot)
 
     @property
     def predicted_seconds(self) -> float:

@@ -409,6 +409,7 @@ def plan(
         search_plan = search.SearchPlan(
             targets=target_searches,
             max_cost_usd=manifest.search.max_cost_usd or manifest.constraints.budget_usd,
+            max_parallel_trials=manifest.search.max_parallel_trials,
             pruning=pruning.enabled,
             min_timed_steps=pruning.min_timed_steps,
             reduction_factor=pruning.reduction_factor,

@@ -45,6 +45,7 @@ class SearchPlan(BaseModel):
 
     targets: list[TargetSearch]
     max_cost_usd: float  # the search's spend cap (search.max_cost_usd or the budget)
+    max_parallel_trials: int = 1  # cloud: trials of one target running at once (search.max_parallel_trials)
     pruning: bool
     min_timed_steps: int
     reduction_factor: int

@@ -59,6 +59,7 @@ search:
   sequences_per_step: 8
   max_trials: 3
   max_cost_usd: 5
+  max_parallel_trials: 3
 """
 
 
@@ -110,7 +111,8 @@ def test_plan_jobs_turns_a_search_into_one_tuning_job_per_target(cloud: Cloud) -
         [candidates] = config["ParameterRanges"]["CategoricalParameterRanges"]
         assert candidates["Values"] == run.search["targets"][index]["candidates"]
         assert len(candidates["Values"]) == 4
-        # the stack's 4 concurrent jobs (MAP_MAX_CONCURRENCY default) shared by the 2 tuning jobs
+        # search.max_parallel_trials (3) within the stack's 4 concurrent jobs (MAP_MAX_CONCURRENCY default) shared by
+        # the 2 tuning jobs
         assert config["ResourceLimits"] == {"MaxNumberOfTrainingJobs": 3, "MaxParallelTrainingJobs": 2}
         # and the file job_events reads to give each trial its row: every candidate's JobSpec
         key = search_target_key(run_id, tuning["job_name"])

@@ -132,3 +132,23 @@ def test_an_unreadable_listing_or_an_unknown_type_warns_and_refuses_nothing():
     _listing(stub, [[]], defaults=[])  # a region that lists none of these types
     problems, warnings = check(needs, QuotaBook(client))
     assert problems == [] and len(warnings) == len(needs) and "is the type offered there?" in warnings[0]
+
+
+def test_a_searchs_parallel_trials_over_the_quota_are_refused_naming_the_setting_and_the_number_that_fits():
+    specs = [j for j in _jobs() if not j.spot][:1]
+    one = specs[0]
+    trials = [one.model_copy(update={"job_name": f"{one.job_name[:55]}-c{i}"}) for i in range(4)]  # 4 candidates
+    needs = plan_needs(trials, concurrency=4, canary_instance_type=None, max_parallel_trials=3)
+    assert len(needs) == 1 and needs[0].at_once == 3 * one.instance_count and needs[0].parallel_trials
+    client, stub = _client()
+    _listing(stub, [[_quota(needs[0].quota_name, "L-P", 2.0 * one.instance_count)]], defaults=None)
+    problems, warnings = check(needs, QuotaBook(client))
+    assert warnings == [] and [p.path for p in problems] == ["search.max_parallel_trials"]
+    assert "a tuning trial over it fails instead of waiting: set search.max_parallel_trials to 2" in problems[0].message
+    # the same jobs listed as variants only wait for each other: a warning
+    quotas._CACHE.clear()
+    client, stub = _client()
+    _listing(stub, [[_quota(needs[0].quota_name, "L-P", 2.0 * one.instance_count)]], defaults=None)
+    plain = plan_needs(trials, concurrency=3, canary_instance_type=None)
+    problems, warnings = check(plain, QuotaBook(client))
+    assert problems == [] and len(warnings) == 1 and "jobs wait for each other" in warnings[0]

@@ -3,6 +3,7 @@ the interval-guarded successive halving, the trial and spend budgets, and resumi
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from gpuscout.local import runner as local
 from gpuscout.local.job_process import JobFolders, JobOutcome
 from gpuscout.local.runner import run_local
 from gpuscout.local.search import StopCheck, objective_value, run_search
+from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
@@ -238,3 +240,29 @@ def test_a_resumed_trial_counts_with_its_benchmarks_throughput() -> None:
     summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial, done=done)
     assert "b8-a1-w0" not in launched and len(launched) == 7
     assert summary.best == {0: "b8-a1-w0"} and summary.pruned
+
+
+def test_parallel_trials_are_counted_in_the_budget_before_launch() -> None:
+    from gpuscout.plan.jobs import Plan
+
+    # Given a search whose spend cap is reached while trials still run: each parallel trial beyond the first can add
+    # up to one (costliest) trial to the spend, so the worst case is counted before anything launches
+    base = yaml.safe_load((MANIFESTS_DIR / "h100-settings-sweep.yaml").read_text())
+    base["search"]["max_cost_usd"] = 10.0
+    base["constraints"]["budget_usd"] = 10_000.0
+
+    def planned(parallel: int) -> Plan:
+        data = {**base, "search": {**base["search"], "max_parallel_trials": parallel}}
+        catalog = load_catalog()
+        return plan(parse_manifest(json.dumps(data), "m.json", catalog), catalog, run_id="r")
+
+    one, four = planned(1), planned(4)
+    assert one.search is not None and four.search is not None and four.search.max_parallel_trials == 4
+    costliest = [
+        sorted((j.prediction.cost_usd for j in four.jobs if j.target_index == t.target_index), reverse=True)
+        for t in four.search.targets
+    ]
+    uncapped = sum(sum(c[: t.max_trials]) for c, t in zip(costliest, four.search.targets, strict=True))
+    assert one.predicted_cost_usd == pytest.approx(min(uncapped, 10.0))
+    assert four.predicted_cost_usd == pytest.approx(min(uncapped, 10.0 + sum(sum(c[:3]) for c in costliest)))
+    assert four.predicted_cost_usd > one.predicted_cost_usd
