@@ -498,6 +498,8 @@ class Benchmark:
         gpus = self.dist.world_size if self.dist.device.type == "cuda" else 0
         efficiency = self._efficiency(tokens_per_s)
         progress = self.progress
+        steps = step_accounts(stats.records)  # benchmark.json's steps and what the detector judges
+        disturbance = Disturbance(**detect(steps))
         result = BenchmarkResult(
             status="completed",
             job_name=hp.job_name,
@@ -538,11 +540,11 @@ class Benchmark:
             stop=StopInfo(
                 rule=hp.stop_rule, reason=stop_reason, steps=progress.step, resumed_from_step=self.resumed_from
             ),
-            steps=[StepAccount(**row) for row in step_accounts(stats.records)],
+            steps=[StepAccount(**row) for row in steps],
+            disturbance=disturbance,
         )
-        result.disturbance = Disturbance(**detect([row.model_dump() for row in result.steps]))
-        if result.disturbance.disturbed:
-            self.log(f"disturbed measurement: {result.disturbance.evidence}")
+        if disturbance.disturbed:
+            self.log(f"disturbed measurement: {disturbance.evidence}")
         if self.dist.is_main:
             summary = {
                 "tokens_per_s": tokens_per_s,
