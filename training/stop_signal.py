@@ -11,7 +11,8 @@ checkpoints, skips the final validation and writes benchmark.json with ``stop.re
 N" (a measurement with too few timed steps is refused by the analysis as usual). Before the loop (data, model,
 compile) the handler raises ``StoppedBeforeStartError``, which train.py writes as a failed benchmark.json and exits 1.
 
-Imported by train.py and train_loop; standard library only."""
+Imported by train.py and train_loop; may import gpuscout.domain (the stop reason's wording, which the local runner
+reads back)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import signal
 import threading
 from types import FrameType
 
-STOP_REASON_PREFIX = "stopped on "
+from gpuscout.domain.benchmark import signal_stop_reason
 
 
 class StoppedBeforeStartError(BaseException):
@@ -46,7 +47,7 @@ class StopSignal:
         self.received = name
         print(f"[train] {name} received: stopping at the next step boundary", flush=True)
         if not self.in_loop and first:
-            raise StoppedBeforeStartError(f"{STOP_REASON_PREFIX}{name} before the first step: nothing was measured")
+            raise StoppedBeforeStartError(signal_stop_reason(name, "before the first step: nothing was measured"))
 
     def reason(self, step: int) -> str:
-        return f"{STOP_REASON_PREFIX}{self.received} after step {step}"
+        return signal_stop_reason(str(self.received), f"after step {step}")

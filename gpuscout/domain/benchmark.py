@@ -132,6 +132,19 @@ class Loss(_Strict):
     final_validation_loss: float | None = None
 
 
+SIGNAL_STOP_PREFIX = "stopped on SIG"  # a stop reason that starts so: the job stopped itself on a signal
+
+
+def signal_stop_reason(signal_name: str, when: str) -> str:
+    """``stop.reason`` (or the failure) of a job that stopped itself on a signal (training/stop_signal.py)."""
+    assert signal_name.startswith("SIG")
+    return f"stopped on {signal_name} {when}"
+
+
+def stopped_by_signal(reason: object) -> bool:
+    return isinstance(reason, str) and reason.startswith(SIGNAL_STOP_PREFIX)
+
+
 class StopInfo(_Strict):
     rule: Literal["fixed", "steady_state"]
     reason: str  # e.g. "max_steps reached", "throughput CI within +-2.0 % after 37 steps"

@@ -23,7 +23,7 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 from gpuscout import paths
-from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.benchmark import BenchmarkResult, stopped_by_signal
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.metric_lines import parse_metric_line
 from gpuscout.domain.tracking import tracking_environment
@@ -285,7 +285,7 @@ def run_job(
     # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
     # stop reached it (the signal then cut its exit short); its measurement is whole
     # (a job that stopped itself on the runner's SIGTERM wrote a complete benchmark.json after the stop: not finished)
-    stopped_itself = str(((benchmark or {}).get("stop") or {}).get("reason") or "").startswith("stopped on SIG")
+    stopped_itself = stopped_by_signal(((benchmark or {}).get("stop") or {}).get("reason"))
     finished = completed and not (stopped is not None and stopped_itself)
     finished = finished and (proc.returncode == 0 or (stopped is not None and not timed_out))
     if stopped is not None and not timed_out and not finished:
