@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS, OBJECTIVE_METRIC
 from gpuscout.errors import TrainingError
 from gpuscout.paths import TRAINING_DIR
+from tests.sagemaker_job import job_environment
 from tests.unit.test_tuning_requests import _plan, _requests
 
 # What a trial gets on top of a training job's hyperparameters (or instead of them: its name)
@@ -75,19 +75,7 @@ def test_a_trial_prints_the_running_cost_its_tuning_job_minimizes(dataset: Path,
         "price_per_hour_usd": "3.6",
         "objective_min_timed_steps": "3",
     }
-    config = tmp_path / "opt/ml/input/config"
-    config.mkdir(parents=True)
-    (config / "hyperparameters.json").write_text(json.dumps(hps))
-    env = {
-        **os.environ,
-        "SM_INPUT_CONFIG_DIR": str(config),
-        "SM_CHANNEL_TRAIN": str(dataset),
-        "SM_OUTPUT_DATA_DIR": str(tmp_path / "opt/ml/output/data"),
-        "SM_MODEL_DIR": str(tmp_path / "opt/ml/model"),
-        "GPUSCOUT_CHECKPOINT_DIR": str(tmp_path / "opt/ml/checkpoints"),
-        "TRAINING_JOB_NAME": trial,
-        "OMP_NUM_THREADS": "1",
-    }
+    env = job_environment(tmp_path, dataset, hps, TRAINING_JOB_NAME=trial)
     # When it runs (train.py on this CPU, as in the container)
     done = subprocess.run([sys.executable, str(TRAINING_DIR / "train.py")], env=env, capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip

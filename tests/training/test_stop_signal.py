@@ -6,7 +6,6 @@ below would run its 5,000 steps and the test would time out."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import psutil
 import pytest
 
 from gpuscout.paths import TRAINING_DIR
+from tests.sagemaker_job import job_environment
 
 HPS = {
     "run_id": "r-stop",
@@ -34,19 +34,7 @@ HPS = {
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare for a PID namespace")
 def test_train_py_as_pid_1_stops_on_sigterm_within_seconds_with_its_measurement(dataset: Path, tmp_path: Path):
-    config = tmp_path / "opt/ml/input/config"
-    config.mkdir(parents=True)
-    (config / "hyperparameters.json").write_text(json.dumps(HPS))
-    env = {
-        **os.environ,
-        "SM_INPUT_CONFIG_DIR": str(config),
-        "SM_CHANNEL_TRAIN": str(dataset),
-        "SM_OUTPUT_DATA_DIR": str(tmp_path / "opt/ml/output/data"),
-        "SM_MODEL_DIR": str(tmp_path / "opt/ml/model"),
-        "GPUSCOUT_CHECKPOINT_DIR": str(tmp_path / "opt/ml/checkpoints"),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = job_environment(tmp_path, dataset, HPS)
     # Given train.py as the init process of its own PID namespace, as in a one-process training container
     command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(TRAINING_DIR / "train.py")]
     outer = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

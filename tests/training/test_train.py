@@ -23,6 +23,7 @@ from gpuscout.domain.tracking import TRACKING_ENV, JobTracking, WandbDestination
 from gpuscout.errors import TrainingError
 from gpuscout.paths import TRAINING_DIR
 from tests import wandb_offline_reader as wb
+from tests.sagemaker_job import job_environment
 
 HPS = {
     "run_id": "r-test",
@@ -45,20 +46,7 @@ HPS = {
 
 def _run(root: Path, dataset: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """One job in the SageMaker folder layout under ``root`` (as gpuscout local mirrors it)."""
-    config = root / "opt/ml/input/config"
-    config.mkdir(parents=True, exist_ok=True)
-    (config / "hyperparameters.json").write_text(json.dumps(HPS))
-    env = {
-        **os.environ,
-        "SM_INPUT_CONFIG_DIR": str(config),
-        "SM_CHANNEL_TRAIN": str(dataset),
-        "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"),
-        "SM_MODEL_DIR": str(root / "opt/ml/model"),
-        "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        **(extra_env or {}),
-    }
+    env = job_environment(root, dataset, HPS, **(extra_env or {}))
     return subprocess.run(
         [sys.executable, str(TRAINING_DIR / "train.py")],
         env=env,

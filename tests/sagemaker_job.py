@@ -1,0 +1,28 @@
+"""train.py's SageMaker folder contract for tests that run it as a subprocess: the hyperparameters file and the SM_*
+variables under one root, as `gpuscout local` and the training container lay them out."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def job_environment(root: Path, dataset: Path, hyperparameters: dict[str, Any], **extra: str) -> dict[str, str]:
+    """Write ``root/opt/ml/input/config/hyperparameters.json`` and return the environment that points train.py at it,
+    at ``dataset`` (the train channel) and at the output, model and checkpoint folders under ``root``."""
+    config = root / "opt/ml/input/config"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "hyperparameters.json").write_text(json.dumps(hyperparameters))
+    return {
+        **os.environ,
+        "SM_INPUT_CONFIG_DIR": str(config),
+        "SM_CHANNEL_TRAIN": str(dataset),
+        "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"),
+        "SM_MODEL_DIR": str(root / "opt/ml/model"),
+        "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
