@@ -19,11 +19,14 @@ from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
 from stacks.config import QUOTA_RETRY_MINUTES, VpcSettings
+
+PLAN_PREFIX = "plans/"  # gpuscout.cloud.plan_items.PLAN_PREFIX: plan_jobs writes each request list here
 
 TRAINING_REQUEST_FIELDS = (
     "TrainingJobName",
@@ -133,6 +136,7 @@ DYNAMODB_RETRY: dict[str, Any] = {
 # Run statuses after which no further training job may start (the budget guard in job_events sets STOPPED).
 RUN_STATUSES_THAT_STOP_LAUNCHES = ("STOPPED", "FAILED")
 MANIFEST_REJECTED = "ManifestRejected"
+CANARY_FAILED = "CanaryFailed"
 PLAN_REFUSED = "PlanRefused"
 RUN_FAILED = "RunFailed"
 
@@ -179,7 +183,7 @@ def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> di
 
 def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
     """One canary: the training task with the canary's request; an hour of quota retries (the canary instance is
-    cheap and usually has quota); any failure is caught by the canary Map and fails the run."""
+    cheap and usually has quota); any failure marks the run FAILED with the canary's cause and fails the Map."""
     state = training_state_json(vpc, quota_wait_hours=1)
     state["Comment"] = "A 2-step, 2-layer run of one configuration on the canary instance (.sync)"
     state["ResultPath"] = "$.job"
@@ -223,6 +227,18 @@ def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
     }
 
 
+class PlanItemReader(sfn.S3JsonItemReader):
+    """The JSON array at a key the state holds, in ``bucket``; the state machine may read only ``prefix`` there (CDK's
+    own reader grants the whole bucket when the key is a JSONPath)."""
+
+    def __init__(self, *, bucket: s3.IBucket, key: str, prefix: str) -> None:
+        super().__init__(bucket=bucket, key=key)
+        self._objects_arn = bucket.arn_for_objects(f"{prefix}*")
+
+    def provide_policy_statements(self) -> list[iam.PolicyStatement]:
+        return [iam.PolicyStatement(actions=["s3:GetObject"], resources=[self._objects_arn])]
+
+
 class BenchmarkWorkflow(Construct):
     """`state_machine` and its `log_group`."""
 
@@ -233,6 +249,7 @@ class BenchmarkWorkflow(Construct):
         *,
         functions: Mapping[str, lambda_.IFunction],
         table: dynamodb.ITable,
+        plan_bucket: s3.IBucket,
         role: iam.IRole,
         map_max_concurrency: int,
         quota_wait_hours: int,
@@ -350,12 +367,15 @@ class BenchmarkWorkflow(Construct):
             train, table=table, suffix="", skip_name="Skip job (run stopped)", noun="job",
             read_comment="A run stopped by the budget guard launches no further job",
         )  # fmt: skip
-        jobs = self._request_map("Run jobs", items_path="$.jobs", max_concurrency=map_max_concurrency)
+        jobs = self._request_map(
+            "Run jobs", kind="jobs", plan_bucket=plan_bucket, max_concurrency=map_max_concurrency,
+            comment="The fan-out: one child workflow per benchmark job, instance types interleaved",
+        )  # fmt: skip
         jobs.item_processor(launch_job)
         jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         searches = self._search_map(
             functions=functions, table=table, vpc=vpc, map_max_concurrency=map_max_concurrency,
-            quota_wait_hours=quota_wait_hours,
+            quota_wait_hours=quota_wait_hours, plan_bucket=plan_bucket,
         )  # fmt: skip
         searches.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
@@ -367,25 +387,43 @@ class BenchmarkWorkflow(Construct):
         )
         analyze.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         # The canary: before any expensive job, each distinct configuration runs 2 steps of a 2-layer cut of its
-        # model on the canary instance (plan_jobs builds the requests; gpuscout.plan.canary). One failure fails the
-        # run with the canary's cause before the fan-out; an empty list (no canary instance) passes straight on.
+        # model on the canary instance (plan_jobs builds the requests; gpuscout.plan.canary). A failure marks the run
+        # FAILED with the canary's own cause (a Distributed Map reports only that a child failed) and fails the Map,
+        # whose Catch then leaves the run as it is (mark_run_failed changes no final run).
         canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc))
-        canaries = self._request_map(
-            "Run canaries",
-            items_path="$.canaries",
-            max_concurrency=map_max_concurrency,
-            comment="Every configuration must survive 2 steps on a cheap instance before the fan-out",
+        canary_failed = self._lambda_step(
+            "Mark run failed (canary)",
+            function=functions["mark_run_failed"],
+            payload=sfn.TaskInput.from_object(
+                {
+                    "run_id": sfn.JsonPath.string_at("$.run_id"),
+                    "execution_arn": sfn.JsonPath.string_at("$.execution_arn"),
+                    "error": sfn.JsonPath.object_at("$.error"),
+                }
+            ),
+            result_path=sfn.JsonPath.DISCARD,
+            comment="The run row ends FAILED with the canary's error and cause",
         )
+        canary_failed.next(sfn.Fail(self, "Canary failed", error=CANARY_FAILED, cause_path="$.error.Cause"))
+        canary.add_catch(canary_failed, errors=["States.ALL"], result_path="$.error")
+        canaries = self._request_map(
+            "Run canaries", kind="canaries", plan_bucket=plan_bucket, max_concurrency=map_max_concurrency,
+            comment="Every configuration must survive 2 steps on a cheap instance before the fan-out",
+            with_execution=True,
+        )  # fmt: skip
         canaries.item_processor(canary)
         canaries.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
-        canaries.next(jobs)
+        done = sfn.Succeed(self, "Done")
+        analyze.next(done)
+        after_jobs = self._when_any("tunings", searches, analyze)
+        after_canaries = self._when_any("jobs", jobs, after_jobs)
+        start_fan_out = self._when_any("canaries", canaries, after_canaries)
         prepare_needed = (
             sfn.Choice(self, "Processed data cached?")
-            .when(sfn.Condition.boolean_equals("$.prepare.skip", True), canaries)
-            .otherwise(prepare.next(canaries))
+            .when(sfn.Condition.boolean_equals("$.prepare.skip", True), start_fan_out)
+            .otherwise(prepare.next(start_fan_out))
         )
         definition = validate.next(plan).next(prepare_needed)
-        jobs.next(searches).next(analyze).next(sfn.Succeed(self, "Done"))
 
         self.log_group = logs.LogGroup(self, "Logs", retention=log_retention, removal_policy=removal_policy)
         self.state_machine = sfn.StateMachine(
@@ -410,7 +448,8 @@ class BenchmarkWorkflow(Construct):
         vpc: VpcSettings | None,
         map_max_concurrency: int,
         quota_wait_hours: int,
-    ) -> sfn.Map:
+        plan_bucket: s3.IBucket,
+    ) -> sfn.DistributedMap:
         """A Map over plan_jobs' tunings (empty unless the manifest has a search section): per target, read the run
         status (a stopped run launches nothing more), run the tuning job, then record every trial it ran. A failed
         tuning job is recorded (its own row, why) and its trials are recorded all the same."""
@@ -452,7 +491,8 @@ class BenchmarkWorkflow(Construct):
         )  # fmt: skip
         searches = self._request_map(
             "Run searches",
-            items_path="$.tunings",
+            kind="tunings",
+            plan_bucket=plan_bucket,
             max_concurrency=map_max_concurrency,
             comment="A settings search: one SageMaker tuning job per target; trials run inside it",
         )
@@ -504,22 +544,49 @@ class BenchmarkWorkflow(Construct):
         return check_run.next(launch_or_skip)
 
     def _request_map(
-        self, construct_id: str, *, items_path: str, max_concurrency: int, comment: str | None = None
-    ) -> sfn.Map:
-        """A Map over plan_jobs' {job_name, request} items; each iteration sees the run id, its job name and its
-        request; nothing of the iterations' output stays in the state."""
-        return sfn.Map(
+        self,
+        construct_id: str,
+        *,
+        kind: str,
+        plan_bucket: s3.IBucket,
+        max_concurrency: int,
+        comment: str,
+        with_execution: bool = False,
+    ) -> sfn.DistributedMap:
+        """A Distributed Map over the request list ``kind`` plan_jobs wrote to S3 (gpuscout.cloud.plan_items): each
+        child workflow (a Standard execution with its own history) gets the run id, its job name and its request, and
+        with ``with_execution`` this execution's ARN (a child's own ARN is another); nothing of the children's output
+        stays in the state. Items start in the file's order, ``max_concurrency`` at a time."""
+        selector: dict[str, Any] = {
+            "run_id": sfn.JsonPath.string_at("$.run_id"),
+            "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
+            "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
+        }
+        if with_execution:
+            selector["execution_arn"] = sfn.JsonPath.execution_id
+        return sfn.DistributedMap(
             self,
             construct_id,
-            items_path=items_path,
-            item_selector={
-                "run_id": sfn.JsonPath.string_at("$.run_id"),
-                "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
-                "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
-            },
+            item_reader=PlanItemReader(
+                bucket=plan_bucket, key=sfn.JsonPath.string_at(f"$.plan.{kind}.key"), prefix=PLAN_PREFIX
+            ),
+            item_selector=selector,
             max_concurrency=max_concurrency,
+            map_execution_type=sfn.StateMachineType.STANDARD,  # .sync integrations run only in Standard workflows
+            # No ToleratedFailure*: AWS's default tolerates none, so a child that fails fails the Map (its Catch marks
+            # the run FAILED). Children catch their job's failures themselves (a failed job is a result): only a
+            # canary, or an error of the workflow's own, fails one.
             result_path=sfn.JsonPath.DISCARD,
             comment=comment,
+        )
+
+    def _when_any(self, kind: str, fan_out: sfn.DistributedMap, then: sfn.IChainable) -> sfn.Choice:
+        """``fan_out`` then ``then`` when the plan has any ``kind``; straight to ``then`` otherwise (no Map Run)."""
+        fan_out.next(then)
+        return (
+            sfn.Choice(self, f"Any {kind}?")
+            .when(sfn.Condition.number_greater_than(f"$.plan.{kind}.count", 0), fan_out)
+            .otherwise(then)
         )
 
     def _record_failure_step(

@@ -40,6 +40,7 @@ from botocore.exceptions import (
 
 from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
+from gpuscout.cloud.plan_items import request_count_problems
 from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.sagemaker_requests import output_tar_key
@@ -321,6 +322,13 @@ class CloudStack:
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
         the_plan = plan(manifest, catalog or load_catalog(), run_id=expected_run_id)
         the_plan.check_budget()
+        problems = request_count_problems(
+            the_plan.jobs,
+            search_targets=len(the_plan.search.targets) if the_plan.search else None,
+            canaries=outputs.canary_instance_type is not None,
+        )
+        if problems:
+            raise ManifestError(str(path), problems)
         warnings = self.quota_preflight(
             path, the_plan.jobs, the_plan.search.max_parallel_trials if the_plan.search else None
         )

@@ -34,6 +34,15 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import publish, run_summary
+from gpuscout.cloud.plan_items import (
+    MAX_ITEM_BYTES,
+    MAX_REQUESTS_PER_RUN,
+    STATE_PAYLOAD_LIMIT_BYTES,
+    PlanItemsError,
+    oversized_items,
+    request_count_problems,
+    write_plan_items,
+)
 from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.sagemaker_requests import (
@@ -43,7 +52,7 @@ from gpuscout.cloud.sagemaker_requests import (
     training_job_request,
 )
 from gpuscout.cloud.settings import LambdaSettings, get_settings
-from gpuscout.cloud.sources import STATE_PAYLOAD_LIMIT_BYTES, cloud_problems
+from gpuscout.cloud.sources import cloud_problems
 from gpuscout.cloud.tuning_requests import (
     TuningRequestError,
     search_target,
@@ -79,8 +88,10 @@ from gpuscout.store.dynamodb import DynamoDbStore
 
 logger = logging.getLogger(__name__)
 MAX_MANIFEST_BYTES = 1024 * 1024
-# The plan step's output, at most: the rest of the 256 KiB state is the manifest and the data-preparation result.
-MAX_PLAN_BYTES = STATE_PAYLOAD_LIMIT_BYTES - 48 * 1024
+# Validate's output carries the parsed manifest to Plan through the state: room is kept for the run id, bucket, key,
+# quota warnings and the execution's ARN, so an oversized manifest is a rejection here, not an uncatchable
+# States.DataLimitExceeded after this step.
+MAX_PARSED_MANIFEST_BYTES = STATE_PAYLOAD_LIMIT_BYTES - 32 * 1024
 # A run that ended like this may be planned again from the same manifest object (as <run_id>-r<attempt>).
 RETRYABLE_RUN_STATUSES = frozenset({RunStatus.FAILED, RunStatus.REFUSED})
 MAX_ATTEMPTS = 20
@@ -237,10 +248,24 @@ def validate_manifest(
         if len(body) > MAX_MANIFEST_BYTES:
             raise ManifestError(source, [Problem("", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")])
         manifest = parse_manifest(body, source, catalog)
+        parsed_size = len(json.dumps(manifest.model_dump(mode="json"), separators=(",", ":")).encode())
+        if parsed_size > MAX_PARSED_MANIFEST_BYTES:
+            raise ManifestError(
+                source,
+                [
+                    Problem(
+                        "",
+                        f"the parsed manifest is {parsed_size / 1024:.0f} KiB with its defaults filled in; the "
+                        f"workflow carries at most {MAX_PARSED_MANIFEST_BYTES // 1024} KiB of it between states (Step "
+                        f"Functions' {STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB limit); shorten descriptions or split the "
+                        "variants into several manifests",
+                    )
+                ],
+            )
         refused = _cloud_problems(manifest, settings) or _job_code_problems(s3, manifest)
         if refused:
             raise ManifestError(source, refused)
-        refused, quota_warnings = _quota_problems(manifest, catalog, settings, quota_book)
+        refused, quota_warnings = _plan_problems(manifest, catalog, settings, quota_book)
         if refused:
             raise ManifestError(source, refused)
     except ManifestError as err:
@@ -279,17 +304,22 @@ def validate_manifest(
     }
 
 
-def _quota_problems(
+def _plan_problems(
     manifest: Manifest, catalog: Catalog, settings: LambdaSettings, book: QuotaBook | None
 ) -> tuple[list[Problem], list[str]]:
-    """The quota pre-flight of a valid manifest; nothing when no book is given or the manifest cannot be planned
-    (the Plan step says why)."""
-    if book is None:
-        return [], []
+    """What the plan of a valid manifest cannot do in this stack: more SageMaker requests than a run takes
+    (plan_items.py, canaries counted) and, with a quota ``book``, the account's quotas (quotas.py). Nothing when the
+    manifest cannot be planned (the Plan step says why)."""
     try:
-        the_plan = plan(manifest, catalog, run_id="quota-preflight")
+        the_plan = plan(manifest, catalog, run_id="validate-preflight")
     except GpuscoutError:
         return [], []
+    search_targets = len(the_plan.search.targets) if the_plan.search else None
+    problems = request_count_problems(
+        the_plan.jobs, search_targets=search_targets, canaries=bool(settings.canary_instance_type)
+    )
+    if problems or book is None:
+        return problems, []
     needs = plan_needs(
         the_plan.jobs,
         concurrency=settings.map_max_concurrency,
@@ -409,33 +439,33 @@ def plan_jobs(
             spot_max_wait_seconds=max_wait,
         )
         jobs_out.append({"job_name": spec.job_name, "request": request})
+    canaries = _canary_requests(
+        the_plan.jobs,
+        manifest=manifest,
+        instance_type=settings.canary_instance_type,
+        catalog=catalog,
+        req_settings=req_settings,
+        data=data,
+    )
+    items = {"canaries": canaries, "jobs": interleave_by_instance_type(jobs_out), "tunings": tunings}
+    # before any row: what the state machine cannot carry is refused here, not failed uncatchably later
+    refused = _size_refusal(items)
+    if refused is not None:
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": refused}))
+        raise PlanRefused(f"{source}: {refused}")
+    try:
+        plan_reference = write_plan_items(s3, settings.artifacts_bucket, run_id, items)
+    except PlanItemsError as err:
+        raise CloudStepError(str(err)) from err
     output = {
         "run_id": run_id,
         "prepare": {
             "skip": skip_prepare,
             "request": processing_job_request(run_id, req_settings, data) if data is not None else None,
         },
-        "canaries": _canary_requests(
-            the_plan.jobs,
-            manifest=manifest,
-            instance_type=settings.canary_instance_type,
-            catalog=catalog,
-            req_settings=req_settings,
-            data=data,
-        ),
-        "jobs": interleave_by_instance_type(jobs_out),
-        "tunings": tunings,
+        "plan": plan_reference,  # where the requests are (plan_items.py): the Maps read them from S3
         "predicted_cost_usd": the_plan.predicted_cost_usd,
     }
-    size = len(json.dumps(output, separators=(",", ":")).encode())
-    if size > MAX_PLAN_BYTES:  # before any row: an oversized state fails the execution uncatchably
-        error = (
-            f"the plan of {len(jobs_out)} jobs is {size / 1024:.0f} KiB; Step Functions passes at most "
-            f"{STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB between states (this step keeps {MAX_PLAN_BYTES // 1024} KiB "
-            "for the rest of the state); split the manifest into several runs"
-        )
-        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": error}))
-        raise PlanRefused(f"{source}: {error}")
     for key, body in search_files.items():  # what job_events needs to record the trials (tuning_requests)
         try:
             s3.put_object(Bucket=settings.artifacts_bucket, Key=key, Body=body, ContentType="application/json")
@@ -451,6 +481,25 @@ def plan_jobs(
             "launched again"
         ) from err
     return output
+
+
+def _size_refusal(items: dict[str, list[dict[str, Any]]]) -> str | None:
+    """Why the state machine cannot run these requests (plan_items.py), or None."""
+    count = sum(len(listed) for listed in items.values())
+    if count > MAX_REQUESTS_PER_RUN:
+        return (
+            f"the plan makes {count} SageMaker requests ({len(items['canaries'])} canaries, {len(items['jobs'])} jobs, "
+            f"{len(items['tunings'])} tuning jobs); a cloud run takes at most {MAX_REQUESTS_PER_RUN}; split the "
+            "manifest into several runs"
+        )
+    oversized = oversized_items(items, MAX_ITEM_BYTES)
+    if oversized:
+        return (
+            f"{len(oversized)} request(s) exceed {MAX_ITEM_BYTES // 1024} KiB, what one Distributed Map item may be "
+            f"(Step Functions passes at most {STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB): {', '.join(oversized[:5])}; "
+            "shorten the environment or hyperparameters"
+        )
+    return None
 
 
 def _tunings(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
+from gpuscout.cloud.plan_items import MAX_REQUESTS_PER_RUN
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.tracking import (
     CLOUD_WANDB_DIR,
@@ -31,11 +32,6 @@ from gpuscout.domain.tracking import (
 )
 from gpuscout.errors import Problem
 
-# Step Functions passes at most 256 KiB between states, and the plan carries every job's CreateTrainingJob request
-# (about 4.5 KiB each with a deployed stack's ARNs): 40 jobs leave room for the data-preparation result and the
-# manifest (tests/integration/test_cloud_handlers.py::test_the_largest_allowed_plan_fits_the_state_payload).
-MAX_JOBS_PER_RUN = 40
-STATE_PAYLOAD_LIMIT_BYTES = 256 * 1024
 # CreateTrainingJob HyperParameters (botocore's SageMaker model): at most 100 entries, values of at most 2,500
 # characters. Not checked by botocore's client-side validation: SageMaker refuses the request when the job starts.
 MAX_HYPERPARAMETERS = 100
@@ -151,13 +147,14 @@ def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[st
     every catalogued type)."""
     problems: list[Problem] = []
     jobs = len(manifest.targets) * len(manifest.variants) * manifest.repetitions
-    if jobs > MAX_JOBS_PER_RUN:
+    if jobs > MAX_REQUESTS_PER_RUN:  # the cheap bound; with canaries counted: plan_items.request_count_problems
         problems.append(
             Problem(
                 "targets x variants x repetitions",
                 f"{len(manifest.targets)} x {len(manifest.variants)} x {manifest.repetitions} = {jobs} jobs; a cloud "
-                f"run takes at most {MAX_JOBS_PER_RUN} (Step Functions passes at most 256 KiB between states); split "
-                "the manifest into several (each its own run) or lower repetitions",
+                f"run takes at most {MAX_REQUESTS_PER_RUN} SageMaker jobs, canaries included (the largest plan the "
+                "state machine has been run with); split the manifest into several (each its own run) or lower "
+                "repetitions",
             )
         )
     for i, target in enumerate(manifest.targets):

@@ -44,12 +44,14 @@ def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
     result = control_plane.plan_jobs(
         event.model_dump(), store=services.store, s3=services.s3, settings=services.settings
     )
-    metrics.add_metric(name="JobsPlanned", unit=MetricUnit.Count, value=len(result["jobs"]))
+    counts = {kind: result["plan"][kind]["count"] for kind in ("canaries", "jobs", "tunings")}
+    metrics.add_metric(name="JobsPlanned", unit=MetricUnit.Count, value=counts["jobs"])
     logger.info(
         "run planned",
         extra={
-            "jobs": len(result["jobs"]),
-            "tuning_jobs": len(result["tunings"]),
+            "canaries": counts["canaries"],
+            "jobs": counts["jobs"],
+            "tuning_jobs": counts["tunings"],
             "predicted_cost_usd": result["predicted_cost_usd"],
             "prepare_skipped": result["prepare"]["skip"],
         },

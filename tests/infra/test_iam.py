@@ -124,6 +124,27 @@ def test_state_machine_role_runs_only_gs_jobs(synthesized: Synthesized) -> None:
     assert "rule/StepFunctionsGetEventsForSageMakerTuningJobsRule" in rendered
 
 
+def test_state_machine_reads_only_the_plans_request_lists_and_runs_its_own_child_executions(
+    synthesized: Synthesized,
+) -> None:
+    statements = policy_statements(synthesized, synthesized.stack.roles.state_machine)
+    artifacts = synthesized.logical_id(synthesized.stack.storage.artifacts)
+    reads = [s for s in statements if any(a.startswith("s3:") for a in as_list(s["Action"]))]
+    # the Distributed Maps' ItemReader: GetObject under plans/ of the artifacts bucket, nothing else of S3
+    assert [(s["Action"], s["Resource"]) for s in reads] == [
+        ("s3:GetObject", {"Fn::Join": ["", [{"Fn::GetAtt": [artifacts, "Arn"]}, "/plans/*"]]})
+    ]
+    machine = synthesized.logical_id(synthesized.stack.workflow.state_machine)
+    states = [s for s in statements if any(a.startswith("states:") for a in as_list(s["Action"]))]
+    (start,) = [s for s in states if "states:StartExecution" in as_list(s["Action"])]
+    assert start["Resource"] == {"Ref": machine}  # child workflows are executions of this machine only
+    for statement in states:
+        if statement is not start:  # Describe/Stop/Redrive: executions of this machine (its name from its ARN)
+            assert f'"Ref": "{machine}"' in json.dumps(statement["Resource"]) and ":execution:" in json.dumps(
+                statement["Resource"]
+            )
+
+
 def test_state_machine_role_trusts_states_of_this_account_only(synthesized: Synthesized) -> None:
     role = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.roles.state_machine)]
     (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]

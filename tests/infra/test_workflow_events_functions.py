@@ -44,12 +44,18 @@ def test_states_in_order(asl: dict[str, Any]) -> None:
     assert states["Plan jobs"]["Next"] == "Processed data cached?"
     choice = states["Processed data cached?"]
     assert choice["Type"] == "Choice"
-    assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Run canaries"}]
+    assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Any canaries?"}]
     assert choice["Default"] == "Prepare data"
-    assert states["Prepare data"]["Next"] == "Run canaries"
-    assert states["Run canaries"]["Next"] == "Run jobs"  # no expensive job before every canary passed
-    assert states["Run jobs"]["Next"] == "Run searches"  # a settings search's tuning jobs (none without one)
-    assert states["Run searches"]["Next"] == "Analyze run"
+    assert states["Prepare data"]["Next"] == "Any canaries?"
+    # each fan-out runs only when the plan has items for it (no Map Run for an empty list), in this order:
+    for kind, fan_out, after in (
+        ("canaries", "Run canaries", "Any jobs?"),  # no expensive job before every canary passed
+        ("jobs", "Run jobs", "Any tunings?"),
+        ("tunings", "Run searches", "Analyze run"),  # a settings search's tuning jobs (none without one)
+    ):
+        any_items = states[f"Any {kind}?"]
+        assert any_items["Choices"] == [{"Variable": f"$.plan.{kind}.count", "NumericGreaterThan": 0, "Next": fan_out}]
+        assert any_items["Default"] == after and states[fan_out]["Next"] == after
     assert states["Analyze run"]["Next"] == "Done"
     assert states["Done"]["Type"] == "Succeed"
     assert asl["TimeoutSeconds"] == 72 * 3600
@@ -66,13 +72,44 @@ def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> No
         assert states[task]["Resource"].startswith("<Functions")
 
 
-def test_the_canary_map_runs_each_configurations_canary_request(asl: dict[str, Any]) -> None:
+def _assert_reads_plan_items(fan_out: dict[str, Any], kind: str, synthesized: Synthesized) -> None:
+    """A Distributed Map of Standard child workflows over s3://<artifacts>/<key of $.plan.<kind>>, output dropped."""
+    assert fan_out["Type"] == "Map" and "ItemsPath" not in fan_out and fan_out["ResultPath"] is None
+    assert fan_out["ItemProcessor"]["ProcessorConfig"] == {"Mode": "DISTRIBUTED", "ExecutionType": "STANDARD"}
+    artifacts = synthesized.logical_id(synthesized.stack.storage.artifacts)
+    assert fan_out["ItemReader"] == {
+        "Resource": "arn:<AWS::Partition>:states:::s3:getObject",
+        "ReaderConfig": {"InputType": "JSON"},
+        "Parameters": {"Bucket": f"<{artifacts}>", "Key.$": f"$.plan.{kind}.key"},
+    }
+    assert fan_out["MaxConcurrency"] == synthesized.stack.config.map_max_concurrency
+    # none tolerated (AWS's default): a failed child fails the Map, whose Catch fails the run
+    assert "ToleratedFailurePercentage" not in fan_out and "ToleratedFailureCount" not in fan_out
+
+
+def test_the_canary_map_runs_each_configurations_canary_request(asl: dict[str, Any], synthesized: Synthesized) -> None:
     canaries = asl["States"]["Run canaries"]
-    assert canaries["Type"] == "Map" and canaries["ItemsPath"] == "$.canaries" and canaries["ResultPath"] is None
-    (canary,) = canaries["ItemProcessor"]["States"].values()
+    _assert_reads_plan_items(canaries, "canaries", synthesized)
+    # the child gets this execution's ARN: mark_run_failed changes only the run this execution planned
+    assert canaries["ItemSelector"] == {
+        "run_id.$": "$.run_id",
+        "job_name.$": "$$.Map.Item.Value.job_name",
+        "request.$": "$$.Map.Item.Value.request",
+        "execution_arn.$": "$$.Execution.Id",
+    }
+    states = canaries["ItemProcessor"]["States"]
+    canary = states["Canary"]
     assert canary["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync"
     assert canary["Parameters"]["TrainingJobName.$"] == "$.request.TrainingJobName"
-    assert canary["End"] is True and "Catch" not in canary  # a failed canary fails the Map, which fails the run
+    # a failed canary marks the run FAILED with its own cause (the Map reports only that a child failed), then fails
+    assert canary["End"] is True
+    assert canary["Catch"] == [
+        {"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Mark run failed (canary)"}
+    ]
+    mark = states["Mark run failed (canary)"]
+    assert mark["Parameters"] == {"run_id.$": "$.run_id", "execution_arn.$": "$.execution_arn", "error.$": "$.error"}
+    assert mark["ResultPath"] is None and mark["Next"] == "Canary failed"
+    assert states["Canary failed"] == {"Type": "Fail", "Error": "CanaryFailed", "CausePath": "$.error.Cause"}
     quota = [r for r in canary["Retry"] if r["ErrorEquals"] == ["SageMaker.ResourceLimitExceededException"]]
     assert quota and quota[0]["IntervalSeconds"] * quota[0]["MaxAttempts"] == 3600
 
@@ -103,6 +140,8 @@ def test_lambda_steps_retry_lambdas_transient_errors_and_the_status_read_retries
         if state.get("Type") == "Task" and str(state["Resource"]).startswith("<Functions")
     }
     assert len(lambda_steps) == 6
+    canary_mark = asl["States"]["Run canaries"]["ItemProcessor"]["States"]["Mark run failed (canary)"]
+    lambda_steps["Mark run failed (canary)"] = canary_mark
     for name, state in lambda_steps.items():
         [retry] = state["Retry"]
         assert {"Lambda.TooManyRequestsException", "Lambda.ServiceException"} <= set(retry["ErrorEquals"]), name
@@ -144,15 +183,13 @@ def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str
     prepare = asl["States"]["Prepare data"]
     assert prepare["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createProcessingJob.sync"
     assert prepare["Parameters"] == {f"{f}.$": f"$.prepare.request.{f}" for f in PROCESSING_REQUEST_FIELDS}
-    assert prepare["ResultPath"] == "$.prepare.job"  # keeps $.run_id and $.jobs for the Map
+    assert prepare["ResultPath"] == "$.prepare.job"  # keeps $.run_id and $.plan for the Maps
 
 
 def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any], synthesized: Synthesized) -> None:
     jobs = asl["States"]["Run jobs"]
-    assert jobs["Type"] == "Map"
-    assert jobs["ItemsPath"] == "$.jobs"
-    assert jobs["MaxConcurrency"] == synthesized.stack.config.map_max_concurrency == 4
-    assert jobs["ResultPath"] is None
+    _assert_reads_plan_items(jobs, "jobs", synthesized)
+    assert synthesized.stack.config.map_max_concurrency == 4
     assert jobs["ItemSelector"] == {
         "run_id.$": "$.run_id",
         "job_name.$": "$$.Map.Item.Value.job_name",
@@ -229,8 +266,7 @@ def test_the_search_map_runs_one_sync_tuning_job_per_target_and_records_its_tria
     asl: dict[str, Any], synthesized: Synthesized
 ) -> None:
     searches = asl["States"]["Run searches"]
-    assert searches["Type"] == "Map" and searches["ItemsPath"] == "$.tunings" and searches["ResultPath"] is None
-    assert searches["MaxConcurrency"] == synthesized.stack.config.map_max_concurrency
+    _assert_reads_plan_items(searches, "tunings", synthesized)
     assert searches["ItemSelector"] == {
         "run_id.$": "$.run_id",
         "job_name.$": "$$.Map.Item.Value.job_name",

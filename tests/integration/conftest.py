@@ -21,6 +21,7 @@ import pytest
 from moto import mock_aws
 
 from gpuscout.cloud.control_plane import Services, services
+from gpuscout.cloud.plan_items import read_plan_items
 from gpuscout.cloud.quotas import QuotaBook
 from gpuscout.cloud.settings import get_settings
 from gpuscout.store.dynamodb import table_definition
@@ -86,6 +87,19 @@ def cloud_manifest(budget: float = 50.0, name: str = "cloud-smoke") -> str:
     return CLOUD_MANIFEST.format(budget=budget).replace("name: cloud-smoke", f"name: {name}")
 
 
+def wide_manifest(variants: int, repetitions: int = 1) -> str:
+    """4 targets x ``variants`` (8 batch sizes, so at most 32 configurations) x ``repetitions``, a large budget."""
+    targets = "\n".join(f"  - instance_type: {t}" for t in ("ml.g5.8xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge",
+                                                                "ml.p5.48xlarge"))  # fmt: skip
+    names = "\n".join(
+        f"  - name: b{i % 8 + 1}-a{i:02d}-ckpt-compiled-flex-attention-x\n    per_device_batch_size: {i % 8 + 1}"
+        for i in range(variants)
+    )
+    head = cloud_manifest(budget=100000).split("targets:")[0]
+    tail = f"repetitions: {repetitions}\nconstraints:\n  budget_usd: 100000\n"
+    return f"{head}targets:\n{targets}\nvariants:\n{names}\n{tail}"
+
+
 @dataclass
 class LambdaContext:
     function_name: str = "gpuscout-test"
@@ -106,6 +120,10 @@ class Cloud:
         key = f"manifests/{name}.yaml"
         response = self.s3.put_object(Bucket=DATA_BUCKET, Key=key, Body=text.encode())
         return {"bucket": DATA_BUCKET, "key": key, "etag": response["ETag"].strip('"')}
+
+    def items(self, planned: dict[str, Any], kind: str = "jobs") -> list[dict[str, Any]]:
+        """The request list ``kind`` (canaries, jobs, tunings) plan_jobs wrote to S3 for the Distributed Maps."""
+        return read_plan_items(self.s3, planned, kind)
 
     def upload_benchmark(self, run_id: str, job_name: str, benchmark: dict[str, Any]) -> None:
         """What SageMaker does at the end of a job: tar SM_OUTPUT_DATA_DIR into output.tar.gz."""

@@ -70,7 +70,7 @@ class LauncherJobs:
 
     def request_for(self, lambdas: sm.InProcessLambdas, job_name: str) -> dict[str, Any]:
         [planned] = [out for name, out in lambdas.outputs if name == "plan_jobs"]
-        items = [*planned["jobs"], *planned["canaries"]]
+        items = [*self.cloud.items(planned), *self.cloud.items(planned, "canaries")]
         return next(item["request"] for item in items if item["job_name"] == job_name)
 
     def __call__(self, lambdas: sm.InProcessLambdas, kwargs: dict[str, Any]) -> dict[str, Any]:

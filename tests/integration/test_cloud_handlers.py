@@ -19,6 +19,7 @@ from conftest import (
     cloud_manifest,
     job_event,
     load_event,
+    wide_manifest,
 )
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
@@ -134,9 +135,9 @@ def test_plan_writes_rows_and_returns_complete_requests(cloud: Cloud) -> None:
     assert run.status is RunStatus.PLANNED
     assert run.predicted_cost_usd == pytest.approx(planned["predicted_cost_usd"])
     jobs = store.list_jobs(run_id)
-    assert len(jobs) == len(planned["jobs"]) == 4  # 2 targets x 2 variants
+    assert len(jobs) == len(cloud.items(planned)) == 4  # 2 targets x 2 variants
     assert {j.status for j in jobs} == {JobStatus.PLANNED}
-    assert sorted(j["job_name"] for j in planned["jobs"]) == [j.job_name for j in jobs]
+    assert sorted(j["job_name"] for j in cloud.items(planned)) == [j.job_name for j in jobs]
 
     assert planned["prepare"]["skip"] is False
     prep = planned["prepare"]["request"]
@@ -145,7 +146,7 @@ def test_plan_writes_rows_and_returns_complete_requests(cloud: Cloud) -> None:
     output = prep["ProcessingOutputConfig"]["Outputs"][0]["S3Output"]["S3Uri"]
     assert output.startswith(f"s3://{DATA_BUCKET}/processed/")
 
-    for item in planned["jobs"]:
+    for item in cloud.items(planned):
         request = item["request"]
         assert request["TrainingJobName"] == item["job_name"]
         assert request["RoleArn"] == ROLE_ARN
@@ -170,8 +171,8 @@ def test_network_isolation_when_the_manifest_asks(cloud: Cloud) -> None:
     # Given a manifest with network_isolation: true, every training job runs without outbound network access.
     manifest = cloud_manifest().replace("constraints:", "network_isolation: true\nconstraints:")
     planned = _validate_and_plan(cloud, manifest)
-    assert planned["jobs"]
-    assert all(item["request"]["EnableNetworkIsolation"] is True for item in planned["jobs"])
+    assert cloud.items(planned)
+    assert all(item["request"]["EnableNetworkIsolation"] is True for item in cloud.items(planned))
 
 
 def test_prepare_is_skipped_when_the_processed_data_exists(cloud: Cloud) -> None:
@@ -210,8 +211,8 @@ def test_two_manifests_at_once_are_two_isolated_runs(cloud: Cloud) -> None:
     a = _validate_and_plan(cloud, cloud_manifest(name="team-a"), "team-a")
     b = _validate_and_plan(cloud, cloud_manifest(name="team-b"), "team-b")
     assert a["run_id"] != b["run_id"]
-    names_a = {j["job_name"] for j in a["jobs"]}
-    names_b = {j["job_name"] for j in b["jobs"]}
+    names_a = {j["job_name"] for j in cloud.items(a)}
+    names_b = {j["job_name"] for j in cloud.items(b)}
     assert not names_a & names_b  # SageMaker job names are account-global
     store = cloud.services.store
     assert {j.job_name for j in store.list_jobs(a["run_id"])} == names_a
@@ -227,7 +228,7 @@ def test_two_manifests_at_once_are_two_isolated_runs(cloud: Cloud) -> None:
 def test_job_events_update_the_row_and_store_the_benchmark(cloud: Cloud) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
     run_id = planned["run_id"]
-    job = planned["jobs"][0]["job_name"]
+    job = cloud.items(planned)[0]["job_name"]
     store = cloud.services.store
     events = {
         name: job_event(name, run_id=run_id, job_name=job)
@@ -284,7 +285,7 @@ def test_job_events_emit_the_metrics_the_dashboard_graphs(
 
     monkeypatch.setenv("POWERTOOLS_SERVICE_NAME", "gpuscout")  # as the stack sets it
     planned = _validate_and_plan(cloud, cloud_manifest())
-    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    run_id, job = planned["run_id"], cloud.items(planned)[0]["job_name"]
     capsys.readouterr()
     # Given a job that trains and completes with a benchmark
     job_events_handler.handler(job_event("training_inprogress_training", run_id=run_id, job_name=job), cloud.context)
@@ -309,7 +310,7 @@ def test_job_events_emit_the_metrics_the_dashboard_graphs(
 )
 def test_terminal_failures_are_classified(cloud: Cloud, fixture: str, status: JobStatus) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
-    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    run_id, job = planned["run_id"], cloud.items(planned)[0]["job_name"]
     job_events_handler.handler(job_event(fixture, run_id=run_id, job_name=job), cloud.context)
     row = cloud.services.store.get_job(run_id, job)
     assert row is not None
@@ -359,7 +360,7 @@ def test_caught_job_failures_are_classified_and_return_normally(
     cloud: Cloud, error: str, cause: str, status: JobStatus
 ) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
-    run_id, job = planned["run_id"], planned["jobs"][2]["job_name"]
+    run_id, job = planned["run_id"], cloud.items(planned)[2]["job_name"]
     out = failure_handler.handler(
         {"run_id": run_id, "job_name": job, "error": {"Error": error, "Cause": cause}}, cloud.context
     )
@@ -371,7 +372,7 @@ def test_caught_job_failures_are_classified_and_return_normally(
 
 def test_sagemakers_own_failure_event_still_lands_after_the_catch(cloud: Cloud) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
-    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    run_id, job = planned["run_id"], cloud.items(planned)[0]["job_name"]
     event = job_event("training_failed_oom", run_id=run_id, job_name=job)
     cause = dict(event["detail"])
     failure_handler.handler(
@@ -386,8 +387,8 @@ def test_sagemakers_own_failure_event_still_lands_after_the_catch(cloud: Cloud) 
 def test_budget_guard_stops_the_runs_remaining_jobs(cloud: Cloud) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest(budget=50.0))
     run_id = planned["run_id"]
-    g5 = [j["job_name"] for j in planned["jobs"] if "g5" in j["job_name"]]
-    p4d = [j["job_name"] for j in planned["jobs"] if "p4d" in j["job_name"]]
+    g5 = [j["job_name"] for j in cloud.items(planned) if "g5" in j["job_name"]]
+    p4d = [j["job_name"] for j in cloud.items(planned) if "p4d" in j["job_name"]]
     for name in g5:
         job_events_handler.handler(
             job_event("training_inprogress_training", run_id=run_id, job_name=name), cloud.context
@@ -410,7 +411,7 @@ def test_budget_guard_stops_the_runs_remaining_jobs(cloud: Cloud) -> None:
 def test_budget_guard_leaves_a_run_under_budget_alone(cloud: Cloud) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest(budget=50.0))
     run_id = planned["run_id"]
-    names = [j["job_name"] for j in planned["jobs"]]
+    names = [j["job_name"] for j in cloud.items(planned)]
     job_events_handler.handler(
         job_event("training_inprogress_training", run_id=run_id, job_name=names[1]), cloud.context
     )
@@ -425,7 +426,7 @@ def test_budget_guard_leaves_a_run_under_budget_alone(cloud: Cloud) -> None:
 def test_analyze_covers_completed_jobs_when_others_lacked_capacity(cloud: Cloud) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
     run_id = planned["run_id"]
-    jobs = {j["job_name"]: j["request"]["ResourceConfig"]["InstanceType"] for j in planned["jobs"]}
+    jobs = {j["job_name"]: j["request"]["ResourceConfig"]["InstanceType"] for j in cloud.items(planned)}
     g5 = sorted(n for n, t in jobs.items() if t == "ml.g5.8xlarge")
     p4d = sorted(n for n, t in jobs.items() if t == "ml.p4d.24xlarge")
     for name in g5:
@@ -462,7 +463,7 @@ def test_analyze_prices_with_todays_aws_list_price_and_falls_back_per_instance(c
     # but is refused for p4d,
     planned = _validate_and_plan(cloud, cloud_manifest())
     run_id = planned["run_id"]
-    for item in planned["jobs"]:
+    for item in cloud.items(planned):
         if item["request"]["ResourceConfig"]["InstanceType"] == "ml.g5.8xlarge":
             name = item["job_name"]
             cloud.upload_benchmark(run_id, name, benchmark_for(name, run_id, "ml.g5.8xlarge", "g5-12xl-bs4-ckpt-r0"))
@@ -508,7 +509,7 @@ def test_analyze_publishes_the_run_summary_to_the_topic(cloud: Cloud, monkeypatc
     settings = cloud.services.settings.model_copy(update={"notification_topic_arn": topic})
     planned = _validate_and_plan(cloud, cloud_manifest())
     run_id = planned["run_id"]
-    job = planned["jobs"][0]["job_name"]
+    job = cloud.items(planned)[0]["job_name"]
     job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=job), cloud.context)
     # When the run is analysed
     result = control_plane.analyze(
@@ -536,22 +537,10 @@ def test_a_failed_publish_does_not_fail_the_analysis(cloud: Cloud) -> None:
     assert cloud.services.store.get_result(planned["run_id"]) is not None
 
 
-def _wide_manifest(variants: int, repetitions: int = 1) -> str:
-    targets = "\n".join(f"  - instance_type: {t}" for t in ("ml.g5.8xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge",
-                                                                "ml.p5.48xlarge"))  # fmt: skip
-    names = "\n".join(
-        f"  - name: b{i % 8 + 1}-a{i:02d}-ckpt-compiled-flex-attention-x\n    per_device_batch_size: {i % 8 + 1}"
-        for i in range(variants)
-    )
-    head = cloud_manifest(budget=100000).split("targets:")[0]
-    tail = f"repetitions: {repetitions}\nconstraints:\n  budget_usd: 100000\n"
-    return f"{head}targets:\n{targets}\nvariants:\n{names}\n{tail}"
+def test_the_plans_state_stays_small_and_its_requests_go_to_s3(cloud: Cloud) -> None:
+    from gpuscout.cloud.plan_items import MAX_ITEM_BYTES, item_size
 
-
-def test_the_largest_allowed_plan_fits_the_state_payload(cloud: Cloud) -> None:
-    from gpuscout.cloud.sources import MAX_JOBS_PER_RUN, STATE_PAYLOAD_LIMIT_BYTES
-
-    # Given a deployed stack's real-length ARNs (a CDK asset image URI) and a manifest of exactly the job limit
+    # Given a deployed stack's real-length ARNs (a CDK asset image URI) and 4 targets x 25 variants x 3 repetitions
     settings = cloud.services.settings.model_copy(
         update={
             "training_image_uri": "123456789012.dkr.ecr.ap-southeast-2.amazonaws.com/cdk-hnb659fds-container-assets-"
@@ -559,32 +548,48 @@ def test_the_largest_allowed_plan_fits_the_state_payload(cloud: Cloud) -> None:
             "sagemaker_role_arn": "arn:aws:iam::123456789012:role/Gpuscout-RolesSageMakerExecution0A1B2C3D-" + "X" * 12,
         }
     )
-    text = _wide_manifest(variants=MAX_JOBS_PER_RUN // 4)
+    text = wide_manifest(variants=25, repetitions=3)
     validated = validate_handler.handler(cloud.submit(text, "wide"), cloud.context)
     # When it is planned
     planned = control_plane.plan_jobs(validated, store=cloud.services.store, s3=cloud.s3, settings=settings)
-    # Then its output, with room for the data-preparation result, stays under Step Functions' 256 KiB
-    assert len(planned["jobs"]) == MAX_JOBS_PER_RUN
+    # Then the 300 requests are in S3, each one small enough to be a child workflow's input with room for its error,
+    jobs = cloud.items(planned)
+    assert len(jobs) == planned["plan"]["jobs"]["count"] == 300
+    assert planned["plan"]["jobs"]["key"] == f"plans/{planned['run_id']}/jobs.json"
+    assert max(item_size(item) for item in jobs) < MAX_ITEM_BYTES / 20
+    # and what the state carries does not grow with the run (the processing request and where the lists are)
     size = len(json.dumps(planned, separators=(",", ":")).encode())
-    assert size <= control_plane.MAX_PLAN_BYTES < STATE_PAYLOAD_LIMIT_BYTES, size
+    assert size < 8 * 1024, size
 
 
-def test_a_plan_over_the_job_limit_is_rejected_before_any_row(cloud: Cloud) -> None:
-    # Given 4 targets x 6 variants x 2 repetitions = 48 jobs (the limit is 40)
-    with pytest.raises(ManifestRejected, match=r"4 x 6 x 2 = 48 jobs; a cloud run takes at most 40"):
-        validate_handler.handler(cloud.submit(_wide_manifest(variants=6, repetitions=2), "too-wide"), cloud.context)
+def test_a_plan_over_the_request_limit_is_rejected_before_any_row(cloud: Cloud) -> None:
+    # Given 4 targets x 26 variants x 10 repetitions = 1,040 jobs (the limit is 1,000 SageMaker jobs)
+    with pytest.raises(ManifestRejected, match=r"4 x 26 x 10 = 1040 jobs; a cloud run takes at most 1000"):
+        validate_handler.handler(cloud.submit(wide_manifest(variants=26, repetitions=10), "too-wide"), cloud.context)
     [run] = cloud.services.store.list_runs()
     assert run.status is RunStatus.REJECTED and cloud.services.store.list_jobs(run.run_id) == []
 
 
-def test_an_oversized_plan_is_refused_before_any_job_row(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a plan step whose output would exceed what the state may carry (the backstop behind the job limit)
-    monkeypatch.setattr(control_plane, "MAX_PLAN_BYTES", 8 * 1024)
+def test_the_request_limit_counts_the_canaries(with_canary: Cloud) -> None:
+    # Given exactly 1,000 jobs (4 targets x 25 variants x 10 repetitions) of 8 batch sizes: 32 configurations,
+    # each with its canary on the canary instance
+    manifest = wide_manifest(variants=25, repetitions=10)
+    # Then validation refuses the 1,032 SageMaker jobs, naming the canaries
+    with pytest.raises(ManifestRejected, match=r"start 1032 SageMaker jobs \(1000 benchmark jobs and 32 canaries"):
+        validate_handler.handler(with_canary.submit(manifest, "canaried-wide"), with_canary.context)
+
+
+def test_an_oversized_request_is_refused_before_any_job_row(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given requests larger than a Distributed Map item may be (with room for the child's own state)
+    monkeypatch.setattr(control_plane, "MAX_ITEM_BYTES", 1024)
     validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
-    with pytest.raises(PlanRefused, match="Step Functions passes at most 256 KiB"):
+    with pytest.raises(PlanRefused, match=r"request\(s\) exceed 1 KiB, what one Distributed Map item may be"):
         plan_handler.handler(validated, cloud.context)
     run = cloud.services.store.get_run(validated["run_id"])
     assert run.status is RunStatus.REFUSED and cloud.services.store.list_jobs(run.run_id) == []
+    # and nothing was written for the state machine to read
+    listed = cloud.s3.list_objects_v2(Bucket=ARTIFACTS_BUCKET, Prefix="plans/")
+    assert listed.get("KeyCount", 0) == 0
 
 
 def test_two_plans_of_one_object_launch_once(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -609,7 +614,7 @@ def test_a_run_the_budget_guard_stops_during_analysis_stays_stopped(
     cloud: Cloud, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     planned = _validate_and_plan(cloud, cloud_manifest())
-    run_id, job = planned["run_id"], planned["jobs"][0]["job_name"]
+    run_id, job = planned["run_id"], cloud.items(planned)[0]["job_name"]
     store = cloud.services.store
     store.update_run(run_id, status=RunStatus.RUNNING)
     cloud.upload_benchmark(run_id, job, benchmark_for(job, run_id, "ml.g5.8xlarge"))
@@ -693,8 +698,8 @@ def test_the_same_manifest_uploaded_again_after_a_failed_run_is_planned_again(cl
     second = plan_handler.handler(again, cloud.context)
     assert second["run_id"] == f"{first['run_id']}-r2"
     assert store.get_run(second["run_id"]).status is RunStatus.PLANNED
-    first_names = {j["job_name"] for j in first["jobs"]}
-    second_names = {j["job_name"] for j in second["jobs"]}
+    first_names = {j["job_name"] for j in cloud.items(first)}
+    second_names = {j["job_name"] for j in cloud.items(second)}
     assert len(second_names) == len(first_names) and not first_names & second_names  # SageMaker names are unique
     assert second["prepare"]["request"]["ProcessingJobName"] != first["prepare"]["request"]["ProcessingJobName"]
     assert {j.job_name for j in store.list_jobs(second["run_id"])} == second_names
@@ -709,8 +714,22 @@ def test_the_same_manifest_uploaded_again_after_a_failed_run_is_planned_again(cl
 def test_jobs_are_ordered_so_the_map_interleaves_instance_types(cloud: Cloud) -> None:
     # Quotas are per instance type (often 1-2): the Map's first slots must not all wait on one type's quota.
     planned = _validate_and_plan(cloud, cloud_manifest())
-    types = [job["request"]["ResourceConfig"]["InstanceType"] for job in planned["jobs"]]
+    types = [job["request"]["ResourceConfig"]["InstanceType"] for job in cloud.items(planned)]
     assert types == ["ml.g5.8xlarge", "ml.p4d.24xlarge", "ml.g5.8xlarge", "ml.p4d.24xlarge"]
-    assert {j["job_name"] for j in planned["jobs"]} == {
+    assert {j["job_name"] for j in cloud.items(planned)} == {
         j.job_name for j in cloud.services.store.list_jobs(planned["run_id"])
     }
+
+
+def test_a_manifest_too_large_to_carry_between_states_is_rejected_at_validation(
+    cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a stack whose state could carry only 1 KiB of a parsed manifest (the real limit is 224 KiB: 256 KiB less
+    # room for the run id, key, quota warnings and execution ARN)
+    assert control_plane.MAX_PARSED_MANIFEST_BYTES == 224 * 1024
+    monkeypatch.setattr(control_plane, "MAX_PARSED_MANIFEST_BYTES", 1024)
+    # Then a manifest whose parsed form is larger is rejected with its size, before anything is planned
+    with pytest.raises(ManifestRejected, match=r"the parsed manifest is \d+ KiB .*at most 1 KiB of it between states"):
+        validate_handler.handler(cloud.submit(cloud_manifest(), "big"), cloud.context)
+    [run] = cloud.services.store.list_runs()
+    assert run.status is RunStatus.REJECTED

@@ -99,12 +99,12 @@ def test_plan_jobs_turns_a_search_into_one_tuning_job_per_target(cloud: Cloud) -
     planned = _plan(cloud)
     run_id = planned["run_id"]
     # Then no training job is launched one by one: one tuning job per target, over that target's candidates
-    assert planned["jobs"] == [] and len(planned["tunings"]) == 2
+    assert cloud.items(planned) == [] and len(cloud.items(planned, "tunings")) == 2
     store = cloud.services.store
     run = store.get_run(run_id)
     assert run.status is RunStatus.PLANNED and run.search is not None
     assert store.list_jobs(run_id) == []  # trials get their rows as they start
-    for index, tuning in enumerate(planned["tunings"]):
+    for index, tuning in enumerate(cloud.items(planned, "tunings")):
         request = tuning["request"]
         assert tuning["target_index"] == index and tuning["job_name"] == request["HyperParameterTuningJobName"]
         config = request["HyperParameterTuningJobConfig"]
@@ -121,7 +121,7 @@ def test_plan_jobs_turns_a_search_into_one_tuning_job_per_target(cloud: Cloud) -
         assert sorted(found.candidates) == sorted(candidates["Values"]) and found.early_stopping is True
         # SageMaker accepts the request as it is (botocore validates it before moto sees it)
         cloud.sagemaker.create_hyper_parameter_tuning_job(**request)
-    assert planned["tunings"][1]["request"]["TrainingJobDefinition"]["EnableManagedSpotTraining"] is True
+    assert cloud.items(planned, "tunings")[1]["request"]["TrainingJobDefinition"]["EnableManagedSpotTraining"] is True
 
 
 def test_a_search_with_more_candidates_than_a_tuning_job_takes_is_refused_before_anything_runs(cloud: Cloud) -> None:
@@ -141,7 +141,7 @@ def test_a_search_with_more_candidates_than_a_tuning_job_takes_is_refused_before
 def test_trial_events_become_rows_and_an_early_stopped_trial_is_pruned(cloud: Cloud) -> None:
     # Given a planned search whose first tuning job SageMaker runs (early stopping Auto)
     planned = _plan(cloud)
-    run_id, tuning = planned["run_id"], planned["tunings"][0]
+    run_id, tuning = planned["run_id"], cloud.items(planned, "tunings")[0]
     name, request = tuning["job_name"], tuning["request"]
     cloud.sagemaker.create_hyper_parameter_tuning_job(**request)
     values = request["HyperParameterTuningJobConfig"]["ParameterRanges"]["CategoricalParameterRanges"][0]["Values"]
@@ -225,7 +225,7 @@ def test_the_budget_guard_stops_the_tuning_job_at_the_searchs_spend_cap(cloud: C
     # Given two live trials of one tuning job and a finished one that billed $7 (over max_cost_usd 5, under the
     # budget of 50)
     planned = _plan(cloud)
-    run_id, name = planned["run_id"], planned["tunings"][0]["job_name"]
+    run_id, name = planned["run_id"], cloud.items(planned, "tunings")[0]["job_name"]
     store = cloud.services.store
     target = SearchTarget.model_validate_json(
         cloud.s3.get_object(Bucket=ARTIFACTS_BUCKET, Key=search_target_key(run_id, name))["Body"].read()
@@ -243,7 +243,7 @@ def test_the_budget_guard_stops_the_tuning_job_at_the_searchs_spend_cap(cloud: C
     sagemaker = RecordingSageMaker()
     spend, budget, stopped = enforce_budget(store, sagemaker, run_id)
     assert budget == 5.0 and spend == pytest.approx(7.0, abs=0.01)
-    every = sorted(t["job_name"] for t in planned["tunings"])
+    every = sorted(t["job_name"] for t in cloud.items(planned, "tunings"))
     assert sagemaker.calls == [("StopHyperParameterTuningJob", n) for n in every] and stopped == every
     assert name in every
     assert store.get_run(run_id).status is RunStatus.STOPPED
@@ -252,7 +252,7 @@ def test_the_budget_guard_stops_the_tuning_job_at_the_searchs_spend_cap(cloud: C
 def test_the_budget_guard_stops_a_tuning_job_between_its_trials(cloud: Cloud) -> None:
     # Given a search running one trial at a time whose only trial so far finished over the cap: no trial is live
     planned = _plan(cloud)
-    run_id, name = planned["run_id"], planned["tunings"][0]["job_name"]
+    run_id, name = planned["run_id"], cloud.items(planned, "tunings")[0]["job_name"]
     store = cloud.services.store
     target = SearchTarget.model_validate_json(
         cloud.s3.get_object(Bucket=ARTIFACTS_BUCKET, Key=search_target_key(run_id, name))["Body"].read()
@@ -357,7 +357,7 @@ def test_the_workflow_runs_one_tuning_job_per_target_and_ranks_every_trial(
     run = sm._execute_live(cloud, synthesized, monkeypatch, MANIFEST, name="search-smoke")
     assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
     [planned] = [out for name, out in run.lambdas.outputs if name == "plan_jobs"]
-    first, second = planned["tunings"]
+    first, second = cloud.items(planned, "tunings")
 
     # Then each target's tuning job was sent exactly as planned (.sync task; no training job of its own),
     sent = sm._scheduled(run.events, "createHyperParameterTuningJob")

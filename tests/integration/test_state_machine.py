@@ -44,6 +44,7 @@ iteration read the run's status first. With the run STOPPED (what the budget gua
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 import threading
@@ -65,11 +66,39 @@ from conftest import (
     Cloud,
     benchmark_for,
     cloud_manifest,
+    wide_manifest,
 )
 from moto import mock_aws
 from moto.sagemaker.exceptions import ValidationError
 from moto.sagemaker.models import SageMakerModelBackend
+from moto.stepfunctions.parser.api import ExecutionFailedEventDetails, HistoryEventType
+from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
+    FailureEvent,
+    FailureEventException,
+)
+from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import StatesErrorName
+from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import StatesErrorNameType
+from moto.stepfunctions.parser.asl.component.common.path import result_path as moto_result_path
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.item_reader.eval import (
+    resource_eval_s3 as moto_item_reader,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.distributed_iteration_component import (
+    DistributedIterationComponent,
+)
 from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_aws_sdk as moto_sdk_service,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_dynamodb as moto_ddb_service,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import (
+    state_task_service_unsupported as moto_unsupported_service,
+)
+from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
+from moto.stepfunctions.parser.asl.eval.event.event_manager import EventManager
+from moto.stepfunctions.parser.asl.utils import boto_client as moto_boto_client
+from moto.stepfunctions.parser.asl.utils import json_path as moto_json_path
 
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
@@ -101,18 +130,26 @@ def runnable_in_moto(
     table_name: str = TABLE,
     *,
     invoked: dict[str, str] | None = None,
+    items_bucket: str = ARTIFACTS_BUCKET,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The substitutions of the module docstring. ``results`` maps a Lambda Task's resource placeholder
     ('<LogicalId.Arn>') to the handler output its Pass state returns; ``invoked`` maps a placeholder to a Lambda ARN
     instead: that Task stays a Task (Retry and Catch included) and is invoked in process (``InProcessLambdas``).
     ``role_arn`` is the value of the requests' RoleArn; ``table_name`` replaces the results table's Ref in DynamoDB
-    tasks (whose resource ARN's partition pseudo-parameter becomes ``aws``). Returns the new ASL and state name ->
-    placeholder."""
+    tasks (whose resource ARN's partition pseudo-parameter becomes ``aws``), ``items_bucket`` the artifacts bucket's
+    Ref in the Distributed Maps' ItemReader. Returns the new ASL and state name -> placeholder."""
     rewritten = copy.deepcopy(definition)
     lambda_states: dict[str, str] = {}
     invoked = invoked or {}
 
     def visit(name: str, state: dict[str, Any]) -> dict[str, Any]:
+        if "ItemReader" in state:  # a Distributed Map's reader: the artifacts bucket's Ref, the partition
+            reader = copy.deepcopy(state["ItemReader"])
+            assert reader["Resource"] == "arn:<AWS::Partition>:states:::s3:getObject"
+            assert str(reader["Parameters"]["Bucket"]).startswith("<StorageArtifacts")
+            reader["Resource"] = "arn:aws:states:::s3:getObject"
+            reader["Parameters"] = {**reader["Parameters"], "Bucket": items_bucket}
+            return {**state, "ItemReader": reader}
         if state.get("Type") != "Task":
             return state
         resource = str(state["Resource"])
@@ -180,6 +217,91 @@ def _wait_for(sfn: Any, execution_arn: str, timeout_s: float = 60.0) -> dict[str
         time.sleep(0.1)
 
 
+class EveryEvent:
+    """Every history event of an execution and of its Distributed Maps' child workflows, in the order they happened.
+
+    A Distributed Map's children are executions with their own histories (on AWS and in moto, where each child's
+    events go to an EventManager of its own that the history API does not list): this records every event any
+    EventManager creates, so the tests see what ran inside the children as they see the parent's states."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        create = EventManager._create_history_event
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            event = create(*args, **kwargs)
+            with self._lock:  # a new event's details are not changed afterwards: a shallow copy keeps them
+                self.events.append(dict(event))
+            return event
+
+        monkeypatch.setattr(EventManager, "_create_history_event", staticmethod(recorded))
+
+    def payload_sizes(self) -> list[tuple[int, str, str]]:
+        """(bytes, event type, state name) of every input, output and task parameters an event carries."""
+        sizes = []
+        for event in self.events:
+            for key, details in event.items():
+                if not key.endswith("EventDetails") or not isinstance(details, dict):
+                    continue
+                for field_name in ("input", "output", "parameters"):
+                    if isinstance(details.get(field_name), str):
+                        size = len(details[field_name].encode())
+                        sizes.append((size, str(event["type"]), str(details.get("name", details.get("resource", "")))))
+        return sizes
+
+
+def quicker_moto_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two costs of moto's interpreter that grow with every state a child workflow runs, removed without changing
+    what runs: it builds a new JSONPath parser (jsonpath_ng's yacc tables) for every path it evaluates, and a new
+    boto3 client for every service call. Each distinct path is parsed once, and one client per region and service
+    (botocore clients are thread-safe) serves every call, so a 1,000-child plan runs in a test's time."""
+    for module in (moto_json_path, moto_result_path):
+        monkeypatch.setattr(module, "parse", functools.lru_cache(maxsize=None)(module.parse))
+    clients: dict[tuple[str, str], Any] = {}
+    lock = threading.Lock()
+    make_client = moto_boto_client.boto_client_for
+
+    def shared_client(region: str, service: str, state_credentials: Any = None) -> Any:
+        with lock:
+            key = (region, service)
+            if key not in clients:
+                clients[key] = make_client(region, service, state_credentials)
+            return clients[key]
+
+    for module in (moto_ddb_service, moto_sdk_service, moto_unsupported_service, moto_item_reader):
+        assert module.boto_client_for is make_client
+        monkeypatch.setattr(module, "boto_client_for", shared_client)
+
+
+EXCEEDED_TOLERATED_FAILURES = "The specified tolerated failure threshold was exceeded"
+
+
+def fail_map_runs_past_their_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What moto leaves out of a Distributed Map: its Map Run fails (States.ExceedToleratedFailureThreshold) when
+    more child workflows failed than it tolerates (ToleratedFailureCount/Percentage, both 0 unless set, as in every
+    Map here). moto counts the failed children and lets the Map succeed; this adds AWS's check after the children
+    ran, so a failed canary fails its Map as it does on AWS."""
+    map_run = DistributedIterationComponent._map_run
+
+    def with_threshold(self: Any, env: Any, eval_input: Any) -> None:
+        map_run(self, env, eval_input)
+        counts = eval_input.map_run_record.item_counter
+        failed, total = counts.failed.get() + counts.timed_out.get() + counts.aborted.get(), counts.total.get()
+        count_limit = eval_input.tolerated_failure_count or 0
+        percent_limit = eval_input.tolerated_failure_percentage or 0
+        if failed > count_limit or (total and 100 * failed / total > percent_limit):
+            error = StatesErrorName(typ=StatesErrorNameType.StatesExceedToleratedFailureThreshold)
+            details = ExecutionFailedEventDetails(error=error.error_name, cause=EXCEEDED_TOLERATED_FAILURES)
+            raise FailureEventException(
+                FailureEvent(
+                    env, error, HistoryEventType.MapRunFailed, EventDetails(executionFailedEventDetails=details)
+                )
+            )
+
+    monkeypatch.setattr(DistributedIterationComponent, "_map_run", with_threshold)
+
+
 def _history(sfn: Any, execution_arn: str) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     kwargs: dict[str, Any] = {"executionArn": execution_arn, "maxResults": 1000}
@@ -215,12 +337,24 @@ class Executed:
     analyzed: dict[str, Any]
     status_after_analyze: RunStatus
     described: dict[str, Any]
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # the execution's and its child workflows' (EveryEvent)
+    history: list[dict[str, Any]]  # the execution's own, as GetExecutionHistory lists it
+    recorder: EveryEvent
 
 
-def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: bool = False) -> Executed:  # noqa: F811
+def _execute(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    stop_run_before_start: bool = False,
+    manifest: str | None = None,
+    timeout_s: float = 60.0,
+    analyze: bool = True,
+) -> Executed:
     """Submit a manifest, compute the Lambda outputs with the real handlers, run the rewritten ASL in moto."""
-    manifest = cloud_manifest(budget=80.0).replace("constraints:", f"repetitions: {REPETITIONS}\nconstraints:")
+    if manifest is None:
+        manifest = cloud_manifest(budget=80.0).replace("constraints:", f"repetitions: {REPETITIONS}\nconstraints:")
     execution_input = cloud.submit(manifest)
 
     validated = validate_handler.handler(dict(execution_input), cloud.context)
@@ -228,10 +362,14 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
     run_id = planned["run_id"]
     status_when_planned = cloud.services.store.get_run(run_id).status
     assert planned["prepare"]["skip"] is False  # nothing processed yet: the Prepare data branch runs
-    analyzed = analyze_handler.handler({"run_id": run_id}, cloud.context)
-    status_after_analyze = cloud.services.store.get_run(run_id).status
-    # Analyze's output was computed ahead for its Pass state; put the run row back as the Map would find it.
-    cloud.services.store.update_run(run_id, status=status_when_planned)
+    if analyze:
+        analyzed = analyze_handler.handler({"run_id": run_id}, cloud.context)
+        status_after_analyze = cloud.services.store.get_run(run_id).status
+        # Analyze's output was computed ahead for its Pass state; put the run row back as the Map would find it.
+        cloud.services.store.update_run(run_id, status=status_when_planned)
+    else:  # the analysis's summary has this shape whatever the run's size (see the first test for a real one)
+        analyzed = {"run_id": run_id, "recommendation": "not analysed here", "report_uri": None, "notified": False}
+        status_after_analyze = status_when_planned
 
     functions = synthesized.stack.functions.functions
     placeholder = {name: f"<{synthesized.logical_id(fn)}.Arn>" for name, fn in functions.items()}
@@ -243,15 +381,16 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
         placeholder["record_job_failure"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
         # Its output is discarded (ResultPath null); what it records is covered by the in-process tests below.
         placeholder["record_job_result"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
-        # Reached only through the Catches after planning; never entered on this success path.
+        # Reached only through the Catches after planning (and a failed canary's); never entered on this success path.
         placeholder["mark_run_failed"]: {"runs": []},
     }
-    role_arns = {planned["prepare"]["request"]["RoleArn"]} | {job["request"]["RoleArn"] for job in planned["jobs"]}
+    role_arns = {planned["prepare"]["request"]["RoleArn"]} | {job["request"]["RoleArn"] for job in cloud.items(planned)}
     assert role_arns == {ROLE_ARN}
     definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
     assert sorted(lambda_states) == [
         "Analyze run",
         "Mark run failed",
+        "Mark run failed (canary)",  # inside the canaries' child workflows (no canary here: that list is empty)
         "Plan jobs",
         "Record job failure",
         "Record job result",
@@ -263,6 +402,9 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
         # What job_events' budget guard does when measured spend crosses the budget.
         cloud.services.store.update_run(run_id, status=RunStatus.STOPPED, error="budget reached")
 
+    recorder = EveryEvent(monkeypatch)
+    fail_map_runs_past_their_tolerance(monkeypatch)
+    quicker_moto_interpreter(monkeypatch)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         sfn = boto3.client("stepfunctions", region_name=REGION)
         machine_arn = sfn.create_state_machine(
@@ -271,13 +413,20 @@ def _execute(cloud: Cloud, synthesized: Synthesized, *, stop_run_before_start: b
         execution_arn = sfn.start_execution(stateMachineArn=machine_arn, input=json.dumps(execution_input))[
             "executionArn"
         ]
-        described = _wait_for(sfn, execution_arn)
-        events = _history(sfn, execution_arn)
-    return Executed(execution_input, validated, planned, analyzed, status_after_analyze, described, events)
+        described = _wait_for(sfn, execution_arn, timeout_s)
+        history = _history(sfn, execution_arn)
+    return Executed(
+        execution_input, validated, planned, analyzed, status_after_analyze, described, recorder.events, history,
+        recorder,
+    )  # fmt: skip
 
 
-def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, synthesized: Synthesized) -> None:  # noqa: F811
-    run = _execute(cloud, synthesized)
+def test_the_synthesized_state_machine_creates_every_planned_job(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = _execute(cloud, synthesized, monkeypatch)
     execution_input, validated, planned, analyzed = run.execution_input, run.validated, run.planned, run.analyzed
     described, events, run_id = run.described, run.events, run.planned["run_id"]
 
@@ -305,7 +454,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(cloud: Cloud, s
     # Training: one job per target x variant x repetition, each sent exactly as planned.
     manifest_data = validated["manifest"]
     targets, variants = manifest_data["targets"], manifest_data["variants"]
-    jobs = planned["jobs"]
+    jobs = cloud.items(planned)
     assert len(jobs) == len(targets) * len(variants) * REPETITIONS == 8
     requests = {job["job_name"]: job["request"] for job in jobs}
     sent = {params["TrainingJobName"]: params for params in _scheduled(events, "createTrainingJob")}
@@ -385,13 +534,17 @@ def test_the_rewrite_touches_only_lambda_and_sync_tasks(resource: str) -> None:
     assert lambda_states == {}
 
 
-def test_a_run_stopped_by_the_budget_guard_launches_no_further_job(cloud: Cloud, synthesized: Synthesized) -> None:  # noqa: F811
+def test_a_run_stopped_by_the_budget_guard_launches_no_further_job(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Given the budget guard marked the run STOPPED before the Map started its jobs,
-    run = _execute(cloud, synthesized, stop_run_before_start=True)
+    run = _execute(cloud, synthesized, monkeypatch, stop_run_before_start=True)
     # then every iteration read the run row, took the skip branch, and no training job was created.
     assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-2:], default=str)[-3000:]
     skipped = _entered_inputs(run.events, "Skip job (run stopped)")
-    assert sorted(item["job_name"] for item in skipped) == sorted(job["job_name"] for job in run.planned["jobs"])
+    assert sorted(item["job_name"] for item in skipped) == sorted(job["job_name"] for job in cloud.items(run.planned))
     assert all(item["run"] == {"status": "STOPPED"} for item in skipped)
     assert _scheduled(run.events, "createTrainingJob") == []
     assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
@@ -500,6 +653,9 @@ def _execute_live(
         return job
 
     monkeypatch.setattr(SageMakerModelBackend, "create_training_job", create_and_finish)
+    recorder = EveryEvent(monkeypatch)
+    fail_map_runs_past_their_tolerance(monkeypatch)
+    quicker_moto_interpreter(monkeypatch)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         sfn = boto3.client("stepfunctions", region_name=REGION)
         machine_arn = sfn.create_state_machine(
@@ -509,8 +665,7 @@ def _execute_live(
             "executionArn"
         ]
         described = _wait_for(sfn, execution_arn)
-        events = _history(sfn, execution_arn)
-    return LiveRun(execution_input, described, events, lambdas)
+    return LiveRun(execution_input, described, recorder.events, lambdas)
 
 
 def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not_run(
@@ -614,14 +769,19 @@ def test_a_failed_canary_fails_the_run_before_any_expensive_job(
 
     monkeypatch.setattr(SageMakerModelBackend, "create_training_job", fail_one_canary)
     run = _execute_live(with_canary, synthesized, monkeypatch, TWO_CONFIGURATIONS, name="canary-fails")
-    # Then the run is FAILED with the canary's cause and no benchmark job was launched
+    # Then the run is FAILED with the canary's own cause (recorded inside its child workflow: the Distributed Map
+    # itself fails only with "tolerated failure threshold exceeded") and no benchmark job was launched
     assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
+    assert run.described["cause"] == EXCEEDED_TOLERATED_FAILURES
     stored = with_canary.services.store.get_run(run.run_id)
     assert stored.status is RunStatus.FAILED and stored.error is not None
-    # (moto re-raises a failed Map iteration as its own States.Runtime error, so the stored cause is moto's words
-    # here; on AWS the Map fails with the iteration's error and cause, which the Catch hands to Mark run failed)
-    failed_tasks = [e for e in run.events if e["type"] == "TaskFailed"]
-    assert any("checkpointed backward (canary)" in json.dumps(e, default=str) for e in failed_tasks)
+    assert "checkpointed backward (canary)" in stored.error, stored.error
+    # (the Map's Catch called mark_run_failed too; the run was already final, so the canary's cause stays)
+    canary_mark, map_mark = run.lambdas.called("mark_run_failed")
+    assert "checkpointed backward (canary)" in canary_mark["error"]["Cause"]
+    assert map_mark["error"]["Error"] == "States.ExceedToleratedFailureThreshold"
+    marks = (canary_mark, map_mark)
+    assert all(m["execution_arn"] == run.described["executionArn"] for m in marks)
     assert all("-canary" in n for n in _training_jobs(with_canary))
     assert "record_job_result" not in [name for name, _ in run.lambdas.calls]
 
@@ -645,7 +805,7 @@ def test_a_lost_create_response_follows_the_job_that_was_launched(
     def moto_error_names(definition: dict[str, Any]) -> None:
         # moto names every error of a SageMaker task States.Runtime (AWS: SageMaker.ResourceInUseException), so the
         # Catch is matched on moto's name here; everything after it runs as synthesized
-        train = definition["States"]["Run jobs"]["ItemProcessor"]["States"]["Train"]
+        train = definition["States"]["Run jobs"]["ItemProcessor"]["States"]["Train"]  # a child workflow's state
         (catch,) = [c for c in train["Catch"] if c["ErrorEquals"] == ["SageMaker.ResourceInUseException"]]
         catch["ErrorEquals"] = ["States.Runtime"]
 
@@ -659,3 +819,59 @@ def test_a_lost_create_response_follows_the_job_that_was_launched(
     [job] = cloud.services.store.list_jobs(run.run_id)
     assert job.status is JobStatus.COMPLETED
     assert cloud.services.store.get_run(run.run_id).status is RunStatus.SUCCEEDED
+
+
+def _all_training_jobs(cloud: Cloud) -> list[str]:
+    names: list[str] = []
+    kwargs: dict[str, Any] = {"MaxResults": 100}
+    while True:
+        page = cloud.sagemaker.list_training_jobs(**kwargs)
+        names += [s["TrainingJobName"] for s in page["TrainingJobSummaries"]]
+        if not page.get("NextToken"):
+            return names
+        kwargs["NextToken"] = page["NextToken"]
+
+
+@pytest.mark.parametrize(
+    ("variants", "repetitions", "canaries", "requests"),
+    [
+        # near the request limit (1,000): 4 targets x 24 variants x 10 repetitions = 960 jobs + 32 canaries
+        pytest.param(24, 10, True, 992, id="992-requests"),
+        # 4 instance types x 25 settings x 3 repetitions, the sweep the 40-job cap refused
+        pytest.param(25, 3, False, 300, id="300-jobs"),
+    ],
+)
+def test_a_large_plan_runs_through_the_state_machine_with_every_payload_measured(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    variants: int,
+    repetitions: int,
+    canaries: bool,
+    requests: int,
+) -> None:
+    from gpuscout.cloud.plan_items import MAX_REQUESTS_PER_RUN, STATE_PAYLOAD_LIMIT_BYTES
+
+    if canaries:
+        cloud = request.getfixturevalue("with_canary")
+    # Given a plan of `requests` SageMaker jobs (with repetitions; canaries counted where the stack runs them)
+    run = _execute(
+        cloud, synthesized, monkeypatch, manifest=wide_manifest(variants, repetitions), timeout_s=300.0,
+        analyze=False,  # moto's DynamoDB pages a 1,000-row query slowly; the analysis is not what is tested here
+    )  # fmt: skip
+    # When the synthesized state machine runs it, Then it succeeds and every request was sent, exactly once
+    assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
+    planned_names = [item["job_name"] for kind in ("canaries", "jobs") for item in cloud.items(run.planned, kind)]
+    assert len(planned_names) == requests <= MAX_REQUESTS_PER_RUN
+    assert sorted(_all_training_jobs(cloud)) == sorted(planned_names)
+    assert len(_entered_inputs(run.events, "Run still going?")) == 4 * variants * repetitions
+    # and every state's input, output and task parameters, in the parent and in all child workflows, was measured
+    sizes = run.recorder.payload_sizes()
+    assert len(sizes) > 10 * requests  # each child's states were seen, not only the parent's
+    largest, event_type, state = max(sizes)
+    assert largest < STATE_PAYLOAD_LIMIT_BYTES / 8, (largest, event_type, state)
+    # The parent's own history does not grow with the plan (its children keep theirs)
+    assert len(run.history) < 60, len(run.history)
+    parent_sizes = [len(json.dumps(e, default=str)) for e in run.history]
+    assert max(parent_sizes) < 16 * 1024, max(parent_sizes)

@@ -115,8 +115,8 @@ def _finished_run(cloud: Cloud, tmp_path: Path, tracking: str, name: str) -> tup
     output; analysed. Returns the run id and the g5 and p4d job names."""
     planned = _plan(cloud, cloud_manifest(name=name) + tracking, name)
     run_id = planned["run_id"]
-    g5 = [j for j in planned["jobs"] if j["request"]["ResourceConfig"]["InstanceType"] == "ml.g5.8xlarge"]
-    p4d = sorted(j["job_name"] for j in planned["jobs"] if j not in g5)
+    g5 = [j for j in cloud.items(planned) if j["request"]["ResourceConfig"]["InstanceType"] == "ml.g5.8xlarge"]
+    p4d = sorted(j["job_name"] for j in cloud.items(planned) if j not in g5)
     for job in g5:
         if TRACKING_ENV in job["request"]["Environment"]:
             _run_tracked_job(cloud, run_id, job, tmp_path / "sagemaker")
