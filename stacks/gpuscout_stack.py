@@ -21,9 +21,17 @@ from stacks.monitoring import Monitoring
 from stacks.notifications import Notifications
 from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
 from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, TUNING_JOBS_ARN, Roles
-from stacks.storage import MANIFESTS_PREFIX, PROCESSED_PREFIX, RAW_PREFIX, REJECTED_PREFIX, REPORTS_PREFIX, Storage
+from stacks.storage import (
+    MANIFESTS_PREFIX,
+    PLANS_PREFIX,
+    PROCESSED_PREFIX,
+    RAW_PREFIX,
+    REJECTED_PREFIX,
+    REPORTS_PREFIX,
+    Storage,
+)
 from stacks.training_image import TrainingImage
-from stacks.workflow import PLAN_PREFIX, BenchmarkWorkflow
+from stacks.workflow import BenchmarkWorkflow
 
 # The functions that record a finished training job (same code path, same grants).
 JOB_RECORDERS = ("job_events", "record_job_result")
@@ -55,7 +63,11 @@ class GpuscoutStack(Stack):
         retention: logs.RetentionDays = getattr(logs.RetentionDays, LOG_RETENTION_DAYS[config.log_retention_days])
 
         self.storage = Storage(
-            self, "Storage", removal_policy=removal, checkpoint_expiry_days=config.checkpoint_expiry_days
+            self,
+            "Storage",
+            removal_policy=removal,
+            checkpoint_expiry_days=config.checkpoint_expiry_days,
+            execution_timeout_hours=config.execution_timeout_hours,
         )
         self.results = ResultsTable(self, "Results", removal_policy=removal)
         self.image = TrainingImage(self, "TrainingImage", base_image=config.training_image_base)
@@ -215,7 +227,9 @@ class GpuscoutStack(Stack):
         # The plan's request lists (gpuscout.cloud.plan_items), which the state machine's Distributed Maps read.
         lambdas["plan_jobs"].add_to_policy(
             iam.PolicyStatement(
-                sid="WritePlanItems", actions=["s3:PutObject"], resources=[artifacts.arn_for_objects(f"{PLAN_PREFIX}*")]
+                sid="WritePlanItems",
+                actions=["s3:PutObject"],
+                resources=[artifacts.arn_for_objects(f"{PLANS_PREFIX}*")],
             )
         )
         for name in SEARCH_READERS:
@@ -422,8 +436,8 @@ class GpuscoutStack(Stack):
             )
         acknowledge(
             lambdas["plan_jobs"],
-            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{PLAN_PREFIX}*]",
-            f"Writes {PLAN_PREFIX}<run_id>/<canaries|jobs|tunings>.json, the run's SageMaker requests the state "
+            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{PLANS_PREFIX}*]",
+            f"Writes {PLANS_PREFIX}<run_id>/<canaries|jobs|tunings>.json, the run's SageMaker requests the state "
             "machine's Distributed Maps read, for a run_id generated at run time.",
         )
         acknowledge(
@@ -476,8 +490,8 @@ class GpuscoutStack(Stack):
         )
         acknowledge(
             state_machine_role,
-            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{PLAN_PREFIX}*]",
-            f"The Distributed Maps' ItemReader reads {PLAN_PREFIX}<run_id>/<canaries|jobs|tunings>.json, the run's "
+            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{PLANS_PREFIX}*]",
+            f"The Distributed Maps' ItemReader reads {PLANS_PREFIX}<run_id>/<canaries|jobs|tunings>.json, the run's "
             "requests plan_jobs wrote, for a run_id generated at run time.",
         )
         # CDK's DistributedMap policy: the Map starts its child workflows as executions of this state machine, and

@@ -23,6 +23,13 @@ DATA_PREFIXES = (MANIFESTS_PREFIX, RAW_PREFIX, PROCESSED_PREFIX, REPORTS_PREFIX,
 # Key prefixes of the artifacts bucket (gpuscout/cloud/sagemaker_requests.py).
 OUTPUT_PREFIX = "output/"
 CHECKPOINTS_PREFIX = "checkpoints/"
+PLANS_PREFIX = "plans/"  # a run's request lists, read by the state machine's Distributed Maps (cloud/plan_items.py)
+REDRIVE_WINDOW_DAYS = 14  # Step Functions redrives an execution up to 14 days after it ended
+
+
+def plans_expiry_days(execution_timeout_hours: int) -> int:
+    """A run's request lists are read while its execution runs and again if it is redriven: kept a day longer."""
+    return -(-execution_timeout_hours // 24) + REDRIVE_WINDOW_DAYS + 1
 
 
 class Storage(Construct):
@@ -35,6 +42,7 @@ class Storage(Construct):
         *,
         removal_policy: RemovalPolicy,
         checkpoint_expiry_days: int,
+        execution_timeout_hours: int,
     ) -> None:
         super().__init__(scope, construct_id)
         destroy = removal_policy == RemovalPolicy.DESTROY
@@ -68,6 +76,12 @@ class Storage(Construct):
             # Object Created events for manifests/ reach EventBridge (see events.py). Enabled on the CfnBucket
             # below instead of event_bridge_enabled=True, which would add a custom-resource Lambda for nothing.
             lifecycle_rules=[
+                s3.LifecycleRule(
+                    id="expire-plans",
+                    prefix=PLANS_PREFIX,
+                    expiration=Duration.days(plans_expiry_days(execution_timeout_hours)),
+                    noncurrent_version_expiration=Duration.days(1),
+                ),
                 s3.LifecycleRule(id="expire-noncurrent-versions", noncurrent_version_expiration=Duration.days(30)),
                 s3.LifecycleRule(
                     id="abort-incomplete-uploads", abort_incomplete_multipart_upload_after=Duration.days(7)
@@ -91,6 +105,12 @@ class Storage(Construct):
                     id="expire-checkpoints",
                     prefix=CHECKPOINTS_PREFIX,
                     expiration=Duration.days(checkpoint_expiry_days),
+                    noncurrent_version_expiration=Duration.days(1),
+                ),
+                s3.LifecycleRule(
+                    id="expire-plans",
+                    prefix=PLANS_PREFIX,
+                    expiration=Duration.days(plans_expiry_days(execution_timeout_hours)),
                     noncurrent_version_expiration=Duration.days(1),
                 ),
                 s3.LifecycleRule(id="expire-noncurrent-versions", noncurrent_version_expiration=Duration.days(30)),

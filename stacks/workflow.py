@@ -25,8 +25,7 @@ from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
 from stacks.config import QUOTA_RETRY_MINUTES, VpcSettings
-
-PLAN_PREFIX = "plans/"  # gpuscout.cloud.plan_items.PLAN_PREFIX: plan_jobs writes each request list here
+from stacks.storage import PLANS_PREFIX
 
 TRAINING_REQUEST_FIELDS = (
     "TrainingJobName",
@@ -187,6 +186,9 @@ def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
     state = training_state_json(vpc, quota_wait_hours=1)
     state["Comment"] = "A 2-step, 2-layer run of one configuration on the canary instance (.sync)"
     state["ResultPath"] = "$.job"
+    # A Distributed Map gathers every child's output even when its ResultPath drops them (States.DataLimitExceeded
+    # over 256 KiB, uncatchable): a child ends with its job name only, never its request.
+    state["OutputPath"] = "$.job_name"
     return state
 
 
@@ -556,7 +558,8 @@ class BenchmarkWorkflow(Construct):
         """A Distributed Map over the request list ``kind`` plan_jobs wrote to S3 (gpuscout.cloud.plan_items): each
         child workflow (a Standard execution with its own history) gets the run id, its job name and its request, and
         with ``with_execution`` this execution's ARN (a child's own ARN is another); nothing of the children's output
-        stays in the state. Items start in the file's order, ``max_concurrency`` at a time."""
+        stays in the state (each child ends with its job name only: the Map gathers their outputs even so). Items
+        start about in the file's order (not guaranteed), ``max_concurrency`` at a time."""
         selector: dict[str, Any] = {
             "run_id": sfn.JsonPath.string_at("$.run_id"),
             "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
@@ -568,7 +571,7 @@ class BenchmarkWorkflow(Construct):
             self,
             construct_id,
             item_reader=PlanItemReader(
-                bucket=plan_bucket, key=sfn.JsonPath.string_at(f"$.plan.{kind}.key"), prefix=PLAN_PREFIX
+                bucket=plan_bucket, key=sfn.JsonPath.string_at(f"$.plan.{kind}.key"), prefix=PLANS_PREFIX
             ),
             item_selector=selector,
             max_concurrency=max_concurrency,

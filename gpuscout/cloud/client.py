@@ -38,13 +38,14 @@ from botocore.exceptions import (
     TokenRetrievalError,
 )
 
-from gpuscout.cloud.control_plane import PlanRefused, run_id_to_plan
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix, folder_problem, with_source_dir
 from gpuscout.cloud.plan_items import request_count_problems
+from gpuscout.cloud.plan_step import run_id_to_plan
 from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.sagemaker_requests import output_tar_key
 from gpuscout.cloud.sources import hyperparameter_problems, source_problems, target_problems, tracking_problems
+from gpuscout.cloud.step_errors import PlanRefused
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest

@@ -3,11 +3,9 @@
 Each function is what one Lambda handler calls; inputs and outputs are the state machine's JSON
 (docs/internals.md, "Cloud contract"). AWS clients and the store are passed in, so tests run them against moto.
 
-Idempotency: the run id is deterministic from the manifest object (key + ETag, ``plan.jobs.make_run_id``). A second
-delivery of the same object reaches ``plan_jobs``, finds the run already planned and raises PlanRefused without
-launching anything or touching the first run's rows. A run that ended FAILED or REFUSED may be tried again: the same
-object uploaded again is planned as ``<run_id>-r2`` (then ``-r3``, ...), a new run with its own rows and job names
-(SageMaker job names cannot be reused), the failed attempt's rows left as they were.
+Idempotency: the run id is deterministic from the manifest object (key + ETag, ``plan.jobs.make_run_id``); the Plan
+step (plan_step.py) refuses a second delivery of the same object and plans a new attempt after a FAILED or REFUSED
+run. Its errors (ManifestRejected, PlanRefused, CloudStepError) are in step_errors.py.
 
 Every way an execution can end must leave its run final: the state machine catches failures after planning into
 ``mark_run_failed``; an EventBridge rule on "Step Functions Execution Status Change" (FAILED, TIMED_OUT, ABORTED)
@@ -35,44 +33,24 @@ from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import publish, run_summary
 from gpuscout.cloud.plan_items import (
-    MAX_ITEM_BYTES,
-    MAX_REQUESTS_PER_RUN,
     STATE_PAYLOAD_LIMIT_BYTES,
-    PlanItemsError,
-    oversized_items,
     request_count_problems,
-    write_plan_items,
 )
 from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
-from gpuscout.cloud.sagemaker_requests import (
-    DataSource,
-    RequestSettings,
-    processing_job_request,
-    training_job_request,
-)
 from gpuscout.cloud.settings import LambdaSettings, get_settings
 from gpuscout.cloud.sources import cloud_problems
-from gpuscout.cloud.tuning_requests import (
-    TuningRequestError,
-    search_target,
-    search_target_key,
-    tuning_job_request,
-)
+from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected
 from gpuscout.domain.catalog import Catalog, load_catalog
-from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
-from gpuscout.domain.manifest_loader import parse_manifest, validate_manifest_data
+from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.errors import (
-    BudgetExceededError,
     GpuscoutError,
     ManifestError,
     Problem,
-    RunExistsError,
     RunNotFoundError,
 )
-from gpuscout.plan.canary import plan_cloud_canaries
-from gpuscout.plan.jobs import Plan, make_run_id
+from gpuscout.plan.jobs import make_run_id
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
@@ -92,29 +70,12 @@ MAX_MANIFEST_BYTES = 1024 * 1024
 # quota warnings and the execution's ARN, so an oversized manifest is a rejection here, not an uncatchable
 # States.DataLimitExceeded after this step.
 MAX_PARSED_MANIFEST_BYTES = STATE_PAYLOAD_LIMIT_BYTES - 32 * 1024
-# A run that ended like this may be planned again from the same manifest object (as <run_id>-r<attempt>).
-RETRYABLE_RUN_STATUSES = frozenset({RunStatus.FAILED, RunStatus.REFUSED})
-MAX_ATTEMPTS = 20
 MAX_QUOTA_WARNINGS = 20  # carried in Validate's output (each one line): the state stays small
 # How many of the newest runs fail_run_of_execution searches for the run of a failed execution.
 RUNS_SEARCHED_FOR_AN_EXECUTION = 200
 MAX_ERROR_CHARS = 4000
 REJECTED_PREFIX = "rejected/"
 REPORTS_PREFIX = "reports/"
-
-
-class ManifestRejected(GpuscoutError):  # noqa: N818 - the state machine's Catch matches this exact name
-    """The manifest is invalid; nothing was launched. The message is the cause the execution fails with."""
-
-    exit_code = 2
-
-
-class PlanRefused(GpuscoutError):  # noqa: N818 - the state machine's Catch matches this exact name
-    """The manifest is valid but the run was not launched (over budget, or already planned)."""
-
-
-class CloudStepError(GpuscoutError):
-    """An AWS call of a workflow step failed."""
 
 
 @dataclass(frozen=True)
@@ -148,16 +109,6 @@ def services() -> Services:
     )
 
 
-def request_settings(settings: LambdaSettings) -> RequestSettings:
-    return RequestSettings(
-        role_arn=settings.sagemaker_role_arn,
-        training_image_uri=settings.training_image_uri,
-        data_bucket=settings.data_bucket,
-        artifacts_bucket=settings.artifacts_bucket,
-        processing_instance_type=settings.processing_instance_type,
-    )
-
-
 def manifest_stem(key: str) -> str:
     """``manifests/qwen-p5.yaml`` -> ``qwen-p5``."""
     name = PurePosixPath(key).name
@@ -165,21 +116,6 @@ def manifest_stem(key: str) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
-
-
-def data_source_of(manifest: Manifest) -> DataSource:
-    _, dataset, sequence_length = manifest.builtin()
-    return DataSource(
-        source=dataset.source,
-        tokenizer=manifest.tokenizer.kind,
-        sequence_length=sequence_length,
-        max_documents=dataset.max_documents,
-        tokenizer_path=manifest.tokenizer.path,
-        vocab_size=manifest.tokenizer.resolved_vocab_size,
-        text_field=dataset.text_field,
-        min_characters=dataset.min_characters,
-        validation_fraction=dataset.validation_fraction,
-    )
 
 
 def _cloud_problems(manifest: Manifest, settings: LambdaSettings) -> list[Problem]:
@@ -330,251 +266,6 @@ def _plan_problems(
     for warning in warnings:
         logger.warning("quota pre-flight: %s", warning)
     return problems, warnings
-
-
-def _object_exists(s3: Any, bucket: str, key: str) -> bool:
-    try:
-        s3.head_object(Bucket=bucket, Key=key)
-    except ClientError as err:
-        if err.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
-            return False
-        raise CloudStepError(f"cannot check s3://{bucket}/{key}: {err}") from err
-    return True
-
-
-def run_id_to_plan(store: ResultStore, run_id: str, source: str) -> str:
-    """The run id this delivery of the manifest object plans: the object's own id the first time, else the next
-    ``<run_id>-r<n>`` after attempts that ended FAILED or REFUSED. Raises PlanRefused when an attempt is planned,
-    running or ended otherwise (a duplicate delivery, or a run that already concluded)."""
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        candidate = run_id if attempt == 1 else f"{run_id}-r{attempt}"
-        try:
-            existing = store.get_run(candidate)
-        except RunNotFoundError:
-            return candidate
-        if existing.status not in RETRYABLE_RUN_STATUSES:
-            raise PlanRefused(
-                f"{source} (this exact object) was already planned as run {candidate} ({existing.status.value}); "
-                "nothing was launched again"
-            )
-    raise PlanRefused(f"{source} (this exact object) failed {MAX_ATTEMPTS} times; change the manifest to run it")
-
-
-def interleave_by_instance_type(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Round-robin over instance types (in order of first appearance), keeping each type's own order.
-
-    The Map starts jobs in list order, MaxConcurrency at a time. Account quotas are per instance type and often
-    1-2 instances, so consecutive jobs of one type would fill the Map's slots with jobs waiting for that quota
-    while other types sit idle; interleaved, each type's jobs are spread over the slots."""
-    by_type: dict[str, list[dict[str, Any]]] = {}
-    for job in jobs:
-        by_type.setdefault(str(job["request"]["ResourceConfig"]["InstanceType"]), []).append(job)
-    queues = list(by_type.values())
-    ordered: list[dict[str, Any]] = []
-    while any(queues):
-        for queue in queues:
-            if queue:
-                ordered.append(queue.pop(0))
-    return ordered
-
-
-def _spot_max_wait_seconds(manifest: Manifest, target_index: int) -> int | None:
-    """The target's max_wait_hours in seconds (MaxWaitTimeInSeconds of its spot jobs); None when unset."""
-    hours = manifest.targets[target_index].max_wait_hours
-    return int(hours * 3600) if hours else None
-
-
-def plan_jobs(
-    validated: dict[str, Any],
-    *,
-    store: ResultStore,
-    s3: Any,
-    settings: LambdaSettings,
-    catalog: Catalog | None = None,
-) -> dict[str, Any]:
-    """Plan step: job specs -> requests; RUN + JOB rows (PLANNED). A search section becomes one tuning job request
-    per target instead (``tunings``; its trials get their rows as they start) and the candidates' file per tuning job
-    in the artifacts bucket. Raises PlanRefused over budget, or for a search target SageMaker cannot tune (REFUSED
-    run), or when this manifest object was already planned (nothing is written then)."""
-    source = f"s3://{validated['bucket']}/{validated['key']}"
-    run_id = run_id_to_plan(store, str(validated["run_id"]), source)
-    execution_arn = validated.get("execution_arn") or None
-    catalog = catalog or load_catalog()
-    manifest = validate_manifest_data(validated["manifest"], source, catalog)
-    the_plan = plan(manifest, catalog, run_id=run_id)
-    run = RunRecord(
-        run_id=run_id,
-        name=manifest.name,
-        status=RunStatus.PLANNED,
-        manifest_source=source,
-        manifest=manifest.model_dump(mode="json"),
-        predicted_cost_usd=the_plan.predicted_cost_usd,
-        execution_arn=execution_arn,
-        search=the_plan.search.model_dump(mode="json") if the_plan.search else None,
-    )
-    try:
-        the_plan.check_budget()
-    except BudgetExceededError as err:
-        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
-        raise PlanRefused(f"{source}: {err}") from err
-
-    # The user's own code (a job section) reads its own data: nothing to prepare.
-    data = data_source_of(manifest) if manifest.job is None else None
-    req_settings = request_settings(settings)
-    skip_prepare = data is None or _object_exists(s3, settings.data_bucket, data.dataset_manifest_key())
-    jobs_out: list[dict[str, Any]] = []
-    try:
-        tunings, search_files = _tunings(the_plan, manifest, req_settings, data, settings)
-    except TuningRequestError as err:
-        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
-        raise PlanRefused(f"{source}: {err}") from err
-    # A search's candidates are launched by its tuning jobs (one per target), not one by one.
-    for spec in the_plan.jobs if the_plan.search is None else ():
-        max_wait = _spot_max_wait_seconds(manifest, spec.target_index)
-        request = training_job_request(
-            spec,
-            req_settings,
-            data,
-            enable_network_isolation=manifest.network_isolation,
-            spot_max_wait_seconds=max_wait,
-        )
-        jobs_out.append({"job_name": spec.job_name, "request": request})
-    canaries = _canary_requests(
-        the_plan.jobs,
-        manifest=manifest,
-        instance_type=settings.canary_instance_type,
-        catalog=catalog,
-        req_settings=req_settings,
-        data=data,
-    )
-    items = {"canaries": canaries, "jobs": interleave_by_instance_type(jobs_out), "tunings": tunings}
-    # before any row: what the state machine cannot carry is refused here, not failed uncatchably later
-    refused = _size_refusal(items)
-    if refused is not None:
-        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": refused}))
-        raise PlanRefused(f"{source}: {refused}")
-    try:
-        plan_reference = write_plan_items(s3, settings.artifacts_bucket, run_id, items)
-    except PlanItemsError as err:
-        raise CloudStepError(str(err)) from err
-    output = {
-        "run_id": run_id,
-        "prepare": {
-            "skip": skip_prepare,
-            "request": processing_job_request(run_id, req_settings, data) if data is not None else None,
-        },
-        "plan": plan_reference,  # where the requests are (plan_items.py): the Maps read them from S3
-        "predicted_cost_usd": the_plan.predicted_cost_usd,
-    }
-    for key, body in search_files.items():  # what job_events needs to record the trials (tuning_requests)
-        try:
-            s3.put_object(Bucket=settings.artifacts_bucket, Key=key, Body=body, ContentType="application/json")
-        except (ClientError, BotoCoreError) as err:
-            raise CloudStepError(f"cannot write s3://{settings.artifacts_bucket}/{key}: {err}") from err
-    for spec in the_plan.jobs if the_plan.search is None else ():  # a search's rows appear as its trials start
-        store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
-    try:
-        store.create_run(run)  # last: a run row means every job row exists; atomic, so one of two racers wins
-    except RunExistsError as err:
-        raise PlanRefused(
-            f"{source} (this exact object) was planned concurrently as run {run_id} ({err.status}); nothing was "
-            "launched again"
-        ) from err
-    return output
-
-
-def _size_refusal(items: dict[str, list[dict[str, Any]]]) -> str | None:
-    """Why the state machine cannot run these requests (plan_items.py), or None."""
-    count = sum(len(listed) for listed in items.values())
-    if count > MAX_REQUESTS_PER_RUN:
-        return (
-            f"the plan makes {count} SageMaker requests ({len(items['canaries'])} canaries, {len(items['jobs'])} jobs, "
-            f"{len(items['tunings'])} tuning jobs); a cloud run takes at most {MAX_REQUESTS_PER_RUN}; split the "
-            "manifest into several runs"
-        )
-    oversized = oversized_items(items, MAX_ITEM_BYTES)
-    if oversized:
-        return (
-            f"{len(oversized)} request(s) exceed {MAX_ITEM_BYTES // 1024} KiB, what one Distributed Map item may be "
-            f"(Step Functions passes at most {STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB): {', '.join(oversized[:5])}; "
-            "shorten the environment or hyperparameters"
-        )
-    return None
-
-
-def _tunings(
-    the_plan: Plan,
-    manifest: Manifest,
-    req_settings: RequestSettings,
-    data: DataSource | None,
-    settings: LambdaSettings,
-) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
-    """A search's tuning jobs: ``[{"job_name", "target_index", "request"}]`` (one per target) and the files job_events
-    reads (artifacts key -> JSON). The run's concurrency (``MAP_MAX_CONCURRENCY``) is shared: the tuning jobs' Map
-    runs at most that many at once, each with ``search.max_parallel_trials`` parallel trials within that share (at
-    least one)."""
-    search = the_plan.search
-    if search is None:
-        return [], {}
-    assert data is not None  # a search varies the built-in job (the manifest refuses it with a job section)
-    concurrency = settings.map_max_concurrency
-    share = max(1, concurrency // min(len(search.targets), concurrency))
-    per_tuning_job = min(search.max_parallel_trials, share)  # the manifest's, within the run's share
-    tunings: list[dict[str, Any]] = []
-    files: dict[str, bytes] = {}
-    for target in search.targets:
-        specs = [j for j in the_plan.jobs if j.target_index == target.target_index]
-        max_wait = _spot_max_wait_seconds(manifest, target.target_index)
-        request = tuning_job_request(
-            target,
-            specs,
-            search,
-            req_settings,
-            data,
-            enable_network_isolation=manifest.network_isolation,
-            max_parallel_jobs=per_tuning_job,
-            spot_max_wait_seconds=max_wait,
-        )
-        name = str(request["HyperParameterTuningJobName"])
-        tunings.append({"job_name": name, "target_index": target.target_index, "request": request})
-        found = search_target(target, specs, search)
-        files[search_target_key(found.run_id, name)] = found.model_dump_json().encode()
-    return tunings, files
-
-
-def _canary_requests(
-    specs: list[JobSpec],
-    *,
-    manifest: Manifest,
-    instance_type: str | None,
-    catalog: Catalog,
-    req_settings: RequestSettings,
-    data: DataSource | None,
-) -> list[dict[str, Any]]:
-    """One CreateTrainingJob request per distinct configuration, on the stack's canary instance
-    (gpuscout.plan.canary); none when the stack has no canary instance type."""
-    if not instance_type:
-        return []
-    instance = catalog.get(instance_type)
-    canaries = plan_cloud_canaries(
-        specs,
-        instance_type=instance.instance_type,
-        gpus_per_instance=instance.gpu_count,
-        price_per_hour_usd=instance.on_demand_usd_per_hour or 0.0,
-    )
-    return [
-        {
-            "job_name": c.spec.job_name,
-            "covers": list(c.covers),
-            "request": training_job_request(  # a canary is not a measurement: not tracked
-                c.spec.model_copy(update={"tracking": None}),
-                req_settings,
-                data,
-                enable_network_isolation=manifest.network_isolation,
-            ),
-        }
-        for c in canaries
-    ]
 
 
 def _describe_from_cause(cause: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuscout.cloud import control_plane
+from gpuscout.cloud import control_plane, plan_step
 
 logger = Logger()
 tracer = Tracer()
@@ -41,9 +41,7 @@ class ValidatedManifest(BaseModel):
 def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
     logger.append_keys(run_id=event.run_id)
-    result = control_plane.plan_jobs(
-        event.model_dump(), store=services.store, s3=services.s3, settings=services.settings
-    )
+    result = plan_step.plan_jobs(event.model_dump(), store=services.store, s3=services.s3, settings=services.settings)
     counts = {kind: result["plan"][kind]["count"] for kind in ("canaries", "jobs", "tunings")}
     metrics.add_metric(name="JobsPlanned", unit=MetricUnit.Count, value=counts["jobs"])
     logger.info(

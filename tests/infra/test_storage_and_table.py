@@ -62,6 +62,16 @@ def test_data_bucket_sends_events_to_eventbridge_without_custom_resource(synthes
     assert not synthesized.resources("Custom::S3BucketNotifications")
 
 
+def test_the_plans_request_lists_expire_after_any_execution_and_its_redrive_window(synthesized: Synthesized) -> None:
+    artifacts = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.storage.artifacts)]
+    rules = artifacts["Properties"]["LifecycleConfiguration"]["Rules"]
+    (plans,) = [r for r in rules if r["Id"] == "expire-plans"]
+    assert plans["Prefix"] == "plans/" and plans["Status"] == "Enabled"
+    # the execution timeout (72 hours here) plus Step Functions' 14-day redrive window, and a day
+    assert synthesized.stack.config.execution_timeout_hours == 72
+    assert plans["ExpirationInDays"] == 3 + 14 + 1
+
+
 def test_checkpoints_expire(synthesized: Synthesized) -> None:
     rules = _bucket(synthesized, synthesized.stack.storage.artifacts)["LifecycleConfiguration"]["Rules"]
     (checkpoints,) = [r for r in rules if r["Id"] == "expire-checkpoints"]

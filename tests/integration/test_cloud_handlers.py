@@ -23,8 +23,8 @@ from conftest import (
 )
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
-from gpuscout.cloud import control_plane
-from gpuscout.cloud.control_plane import ManifestRejected, PlanRefused
+from gpuscout.cloud import control_plane, plan_step
+from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused
 from gpuscout.errors import RunNotFoundError
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
@@ -551,7 +551,7 @@ def test_the_plans_state_stays_small_and_its_requests_go_to_s3(cloud: Cloud) -> 
     text = wide_manifest(variants=25, repetitions=3)
     validated = validate_handler.handler(cloud.submit(text, "wide"), cloud.context)
     # When it is planned
-    planned = control_plane.plan_jobs(validated, store=cloud.services.store, s3=cloud.s3, settings=settings)
+    planned = plan_step.plan_jobs(validated, store=cloud.services.store, s3=cloud.s3, settings=settings)
     # Then the 300 requests are in S3, each one small enough to be a child workflow's input with room for its error,
     jobs = cloud.items(planned)
     assert len(jobs) == planned["plan"]["jobs"]["count"] == 300
@@ -581,7 +581,7 @@ def test_the_request_limit_counts_the_canaries(with_canary: Cloud) -> None:
 
 def test_an_oversized_request_is_refused_before_any_job_row(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given requests larger than a Distributed Map item may be (with room for the child's own state)
-    monkeypatch.setattr(control_plane, "MAX_ITEM_BYTES", 1024)
+    monkeypatch.setattr(plan_step, "MAX_ITEM_BYTES", 1024)
     validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
     with pytest.raises(PlanRefused, match=r"request\(s\) exceed 1 KiB, what one Distributed Map item may be"):
         plan_handler.handler(validated, cloud.context)
@@ -602,10 +602,10 @@ def test_two_plans_of_one_object_launch_once(cloud: Cloud, monkeypatch: pytest.M
         raise RunNotFoundError(run_id)
 
     monkeypatch.setattr(store, "get_run", nothing_yet)
-    first = control_plane.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
+    first = plan_step.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
     # When the second one writes its run row, Then it is refused: exactly one execution launches jobs
     with pytest.raises(PlanRefused, match="planned concurrently"):
-        control_plane.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
+        plan_step.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
     monkeypatch.setattr(store, "get_run", real_get_run)
     assert store.get_run(first["run_id"]).status is RunStatus.PLANNED
 

@@ -13,7 +13,7 @@ import re
 import pytest
 from conftest import Cloud, benchmark_for, cloud_manifest, job_event
 
-from gpuscout.cloud.control_plane import ManifestRejected
+from gpuscout.cloud.step_errors import ManifestRejected
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
@@ -44,7 +44,7 @@ def test_handler_logs_hold_no_credentials_or_presigned_urls(
     validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
     planned = plan_handler.handler(validated, cloud.context)
     run_id = planned["run_id"]
-    first, second = (job["job_name"] for job in planned["jobs"][:2])
+    first, second = (job["job_name"] for job in cloud.items(planned)[:2])
     job_events_handler.handler(job_event("training_inprogress_training", run_id=run_id, job_name=first), cloud.context)
     cloud.upload_benchmark(run_id, first, benchmark_for(first, run_id, "ml.g5.8xlarge"))
     job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=first), cloud.context)

@@ -28,8 +28,9 @@ from moto.sagemaker.exceptions import ResourceNotFound, ValidationError
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
 
-from gpuscout.cloud.control_plane import TUNING_JOB_VARIANT, PlanRefused
+from gpuscout.cloud.control_plane import TUNING_JOB_VARIANT
 from gpuscout.cloud.events import enforce_budget
+from gpuscout.cloud.step_errors import PlanRefused
 from gpuscout.cloud.tuning_requests import SearchTarget, search_target_key
 from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus

@@ -146,7 +146,7 @@ def test_local_canaries_are_not_tracked(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_cloud_canaries_are_not_tracked_but_jobs_are() -> None:
-    from gpuscout.cloud.control_plane import _canary_requests
+    from gpuscout.cloud.plan_step import _canary_requests
     from gpuscout.cloud.sagemaker_requests import DataSource, RequestSettings, training_job_request
 
     manifest = _manifest({"mlflow": {"tracking_uri": ARN}, "wandb": {"project": "p"}})
