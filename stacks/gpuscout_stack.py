@@ -49,6 +49,8 @@ WORKFLOW_FUNCTIONS = (
     "analyze_run",
 )
 
+RUN_SUMMARY_PUBLISHERS = ("analyze_run", "mark_run_failed")  # publish the run summary to the topic
+
 
 def acknowledge(scope: IConstruct, rule_id: str, reason: str) -> None:
     """One cdk-nag acknowledgment, on the construct it concerns."""
@@ -294,8 +296,10 @@ class GpuscoutStack(Stack):
         lambdas["analyze_run"].add_to_policy(
             iam.PolicyStatement(sid="PriceList", actions=["pricing:GetProducts"], resources=["*"])
         )
-        self.notifications.topic.grant_publish(lambdas["analyze_run"])
-        self.notifications.key.grant(lambdas["analyze_run"], "kms:Decrypt", "kms:GenerateDataKey*")
+        # The run summary: analyze_run for an analysed run, mark_run_failed for a run that failed before it.
+        for name in RUN_SUMMARY_PUBLISHERS:
+            self.notifications.topic.grant_publish(lambdas[name])
+            self.notifications.key.grant(lambdas[name], "kms:Decrypt", "kms:GenerateDataKey*")
 
     # --------------------------------------------------------- acknowledgments
     def _acknowledge(self) -> None:
@@ -458,12 +462,13 @@ class GpuscoutStack(Stack):
             f"AwsSolutions-IAM5[Resource::{data_ref}/reports/*]",
             "Writes reports/<run_id>/ (report.md, .html, .json, charts) for a run_id generated at run time.",
         )
-        acknowledge(
-            lambdas["analyze_run"],
-            "AwsSolutions-IAM5[Action::kms:GenerateDataKey*]",
-            "Publishing to the KMS-encrypted topic needs GenerateDataKey (CDK's grant uses the documented "
-            "GenerateDataKey* family), on the topic key only.",
-        )
+        for name in RUN_SUMMARY_PUBLISHERS:
+            acknowledge(
+                lambdas[name],
+                "AwsSolutions-IAM5[Action::kms:GenerateDataKey*]",
+                "Publishing to the KMS-encrypted topic needs GenerateDataKey (CDK's grant uses the documented "
+                "GenerateDataKey* family), on the topic key only.",
+            )
 
         state_machine_role = self.roles.state_machine
         acknowledge(

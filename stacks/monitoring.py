@@ -20,6 +20,7 @@ from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME
 # dimension sets (tests/integration/test_cloud_handlers.py compares them with what the handler emits).
 THROUGHPUT_METRIC = "TokensPerSecond"
 JOB_STATUS_METRIC = "TrainingJobStatus"
+RUNS_FAILED_METRIC = "RunsMarkedFailed"  # emitted by lambdas/mark_run_failed for each run it moved to FAILED
 JOB_STATUSES = ("InProgress", "Completed", "Failed", "Stopping", "Stopped")  # SageMaker's TrainingJobStatus values
 INSTANCE_TYPE_DIMENSION = "InstanceType"
 STATUS_DIMENSION = "Status"
@@ -37,7 +38,8 @@ def dashboard_dimensions(metric: str, value: str) -> dict[str, str]:
 
 
 class Monitoring(Construct):
-    """`dashboard`, `failed_executions_alarm`, `dead_letter_alarms`, `lambda_error_alarms` (all -> topic)."""
+    """`dashboard`, `failed_runs_alarm`, `ended_executions_alarms` (timed out, aborted), `dead_letter_alarms`,
+    `lambda_error_alarms` (all -> topic)."""
 
     def __init__(
         self,
@@ -54,16 +56,44 @@ class Monitoring(Construct):
         notify = actions.SnsAction(topic)
         five_minutes = Duration.minutes(5)
 
-        self.failed_executions_alarm = state_machine.metric_failed(period=five_minutes).create_alarm(
+        # A run that failed after planning, however its execution ended (a caught error, a timeout, an abort, an
+        # uncatchable data limit): mark_run_failed counts each run it moved to FAILED. Not the state machine's
+        # ExecutionsFailed, which also counts rejected manifests and refused plans (the user's input, told in the
+        # run row and the execution's cause, not an error of the stack).
+        runs_failed = cloudwatch.Metric(
+            namespace=METRIC_NAMESPACE,
+            metric_name=RUNS_FAILED_METRIC,
+            dimensions_map={"service": SERVICE_NAME},
+            statistic=cloudwatch.Stats.SUM,
+            period=five_minutes,
+        )
+        self.failed_runs_alarm = runs_failed.create_alarm(
             self,
-            "FailedExecutions",
-            alarm_description="A benchmark execution failed (rejected manifest, refused plan or an error)",
+            "FailedRuns",
+            alarm_description="A benchmark run failed after it was planned (error, timeout or abort; see the run row)",
             threshold=1,
             evaluation_periods=1,
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        self.failed_executions_alarm.add_alarm_action(notify)
+        self.failed_runs_alarm.add_alarm_action(notify)
+        # Executions that timed out or were aborted, whether or not they had planned a run yet.
+        self.ended_executions_alarms = []
+        for name, metric, what in (
+            ("TimedOutExecutions", state_machine.metric_timed_out(period=five_minutes), "timed out"),
+            ("AbortedExecutions", state_machine.metric_aborted(period=five_minutes), "was aborted"),
+        ):
+            alarm = metric.create_alarm(
+                self,
+                name,
+                alarm_description=f"A benchmark execution {what}",
+                threshold=1,
+                evaluation_periods=1,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            )
+            alarm.add_alarm_action(notify)
+            self.ended_executions_alarms.append(alarm)
         self.dead_letter_alarms = []
         for index, queue in enumerate(dead_letter_queues):
             alarm = queue.metric_approximate_number_of_messages_visible(period=five_minutes).create_alarm(
@@ -101,6 +131,7 @@ class Monitoring(Construct):
                     state_machine.metric_succeeded(period=hour, label="succeeded"),
                     state_machine.metric_failed(period=hour, label="failed"),
                     state_machine.metric_timed_out(period=hour, label="timed out"),
+                    state_machine.metric_aborted(period=hour, label="aborted"),
                 ],
                 width=12,
             ),
@@ -145,7 +176,12 @@ class Monitoring(Construct):
         self.dashboard.add_widgets(
             cloudwatch.AlarmStatusWidget(
                 title="Alarms",
-                alarms=[self.failed_executions_alarm, *self.dead_letter_alarms, *self.lambda_error_alarms],
+                alarms=[
+                    self.failed_runs_alarm,
+                    *self.ended_executions_alarms,
+                    *self.dead_letter_alarms,
+                    *self.lambda_error_alarms,
+                ],
                 width=24,
             )
         )

@@ -134,6 +134,7 @@ DYNAMODB_RETRY: dict[str, Any] = {
 }
 # Run statuses after which no further training job may start (the budget guard in job_events sets STOPPED).
 RUN_STATUSES_THAT_STOP_LAUNCHES = ("STOPPED", "FAILED")
+REFUSAL_KEY = "refused"  # gpuscout.cloud.step_errors.REFUSAL_KEY: a Validate or Plan refusal
 MANIFEST_REJECTED = "ManifestRejected"
 CANARY_FAILED = "CanaryFailed"
 PLAN_REFUSED = "PlanRefused"
@@ -266,11 +267,6 @@ class BenchmarkWorkflow(Construct):
             function=functions["validate_manifest"],
             comment="Parse the manifest; a bad one is written to rejected/ and ends the run",
         )
-        validate.add_catch(
-            sfn.Fail(self, "Manifest rejected", error=MANIFEST_REJECTED, cause_path="$.error.Cause"),
-            errors=[MANIFEST_REJECTED],
-            result_path="$.error",
-        )
         plan = self._lambda_step(
             "Plan jobs",
             function=functions["plan_jobs"],
@@ -286,11 +282,6 @@ class BenchmarkWorkflow(Construct):
                 }
             ),
             comment="Job requests, predicted cost; refuses a run over budget",
-        )
-        plan.add_catch(
-            sfn.Fail(self, "Plan refused", error=PLAN_REFUSED, cause_path="$.error.Cause"),
-            errors=[PLAN_REFUSED],
-            result_path="$.error",
         )
         # Any failure after planning (data preparation, the Map, analysis) marks the run FAILED with the cause, then
         # fails the execution (RunFailed, with the original cause). What no Catch sees (timeout, abort,
@@ -425,7 +416,12 @@ class BenchmarkWorkflow(Construct):
             .when(sfn.Condition.boolean_equals("$.prepare.skip", True), start_fan_out)
             .otherwise(prepare.next(start_fan_out))
         )
-        definition = validate.next(plan).next(prepare_needed)
+        # A refusal is the handler's result, not an error (gpuscout.cloud.step_errors): the run row already says
+        # REJECTED or REFUSED and why; the execution ends failed with that cause, and no Lambda error alarm fires.
+        definition = validate.next(
+            self._unless_refused("Manifest valid?", "Manifest rejected", MANIFEST_REJECTED, then=plan)
+        )
+        plan.next(self._unless_refused("Plan accepted?", "Plan refused", PLAN_REFUSED, then=prepare_needed))
 
         self.log_group = logs.LogGroup(self, "Logs", retention=log_retention, removal_policy=removal_policy)
         self.state_machine = sfn.StateMachine(
@@ -582,6 +578,11 @@ class BenchmarkWorkflow(Construct):
             result_path=sfn.JsonPath.DISCARD,
             comment=comment,
         )
+
+    def _unless_refused(self, name: str, fail_name: str, error: str, *, then: sfn.IChainable) -> sfn.Choice:
+        """``then``, unless the step's output is a refusal (``$.refused``): then fail with its error and cause."""
+        refused = sfn.Fail(self, fail_name, error=error, cause_path=f"$.{REFUSAL_KEY}.Cause")
+        return sfn.Choice(self, name).when(sfn.Condition.is_present(f"$.{REFUSAL_KEY}"), refused).otherwise(then)
 
     def _when_any(self, kind: str, fan_out: sfn.DistributedMap, then: sfn.IChainable) -> sfn.Choice:
         """``fan_out`` then ``then`` when the plan has any ``kind``; straight to ``then`` otherwise (no Map Run)."""

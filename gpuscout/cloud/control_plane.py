@@ -228,8 +228,9 @@ def validate_manifest(
             )
         )
         raise ManifestRejected(
+            run_id,
             f"{source} is invalid ({len(err.problems)} problem(s); details in s3://{bucket}/{error_key}):\n"
-            + "\n".join(f"  - {p}" for p in err.problems)
+            + "\n".join(f"  - {p}" for p in err.problems),
         ) from err
     return {
         "run_id": make_run_id(manifest.name, key=key, etag=etag),
@@ -343,6 +344,25 @@ def caught_failure_reason(error_name: str, cause: str) -> str:
     described = _describe_from_cause(cause)
     reason = str(described.get("FailureReason") or cause or "no cause given")
     return f"{error_name or 'error'}: {reason}"
+
+
+NOT_ANALYSED_RECOMMENDATION = "No recommendation: the run failed before it was analysed (see Error above)."
+NOT_ANALYSED_REPORT = "none (the run was not analysed)"
+
+
+def tell_run_failed(run_id: str, *, store: ResultStore, sns: Any, topic_arn: str | None) -> bool | str:
+    """Publish the run summary analyze sends for a finished run, for a run that ended FAILED before its analysis (an
+    error, a timeout, an abort, a failed canary): the same message, so every way a run ends is told. True when
+    sent, False without a topic, else why it was not (the run stays FAILED either way)."""
+    if not topic_arn or sns is None:
+        return False
+    notice = run_summary(
+        store.get_run(run_id),
+        store.list_jobs(run_id),
+        recommendation=NOT_ANALYSED_RECOMMENDATION,
+        report_uri=NOT_ANALYSED_REPORT,
+    )
+    return publish(sns, topic_arn, notice) or True
 
 
 def fail_run_of_execution(

@@ -38,7 +38,7 @@ from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import validate_manifest_data
-from gpuscout.errors import BudgetExceededError, RunExistsError, RunNotFoundError
+from gpuscout.errors import BudgetExceededError, GpuscoutError, RunExistsError, RunNotFoundError
 from gpuscout.plan.canary import plan_cloud_canaries
 from gpuscout.plan.jobs import Plan
 from gpuscout.plan.planner import plan
@@ -143,7 +143,21 @@ def plan_jobs(
     execution_arn = validated.get("execution_arn") or None
     catalog = catalog or load_catalog()
     manifest = validate_manifest_data(validated["manifest"], source, catalog)
-    the_plan = plan(manifest, catalog, run_id=run_id)
+    try:
+        the_plan = plan(manifest, catalog, run_id=run_id)
+    except GpuscoutError as err:  # the planner cannot plan it (PlanError and the like): a REFUSED run that says why
+        store.put_run(
+            RunRecord(
+                run_id=run_id,
+                name=manifest.name,
+                status=RunStatus.REFUSED,
+                manifest_source=source,
+                manifest=manifest.model_dump(mode="json"),
+                execution_arn=execution_arn,
+                error=f"cannot plan: {err}",
+            )
+        )
+        raise PlanRefused(f"{source}: cannot plan: {err}") from err
     run = RunRecord(
         run_id=run_id,
         name=manifest.name,

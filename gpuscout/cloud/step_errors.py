@@ -1,7 +1,13 @@
-"""The errors the workflow's Lambda steps raise (their names are what the state machine's Catch and Choice states and
-the Lambda handlers match)."""
+"""The errors the workflow's Lambda steps raise, and the refusal a step's handler returns instead of raising one.
+
+A rejected manifest or a refused plan is the user's input, not a failure of the system: the Validate and Plan
+handlers return ``{"run_id", "refused": {"Error", "Cause"}}`` (the run row already says REJECTED or REFUSED, with why),
+and the state machine's "Manifest valid?" / "Plan accepted?" Choice ends the execution in a Fail state with that
+error and cause. So a refusal is not a Lambda error (the functions' error alarms stay for unexpected ones)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from gpuscout.errors import GpuscoutError
 
@@ -11,6 +17,10 @@ class ManifestRejected(GpuscoutError):  # noqa: N818 - the state machine's Catch
 
     exit_code = 2
 
+    def __init__(self, run_id: str | None, message: str) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
 
 class PlanRefused(GpuscoutError):  # noqa: N818 - the state machine's Catch matches this exact name
     """The manifest is valid but the run was not launched (over budget, or already planned)."""
@@ -18,3 +28,24 @@ class PlanRefused(GpuscoutError):  # noqa: N818 - the state machine's Catch matc
 
 class CloudStepError(GpuscoutError):
     """An AWS call of a workflow step failed."""
+
+
+REFUSAL_KEY = "refused"
+REFUSALS: dict[str, type[GpuscoutError]] = {"ManifestRejected": ManifestRejected, "PlanRefused": PlanRefused}
+
+
+def refusal(run_id: str | None, error: ManifestRejected | PlanRefused) -> dict[str, Any]:
+    """What a Validate or Plan handler returns for ``error``."""
+    return {"run_id": run_id, REFUSAL_KEY: {"Error": type(error).__name__, "Cause": str(error)}}
+
+
+def raise_refusal(output: dict[str, Any]) -> dict[str, Any]:
+    """``output`` unless it is a refusal, which is raised as the error it stands for (callers outside the state
+    machine, e.g. tests and scripts, that want the exception)."""
+    refused = output.get(REFUSAL_KEY)
+    if isinstance(refused, dict):
+        error, cause = str(refused["Error"]), str(refused["Cause"])
+        if error == "ManifestRejected":
+            raise ManifestRejected(output.get("run_id"), cause)
+        raise REFUSALS[error](cause)
+    return output

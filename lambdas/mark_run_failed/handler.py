@@ -1,7 +1,8 @@
 """Lambda: leave a run whose workflow failed in a final state (Cloud contract: mark_run_failed).
 
 Two callers, one rule (gpuscout.cloud.control_plane.mark_run_failed: only a non-final run of this execution moves to
-FAILED, idempotently):
+FAILED, idempotently); each run it moves to FAILED gets the same run summary on the stack's SNS topic as an analysed
+run (control_plane.tell_run_failed), and counts in the RunsMarkedFailed metric (the FailedRuns alarm):
 
 - the state machine's Catch after planning: ``{"run_id", "execution_arn", "error": {"Error", "Cause"}}``;
 - EventBridge "Step Functions Execution Status Change" (FAILED, TIMED_OUT, ABORTED) for what no Catch sees
@@ -74,6 +75,14 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
             )
         ]
     applied = sum(1 for o in outcomes if o["applied"])
-    metrics.add_metric(name="RunsMarkedFailed", unit=MetricUnit.Count, value=applied)
+    metrics.add_metric(name="RunsMarkedFailed", unit=MetricUnit.Count, value=applied)  # the FailedRuns alarm's metric
+    for outcome in outcomes:  # each run this call ended is told, once (a second call applies nothing)
+        if outcome["applied"]:
+            outcome["notified"] = control_plane.tell_run_failed(
+                outcome["run_id"],
+                store=services.store,
+                sns=services.sns,
+                topic_arn=services.settings.notification_topic_arn,
+            )
     logger.info("run failure recorded", extra={"outcomes": outcomes})
     return {"runs": outcomes}

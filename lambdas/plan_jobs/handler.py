@@ -1,7 +1,9 @@
 """Lambda: expand a validated manifest into SageMaker requests (Cloud contract: plan_jobs).
 
-Over budget, or for a manifest object that was already planned, it raises PlanRefused and launches nothing; an object
-whose run ended FAILED or REFUSED is planned again as <run_id>-r<n>.
+Over budget, over the request limit, when the planner cannot plan the manifest, or for a manifest object that was
+already planned, it launches nothing and returns ``{"run_id", "refused": {"Error": "PlanRefused", "Cause"}}`` (not a
+Lambda error; the "Plan accepted?" Choice ends the execution with that cause); an object whose run ended FAILED or
+REFUSED is planned again as <run_id>-r<n>.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane, plan_step
+from gpuscout.cloud.step_errors import PlanRefused, refusal
 
 logger = Logger()
 tracer = Tracer()
@@ -41,7 +44,14 @@ class ValidatedManifest(BaseModel):
 def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
     logger.append_keys(run_id=event.run_id)
-    result = plan_step.plan_jobs(event.model_dump(), store=services.store, s3=services.s3, settings=services.settings)
+    try:
+        result = plan_step.plan_jobs(
+            event.model_dump(), store=services.store, s3=services.s3, settings=services.settings
+        )
+    except PlanRefused as err:
+        metrics.add_metric(name="PlansRefused", unit=MetricUnit.Count, value=1)
+        logger.info("plan refused", extra={"reason": str(err)})
+        return refusal(event.run_id, err)
     counts = {kind: result["plan"][kind]["count"] for kind in ("canaries", "jobs", "tunings")}
     metrics.add_metric(name="JobsPlanned", unit=MetricUnit.Count, value=counts["jobs"])
     logger.info(

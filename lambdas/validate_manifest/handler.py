@@ -1,7 +1,8 @@
 """Lambda: validate the submitted manifest (Cloud contract: execution input -> validated manifest).
 
-A bad manifest raises ManifestRejected (after rejected/<name>.error.json and a REJECTED run are written); the state
-machine's Catch ends the execution with that message as its cause.
+A bad manifest is refused (after rejected/<name>.error.json and a REJECTED run are written): the handler returns
+``{"run_id", "refused": {"Error": "ManifestRejected", "Cause"}}`` rather than raising (a refusal is not a Lambda
+error), and the state machine's "Manifest valid?" Choice ends the execution with that cause.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
 from gpuscout.cloud.quotas import QuotaBook
+from gpuscout.cloud.step_errors import ManifestRejected, refusal
 
 logger = Logger()
 tracer = Tracer()
@@ -47,9 +49,10 @@ def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
             settings=services.settings,
             quota_book=QuotaBook(services.service_quotas),
         )
-    except control_plane.ManifestRejected:
+    except ManifestRejected as err:
         metrics.add_metric(name="ManifestsRejected", unit=MetricUnit.Count, value=1)
-        raise
+        logger.info("manifest rejected", extra={"run_id": err.run_id, "reason": str(err)})
+        return refusal(err.run_id, err)
     metrics.add_metric(name="ManifestsAccepted", unit=MetricUnit.Count, value=1)
     logger.info("manifest valid", extra={"run_id": result["run_id"]})
     return result

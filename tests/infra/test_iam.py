@@ -238,5 +238,9 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     failure = actions_of("record_job_failure")
     assert set(failure) <= TABLE_LOGS_AND_TRACES | {"s3:GetObject"}
     assert "/search/*" in failure["s3:GetObject"] and "/output/" not in failure["s3:GetObject"]
-    # mark_run_failed is also an EventBridge target: its failed async invocations go to the functions' DLQ.
-    assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"}
+    # mark_run_failed is also an EventBridge target: its failed async invocations go to the functions' DLQ; it
+    # publishes the run summary of a run that failed before its analysis (the topic and its key only).
+    publish = {"sns:Publish", "kms:Decrypt", "kms:GenerateDataKey*"}
+    assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | publish
+    topic = synthesized.logical_id(synthesized.stack.notifications.topic)
+    assert actions_of("mark_run_failed")["sns:Publish"] == json.dumps({"Ref": topic})

@@ -40,8 +40,10 @@ def asl(synthesized: Synthesized) -> dict[str, Any]:
 def test_states_in_order(asl: dict[str, Any]) -> None:
     states = asl["States"]
     assert asl["StartAt"] == "Validate manifest"
-    assert states["Validate manifest"]["Next"] == "Plan jobs"
-    assert states["Plan jobs"]["Next"] == "Processed data cached?"
+    assert states["Validate manifest"]["Next"] == "Manifest valid?"
+    assert states["Manifest valid?"]["Default"] == "Plan jobs"
+    assert states["Plan jobs"]["Next"] == "Plan accepted?"
+    assert states["Plan accepted?"]["Default"] == "Processed data cached?"
     choice = states["Processed data cached?"]
     assert choice["Type"] == "Choice"
     assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Any canaries?"}]
@@ -61,14 +63,17 @@ def test_states_in_order(asl: dict[str, Any]) -> None:
     assert asl["TimeoutSeconds"] == 72 * 3600
 
 
-def test_rejections_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> None:
+def test_refusals_are_results_that_end_in_fail_states_with_the_cause(asl: dict[str, Any]) -> None:
+    # A rejected manifest or refused plan is the handler's result (not a Lambda error, so no error alarm fires):
+    # a Choice on $.refused ends the execution failed with the refusal's error and cause.
     states = asl["States"]
-    for task, error, fail in (
-        ("Validate manifest", "ManifestRejected", "Manifest rejected"),
-        ("Plan jobs", "PlanRefused", "Plan refused"),
+    for task, choice, error, fail in (
+        ("Validate manifest", "Manifest valid?", "ManifestRejected", "Manifest rejected"),
+        ("Plan jobs", "Plan accepted?", "PlanRefused", "Plan refused"),
     ):
-        assert states[task]["Catch"] == [{"ErrorEquals": [error], "ResultPath": "$.error", "Next": fail}]
-        assert states[fail] == {"Type": "Fail", "Error": error, "CausePath": "$.error.Cause"}
+        assert "Catch" not in states[task] and states[task]["Next"] == choice
+        assert states[choice]["Choices"] == [{"Variable": "$.refused", "IsPresent": True, "Next": fail}]
+        assert states[fail] == {"Type": "Fail", "Error": error, "CausePath": "$.refused.Cause"}
         assert states[task]["Resource"].startswith("<Functions")
 
 
@@ -462,7 +467,14 @@ def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
     alarms = synthesized.resources("AWS::CloudWatch::Alarm").values()
     topic = synthesized.logical_id(synthesized.stack.notifications.topic)
     metrics = {a["Properties"]["MetricName"] for a in alarms}
-    assert {"ExecutionsFailed", "ApproximateNumberOfMessagesVisible", "Errors"} <= metrics
+    # a failed run (however its execution ended), a timed-out or aborted execution; not ExecutionsFailed, which
+    # also counts rejected manifests and refused plans (the user's input, not an error of the stack)
+    assert {"RunsMarkedFailed", "ExecutionsTimedOut", "ExecutionsAborted"} <= metrics
+    assert {"ApproximateNumberOfMessagesVisible", "Errors"} <= metrics and "ExecutionsFailed" not in metrics
+    (failed_runs,) = [a for a in alarms if a["Properties"]["MetricName"] == "RunsMarkedFailed"]
+    assert failed_runs["Properties"]["Namespace"] == "gpuscout"
+    assert failed_runs["Properties"]["Dimensions"] == [{"Name": "service", "Value": "gpuscout"}]
+    assert failed_runs["Properties"]["Threshold"] == 1 and failed_runs["Properties"]["Statistic"] == "Sum"
     dlq_alarms = [a for a in alarms if a["Properties"]["MetricName"] == "ApproximateNumberOfMessagesVisible"]
     assert len(dlq_alarms) == 4
     for alarm in dlq_alarms:

@@ -24,7 +24,7 @@ from conftest import (
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
 from gpuscout.cloud import control_plane, plan_step
-from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused
+from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused, raise_refusal
 from gpuscout.errors import RunNotFoundError
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
@@ -74,7 +74,7 @@ def test_valid_manifest_passes_validation(cloud: Cloud) -> None:
 def test_invalid_manifest_is_rejected_with_every_problem(cloud: Cloud) -> None:
     execution_input = cloud.submit(BAD_MANIFEST, "bad")
     with pytest.raises(ManifestRejected) as info:
-        validate_handler.handler(execution_input, cloud.context)
+        raise_refusal(validate_handler.handler(execution_input, cloud.context))
     message = str(info.value)
     assert "s3://gpuscout-data-123456789012/manifests/bad.yaml is invalid" in message
     report = json.loads(cloud.s3.get_object(Bucket=DATA_BUCKET, Key="rejected/bad.error.json")["Body"].read())
@@ -94,7 +94,7 @@ def test_a_zero_training_quota_of_a_target_or_the_canary_type_is_rejected_at_val
     QUOTAS["ml.p4d.24xlarge for spot training job usage"] = 0.0
     # When the manifest is validated
     with pytest.raises(ManifestRejected) as info:
-        validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
+        raise_refusal(validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context))
     # Then it is rejected naming the quota, its code and where to raise it, and the run row says so
     message = " ".join(str(info.value).split())
     assert (
@@ -113,7 +113,7 @@ def test_a_zero_training_quota_of_a_target_or_the_canary_type_is_rejected_at_val
 def test_instance_types_the_stack_does_not_allow_are_rejected(cloud: Cloud) -> None:
     text = cloud_manifest().replace("ml.g5.8xlarge", "ml.p4de.24xlarge")
     with pytest.raises(ManifestRejected, match=r"targets\[0\]\.instance_type: ml\.p4de\.24xlarge is not allowed"):
-        validate_handler.handler(cloud.submit(text), cloud.context)
+        raise_refusal(validate_handler.handler(cloud.submit(text), cloud.context))
 
 
 def test_sources_the_sagemaker_role_cannot_read_are_rejected(cloud: Cloud) -> None:
@@ -122,7 +122,7 @@ def test_sources_the_sagemaker_role_cannot_read_are_rejected(cloud: Cloud) -> No
     assert "someone-elses-bucket" in text
     # When it is validated, Then it is rejected with the copy command, before any job row exists
     with pytest.raises(ManifestRejected, match=rf"dataset.source: .*s3://{DATA_BUCKET}/raw/he/"):
-        validate_handler.handler(cloud.submit(text, "elsewhere"), cloud.context)
+        raise_refusal(validate_handler.handler(cloud.submit(text, "elsewhere"), cloud.context))
     ok = cloud_manifest().replace("bundled:hebrew-bible", f"s3://{DATA_BUCKET}/raw/he/")
     assert validate_handler.handler(cloud.submit(ok, "raw-ok"), cloud.context)["run_id"]
 
@@ -187,7 +187,7 @@ def test_prepare_is_skipped_when_the_processed_data_exists(cloud: Cloud) -> None
 def test_over_budget_plan_is_refused_and_launches_nothing(cloud: Cloud) -> None:
     validated = validate_handler.handler(cloud.submit(cloud_manifest(budget=0.01)), cloud.context)
     with pytest.raises(PlanRefused, match="exceeds the budget"):
-        plan_handler.handler(validated, cloud.context)
+        raise_refusal(plan_handler.handler(validated, cloud.context))
     run = cloud.services.store.get_run(validated["run_id"])
     assert run.status is RunStatus.REFUSED
     assert run.predicted_cost_usd is not None and run.predicted_cost_usd > 0.01
@@ -201,7 +201,7 @@ def test_the_same_object_delivered_twice_is_one_run(cloud: Cloud) -> None:
     again = validate_handler.handler(dict(execution_input), cloud.context)
     assert again["run_id"] == first["run_id"]
     with pytest.raises(PlanRefused, match="already planned"):
-        plan_handler.handler(again, cloud.context)
+        raise_refusal(plan_handler.handler(again, cloud.context))
     assert len(cloud.services.store.list_runs()) == 1
     assert cloud.services.store.list_jobs(first["run_id"]) == jobs_before
     assert cloud.services.store.get_run(first["run_id"]).status is RunStatus.PLANNED
@@ -565,7 +565,11 @@ def test_the_plans_state_stays_small_and_its_requests_go_to_s3(cloud: Cloud) -> 
 def test_a_plan_over_the_request_limit_is_rejected_before_any_row(cloud: Cloud) -> None:
     # Given 4 targets x 26 variants x 10 repetitions = 1,040 jobs (the limit is 1,000 SageMaker jobs)
     with pytest.raises(ManifestRejected, match=r"4 x 26 x 10 = 1040 jobs; a cloud run takes at most 1000"):
-        validate_handler.handler(cloud.submit(wide_manifest(variants=26, repetitions=10), "too-wide"), cloud.context)
+        raise_refusal(
+            validate_handler.handler(
+                cloud.submit(wide_manifest(variants=26, repetitions=10), "too-wide"), cloud.context
+            )
+        )
     [run] = cloud.services.store.list_runs()
     assert run.status is RunStatus.REJECTED and cloud.services.store.list_jobs(run.run_id) == []
 
@@ -576,7 +580,7 @@ def test_the_request_limit_counts_the_canaries(with_canary: Cloud) -> None:
     manifest = wide_manifest(variants=25, repetitions=10)
     # Then validation refuses the 1,032 SageMaker jobs, naming the canaries
     with pytest.raises(ManifestRejected, match=r"start 1032 SageMaker jobs \(1000 benchmark jobs and 32 canaries"):
-        validate_handler.handler(with_canary.submit(manifest, "canaried-wide"), with_canary.context)
+        raise_refusal(validate_handler.handler(with_canary.submit(manifest, "canaried-wide"), with_canary.context))
 
 
 def test_an_oversized_request_is_refused_before_any_job_row(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -584,7 +588,7 @@ def test_an_oversized_request_is_refused_before_any_job_row(cloud: Cloud, monkey
     monkeypatch.setattr(plan_step, "MAX_ITEM_BYTES", 1024)
     validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
     with pytest.raises(PlanRefused, match=r"request\(s\) exceed 1 KiB, what one Distributed Map item may be"):
-        plan_handler.handler(validated, cloud.context)
+        raise_refusal(plan_handler.handler(validated, cloud.context))
     run = cloud.services.store.get_run(validated["run_id"])
     assert run.status is RunStatus.REFUSED and cloud.services.store.list_jobs(run.run_id) == []
     # and nothing was written for the state machine to read
@@ -650,12 +654,47 @@ def test_a_timed_out_execution_marks_its_run_failed_once(cloud: Cloud) -> None:
     assert store.get_run(run_id).execution_arn == execution_arn
     # when mark_run_failed receives it, the run that execution planned ends FAILED with the reason,
     outcome = mark_failed_handler.handler(event, cloud.context)
-    assert outcome == {"runs": [{"run_id": run_id, "applied": True, "status": "FAILED", "ignored_reason": None}]}
+    applied = {"run_id": run_id, "applied": True, "status": "FAILED", "ignored_reason": None, "notified": False}
+    assert outcome == {"runs": [applied]}  # (no topic in this stack: nothing to tell)
     run = store.get_run(run_id)
     assert run.status is RunStatus.FAILED and run.error is not None and "TIMED_OUT" in run.error
     # and a second delivery changes nothing.
     again = mark_failed_handler.handler(event, cloud.context)
     assert again["runs"][0]["applied"] is False and store.get_run(run_id).updated_at == run.updated_at
+
+
+@pytest.mark.parametrize("status", ["FAILED", "TIMED_OUT", "ABORTED"])
+def test_a_run_that_ends_without_analysis_is_told_like_a_finished_one_once(
+    cloud: Cloud, monkeypatch: pytest.MonkeyPatch, status: str
+) -> None:
+    from gpuscout.cloud.control_plane import services
+    from gpuscout.cloud.settings import get_settings
+
+    # Given a stack with a notification topic (an SQS queue subscribed to read what was sent) and a planned run,
+    sns = boto3.client("sns", region_name="us-east-1")
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    topic = sns.create_topic(Name="gpuscout-notifications")["TopicArn"]
+    queue = sqs.create_queue(QueueName="inbox")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
+    monkeypatch.setenv("NOTIFICATION_TOPIC_ARN", topic)
+    get_settings.cache_clear()
+    services.cache_clear()
+    event = load_event("sfn_execution_timed_out")
+    event["detail"]["status"] = status
+    run_id = _planned_by(cloud, event["detail"]["executionArn"])["run_id"]
+    # When its execution ends that way (EventBridge), twice (a redelivery)
+    [outcome] = mark_failed_handler.handler(event, cloud.context)["runs"]
+    [again] = mark_failed_handler.handler(event, cloud.context)["runs"]
+    # Then the run summary an analysed run gets was published once: the run, FAILED, why, and no recommendation
+    assert outcome["applied"] is True and outcome["notified"] is True and again["applied"] is False
+    [message] = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10)["Messages"]
+    body = json.loads(message["Body"])
+    assert body["Subject"] == "gpuscout: run cloud-smoke FAILED"
+    assert f"Run {run_id} (cloud-smoke) finished: FAILED." in body["Message"]
+    assert f"the workflow execution ended {status}" in body["Message"]
+    assert control_plane.NOT_ANALYSED_RECOMMENDATION in body["Message"]
+    assert "Jobs: 4 (4 planned)." in body["Message"]
 
 
 def test_a_failed_execution_never_touches_a_run_it_did_not_plan_or_a_final_run(cloud: Cloud) -> None:
@@ -708,7 +747,9 @@ def test_the_same_manifest_uploaded_again_after_a_failed_run_is_planned_again(cl
     assert {j.job_name for j in store.list_jobs(first["run_id"])} == first_names
     # and a duplicate delivery while the new attempt is planned is still refused.
     with pytest.raises(PlanRefused, match=r"already planned as run .*-r2"):
-        plan_handler.handler(validate_handler.handler(dict(execution_input), cloud.context), cloud.context)
+        raise_refusal(
+            plan_handler.handler(validate_handler.handler(dict(execution_input), cloud.context), cloud.context)
+        )
 
 
 def test_jobs_are_ordered_so_the_map_interleaves_instance_types(cloud: Cloud) -> None:
@@ -730,6 +771,6 @@ def test_a_manifest_too_large_to_carry_between_states_is_rejected_at_validation(
     monkeypatch.setattr(control_plane, "MAX_PARSED_MANIFEST_BYTES", 1024)
     # Then a manifest whose parsed form is larger is rejected with its size, before anything is planned
     with pytest.raises(ManifestRejected, match=r"the parsed manifest is \d+ KiB .*at most 1 KiB of it between states"):
-        validate_handler.handler(cloud.submit(cloud_manifest(), "big"), cloud.context)
+        raise_refusal(validate_handler.handler(cloud.submit(cloud_manifest(), "big"), cloud.context))
     [run] = cloud.services.store.list_runs()
     assert run.status is RunStatus.REJECTED

@@ -13,7 +13,7 @@ import re
 import pytest
 from conftest import Cloud, benchmark_for, cloud_manifest, job_event
 
-from gpuscout.cloud.step_errors import ManifestRejected
+from gpuscout.cloud.step_errors import ManifestRejected, raise_refusal
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
@@ -40,7 +40,7 @@ def test_handler_logs_hold_no_credentials_or_presigned_urls(
     # when every handler runs: a rejected manifest, a plan, job events up to a stored benchmark, a caught
     # failure and the analysis,
     with pytest.raises(ManifestRejected):
-        validate_handler.handler(cloud.submit("name: x\nsequence_length: -1\n", "broken"), cloud.context)
+        raise_refusal(validate_handler.handler(cloud.submit("name: x\nsequence_length: -1\n", "broken"), cloud.context))
     validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
     planned = plan_handler.handler(validated, cloud.context)
     run_id = planned["run_id"]

@@ -30,7 +30,7 @@ from moto.sagemaker.responses import SageMakerResponse
 
 from gpuscout.cloud.control_plane import TUNING_JOB_VARIANT
 from gpuscout.cloud.events import enforce_budget
-from gpuscout.cloud.step_errors import PlanRefused
+from gpuscout.cloud.step_errors import PlanRefused, raise_refusal
 from gpuscout.cloud.tuning_requests import SearchTarget, search_target_key
 from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
@@ -65,8 +65,8 @@ search:
 
 
 def _plan(cloud: Cloud, text: str = MANIFEST, name: str = "search-smoke") -> dict[str, Any]:
-    validated = validate_handler.handler(cloud.submit(text, name), cloud.context)
-    planned: dict[str, Any] = plan_handler.handler(validated, cloud.context)
+    validated = raise_refusal(validate_handler.handler(cloud.submit(text, name), cloud.context))
+    planned: dict[str, Any] = raise_refusal(plan_handler.handler(validated, cloud.context))
     return planned
 
 

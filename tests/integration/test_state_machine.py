@@ -896,3 +896,48 @@ def test_a_large_plan_runs_through_the_state_machine_with_every_payload_measured
     assert len(run.history) < 60, len(run.history)
     parent_sizes = [len(json.dumps(e, default=str)) for e in run.history]
     assert max(parent_sizes) < 16 * 1024, max(parent_sizes)
+
+
+def test_a_rejected_manifest_ends_the_execution_with_its_cause_without_a_lambda_error(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a manifest that fails validation
+    run = _execute_live(cloud, synthesized, monkeypatch, "name: broken\nsequence_length: -1\n", name="broken")
+    # Then the execution fails as "Manifest rejected" with the validation's message as its cause,
+    assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
+    assert run.described["error"] == "ManifestRejected" and "is invalid" in run.described["cause"]
+    # the handler returned the refusal (no Lambda error for the error alarm to count) and nothing else ran,
+    [(name, output)] = run.lambdas.outputs
+    assert name == "validate_manifest" and output["refused"]["Error"] == "ManifestRejected"
+    assert [called for called, _ in run.lambdas.calls] == ["validate_manifest"]
+    # and the run row says REJECTED, with why
+    stored = cloud.services.store.get_run(output["run_id"])
+    assert stored.status is RunStatus.REJECTED and stored.error is not None and "sequence_length" in stored.error
+
+
+def test_a_manifest_the_planner_cannot_plan_becomes_a_refused_run_with_its_reason(
+    cloud: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuscout.cloud import plan_step
+    from gpuscout.errors import PlanError
+
+    # Given a valid manifest the planner refuses (e.g. a search whose candidates all exceed the GPU's memory)
+    def cannot_plan(*args: Any, **kwargs: Any) -> Any:
+        raise PlanError("targets[0] ml.g5.8xlarge: no search candidate can run (4 skipped: b8: needs 31 GB)")
+
+    monkeypatch.setattr(plan_step, "plan", cannot_plan)
+    run = _execute_live(cloud, synthesized, monkeypatch, ONE_JOB_MANIFEST, name="unplannable")
+    # Then the execution ends as "Plan refused" with the planner's reason, no Lambda raised,
+    assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
+    assert run.described["error"] == "PlanRefused" and "no search candidate can run" in run.described["cause"]
+    assert [name for name, _ in run.lambdas.outputs] == ["validate_manifest", "plan_jobs"]
+    # and the run row is REFUSED with the reason (not a failed execution with no trace), nothing launched
+    stored = cloud.services.store.get_run(run.run_id)
+    assert stored.status is RunStatus.REFUSED and stored.error is not None
+    assert stored.error.startswith("cannot plan: targets[0] ml.g5.8xlarge: no search candidate can run")
+    assert stored.execution_arn == run.described["executionArn"]
+    assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
