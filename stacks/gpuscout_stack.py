@@ -254,7 +254,11 @@ class GpuscoutStack(Stack):
             lambdas[name].add_to_policy(
                 iam.PolicyStatement(
                     sid="BudgetGuard",
-                    actions=["sagemaker:StopTrainingJob", "sagemaker:DescribeTrainingJob"],
+                    # record_job_result also describes the job it records; job_events has the job in its event
+                    actions=[
+                        "sagemaker:StopTrainingJob",
+                        *(["sagemaker:DescribeTrainingJob"] if name == "record_job_result" else []),
+                    ],
                     resources=[TRAINING_JOBS_ARN],
                 )
             )
@@ -285,11 +289,6 @@ class GpuscoutStack(Stack):
         lambdas["analyze_run"].add_to_policy(
             iam.PolicyStatement(
                 sid="WriteReports", actions=["s3:PutObject"], resources=[data.arn_for_objects(f"{REPORTS_PREFIX}*")]
-            )
-        )
-        lambdas["analyze_run"].add_to_policy(
-            iam.PolicyStatement(
-                sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
             )
         )
         # Only the analysis reprices with today's list prices; planning uses the catalog's.
@@ -420,7 +419,7 @@ class GpuscoutStack(Stack):
             "Checks whether processed/<content hash>/dataset.json exists to skip data preparation; the hash is "
             "computed at run time.",
         )
-        for name in (*JOB_RECORDERS, "analyze_run"):
+        for name in JOB_RECORDERS:
             acknowledge(
                 lambdas[name],
                 f"AwsSolutions-IAM5[Resource::{artifacts_ref}/output/*]",

@@ -124,9 +124,11 @@ class Roles(Construct):
             iam.PolicyStatement(
                 sid="JobLogs",
                 actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                # CreateLogGroup is authorized on the log group's ARN itself, the stream actions on "<group>:*"
                 resources=[
-                    f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{group}:*"
+                    f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{group}{suffix}"
                     for group in SAGEMAKER_LOG_GROUPS
+                    for suffix in ("", ":*")
                 ],
             ),
             iam.PolicyStatement(

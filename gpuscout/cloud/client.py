@@ -44,7 +44,13 @@ from gpuscout.cloud.plan_step import run_id_to_plan
 from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.sagemaker_requests import output_tar_key
-from gpuscout.cloud.sources import hyperparameter_problems, source_problems, target_problems, tracking_problems
+from gpuscout.cloud.sources import (
+    hyperparameter_problems,
+    search_problems,
+    source_problems,
+    target_problems,
+    tracking_problems,
+)
 from gpuscout.cloud.step_errors import PlanRefused
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
@@ -304,7 +310,12 @@ class CloudStack:
         """
         path = Path(manifest_path)
         manifest = load_manifest(path, catalog=catalog or load_catalog())
-        problems = target_problems(manifest) + tracking_problems(manifest) + hyperparameter_problems(manifest)
+        problems = (
+            target_problems(manifest)
+            + tracking_problems(manifest)
+            + hyperparameter_problems(manifest)
+            + search_problems(manifest)
+        )
         if problems:
             raise ManifestError(str(path), problems)
         try:

@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import unquote_plus
 
 import boto3
 from botocore.config import Config
@@ -151,13 +152,24 @@ def _job_code_problems(s3: Any, manifest: Manifest) -> list[Problem]:
     return problems
 
 
-def _read_object(s3: Any, bucket: str, key: str) -> tuple[bytes, str]:
-    try:
-        response = s3.get_object(Bucket=bucket, Key=key)
-        body: bytes = response["Body"].read(MAX_MANIFEST_BYTES + 1)
-    except (ClientError, BotoCoreError) as err:
-        raise CloudStepError(f"cannot read s3://{bucket}/{key}: {err}") from err
-    return body, str(response.get("ETag", "")).strip('"')
+def _read_object(s3: Any, bucket: str, key: str) -> tuple[str, bytes, str]:
+    """(the key read, body, ETag). S3's event notifications may carry a key URL-encoded (a space as '+', '%2F' ...):
+    when ``key`` names no object and its decoded form differs, the decoded key is read instead, and returned, so the
+    run id and file names come from the object's real key."""
+    decoded = unquote_plus(key)
+    for candidate in dict.fromkeys((key, decoded)):
+        try:
+            response = s3.get_object(Bucket=bucket, Key=candidate)
+            body: bytes = response["Body"].read(MAX_MANIFEST_BYTES + 1)
+        except ClientError as err:
+            missing = err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}
+            if missing and candidate != decoded:
+                continue
+            raise CloudStepError(f"cannot read s3://{bucket}/{candidate}: {err}") from err
+        except BotoCoreError as err:
+            raise CloudStepError(f"cannot read s3://{bucket}/{candidate}: {err}") from err
+        return candidate, body, str(response.get("ETag", "")).strip('"')
+    raise AssertionError("unreachable: the last candidate returns or raises")
 
 
 def validate_manifest(
@@ -173,9 +185,9 @@ def validate_manifest(
     ManifestRejected after writing ``rejected/<name>.error.json`` (every problem with its field path) and a REJECTED
     run row. With ``quota_book`` the plan's jobs and canaries are checked against the account's SageMaker training
     quotas (quotas.py): a quota of 0 rejects the manifest, naming the quota and where to raise it."""
-    bucket, key = str(execution_input["bucket"]), str(execution_input["key"])
+    bucket = str(execution_input["bucket"])
+    key, body, object_etag = _read_object(s3, bucket, str(execution_input["key"]))
     source = f"s3://{bucket}/{key}"
-    body, object_etag = _read_object(s3, bucket, key)
     etag = str(execution_input.get("etag") or object_etag).strip('"')
     stem = manifest_stem(key)
     catalog = catalog or load_catalog()

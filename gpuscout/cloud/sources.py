@@ -299,6 +299,22 @@ def hyperparameter_problems(manifest: Manifest) -> list[Problem]:
     return problems
 
 
+def search_problems(manifest: Manifest) -> list[Problem]:
+    """A settings search runs as a SageMaker tuning job, whose trials share one CheckpointConfig S3 prefix (the API has
+    no per-trial one) and get all of it copied to /opt/ml/checkpoints at start: with checkpoints on, every trial would
+    download every earlier trial's checkpoints. Refused rather than paid for."""
+    if manifest.search is None or manifest.training.checkpoint_interval == 0:
+        return []
+    return [
+        Problem(
+            "training.checkpoint_interval",
+            "a cloud search's trials share one checkpoint location (a SageMaker tuning job has no per-trial one), so "
+            "each trial would download every earlier trial's checkpoints; set it to 0 for a search, or benchmark the "
+            "settings as variants (each job has its own checkpoints)",
+        )
+    ]
+
+
 def cloud_problems(
     manifest: Manifest,
     *,
@@ -310,6 +326,7 @@ def cloud_problems(
     problems += source_problems(manifest, data_bucket=data_bucket)
     problems += tracking_problems(manifest)
     problems += hyperparameter_problems(manifest)
+    problems += search_problems(manifest)
     if execution_timeout_hours is not None:
         problems += timeout_problems(manifest, execution_timeout_hours=execution_timeout_hours)
     return problems

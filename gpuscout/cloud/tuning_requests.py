@@ -208,7 +208,8 @@ def tuning_job_request(
             "OutputDataConfig": base["OutputDataConfig"],
             "ResourceConfig": base["ResourceConfig"],
             "StoppingCondition": stopping,
-            # one prefix for the tuning job; train.py keeps each trial in its own folder under it
+            # one prefix for the tuning job (train.py keeps each trial in its own folder under it); a cloud search
+            # with checkpoints is refused (sources.search_problems): each trial would download all the others
             "CheckpointConfig": {**base["CheckpointConfig"], "S3Uri": checkpoint_uri(settings, run_id, name)},
             "EnableManagedSpotTraining": first.spot,
             "EnableNetworkIsolation": enable_network_isolation,

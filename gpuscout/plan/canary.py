@@ -51,7 +51,11 @@ class Canary:
 
 
 def _canary_name(spec: JobSpec, index: int) -> str:
+    """``<job name>-canary<index>`` within SageMaker's 63 characters; a canary's own name is kept (the cloud canary is
+    made from the canary of plan_canaries, which is named already)."""
     suffix = f"-canary{index}"
+    if spec.job_name.endswith(suffix):
+        return spec.job_name
     return spec.job_name[: 63 - len(suffix)].rstrip("-") + suffix
 
 

@@ -774,3 +774,16 @@ def test_a_manifest_too_large_to_carry_between_states_is_rejected_at_validation(
         raise_refusal(validate_handler.handler(cloud.submit(cloud_manifest(), "big"), cloud.context))
     [run] = cloud.services.store.list_runs()
     assert run.status is RunStatus.REJECTED
+
+
+def test_a_url_encoded_key_in_the_event_reads_the_manifest_under_its_real_key(cloud: Cloud) -> None:
+    # Given a manifest uploaded as "manifests/my run.yaml" and an event that carries the key URL-encoded
+    cloud.s3.put_object(Bucket=DATA_BUCKET, Key="manifests/my run.yaml", Body=cloud_manifest().encode())
+    event = {"bucket": DATA_BUCKET, "key": "manifests/my+run.yaml"}
+    # Then validation reads it under its real key, which the run id and the plan carry
+    validated = validate_handler.handler(event, cloud.context)
+    assert validated["key"] == "manifests/my run.yaml" and "refused" not in validated
+    planned = plan_handler.handler(validated, cloud.context)
+    assert (
+        cloud.services.store.get_run(planned["run_id"]).manifest_source == f"s3://{DATA_BUCKET}/manifests/my run.yaml"
+    )

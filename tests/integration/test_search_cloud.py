@@ -30,7 +30,7 @@ from moto.sagemaker.responses import SageMakerResponse
 
 from gpuscout.cloud.control_plane import TUNING_JOB_VARIANT
 from gpuscout.cloud.events import enforce_budget
-from gpuscout.cloud.step_errors import PlanRefused, raise_refusal
+from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused, raise_refusal
 from gpuscout.cloud.tuning_requests import SearchTarget, search_target_key
 from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
@@ -393,3 +393,12 @@ def test_the_workflow_runs_one_tuning_job_per_target_and_ranks_every_trial(
     assert sorted(a["rank"] for v, a in analysed.items() if v in completed) == [1, 2]
     pruned = analysed[by_status[JobStatus.PRUNED].variant_name]
     assert pruned["rank"] is None and pruned["status"] == "PRUNED"
+
+
+def test_a_cloud_search_with_checkpoints_is_rejected_before_anything_runs(cloud: Cloud) -> None:
+    # Given a search with checkpoints on: its tuning job's trials would share one checkpoint prefix, and SageMaker
+    # copies all of it to every trial at start
+    text = MANIFEST.replace("training: {max_steps: 30}", "training: {max_steps: 30, checkpoint_interval: 10}")
+    # Then validation rejects it, naming the field and what to do instead
+    with pytest.raises(ManifestRejected, match=r"training.checkpoint_interval: a cloud search's trials share one"):
+        raise_refusal(validate_handler.handler(cloud.submit(text, "search-ckpt"), cloud.context))

@@ -87,6 +87,10 @@ def test_the_cloud_canary_is_a_two_layer_two_step_job_on_the_canary_instance(tmp
     assert hp["canary_layers"] == str(CLOUD_CANARY_LAYERS) and hp["max_steps"] == "2"
     assert (hp["per_device_train_batch_size"], hp["gradient_accumulation_steps"]) == ("1", "1")
     assert spec.job_name.startswith("gs-")  # the stack's IAM and event rules cover gs-* jobs only
+    # named once: <job>-canary<N> (it was <job>-canary1-canary1: the cloud canary renamed the canary)
+    assert [c.spec.job_name.count("-canary") for c in canaries] == [1, 1, 1]
+    assert [c.spec.job_name.rsplit("-", 1)[1] for c in canaries] == ["canary1", "canary2", "canary3"]
+    assert all(c.spec.hyperparameters["job_name"] == c.spec.job_name for c in canaries)
     request = training_job_request(spec, SETTINGS, DATA, enable_network_isolation=False)
     model = botocore.session.get_session().get_service_model("sagemaker")
     report = ParamValidator().validate(request, model.operation_model("CreateTrainingJob").input_shape)
