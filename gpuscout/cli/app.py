@@ -203,7 +203,7 @@ def plan(
 
         stack = CloudStack(stack_name)
         parallel = the_plan.search.max_parallel_trials if the_plan.search else None
-        for warning in stack.quota_preflight(file, the_plan.jobs, parallel):
+        for warning in stack.quota_preflight(file, the_plan.jobs, parallel, manifest=manifest):
             console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
         console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
 

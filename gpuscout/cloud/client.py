@@ -56,7 +56,8 @@ from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
-from gpuscout.errors import GpuscoutError, ManifestError, Problem
+from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem
+from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
 from gpuscout.plan.jobs import make_run_id
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
@@ -333,7 +334,11 @@ class CloudStack:
         expected_run_id = make_run_id(manifest.name, key=key, etag=local_etag(body))
         # the control plane's plan step, here: what `gpuscout plan` refuses is refused before anything is uploaded
         the_plan = plan(manifest, catalog or load_catalog(), run_id=expected_run_id)
-        the_plan.check_budget()
+        # the control plane's budget check counts the canaries it will run (plan_step.plan_jobs): so does this one
+        canaries = cloud_canaries(the_plan.jobs, manifest, catalog or load_catalog(), outputs.canary_instance_type)
+        predicted = the_plan.predicted_cost_usd + predicted_canary_cost_usd(canaries)
+        if predicted > the_plan.budget_usd:
+            raise BudgetExceededError(predicted, the_plan.budget_usd)
         problems = request_count_problems(
             the_plan.jobs,
             search_targets=len(the_plan.search.targets) if the_plan.search else None,
@@ -342,7 +347,11 @@ class CloudStack:
         if problems:
             raise ManifestError(str(path), problems)
         warnings = self.quota_preflight(
-            path, the_plan.jobs, the_plan.search.max_parallel_trials if the_plan.search else None
+            path,
+            the_plan.jobs,
+            the_plan.search.max_parallel_trials if the_plan.search else None,
+            manifest=manifest,
+            catalog=catalog,
         )
         # The control plane plans a new attempt (<run id>-r2, ...) after a FAILED or REFUSED run of this exact
         # object, and refuses it otherwise: the same rule here, so the printed run id is the one that will run.
@@ -393,15 +402,26 @@ class CloudStack:
             warnings=tuple(warnings),
         )
 
-    def quota_preflight(self, path: Path, jobs: list[JobSpec], max_parallel_trials: int | None = None) -> list[str]:
-        """The account's SageMaker training quotas against the plan (quotas.py): raises ManifestError naming the
-        quota and where to raise it when a job could never start; returns the warnings."""
+    def quota_preflight(
+        self,
+        path: Path,
+        jobs: list[JobSpec],
+        max_parallel_trials: int | None = None,
+        *,
+        manifest: Manifest,
+        catalog: Catalog | None = None,
+    ) -> list[str]:
+        """The account's SageMaker training quotas against the plan (quotas.py), its canaries where they will run
+        (a canary too large for the canary type runs on its job's): raises ManifestError naming the quota and where
+        to raise it when a job could never start; returns the warnings."""
         outputs = self.outputs
+        canaries = cloud_canaries(jobs, manifest, catalog or load_catalog(), outputs.canary_instance_type)
         needs = plan_needs(
             jobs,
             concurrency=outputs.map_max_concurrency or DEFAULT_MAP_CONCURRENCY,
             canary_instance_type=outputs.canary_instance_type,
             max_parallel_trials=max_parallel_trials,
+            canaries=[c.spec for c in canaries],
         )
         problems, warnings = check_quotas(needs, QuotaBook(self._client("service-quotas")))
         if problems:

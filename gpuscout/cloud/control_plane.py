@@ -51,6 +51,7 @@ from gpuscout.errors import (
     Problem,
     RunNotFoundError,
 )
+from gpuscout.plan.canary import cloud_canaries
 from gpuscout.plan.jobs import make_run_id
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import (
@@ -269,11 +270,13 @@ def _plan_problems(
     )
     if problems or book is None:
         return problems, []
+    canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
     needs = plan_needs(
         the_plan.jobs,
         concurrency=settings.map_max_concurrency,
         canary_instance_type=settings.canary_instance_type,
         max_parallel_trials=the_plan.search.max_parallel_trials if the_plan.search else None,
+        canaries=[c.spec for c in canaries],
     )
     problems, warnings = check_quotas(needs, book)
     for warning in warnings:

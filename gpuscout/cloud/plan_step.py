@@ -35,11 +35,10 @@ from gpuscout.cloud.tuning_requests import (
     tuning_job_request,
 )
 from gpuscout.domain.catalog import Catalog, load_catalog
-from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import validate_manifest_data
 from gpuscout.errors import BudgetExceededError, GpuscoutError, RunExistsError, RunNotFoundError
-from gpuscout.plan.canary import plan_cloud_canaries
+from gpuscout.plan.canary import Canary, cloud_canaries, predicted_canary_cost_usd
 from gpuscout.plan.jobs import Plan
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, JobStatus, ResultStore, RunRecord, RunStatus
@@ -158,18 +157,22 @@ def plan_jobs(
             )
         )
         raise PlanRefused(f"{source}: cannot plan: {err}") from err
+    # The canaries run before the jobs and are billed too: in the predicted cost and the budget check.
+    canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
+    predicted = the_plan.predicted_cost_usd + predicted_canary_cost_usd(canaries)
     run = RunRecord(
         run_id=run_id,
         name=manifest.name,
         status=RunStatus.PLANNED,
         manifest_source=source,
         manifest=manifest.model_dump(mode="json"),
-        predicted_cost_usd=the_plan.predicted_cost_usd,
+        predicted_cost_usd=predicted,
         execution_arn=execution_arn,
         search=the_plan.search.model_dump(mode="json") if the_plan.search else None,
     )
     try:
-        the_plan.check_budget()
+        if predicted > the_plan.budget_usd:  # the plan's own (a search's: its worst case) plus the canaries'
+            raise BudgetExceededError(predicted, the_plan.budget_usd)
     except BudgetExceededError as err:
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
         raise PlanRefused(f"{source}: {err}") from err
@@ -195,15 +198,11 @@ def plan_jobs(
             spot_max_wait_seconds=max_wait,
         )
         jobs_out.append({"job_name": spec.job_name, "request": request})
-    canaries = _canary_requests(
-        the_plan.jobs,
-        manifest=manifest,
-        instance_type=settings.canary_instance_type,
-        catalog=catalog,
-        req_settings=req_settings,
-        data=data,
-    )
-    items = {"canaries": canaries, "jobs": interleave_by_instance_type(jobs_out), "tunings": tunings}
+    items = {
+        "canaries": _canary_requests(canaries, manifest=manifest, req_settings=req_settings, data=data),
+        "jobs": interleave_by_instance_type(jobs_out),
+        "tunings": tunings,
+    }
     # before any row: what the state machine cannot carry is refused here, not failed uncatchably later
     refused = _size_refusal(items)
     if refused is not None:
@@ -220,7 +219,7 @@ def plan_jobs(
             "request": processing_job_request(run_id, req_settings, data) if data is not None else None,
         },
         "plan": plan_reference,  # where the requests are (plan_items.py): the Maps read them from S3
-        "predicted_cost_usd": the_plan.predicted_cost_usd,
+        "predicted_cost_usd": predicted,
     }
     for key, body in search_files.items():  # what job_events needs to record the trials (tuning_requests)
         try:
@@ -299,29 +298,20 @@ def _tunings(
 
 
 def _canary_requests(
-    specs: list[JobSpec],
+    canaries: list[Canary],
     *,
     manifest: Manifest,
-    instance_type: str | None,
-    catalog: Catalog,
     req_settings: RequestSettings,
     data: DataSource | None,
 ) -> list[dict[str, Any]]:
-    """One CreateTrainingJob request per distinct configuration, on the stack's canary instance
-    (gpuscout.plan.canary); none when the stack has no canary instance type."""
-    if not instance_type:
-        return []
-    instance = catalog.get(instance_type)
-    canaries = plan_cloud_canaries(
-        specs,
-        instance_type=instance.instance_type,
-        gpus_per_instance=instance.gpu_count,
-        price_per_hour_usd=instance.on_demand_usd_per_hour or 0.0,
-    )
+    """One CreateTrainingJob request per distinct configuration, on the stack's canary instance, or on its job's type
+    where the memory model says the canary type's GPU is too small (gpuscout.plan.canary.cloud_canaries, which
+    says why in ``placement``); none when the stack has no canary instance type."""
     return [
         {
             "job_name": c.spec.job_name,
             "covers": list(c.covers),
+            "placement": c.placement,
             "request": training_job_request(  # a canary is not a measurement: not tracked
                 c.spec.model_copy(update={"tracking": None}),
                 req_settings,

@@ -72,6 +72,7 @@ def plan_needs(
     concurrency: int,
     canary_instance_type: str | None,
     max_parallel_trials: int | None = None,
+    canaries: Sequence[JobSpec] | None = None,
 ) -> list[Need]:
     """The quotas a plan's jobs need (per instance type and purchase option) and, when canaries run, the canary
     type's on-demand quota (one instance per canary; at most one canary per job, up to ``concurrency`` at once).
@@ -91,7 +92,14 @@ def plan_needs(
         needs.append(
             Need(instance_type, spot, per_job=per_job, at_once=sum(busiest), what=what, parallel_trials=search)
         )
-    if canary_instance_type and jobs:  # the canaries' Map runs up to `concurrency` of them at once, one instance each
+    if canaries is not None:  # where each canary was placed (a canary too big for the canary type runs on its job's)
+        by_type: dict[str, int] = {}
+        for canary in canaries:
+            by_type[canary.instance_type] = by_type.get(canary.instance_type, 0) + 1
+        for instance_type, count in by_type.items():
+            what = "the canaries" if instance_type == canary_instance_type else "canaries too large for the canary type"
+            needs.append(Need(instance_type, False, per_job=1, at_once=min(count, max(1, concurrency)), what=what))
+    elif canary_instance_type and jobs:  # the canaries' Map runs up to `concurrency` at once, one instance each
         needs.append(
             Need(
                 canary_instance_type, False, per_job=1, at_once=min(len(jobs), max(1, concurrency)), what="the canaries"

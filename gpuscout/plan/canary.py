@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gpuscout.domain.catalog import Catalog
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.models import Architecture
+from gpuscout.plan import memory
 
 CANARY_STEPS = 2
 CANARY_MAX_RUNTIME_S = 1800  # a canary that takes longer than this is stopped and counts as failed
@@ -48,6 +52,7 @@ def configuration_key(spec: JobSpec) -> str:
 class Canary:
     spec: JobSpec  # the scaled-down job to run
     covers: tuple[str, ...]  # the job names whose configuration it stands for
+    placement: str | None = None  # why a cloud canary runs on its job's instance type instead of the canary type
 
 
 def _canary_name(spec: JobSpec, index: int) -> str:
@@ -158,17 +163,89 @@ def cloud_canary_spec(
     )
 
 
+def cloud_canary_memory_gb(arch: Architecture, spec: JobSpec, *, world: int) -> float:
+    """Peak GPU memory of ``spec``'s cloud canary by the planner's memory model (gpuscout.plan.memory): the model cut
+    to CLOUD_CANARY_LAYERS decoder layers (embedding and head whole: they dominate a cut model), micro-batch 1, with
+    the job's precision, attention, checkpointing, loss, packing and ZeRO stage, on ``world`` GPUs."""
+    hp = spec.hyperparameters
+    settings = memory.StepSettings(
+        precision=spec.precision,
+        attention=hp.get("attention_implementation", "sdpa"),
+        gradient_checkpointing=hp.get("gradient_checkpointing") == "true",
+        fused_cross_entropy=hp.get("fused_cross_entropy") == "true",
+        packing=hp.get("packing", "true") == "true",
+        deepspeed_stage=int(hp.get("deepspeed_stage", "0") or 0),
+    )
+    cut = replace(arch, num_hidden_layers=min(CLOUD_CANARY_LAYERS, arch.num_hidden_layers))
+    seq = int(hp.get("sequence_length", "0") or 0)
+    return memory.estimate(cut, seq=seq, batch=1, settings=settings, world=max(world, 1)).total_gb
+
+
 def plan_cloud_canaries(
-    specs: Sequence[JobSpec], *, instance_type: str, gpus_per_instance: int, price_per_hour_usd: float
+    specs: Sequence[JobSpec],
+    *,
+    instance_type: str,
+    gpus_per_instance: int,
+    price_per_hour_usd: float,
+    gpu_memory_gb: float | None = None,
+    arch: Architecture | None = None,
+    usable_fraction: float = 0.90,
 ) -> list[Canary]:
-    """One cloud canary per distinct configuration (plan_canaries), on the canary instance."""
-    return [
-        Canary(
-            cloud_canary_spec(
-                c.spec, index, instance_type=instance_type, gpus_per_instance=gpus_per_instance,
-                price_per_hour_usd=price_per_hour_usd,
-            ),
-            c.covers,
+    """One cloud canary per distinct configuration (plan_canaries), on the canary instance. With the model's ``arch``
+    and the canary GPU's memory, each built-in canary is checked against the memory model first: one that would not
+    fit (``usable_fraction`` of it) runs on one instance of its own job's type, on demand, where the whole job fits,
+    and says so (``placement``). The user's own code (a job section) has no model to check: it runs as sized by
+    job.canary_arguments."""
+    canaries = []
+    for index, c in enumerate(plan_canaries(specs), start=1):
+        placed = (instance_type, gpus_per_instance, price_per_hour_usd)
+        why = None
+        if arch is not None and gpu_memory_gb and c.spec.job_code is None:
+            need = cloud_canary_memory_gb(arch, c.spec, world=gpus_per_instance)
+            if need > usable_fraction * gpu_memory_gb:
+                placed = (c.spec.instance_type, c.spec.gpus_per_instance, c.spec.price_per_hour_usd)
+                why = (
+                    f"needs ~{need:.1f} GB per GPU ({CLOUD_CANARY_LAYERS} layers, micro-batch 1) but {instance_type} "
+                    f"has {gpu_memory_gb:.0f} GB ({usable_fraction:.0%} usable): runs on one {c.spec.instance_type}"
+                )
+        spec = cloud_canary_spec(
+            c.spec, index, instance_type=placed[0], gpus_per_instance=placed[1], price_per_hour_usd=placed[2]
         )
-        for index, c in enumerate(plan_canaries(specs), start=1)
-    ]  # fmt: skip
+        canaries.append(Canary(spec, c.covers, placement=why))
+    return canaries
+
+
+def cloud_canaries(
+    specs: Sequence[JobSpec], manifest: Manifest, catalog: Catalog, instance_type: str | None
+) -> list[Canary]:
+    """The cloud canaries of a plan's ``specs`` on the stack's canary ``instance_type`` (none without one), each
+    placed where the memory model says it fits (plan_cloud_canaries)."""
+    if not instance_type or not specs:
+        return []
+    from gpuscout.plan.planner import MEMORY_USABLE_FRACTION, architecture  # the planner imports this module
+
+    instance = catalog.get(instance_type)
+    return plan_cloud_canaries(
+        specs,
+        instance_type=instance.instance_type,
+        gpus_per_instance=instance.gpu_count,
+        price_per_hour_usd=instance.on_demand_usd_per_hour or 0.0,
+        gpu_memory_gb=instance.gpu_memory_gb,
+        arch=architecture(manifest) if manifest.job is None else None,
+        usable_fraction=MEMORY_USABLE_FRACTION,
+    )
+
+
+def predicted_canary_cost_usd(canaries: Sequence[Canary]) -> float:
+    """What the canaries are predicted to cost: each is billed like the start of the job it covers (the prediction's
+    overhead_seconds: the planner's provisioning, image pull and data download, 360 s for a cloud job) on its own
+    instance, on demand; its CANARY_STEPS steps of a CLOUD_CANARY_LAYERS-layer cut add seconds, not counted. Not
+    measured on AWS yet: the same start-up assumption as every cloud job's prediction."""
+    from gpuscout.plan.planner import CLOUD_OVERHEAD_S  # the planner imports this module
+
+    total = 0.0
+    for canary in canaries:
+        spec = canary.spec
+        seconds = spec.prediction.overhead_seconds if spec.prediction is not None else CLOUD_OVERHEAD_S
+        total += seconds / 3600.0 * spec.price_per_hour_usd * spec.instance_count
+    return total

@@ -105,7 +105,8 @@ def _time_matmuls(fn: Callable[[], object], n: int, seconds: float, *, sync: Cal
                 return 2.0 * n**3 * count / elapsed
 
 
-def _architecture(manifest: Manifest) -> Architecture:
+def architecture(manifest: Manifest) -> Architecture:
+    """The built-in model's shape as trained: its vocabulary is the tokenizer's."""
     arch = manifest.builtin()[0].flops_architecture()
     if arch is None:  # the manifest validator guarantees one
         raise PlanError("model has no known architecture; set model.architecture")
@@ -283,7 +284,7 @@ def plan(
         return plan_job_section(
             manifest, catalog, run_id=run_id, local_hardware=local_hardware, calibration=calibration
         )
-    arch = _architecture(manifest)
+    arch = architecture(manifest)
     seq = manifest.builtin()[2]
     training = manifest.training
     jobs: list[JobSpec] = []

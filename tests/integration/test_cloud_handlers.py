@@ -787,3 +787,32 @@ def test_a_url_encoded_key_in_the_event_reads_the_manifest_under_its_real_key(cl
     assert (
         cloud.services.store.get_run(planned["run_id"]).manifest_source == f"s3://{DATA_BUCKET}/manifests/my run.yaml"
     )
+
+
+def test_the_canaries_cost_is_in_the_predicted_cost_and_the_budget(with_canary: Cloud) -> None:
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest_loader import parse_manifest
+    from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
+    from gpuscout.plan.planner import plan
+
+    # Given a manifest whose jobs alone fit its budget but whose jobs and canaries do not
+    catalog = load_catalog()
+    manifest = parse_manifest(cloud_manifest().encode(), "m.yaml", catalog)
+    probe = plan(manifest, catalog, run_id="probe")
+    jobs, jobs_cost = probe.jobs, probe.predicted_cost_usd
+    canaries_cost = predicted_canary_cost_usd(cloud_canaries(jobs, manifest, catalog, "ml.g5.8xlarge"))
+    assert canaries_cost > 0
+    budget = round(jobs_cost + canaries_cost / 2, 2)
+    validated = validate_handler.handler(with_canary.submit(cloud_manifest(budget=budget)), with_canary.context)
+    # Then the plan is refused with the total, canaries counted, and nothing is written
+    with pytest.raises(PlanRefused, match="exceeds the budget"):
+        raise_refusal(plan_handler.handler(validated, with_canary.context))
+    run = with_canary.services.store.get_run(validated["run_id"])
+    assert run.status is RunStatus.REFUSED
+    assert run.predicted_cost_usd == pytest.approx(jobs_cost + canaries_cost, rel=1e-6)
+    # and with room for both it is planned, its predicted cost the same total
+    ok = validate_handler.handler(
+        with_canary.submit(cloud_manifest(budget=round(jobs_cost + canaries_cost + 1, 2)), "roomy"), with_canary.context
+    )
+    planned = plan_handler.handler(ok, with_canary.context)
+    assert planned["predicted_cost_usd"] == pytest.approx(jobs_cost + canaries_cost, rel=1e-6)

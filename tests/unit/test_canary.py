@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gpuscout import paths
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.planning import plan_manifest
@@ -95,3 +97,43 @@ def test_the_cloud_canary_is_a_two_layer_two_step_job_on_the_canary_instance(tmp
     model = botocore.session.get_session().get_service_model("sagemaker")
     report = ParamValidator().validate(request, model.operation_model("CreateTrainingJob").input_shape)
     assert not report.has_errors(), report.generate_report()
+
+
+def test_a_canary_too_large_for_the_canary_gpu_runs_on_its_jobs_type_and_says_why() -> None:
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.plan.canary import cloud_canaries, cloud_canary_memory_gb, predicted_canary_cost_usd
+    from gpuscout.plan.planner import CLOUD_OVERHEAD_S, architecture, plan
+
+    catalog = load_catalog()
+    # Given the shipped Qwen2.5-7B manifest: its untied embedding and head (~1.1 B parameters) stay whole in a
+    # 2-layer cut, so by the planner's own memory model its canary needs ~30 GB, over the 24 GB of an ml.g5.8xlarge
+    manifest = load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=catalog)
+    jobs = plan(manifest, catalog, run_id="r-7b").jobs
+    need = cloud_canary_memory_gb(architecture(manifest), jobs[0], world=1)
+    assert 0.9 * 24 < need < 40
+    # When its cloud canaries are planned on the stack's default canary type
+    canaries = cloud_canaries(jobs, manifest, catalog, "ml.g5.8xlarge")
+    # Then each runs on one instance of its own job's type, on demand, and says why
+    assert [c.spec.instance_type for c in canaries] == [j.instance_type for j in jobs]
+    assert all(c.spec.instance_count == 1 and not c.spec.spot for c in canaries)
+    assert all(c.placement is not None and "ml.g5.8xlarge has 24 GB" in c.placement for c in canaries)
+    assert all(c.spec.hyperparameters["instance_type"] == c.spec.instance_type for c in canaries)
+    # and their predicted cost is each one's start-up (as every cloud job's) at its own on-demand price
+    expected = sum(CLOUD_OVERHEAD_S / 3600 * catalog.get(j.instance_type).on_demand_usd_per_hour for j in jobs)
+    assert predicted_canary_cost_usd(canaries) == pytest.approx(expected)
+
+
+def test_a_canary_that_fits_stays_on_the_canary_type(tmp_path: Path) -> None:
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.plan.canary import cloud_canaries
+
+    path = tmp_path / "m.yaml"
+    path.write_text(MANIFEST.replace("instance_type: local, price_per_hour_usd: 0.1", "instance_type: ml.p4d.24xlarge"))
+    catalog = load_catalog()
+    manifest = load_manifest(path, catalog=catalog)
+    from gpuscout.plan.planner import plan
+
+    canaries = cloud_canaries(plan(manifest, catalog, run_id="r-tiny").jobs, manifest, catalog, "ml.g5.8xlarge")
+    assert canaries and all(c.spec.instance_type == "ml.g5.8xlarge" and c.placement is None for c in canaries)

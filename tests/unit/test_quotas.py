@@ -8,6 +8,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
+from gpuscout import paths
 from gpuscout.cloud import quotas
 from gpuscout.cloud.quotas import QuotaBook, check, plan_needs
 from gpuscout.domain.catalog import load_catalog
@@ -152,3 +153,22 @@ def test_a_searchs_parallel_trials_over_the_quota_are_refused_naming_the_setting
     plain = plan_needs(trials, concurrency=3, canary_instance_type=None)
     problems, warnings = check(plain, QuotaBook(client))
     assert problems == [] and len(warnings) == 1 and "jobs wait for each other" in warnings[0]
+
+
+def test_canaries_too_large_for_the_canary_type_need_their_jobs_types_on_demand_quota():
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.plan.canary import cloud_canaries
+    from gpuscout.plan.planner import plan
+
+    catalog = load_catalog()
+    manifest = load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=catalog)
+    jobs = plan(manifest, catalog, run_id="r-7b").jobs
+    canaries = [c.spec for c in cloud_canaries(jobs, manifest, catalog, "ml.g5.8xlarge")]
+    needs = plan_needs(jobs, concurrency=4, canary_instance_type="ml.g5.8xlarge", canaries=canaries)
+    # every canary runs on its job's type on demand (the 7B cut does not fit a g5's 24 GB): that quota is needed,
+    # the canary type's is not
+    canary_needs = [n for n in needs if n.what.startswith("canaries")]
+    assert sorted(n.instance_type for n in canary_needs) == sorted({j.instance_type for j in jobs})
+    assert all(not n.spot and n.per_job == 1 and n.at_once == 1 for n in canary_needs)
+    assert all(n.instance_type != "ml.g5.8xlarge" for n in needs)

@@ -148,6 +148,7 @@ def test_local_canaries_are_not_tracked(tmp_path: Path, monkeypatch: pytest.Monk
 def test_cloud_canaries_are_not_tracked_but_jobs_are() -> None:
     from gpuscout.cloud.plan_step import _canary_requests
     from gpuscout.cloud.sagemaker_requests import DataSource, RequestSettings, training_job_request
+    from gpuscout.plan.canary import cloud_canaries
 
     manifest = _manifest({"mlflow": {"tracking_uri": ARN}, "wandb": {"project": "p"}})
     specs = plan(manifest, CATALOG, run_id="t-3").jobs
@@ -156,9 +157,8 @@ def test_cloud_canaries_are_not_tracked_but_jobs_are() -> None:
         data_bucket="data-b", artifacts_bucket="art-b",
     )  # fmt: skip
     data = DataSource(source="bundled:hebrew-bible", tokenizer="qwen", sequence_length=256)
-    canaries = _canary_requests(
-        specs, manifest=manifest, instance_type="ml.g5.8xlarge", catalog=CATALOG, req_settings=settings, data=data
-    )
+    planned = cloud_canaries(specs, manifest, CATALOG, "ml.g5.8xlarge")
+    canaries = _canary_requests(planned, manifest=manifest, req_settings=settings, data=data)
     assert canaries and all(TRACKING_ENV not in c["request"]["Environment"] for c in canaries)
     job = training_job_request(specs[0], settings, data, enable_network_isolation=False)
     assert TRACKING_ENV in job["Environment"]
