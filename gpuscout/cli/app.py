@@ -203,8 +203,19 @@ def plan(
 
         stack = CloudStack(stack_name)
         parallel = the_plan.search.max_parallel_trials if the_plan.search else None
-        for warning in stack.quota_preflight(file, the_plan.jobs, parallel, manifest=manifest):
+        for warning in stack.quota_preflight(file, the_plan.jobs, parallel, manifest=manifest, catalog=catalog):
             console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
+        from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
+
+        canaries = cloud_canaries(the_plan.jobs, manifest, catalog, stack.outputs.canary_instance_type)
+        for canary in canaries:
+            if canary.placement:  # too large for the canary type: on its job's type, on demand
+                console.print(f"[yellow]canary:[/] {canary.spec.job_name} {escape(canary.placement)}", soft_wrap=True)
+        if canaries:
+            cost = predicted_canary_cost_usd(canaries)
+            console.print(
+                f"{len(canaries)} canaries before the jobs, predicted ${cost:,.2f} (counted by submit's budget check)"
+            )
         console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
 
 

@@ -645,3 +645,29 @@ def test_plan_with_a_stack_name_checks_the_accounts_quotas_too(deployed: Deploye
     assert refused.exit_code != 0
     assert f"the account's quota '{target} for training job usage'" in " ".join(refused.output.split())
     assert _keys(deployed.s3) == []
+
+
+def test_plan_with_a_stack_name_says_where_a_canary_too_large_for_the_canary_type_runs(deployed: Deployed) -> None:
+    from gpuscout import paths
+
+    # Given the shipped Qwen2.5-7B manifest and a stack whose canaries run on ml.g5.8xlarge (24 GB)
+    outputs = {
+        "DataBucketName": DATA_BUCKET,
+        "ArtifactsBucketName": ARTIFACTS_BUCKET,
+        "ResultsTableName": TABLE,
+        "StateMachineArn": deployed.state_machine_arn,
+        "CanaryInstanceType": "ml.g5.8xlarge",
+    }
+    cloudformation = boto3.client("cloudformation", region_name=REGION)
+    template = {  # the same resources (Gpuscout's stack made the data bucket): its outputs with the canary type
+        "Resources": {"Topic": {"Type": "AWS::SNS::Topic"}},
+        "Outputs": {name: {"Value": value} for name, value in outputs.items()},
+    }
+    cloudformation.create_stack(StackName="Canaried", TemplateBody=json.dumps(template))
+    manifest = str(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml")
+    result = runner.invoke(full_app, ["plan", manifest, "--stack-name", "Canaried"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    # Then each canary that would not fit is named with where it runs instead, and the canaries' cost is shown
+    assert text.count("but ml.g5.8xlarge has 24 GB (90% usable): runs on one ml.p") == 5
+    assert "5 canaries before the jobs, predicted $" in text
