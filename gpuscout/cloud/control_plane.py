@@ -163,7 +163,9 @@ def _read_object(s3: Any, bucket: str, key: str) -> tuple[str, bytes, str]:
             response = s3.get_object(Bucket=bucket, Key=candidate)
             body: bytes = response["Body"].read(MAX_MANIFEST_BYTES + 1)
         except ClientError as err:
-            missing = err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}
+            # without s3:ListBucket (Validate's role has none) S3 answers a missing key 403 AccessDenied, not 404
+            code = err.response.get("Error", {}).get("Code")
+            missing = code in {"NoSuchKey", "404", "NotFound", "AccessDenied", "403"}
             if missing and candidate != decoded:
                 continue
             raise CloudStepError(f"cannot read s3://{bucket}/{candidate}: {err}") from err
@@ -371,12 +373,12 @@ def tell_run_failed(run_id: str, *, store: ResultStore, sns: Any, topic_arn: str
     sent, False without a topic, else why it was not (the run stays FAILED either way)."""
     if not topic_arn or sns is None:
         return False
-    notice = run_summary(
-        store.get_run(run_id),
-        store.list_jobs(run_id),
-        recommendation=NOT_ANALYSED_RECOMMENDATION,
-        report_uri=NOT_ANALYSED_REPORT,
-    )
+    try:
+        run, jobs = store.get_run(run_id), store.list_jobs(run_id)
+    except (GpuscoutError, ClientError, BotoCoreError) as err:  # the run is FAILED already; the summary is lost
+        logger.error("cannot read run %s for its summary: %s", run_id, err)
+        return f"cannot read the run for its summary: {err}"
+    notice = run_summary(run, jobs, recommendation=NOT_ANALYSED_RECOMMENDATION, report_uri=NOT_ANALYSED_REPORT)
     return publish(sns, topic_arn, notice) or True
 
 

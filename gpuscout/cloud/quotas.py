@@ -93,12 +93,12 @@ def plan_needs(
             Need(instance_type, spot, per_job=per_job, at_once=sum(busiest), what=what, parallel_trials=search)
         )
     if canaries is not None:  # where each canary was placed (a canary too big for the canary type runs on its job's)
-        by_type: dict[str, int] = {}
+        by_type: dict[tuple[str, bool], int] = {}
         for canary in canaries:
-            by_type[canary.instance_type] = by_type.get(canary.instance_type, 0) + 1
-        for instance_type, count in by_type.items():
+            by_type[(canary.instance_type, canary.spot)] = by_type.get((canary.instance_type, canary.spot), 0) + 1
+        for (instance_type, spot), count in by_type.items():
             what = "the canaries" if instance_type == canary_instance_type else "canaries too large for the canary type"
-            needs.append(Need(instance_type, False, per_job=1, at_once=min(count, max(1, concurrency)), what=what))
+            needs.append(Need(instance_type, spot, per_job=1, at_once=min(count, max(1, concurrency)), what=what))
     elif canary_instance_type and jobs:  # the canaries' Map runs up to `concurrency` at once, one instance each
         needs.append(
             Need(

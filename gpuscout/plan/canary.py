@@ -133,7 +133,14 @@ CLOUD_CANARY_LAYERS = 2
 
 
 def cloud_canary_spec(
-    spec: JobSpec, index: int, *, instance_type: str, gpus_per_instance: int, price_per_hour_usd: float
+    spec: JobSpec,
+    index: int,
+    *,
+    instance_type: str,
+    gpus_per_instance: int,
+    price_per_hour_usd: float,
+    spot: bool = False,
+    spot_price_per_hour_usd: float | None = None,
 ) -> JobSpec:
     """The job's canary for the cloud workflow: canary_spec, on ``instance_type`` (one instance, on-demand),
     CLOUD_CANARY_LAYERS layers, micro-batch 1 without accumulation. The user's own code (a job section) runs with
@@ -155,8 +162,10 @@ def cloud_canary_spec(
             "instance_type": instance_type,
             "instance_count": 1,
             "gpus_per_instance": gpus_per_instance,
-            "spot": False,
-            "spot_price_per_hour_usd": None,
+            # on demand on the canary type; on its job's type (too large for the canary type) as its job buys it,
+            # so it needs no quota the job does not need
+            "spot": spot,
+            "spot_price_per_hour_usd": spot_price_per_hour_usd if spot else None,
             "price_per_hour_usd": price_per_hour_usd,
             "hyperparameters": hp,
         }
@@ -198,19 +207,25 @@ def plan_cloud_canaries(
     job.canary_arguments."""
     canaries = []
     for index, c in enumerate(plan_canaries(specs), start=1):
-        placed = (instance_type, gpus_per_instance, price_per_hour_usd)
+        placed: tuple[str, int, float, bool, float | None] = (
+            instance_type, gpus_per_instance, price_per_hour_usd, False, None
+        )  # fmt: skip
         why = None
         if arch is not None and gpu_memory_gb and c.spec.job_code is None:
             need = cloud_canary_memory_gb(arch, c.spec, world=gpus_per_instance)
             if need > usable_fraction * gpu_memory_gb:
-                placed = (c.spec.instance_type, c.spec.gpus_per_instance, c.spec.price_per_hour_usd)
+                job = c.spec
+                placed = (job.instance_type, job.gpus_per_instance, job.price_per_hour_usd, job.spot,
+                          job.spot_price_per_hour_usd)  # fmt: skip
                 why = (
                     f"needs ~{need:.1f} GB per GPU ({CLOUD_CANARY_LAYERS} layers, micro-batch 1) but {instance_type} "
                     f"has {gpu_memory_gb:.0f} GB ({usable_fraction:.0%} usable): runs on one {c.spec.instance_type}"
+                    + (" (spot, as its job)" if c.spec.spot else "")
                 )
         spec = cloud_canary_spec(
-            c.spec, index, instance_type=placed[0], gpus_per_instance=placed[1], price_per_hour_usd=placed[2]
-        )
+            c.spec, index, instance_type=placed[0], gpus_per_instance=placed[1], price_per_hour_usd=placed[2],
+            spot=placed[3], spot_price_per_hour_usd=placed[4],
+        )  # fmt: skip
         canaries.append(Canary(spec, c.covers, placement=why))
     return canaries
 
@@ -239,13 +254,15 @@ def cloud_canaries(
 def predicted_canary_cost_usd(canaries: Sequence[Canary]) -> float:
     """What the canaries are predicted to cost: each is billed like the start of the job it covers (the prediction's
     overhead_seconds: the planner's provisioning, image pull and data download, 360 s for a cloud job) on its own
-    instance, on demand; its CANARY_STEPS steps of a CLOUD_CANARY_LAYERS-layer cut add seconds, not counted. Not
-    measured on AWS yet: the same start-up assumption as every cloud job's prediction."""
+    instance at its price (on demand, or spot where it runs as its spot job); its CANARY_STEPS steps of a
+    CLOUD_CANARY_LAYERS-layer cut add seconds, not counted. Not measured on AWS yet: the same start-up assumption
+    as every cloud job's prediction."""
     from gpuscout.plan.planner import CLOUD_OVERHEAD_S  # the planner imports this module
 
     total = 0.0
     for canary in canaries:
         spec = canary.spec
         seconds = spec.prediction.overhead_seconds if spec.prediction is not None else CLOUD_OVERHEAD_S
-        total += seconds / 3600.0 * spec.price_per_hour_usd * spec.instance_count
+        price = spec.spot_price_per_hour_usd if spec.spot and spec.spot_price_per_hour_usd else spec.price_per_hour_usd
+        total += seconds / 3600.0 * price * spec.instance_count
     return total

@@ -137,3 +137,31 @@ def test_a_canary_that_fits_stays_on_the_canary_type(tmp_path: Path) -> None:
 
     canaries = cloud_canaries(plan(manifest, catalog, run_id="r-tiny").jobs, manifest, catalog, "ml.g5.8xlarge")
     assert canaries and all(c.spec.instance_type == "ml.g5.8xlarge" and c.placement is None for c in canaries)
+
+
+def test_a_canary_moved_to_a_spot_jobs_type_runs_on_spot_as_its_job(tmp_path: Path) -> None:
+    from gpuscout.cloud.quotas import plan_needs
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.plan.canary import cloud_canaries
+    from gpuscout.plan.planner import plan
+
+    # Given the 7B manifest with its first target on spot: its canary is too large for the canary type
+    text = (paths.MANIFESTS_DIR / "p4d-to-p5en.yaml").read_text()
+    path = tmp_path / "spot.yaml"
+    path.write_text(
+        text.replace("  - instance_type: ml.p4d.24xlarge\n", "  - instance_type: ml.p4d.24xlarge\n    spot: true\n", 1)
+    )
+    catalog = load_catalog()
+    manifest = load_manifest(path, catalog=catalog)
+    jobs = plan(manifest, catalog, run_id="r-spot").jobs
+    assert jobs[0].spot and not jobs[1].spot
+    canaries = cloud_canaries(jobs, manifest, catalog, "ml.g5.8xlarge")
+    # Then it runs on that type on spot, at the spot price, saying so: it needs no quota its job does not need
+    first = canaries[0]
+    assert first.spec.instance_type == "ml.p4d.24xlarge" and first.spec.spot
+    assert first.spec.spot_price_per_hour_usd == jobs[0].spot_price_per_hour_usd
+    assert first.placement is not None and first.placement.endswith("(spot, as its job)")
+    needs = plan_needs(jobs, concurrency=4, canary_instance_type="ml.g5.8xlarge", canaries=[c.spec for c in canaries])
+    on_demand_p4d = [n for n in needs if n.instance_type == "ml.p4d.24xlarge" and not n.spot]
+    assert on_demand_p4d == []

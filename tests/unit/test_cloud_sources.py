@@ -169,3 +169,25 @@ def test_a_multi_line_argument_is_refused() -> None:
 def test_a_job_within_the_limits_passes() -> None:
     manifest = _job_manifest({"a": 1, "text": "y" * 2500}, {"steps": 2}, {"hidden": 512})
     assert cloud_problems(manifest, data_bucket=BUCKET) == []
+
+
+def test_a_url_encoded_key_falls_back_to_its_decoded_form_when_s3_says_access_denied() -> None:
+    # Validate's role has no s3:ListBucket, so S3 answers a missing key 403 AccessDenied (not 404): the decoded key
+    # is still tried
+    import io
+
+    from botocore.exceptions import ClientError
+
+    from gpuscout.cloud.control_plane import _read_object
+
+    class OnlyTheDecodedKey:
+        def get_object(self, Bucket: str, Key: str) -> dict[str, object]:  # noqa: N803 - boto3's names
+            if Key != "manifests/my run.yaml":
+                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "GetObject")
+            return {"Body": io.BytesIO(b"name: x\n"), "ETag": '"abc"'}
+
+    assert _read_object(OnlyTheDecodedKey(), "b", "manifests/my+run.yaml") == (
+        "manifests/my run.yaml",
+        b"name: x\n",
+        "abc",
+    )
