@@ -156,7 +156,8 @@ def _job_code_problems(s3: Any, manifest: Manifest) -> list[Problem]:
 def _read_object(s3: Any, bucket: str, key: str) -> tuple[str, bytes, str]:
     """(the key read, body, ETag). S3's event notifications may carry a key URL-encoded (a space as '+', '%2F' ...):
     when ``key`` names no object and its decoded form differs, the decoded key is read instead, and returned, so the
-    run id and file names come from the object's real key."""
+    run id and file names come from the object's real key. The raw key is tried first: a key with a literal '+' is
+    read as it is (only an object named both ways would be ambiguous)."""
     decoded = unquote_plus(key)
     for candidate in dict.fromkeys((key, decoded)):
         try:
