@@ -36,11 +36,12 @@ from types import TracebackType
 from typing import Any
 
 from benchmark_callback import ResourceMeter, StepRecord, StepStats, default_warmup_steps, step_accounts
+from nvidia_versions import nvidia_versions
 
 from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import PREFIX, format_metric_line
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 LOG_LINE_RE = re.compile(rf"^{PREFIX}\b(?P<rest>.*)$")  # docs/byo.md: the regexes the runner applies
 LOG_VALUE_RE = re.compile(r" (?P<key>[a-z_]+)=(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
 
@@ -241,6 +242,7 @@ class Reporter:
                 "python": platform.python_version(),
                 "torch": getattr(torch, "__version__", None) if torch is not None else None,
                 "gpuscout": _gpuscout_version(),
+                **nvidia_versions(),
             },
         }
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from benchmark_callback import GpuSampler
+from nvidia_versions import nvidia_versions
 from train_distributed import Dist
 
 import gpuscout
@@ -98,6 +99,7 @@ def software_info(host_allocator: str | None = None) -> Software:
     import transformers
 
     return Software(
+        **nvidia_versions(),
         host_allocator=host_allocator,
         python=platform.python_version(),
         torch=torch.__version__,

@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.2"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+SCHEMA_VERSION = "1.3"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+# 1.2: steps[], disturbance, timing.import_time_s; 1.3: software.nvidia_driver, cuda_driver, cuda_runtime
 # 1.2: steps (each step's time and the process's resource use), disturbance, timing.import_time_s
 
 
@@ -42,6 +43,11 @@ class Software(_Strict):
     gpuscout: str
     image_digest: str | None = None
     host_allocator: str | None = None  # the host memory allocator in effect and its settings (train.py)
+    # The GPU host's NVIDIA driver (e.g. "580.95.05"), the newest CUDA it supports ("13.0") and the CUDA runtime torch
+    # was built with ("12.8"): None on a host without an NVIDIA driver, or where it could not be read
+    nvidia_driver: str | None = None
+    cuda_driver: str | None = None
+    cuda_runtime: str | None = None
 
 
 class TrainConfig(_Strict):

@@ -85,6 +85,11 @@ def test_tiny_model_trains_and_resumes_after_a_hard_exit(dataset: Path, tmp_path
     assert result.timing.import_time_s is not None and 0 < result.timing.import_time_s < result.timing.startup_time_s
     assert result.timing.startup_time_s < result.timing.wall_time_s
     assert "malloc kept for training" in (result.software.host_allocator or "")
+    # the host's NVIDIA driver and CUDA versions are recorded; this CPU host has none, and CPU torch no CUDA runtime
+    assert (result.software.nvidia_driver, result.software.cuda_driver) == (None, None)
+    import torch
+
+    assert result.software.cuda_runtime == torch.version.cuda
     low, high = result.throughput.tokens_per_s_ci95
     assert low <= high
     assert result.efficiency is not None and result.efficiency.mfu is None
