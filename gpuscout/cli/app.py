@@ -351,7 +351,7 @@ def runs(
                 "status": "ABANDONED" if abandoned else run.status.value,
                 "stored_status": run.status.value,
                 "created_at": run.created_at.isoformat(),
-                "jobs": len(store.list_jobs(run.run_id)),
+                "jobs": sum(1 for j in store.list_jobs(run.run_id) if not j.is_canary),
                 "predicted_cost_usd": run.predicted_cost_usd,
                 "host": run.host,
                 "pid": run.pid,

@@ -57,6 +57,7 @@ def _job_row(job: JobRecord) -> dict[str, Any]:
         "instance_type": job.instance_type,
         "instance_count": job.instance_count,
         "variant": job.variant_name,
+        "canary_for": job.canary_for,  # a canary: the jobs whose configuration it runs first
         "repetition": job.repetition,
         "spot": job.spot,
         "status": job.status.value,
@@ -119,7 +120,7 @@ def _printstatus_markup(console: Console, run: RunRecord, jobs: list[JobRecord])
         table.add_row(
             job.job_name,
             instance,
-            escape(job.variant_name),
+            escape(job.variant_name) + (f" (canary of {len(job.canary_for or [])})" if job.is_canary else ""),
             str(job.repetition),
             "yes" if job.spot else "no",
             status_markup(job.status.value),

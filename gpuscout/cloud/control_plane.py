@@ -432,7 +432,7 @@ def analyze(
 
     run_id = str(request["run_id"])
     run = store.get_run(run_id)
-    jobs = store.list_jobs(run_id)
+    jobs = [j for j in store.list_jobs(run_id) if not j.is_canary]  # canaries are not measurements
     catalog = catalog or load_catalog()
     if prices is None:
         prices = PriceBook.from_catalog(catalog).with_manifest_overrides(run.manifest)

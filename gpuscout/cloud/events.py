@@ -435,7 +435,8 @@ def handle_training_job_event(
         fields["training_seconds"] = detail.training_time_in_seconds
     benchmark: BenchmarkResult | None = None
     terminal = status in TERMINAL_JOB_STATUSES
-    if terminal:
+    existing = store.get_job(run_id, job_name)
+    if terminal and not (existing is not None and existing.is_canary):  # a canary is no measurement: no benchmark
         benchmark = read_benchmark(s3, artifacts_bucket, run_id, job_name)
         if benchmark is not None:
             fields["benchmark"] = benchmark.model_dump(mode="json")

@@ -31,6 +31,8 @@ def _ascii_line(text: str) -> str:
 def run_summary(
     run: RunRecord, jobs: Sequence[JobRecord], *, recommendation: str, report_uri: str, console_url: str | None = None
 ) -> Notice:
+    canaries = [j for j in jobs if j.is_canary]
+    jobs = [j for j in jobs if not j.is_canary]
     counts = Counter(j.status.value for j in jobs)
     by_status = ", ".join(f"{n} {status.lower()}" for status, n in sorted(counts.items())) or "no jobs"
     subject = _ascii_line(f"gpuscout: run {run.name} {run.status.value}")
@@ -38,9 +40,16 @@ def run_summary(
         f"Run {run.run_id} ({run.name}) finished: {run.status.value}.",
         f"Jobs: {len(jobs)} ({by_status}).",
     ]
+    if canaries:
+        canary_counts = Counter(j.status.value for j in canaries)
+        lines.append(
+            f"Canaries: {len(canaries)} ("
+            + ", ".join(f"{n} {status.lower()}" for status, n in sorted(canary_counts.items()))
+            + ")."
+        )
     if run.error:
         lines.append(f"Error: {run.error}")
-    failed = [j for j in jobs if j.failure_reason and j.status is not JobStatus.COMPLETED]
+    failed = [j for j in [*canaries, *jobs] if j.failure_reason and j.status is not JobStatus.COMPLETED]
     for job in failed[:10]:
         lines.append(f"  - {job.job_name} {job.status.value}: {job.failure_reason}")
     if len(failed) > 10:

@@ -228,6 +228,8 @@ def plan_jobs(
             raise CloudStepError(f"cannot write s3://{settings.artifacts_bucket}/{key}: {err}") from err
     for spec in the_plan.jobs if the_plan.search is None else ():  # a search's rows appear as its trials start
         store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
+    for canary in canaries:  # its status in `gpuscout status`, its billed time in the budget guard
+        store.put_job(JobRecord.from_spec(canary.spec, JobStatus.PLANNED, canary_for=list(canary.covers)))
     try:
         store.create_run(run)  # last: a run row means every job row exists; atomic, so one of two racers wins
     except RunExistsError as err:

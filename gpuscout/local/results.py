@@ -86,7 +86,7 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
             )
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0, r["job_name"] or ""))
     rows = []
-    for job in jobs:
+    for job in (j for j in jobs if not j.is_canary):  # a canary is not a measurement
         throughput = (job.benchmark or {}).get("throughput") or {}
         efficiency = (job.benchmark or {}).get("efficiency") or {}
         ci = throughput.get("tokens_per_s_ci95") or (None, None)

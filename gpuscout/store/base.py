@@ -127,6 +127,13 @@ class JobRecord(BaseModel):
     updated_at: datetime = Field(default_factory=utcnow)
     contention: dict[str, Any] | None = None  # local runs: the machine's other load meanwhile (local/contention.py)
     tuning_job_name: str | None = None  # a cloud search's trial: the SageMaker tuning job that launched it
+    # a cloud canary (gpuscout.plan.canary): the jobs whose configuration it runs first. Its row shows its status and
+    # bills its spend (the budget guard counts it); it is not a measurement: never read as a benchmark or analysed.
+    canary_for: list[str] | None = None
+
+    @property
+    def is_canary(self) -> bool:
+        return self.canary_for is not None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, status: JobStatus, **fields: Any) -> JobRecord:

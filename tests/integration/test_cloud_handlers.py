@@ -816,3 +816,29 @@ def test_the_canaries_cost_is_in_the_predicted_cost_and_the_budget(with_canary: 
     )
     planned = plan_handler.handler(ok, with_canary.context)
     assert planned["predicted_cost_usd"] == pytest.approx(jobs_cost + canaries_cost, rel=1e-6)
+
+
+def test_a_canarys_row_bills_its_spend_to_the_budget_guard_and_is_never_read_as_a_benchmark(with_canary: Cloud) -> None:
+    # Given a planned run with canaries (their rows written by Plan)
+    planned = _validate_and_plan(with_canary, cloud_manifest())
+    run_id = planned["run_id"]
+    store = with_canary.services.store
+    canaries = [j for j in store.list_jobs(run_id) if j.is_canary]
+    assert canaries and all(j.status is JobStatus.PLANNED and j.canary_for for j in canaries)
+    canary = canaries[0]
+    # When SageMaker reports the canary completed (705 billable seconds) with a benchmark.json in its output
+    with_canary.upload_benchmark(run_id, canary.job_name, benchmark_for(canary.job_name, run_id, canary.instance_type))
+    event = job_event("training_completed", run_id=run_id, job_name=canary.job_name)
+    outcome = job_events_handler.handler(event, with_canary.context)
+    # Then its row is COMPLETED with its billed time, its spend is the run's measured spend, and no benchmark was read
+    row = store.get_job(run_id, canary.job_name)
+    assert row is not None and row.status is JobStatus.COMPLETED and row.billable_seconds == 705
+    assert row.benchmark is None and outcome["tokens_per_s"] is None
+    price = float(canary.spec["price_per_hour_usd"])
+    assert outcome["measured_spend_usd"] == pytest.approx(705 / 3600 * price * canary.instance_count)
+    # and the analysis leaves it out
+    result = control_plane.analyze(
+        {"run_id": run_id}, store=store, s3=with_canary.s3, settings=with_canary.services.settings
+    )
+    assert not any(a["job_name"] == canary.job_name for a in store.get_result(run_id).analysis["jobs"])
+    assert result["run_id"] == run_id

@@ -759,9 +759,16 @@ def test_canaries_run_before_the_fan_out_one_per_configuration(
     )
     hp = canary["HyperParameters"]
     assert (hp["max_steps"], hp["canary_layers"], hp["per_device_train_batch_size"]) == ("2", "2", "1")
-    # and canaries are not benchmark jobs: the run's jobs are the three planned ones, all analysed
-    jobs = with_canary.services.store.list_jobs(run.run_id)
+    # and canaries are not benchmark jobs: the run's jobs are the three planned ones, all analysed; each canary has a
+    # row of its own (its status in `gpuscout status`, its billed time in the budget guard) naming the jobs it covers
+    rows = with_canary.services.store.list_jobs(run.run_id)
+    jobs = [j for j in rows if not j.is_canary]
     assert sorted(j.variant_name for j in jobs) == ["b4", "b4-again", "b4-ckpt"]
+    canary_rows = sorted((j for j in rows if j.is_canary), key=lambda j: j.job_name)
+    assert [j.job_name for j in canary_rows] == sorted(names[:2])
+    assert sorted(n for j in canary_rows for n in j.canary_for or []) == sorted(j.job_name for j in jobs)
+    result = with_canary.services.store.get_result(run.run_id)
+    assert result is not None and not any("-canary" in a["job_name"] for a in result.analysis["jobs"])
     assert with_canary.services.store.get_run(run.run_id).status is RunStatus.SUCCEEDED
 
 
