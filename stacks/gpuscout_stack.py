@@ -165,7 +165,14 @@ class GpuscoutStack(Stack):
         lambdas = self.roles.lambdas
         table_statement = iam.PolicyStatement(
             sid="ResultsTable",
-            actions=["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Query"],
+            # BatchWriteItem: a plan's job rows in batches of 25 (DynamoDbStore.put_jobs)
+            actions=[
+                "dynamodb:GetItem",
+                "dynamodb:PutItem",
+                "dynamodb:BatchWriteItem",
+                "dynamodb:UpdateItem",
+                "dynamodb:Query",
+            ],
             resources=[
                 table.table_arn,
                 f"{table.table_arn}/index/{RUNS_INDEX}",

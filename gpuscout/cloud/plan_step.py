@@ -226,10 +226,11 @@ def plan_jobs(
             s3.put_object(Bucket=settings.artifacts_bucket, Key=key, Body=body, ContentType="application/json")
         except (ClientError, BotoCoreError) as err:
             raise CloudStepError(f"cannot write s3://{settings.artifacts_bucket}/{key}: {err}") from err
-    for spec in the_plan.jobs if the_plan.search is None else ():  # a search's rows appear as its trials start
-        store.put_job(JobRecord.from_spec(spec, JobStatus.PLANNED))
-    for canary in canaries:  # its status in `gpuscout status`, its billed time in the budget guard
-        store.put_job(JobRecord.from_spec(canary.spec, JobStatus.PLANNED, canary_for=list(canary.covers)))
+    rows = [JobRecord.from_spec(spec, JobStatus.PLANNED) for spec in (the_plan.jobs if the_plan.search is None else ())]
+    # (a search's rows appear as its trials start); a canary's row: its status in `gpuscout status`, its billed time
+    # in the budget guard
+    rows += [JobRecord.from_spec(c.spec, JobStatus.PLANNED, canary_for=list(c.covers)) for c in canaries]
+    store.put_jobs(rows)
     try:
         store.create_run(run)  # last: a run row means every job row exists; atomic, so one of two racers wins
     except RunExistsError as err:

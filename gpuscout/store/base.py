@@ -11,7 +11,7 @@ It returns whether the event changed the row.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -183,6 +183,10 @@ class ResultStore(Protocol):
         """Set only the given RunRecord fields (and updated_at), atomically, leaving every other field as it is
         (no lost updates between concurrent writers). When the run's status is in ``unless_status`` nothing is
         written and the current row is returned. Raises RunNotFoundError."""
+        ...
+
+    def put_jobs(self, jobs: Sequence[JobRecord]) -> None:
+        """Write many rows (a plan's): one batch where the store has one."""
         ...
 
     def put_job(self, job: JobRecord) -> None:

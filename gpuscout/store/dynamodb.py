@@ -14,7 +14,8 @@ updated in place. ``last_event_time`` is stored as a Number (epoch microseconds)
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -122,12 +123,17 @@ def _decode_item(item: dict[str, Any], model: type[M]) -> M:
         raise StoreError(f"stored {model.__name__} row {item.get('pk')}/{item.get('sk')} is invalid: {err}") from err
 
 
+BATCH_WRITE_ITEMS = 25  # DynamoDB BatchWriteItem: at most 25 put or delete requests per call
+BATCH_WRITE_ATTEMPTS = 8
+
+
 class DynamoDbStore:
     """ResultStore on one DynamoDB table (created by the CDK stack; see stacks/)."""
 
-    def __init__(self, table_name: str, client: Any | None = None) -> None:
+    def __init__(self, table_name: str, client: Any | None = None, *, sleep: Any = time.sleep) -> None:
         self.table_name = table_name
         self._client = client if client is not None else boto3.client("dynamodb")
+        self._sleep = sleep
 
     # -- low level ---------------------------------------------------------------------------------------------
 
@@ -274,6 +280,28 @@ class DynamoDbStore:
 
     def put_job(self, job: JobRecord) -> None:
         self._call("put_item", Item=self._job_item(job))
+
+    def put_jobs(self, jobs: Sequence[JobRecord]) -> None:
+        """BatchWriteItem, BATCH_WRITE_ITEMS rows per request (a 1,000-job plan: 40 requests instead of 1,000 PutItem
+        calls); rows DynamoDB leaves unprocessed (throttling) are sent again with backoff, and a StoreError says how
+        many were left when they still are after BATCH_WRITE_ATTEMPTS."""
+        items: list[Any] = [{"PutRequest": {"Item": self._job_item(job)}} for job in jobs]
+        for start in range(0, len(items), BATCH_WRITE_ITEMS):
+            pending: list[Any] = items[start : start + BATCH_WRITE_ITEMS]
+            for attempt in range(BATCH_WRITE_ATTEMPTS):
+                try:
+                    response = self._client.batch_write_item(RequestItems={self.table_name: pending})
+                except (ClientError, BotoCoreError) as err:
+                    raise StoreError(f"DynamoDB batch_write_item on table {self.table_name!r} failed: {err}") from err
+                pending = response.get("UnprocessedItems", {}).get(self.table_name, [])
+                if not pending:
+                    break
+                self._sleep(min(0.05 * 2**attempt, 2.0))
+            else:
+                raise StoreError(
+                    f"DynamoDB batch_write_item on table {self.table_name!r} left {len(pending)} row(s) unprocessed "
+                    f"after {BATCH_WRITE_ATTEMPTS} attempts (throttled)"
+                )
 
     def create_job(self, job: JobRecord) -> bool:
         try:

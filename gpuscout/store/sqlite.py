@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import closing, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -187,6 +187,13 @@ class SqliteStore:
         return updated
 
     # Jobs
+
+    def put_jobs(self, jobs: Sequence[JobRecord]) -> None:
+        with self._transaction() as conn:
+            conn.executemany(
+                "INSERT OR REPLACE INTO jobs (run_id, job_name, status, payload) VALUES (?, ?, ?, ?)",
+                [(job.run_id, job.job_name, job.status.value, job.model_dump_json()) for job in jobs],
+            )
 
     def put_job(self, job: JobRecord) -> None:
         with self._transaction() as conn:

@@ -33,6 +33,7 @@ NO_RESOURCE_LEVEL = {
 TABLE_LOGS_AND_TRACES = {
     "dynamodb:GetItem",
     "dynamodb:PutItem",
+    "dynamodb:BatchWriteItem",  # a plan's job rows, 25 per request
     "dynamodb:UpdateItem",
     "dynamodb:Query",
     "logs:CreateLogStream",

@@ -450,6 +450,25 @@ def test_status_table(deployed: Deployed) -> None:
     assert "ml.p5e.48xlarge x2" in lines["gs-abc123-t2v0r0-p5e-48xlarge-b4"]
 
 
+def test_status_shows_a_canarys_row_as_the_canary_of_its_jobs(deployed: Deployed) -> None:
+    run_id = _seed_run(deployed.store)
+    covered = ["gs-abc123-t0v0r0-p4d-24xlarge-b4", "gs-abc123-t1v0r0-p5-48xlarge-b4"]
+    deployed.store.put_job(
+        JobRecord(
+            run_id=run_id, job_name="gs-abc123-t0v0r0-p4d-24xlarge-b4-canary1", status=JobStatus.COMPLETED,
+            instance_type="ml.g5.8xlarge", variant_name="b4", spec={}, billable_seconds=95, canary_for=covered,
+        )
+    )  # fmt: skip
+    code, out, err = invoke("status", run_id)
+    assert code == 0, err
+    [line] = [line for line in out.splitlines() if "-canary1" in line]
+    assert "b4 (canary of 2)" in line and "COMPLETED" in line and "95" in line
+    code, out, err = invoke("status", run_id, "--format", "json")
+    by_name = {job["job_name"]: job for job in json.loads(out)["jobs"]}
+    assert by_name["gs-abc123-t0v0r0-p4d-24xlarge-b4-canary1"]["canary_for"] == covered
+    assert by_name["gs-abc123-t0v0r0-p4d-24xlarge-b4"]["canary_for"] is None
+
+
 def test_status_json(deployed: Deployed) -> None:
     run_id = _seed_run(deployed.store)
     code, out, err = invoke("status", run_id, "--format", "json")

@@ -146,6 +146,18 @@ def test_put_run_replaces(store: ResultStore) -> None:
     assert len(store.list_runs()) == 1
 
 
+def test_put_jobs_writes_a_plans_rows_in_batches(store: ResultStore) -> None:
+    # 60 rows: more than one DynamoDB batch (25), a canary's among them
+    store.put_run(make_run())
+    rows = [make_job(f"gs-run-a-{i:03d}") for i in range(59)]
+    rows.append(make_job("gs-run-a-000-canary1").model_copy(update={"canary_for": ["gs-run-a-000"]}))
+    store.put_jobs(rows)
+    stored = store.list_jobs("run-a")
+    assert [j.job_name for j in stored] == sorted(j.job_name for j in rows)
+    [canary] = [j for j in stored if j.is_canary]
+    assert canary.canary_for == ["gs-run-a-000"] and not stored[0].is_canary
+
+
 def test_job_round_trip_and_order(store: ResultStore) -> None:
     store.put_run(make_run())
     store.put_run(make_run("run-b", created_at=T0 + timedelta(minutes=1)))
@@ -299,3 +311,32 @@ def test_event_for_unknown_job_changes_nothing(store: ResultStore) -> None:
     assert store.apply_job_event("run-a", "gs-not-planned", JobStatus.TRAINING, T0) is False
     assert store.get_job("run-a", "gs-not-planned") is None
     assert [j.job_name for j in store.list_jobs("run-a")] == ["gs-run-a-local-v0-r0"]
+
+
+def test_dynamodb_put_jobs_sends_throttled_rows_again_and_says_when_they_stay_unprocessed() -> None:
+    from gpuscout.errors import StoreError
+    from gpuscout.store.dynamodb import BATCH_WRITE_ATTEMPTS, DynamoDbStore
+
+    class Throttling:
+        """BatchWriteItem that leaves the last row of each call unprocessed ``times`` times."""
+
+        def __init__(self, times: int) -> None:
+            self.times, self.calls = times, []
+
+        def batch_write_item(self, RequestItems: dict[str, list[object]]) -> dict[str, object]:  # noqa: N803
+            [(table, requests)] = RequestItems.items()
+            self.calls.append(len(requests))
+            if self.times > 0:
+                self.times -= 1
+                return {"UnprocessedItems": {table: requests[-1:]}}
+            return {"UnprocessedItems": {}}
+
+    slept: list[float] = []
+    client = Throttling(times=2)
+    store = DynamoDbStore("t", client=client, sleep=slept.append)
+    store.put_jobs([make_job(f"gs-run-a-{i:02d}") for i in range(30)])
+    assert client.calls == [25, 1, 1, 5] and len(slept) == 2  # the throttled row twice again, then the rest
+    stubborn = Throttling(times=10**6)
+    with pytest.raises(StoreError, match=r"left 1 row\(s\) unprocessed after 8 attempts"):
+        DynamoDbStore("t", client=stubborn, sleep=lambda _s: None).put_jobs([make_job("gs-run-a-x")])
+    assert len(stubborn.calls) == BATCH_WRITE_ATTEMPTS == 8
