@@ -49,7 +49,8 @@ WORKFLOW_FUNCTIONS = (
     "analyze_run",
 )
 
-RUN_SUMMARY_PUBLISHERS = ("analyze_run", "mark_run_failed")  # publish the run summary to the topic
+# publish to the topic: the run summary (analyze_run, mark_run_failed) or why a run never started (the other two)
+RUN_SUMMARY_PUBLISHERS = ("analyze_run", "mark_run_failed", "validate_manifest", "plan_jobs")
 
 
 def acknowledge(scope: IConstruct, rule_id: str, reason: str) -> None:

@@ -32,7 +32,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
-from gpuscout.cloud.notify import publish, run_summary
+from gpuscout.cloud.notify import publish, refusal_notice, run_summary
 from gpuscout.cloud.plan_items import (
     STATE_PAYLOAD_LIMIT_BYTES,
     request_count_problems,
@@ -366,6 +366,17 @@ def caught_failure_reason(error_name: str, cause: str) -> str:
 
 NOT_ANALYSED_RECOMMENDATION = "No recommendation: the run failed before it was analysed (see Error above)."
 NOT_ANALYSED_REPORT = "none (the run was not analysed)"
+
+
+def tell_refusal(refused: dict[str, Any], *, sns: Any, topic_arn: str | None) -> bool | str:
+    """Publish why a run never started (a Validate or Plan refusal, gpuscout.cloud.step_errors): whoever dropped
+    the manifest into the bucket is told, as for a run that ended. True when sent, False without a topic, else why
+    not (the refusal stands either way)."""
+    if not topic_arn or sns is None:
+        return False
+    detail = refused.get("refused") or {}
+    notice = refusal_notice(refused.get("run_id"), str(detail.get("Error", "")), str(detail.get("Cause", "")))
+    return publish(sns, topic_arn, notice) or True
 
 
 def tell_run_failed(run_id: str, *, store: ResultStore, sns: Any, topic_arn: str | None) -> bool | str:

@@ -69,3 +69,14 @@ def publish(sns: Any, topic_arn: str, notice: Notice) -> str | None:
     except (ClientError, BotoCoreError) as err:
         return f"cannot publish the run summary to {topic_arn}: {err}"
     return None
+
+
+def refusal_notice(run_id: str | None, error: str, cause: str) -> Notice:
+    """A run that never started: a rejected manifest (ManifestRejected) or a refused plan (PlanRefused), with why."""
+    status = "REJECTED" if error == "ManifestRejected" else "REFUSED"
+    what = "manifest was rejected" if status == "REJECTED" else "plan was refused"
+    subject = _ascii_line(f"gpuscout: run {run_id or '(none)'} {status}")
+    lines = [f"Run {run_id or '(no run id)'}: the {what}; nothing was launched.", "", cause.strip(), ""]
+    if run_id:
+        lines.append(f"Details: gpuscout status {run_id}")
+    return Notice(subject=subject, message="\n".join(lines) + "\n")

@@ -50,8 +50,12 @@ def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
         )
     except PlanRefused as err:
         metrics.add_metric(name="PlansRefused", unit=MetricUnit.Count, value=1)
-        logger.info("plan refused", extra={"reason": str(err)})
-        return refusal(event.run_id, err)
+        refused = refusal(event.run_id, err)
+        notified = control_plane.tell_refusal(
+            refused, sns=services.sns, topic_arn=services.settings.notification_topic_arn
+        )
+        logger.info("plan refused", extra={"reason": str(err), "notified": notified})
+        return refused
     counts = {kind: result["plan"][kind]["count"] for kind in ("canaries", "jobs", "tunings")}
     metrics.add_metric(name="JobsPlanned", unit=MetricUnit.Count, value=counts["jobs"])
     logger.info(

@@ -51,8 +51,12 @@ def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
         )
     except ManifestRejected as err:
         metrics.add_metric(name="ManifestsRejected", unit=MetricUnit.Count, value=1)
-        logger.info("manifest rejected", extra={"run_id": err.run_id, "reason": str(err)})
-        return refusal(err.run_id, err)
+        refused = refusal(err.run_id, err)
+        notified = control_plane.tell_refusal(
+            refused, sns=services.sns, topic_arn=services.settings.notification_topic_arn
+        )
+        logger.info("manifest rejected", extra={"run_id": err.run_id, "reason": str(err), "notified": notified})
+        return refused
     metrics.add_metric(name="ManifestsAccepted", unit=MetricUnit.Count, value=1)
     logger.info("manifest valid", extra={"run_id": result["run_id"]})
     return result

@@ -842,3 +842,35 @@ def test_a_canarys_row_bills_its_spend_to_the_budget_guard_and_is_never_read_as_
     )
     assert not any(a["job_name"] == canary.job_name for a in store.get_result(run_id).analysis["jobs"])
     assert result["run_id"] == run_id
+
+
+def test_a_rejected_manifest_and_a_refused_plan_are_told_on_the_topic(
+    cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuscout.cloud.control_plane import services
+    from gpuscout.cloud.settings import get_settings
+
+    # Given a stack with a notification topic (an SQS queue subscribed to read what was sent)
+    sns = boto3.client("sns", region_name="us-east-1")
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    topic = sns.create_topic(Name="gpuscout-notifications")["TopicArn"]
+    queue = sqs.create_queue(QueueName="inbox")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
+    monkeypatch.setenv("NOTIFICATION_TOPIC_ARN", topic)
+    get_settings.cache_clear()
+    services.cache_clear()
+    # When a broken manifest is dropped into the bucket, and a valid one over its budget
+    rejected = validate_handler.handler(cloud.submit("name: broken\nsequence_length: -1\n", "broken"), cloud.context)
+    validated = validate_handler.handler(cloud.submit(cloud_manifest(budget=0.01), "poor"), cloud.context)
+    refused = plan_handler.handler(validated, cloud.context)
+    # Then each is told, once, with its run id, what happened and why
+    messages = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10)["Messages"]
+    bodies = sorted((json.loads(m["Body"]) for m in messages), key=lambda b: b["Subject"])
+    assert [b["Subject"] for b in bodies] == [
+        f"gpuscout: run {rejected['run_id']} REJECTED",
+        f"gpuscout: run {refused['run_id']} REFUSED",
+    ]
+    assert "the manifest was rejected; nothing was launched" in bodies[0]["Message"]
+    assert "sequence_length" in bodies[0]["Message"]
+    assert "the plan was refused" in bodies[1]["Message"] and "exceeds the budget" in bodies[1]["Message"]
