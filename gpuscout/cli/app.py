@@ -200,16 +200,15 @@ def plan(
     console.print(f"[green]within budget[/]{note}")
     if stack_name:
         from gpuscout.cloud.client import CloudStack
+        from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
 
         stack = CloudStack(stack_name)
         parallel = the_plan.search.max_parallel_trials if the_plan.search else None
-        for warning in stack.quota_preflight(file, the_plan.jobs, parallel, manifest=manifest, catalog=catalog):
-            console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
-        from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
-
         canaries = cloud_canaries(the_plan.jobs, manifest, catalog, stack.outputs.canary_instance_type)
+        for warning in stack.quota_preflight(file, the_plan.jobs, parallel, canaries=[c.spec for c in canaries]):
+            console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
         for canary in canaries:
-            if canary.placement:  # too large for the canary type: on its job's type, on demand
+            if canary.placement:  # too large for the canary type: on its job's type, bought as its job is
                 console.print(f"[yellow]canary:[/] {canary.spec.job_name} {escape(canary.placement)}", soft_wrap=True)
         if canaries:
             cost = predicted_canary_cost_usd(canaries)

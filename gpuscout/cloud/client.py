@@ -56,7 +56,7 @@ from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
-from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem
+from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
 from gpuscout.plan.jobs import make_run_id
 from gpuscout.plan.planner import plan
@@ -336,13 +336,11 @@ class CloudStack:
         the_plan = plan(manifest, catalog or load_catalog(), run_id=expected_run_id)
         # the control plane's budget check counts the canaries it will run (plan_step.plan_jobs): so does this one
         canaries = cloud_canaries(the_plan.jobs, manifest, catalog or load_catalog(), outputs.canary_instance_type)
-        predicted = the_plan.predicted_cost_usd + predicted_canary_cost_usd(canaries)
-        if predicted > the_plan.budget_usd:
-            raise BudgetExceededError(predicted, the_plan.budget_usd)
+        the_plan.check_budget(predicted_canary_cost_usd(canaries))
         problems = request_count_problems(
             the_plan.jobs,
             search_targets=len(the_plan.search.targets) if the_plan.search else None,
-            canaries=outputs.canary_instance_type is not None,
+            canaries=len(canaries),
         )
         if problems:
             raise ManifestError(str(path), problems)
@@ -350,8 +348,7 @@ class CloudStack:
             path,
             the_plan.jobs,
             the_plan.search.max_parallel_trials if the_plan.search else None,
-            manifest=manifest,
-            catalog=catalog,
+            canaries=[c.spec for c in canaries],
         )
         # The control plane plans a new attempt (<run id>-r2, ...) after a FAILED or REFUSED run of this exact
         # object, and refuses it otherwise: the same rule here, so the printed run id is the one that will run.
@@ -408,20 +405,18 @@ class CloudStack:
         jobs: list[JobSpec],
         max_parallel_trials: int | None = None,
         *,
-        manifest: Manifest,
-        catalog: Catalog | None = None,
+        canaries: list[JobSpec],
     ) -> list[str]:
-        """The account's SageMaker training quotas against the plan (quotas.py), its canaries where they will run
-        (a canary too large for the canary type runs on its job's): raises ManifestError naming the quota and where
-        to raise it when a job could never start; returns the warnings."""
+        """The account's SageMaker training quotas against the plan (quotas.py) and its ``canaries`` where they will
+        run (plan.canary.cloud_canaries: a canary too large for the canary type runs on its job's): raises
+        ManifestError naming the quota and where to raise it when a job could never start; returns the warnings."""
         outputs = self.outputs
-        canaries = cloud_canaries(jobs, manifest, catalog or load_catalog(), outputs.canary_instance_type)
         needs = plan_needs(
             jobs,
             concurrency=outputs.map_max_concurrency or DEFAULT_MAP_CONCURRENCY,
             canary_instance_type=outputs.canary_instance_type,
             max_parallel_trials=max_parallel_trials,
-            canaries=[c.spec for c in canaries],
+            canaries=canaries,
         )
         problems, warnings = check_quotas(needs, QuotaBook(self._client("service-quotas")))
         if problems:

@@ -268,12 +268,10 @@ def _plan_problems(
     except GpuscoutError:
         return [], []
     search_targets = len(the_plan.search.targets) if the_plan.search else None
-    problems = request_count_problems(
-        the_plan.jobs, search_targets=search_targets, canaries=bool(settings.canary_instance_type)
-    )
+    canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
+    problems = request_count_problems(the_plan.jobs, search_targets=search_targets, canaries=len(canaries))
     if problems or book is None:
         return problems, []
-    canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
     needs = plan_needs(
         the_plan.jobs,
         concurrency=settings.map_max_concurrency,

@@ -26,7 +26,6 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import GpuscoutError, Problem
-from gpuscout.plan.canary import configuration_key
 
 PLAN_PREFIX = "plans/"  # stacks/gpuscout_stack.py PLAN_PREFIX: plan_jobs writes here, the state machine reads here
 ITEM_KINDS = ("canaries", "jobs", "tunings")
@@ -95,20 +94,14 @@ def read_plan_items(s3: Any, planned: Mapping[str, Any], kind: str) -> list[dict
     return listed
 
 
-def request_count(specs: Sequence[JobSpec], *, search_targets: int | None, canaries: bool) -> int:
-    """The SageMaker requests the state machine iterates over for a plan of ``specs``: one canary per distinct
-    configuration (when the stack runs canaries), then one training job per spec, or for a search one tuning job per
-    target instead (its trials are started by SageMaker, not by the state machine)."""
-    canary_count = len({configuration_key(s) for s in specs}) if canaries else 0
-    launched = search_targets if search_targets is not None else len(specs)
-    return canary_count + launched
-
-
-def request_count_problems(specs: Sequence[JobSpec], *, search_targets: int | None, canaries: bool) -> list[Problem]:
-    count = request_count(specs, search_targets=search_targets, canaries=canaries)
+def request_count_problems(specs: Sequence[JobSpec], *, search_targets: int | None, canaries: int) -> list[Problem]:
+    """Whether the SageMaker requests the state machine iterates over fit a run: the ``canaries`` planned
+    (gpuscout.plan.canary.cloud_canaries), then one training job per spec, or for a search one tuning job per target
+    instead (its trials are started by SageMaker, not by the state machine)."""
+    jobs = search_targets if search_targets is not None else len(specs)
+    count = canaries + jobs
     if count <= MAX_REQUESTS_PER_RUN:
         return []
-    jobs = search_targets if search_targets is not None else len(specs)
     kind = "tuning" if search_targets is not None else "benchmark"
     return [
         Problem(

@@ -142,37 +142,30 @@ def plan_jobs(
     execution_arn = validated.get("execution_arn") or None
     catalog = catalog or load_catalog()
     manifest = validate_manifest_data(validated["manifest"], source, catalog)
-    try:
-        the_plan = plan(manifest, catalog, run_id=run_id)
-    except GpuscoutError as err:  # the planner cannot plan it (PlanError and the like): a REFUSED run that says why
-        store.put_run(
-            RunRecord(
-                run_id=run_id,
-                name=manifest.name,
-                status=RunStatus.REFUSED,
-                manifest_source=source,
-                manifest=manifest.model_dump(mode="json"),
-                execution_arn=execution_arn,
-                error=f"cannot plan: {err}",
-            )
-        )
-        raise PlanRefused(f"{source}: cannot plan: {err}") from err
-    # The canaries run before the jobs and are billed too: in the predicted cost and the budget check.
-    canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
-    predicted = the_plan.predicted_cost_usd + predicted_canary_cost_usd(canaries)
     run = RunRecord(
         run_id=run_id,
         name=manifest.name,
         status=RunStatus.PLANNED,
         manifest_source=source,
         manifest=manifest.model_dump(mode="json"),
-        predicted_cost_usd=predicted,
         execution_arn=execution_arn,
-        search=the_plan.search.model_dump(mode="json") if the_plan.search else None,
     )
     try:
-        if predicted > the_plan.budget_usd:  # the plan's own (a search's: its worst case) plus the canaries'
-            raise BudgetExceededError(predicted, the_plan.budget_usd)
+        the_plan = plan(manifest, catalog, run_id=run_id)
+    except GpuscoutError as err:  # the planner cannot plan it (PlanError and the like): a REFUSED run that says why
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": f"cannot plan: {err}"}))
+        raise PlanRefused(f"{source}: cannot plan: {err}") from err
+    # The canaries run before the jobs and are billed too: in the predicted cost and the budget check.
+    canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
+    canary_cost = predicted_canary_cost_usd(canaries)
+    run = run.model_copy(
+        update={
+            "predicted_cost_usd": the_plan.predicted_cost_usd + canary_cost,
+            "search": the_plan.search.model_dump(mode="json") if the_plan.search else None,
+        }
+    )
+    try:
+        the_plan.check_budget(canary_cost)
     except BudgetExceededError as err:
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
         raise PlanRefused(f"{source}: {err}") from err
@@ -219,7 +212,7 @@ def plan_jobs(
             "request": processing_job_request(run_id, req_settings, data) if data is not None else None,
         },
         "plan": plan_reference,  # where the requests are (plan_items.py): the Maps read them from S3
-        "predicted_cost_usd": predicted,
+        "predicted_cost_usd": run.predicted_cost_usd,
     }
     for key, body in search_files.items():  # what job_events needs to record the trials (tuning_requests)
         try:

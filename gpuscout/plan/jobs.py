@@ -70,9 +70,13 @@ class Plan(BaseModel):
         """Longest single job (jobs run in parallel in the cloud)."""
         return max((j.prediction.training_seconds + j.prediction.overhead_seconds for j in self.jobs), default=0.0)
 
-    def check_budget(self) -> None:
-        if self.predicted_cost_usd > self.budget_usd:
-            raise BudgetExceededError(self.predicted_cost_usd, self.budget_usd)
+    def check_budget(self, extra_usd: float = 0.0) -> float:
+        """The predicted cost (a search's: its worst case) plus ``extra_usd`` billed besides the jobs (a cloud run's
+        canaries); raises BudgetExceededError when it exceeds the budget, else returns it."""
+        total = self.predicted_cost_usd + extra_usd
+        if total > self.budget_usd:
+            raise BudgetExceededError(total, self.budget_usd)
+        return total
 
 
 def _slug(text: str) -> str:
