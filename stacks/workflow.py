@@ -287,17 +287,10 @@ class BenchmarkWorkflow(Construct):
         # fails the execution (RunFailed, with the original cause). What no Catch sees (timeout, abort,
         # DataLimitExceeded) is covered by the EventBridge rule on execution status changes (events.py), which
         # calls the same function.
-        mark_failed = self._lambda_step(
+        mark_failed = self._mark_failed_step(
             "Mark run failed",
             function=functions["mark_run_failed"],
-            payload=sfn.TaskInput.from_object(
-                {
-                    "run_id": sfn.JsonPath.string_at("$.run_id"),
-                    "execution_arn": sfn.JsonPath.execution_id,
-                    "error": sfn.JsonPath.object_at("$.error"),
-                }
-            ),
-            result_path=sfn.JsonPath.DISCARD,
+            execution_arn=sfn.JsonPath.execution_id,
             comment="The run row ends FAILED with the error and cause; then the execution fails (RunFailed)",
         )
         # A fixed error name: the caught one may be a reserved States.* name, which a Fail state may not raise; the
@@ -384,17 +377,10 @@ class BenchmarkWorkflow(Construct):
         # FAILED with the canary's own cause (a Distributed Map reports only that a child failed) and fails the Map,
         # whose Catch then leaves the run as it is (mark_run_failed changes no final run).
         canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc))
-        canary_failed = self._lambda_step(
+        canary_failed = self._mark_failed_step(
             "Mark run failed (canary)",
             function=functions["mark_run_failed"],
-            payload=sfn.TaskInput.from_object(
-                {
-                    "run_id": sfn.JsonPath.string_at("$.run_id"),
-                    "execution_arn": sfn.JsonPath.string_at("$.execution_arn"),
-                    "error": sfn.JsonPath.object_at("$.error"),
-                }
-            ),
-            result_path=sfn.JsonPath.DISCARD,
+            execution_arn=sfn.JsonPath.string_at("$.execution_arn"),  # the parent's, which its ItemSelector passed
             comment="The run row ends FAILED with the canary's error and cause",
         )
         canary_failed.next(sfn.Fail(self, "Canary failed", error=CANARY_FAILED, cause_path="$.error.Cause"))
@@ -609,6 +595,24 @@ class BenchmarkWorkflow(Construct):
             payload=sfn.TaskInput.from_object(payload),
             result_path=sfn.JsonPath.DISCARD,
             **kwargs,
+        )
+
+    def _mark_failed_step(
+        self, construct_id: str, *, function: lambda_.IFunction, execution_arn: str, comment: str
+    ) -> tasks.LambdaInvoke:
+        """mark_run_failed with the caught error ($.error) of run $.run_id, planned by ``execution_arn``; its result
+        discarded (the state's input goes on)."""
+        payload = {
+            "run_id": sfn.JsonPath.string_at("$.run_id"),
+            "execution_arn": execution_arn,
+            "error": sfn.JsonPath.object_at("$.error"),
+        }
+        return self._lambda_step(
+            construct_id,
+            function=function,
+            payload=sfn.TaskInput.from_object(payload),
+            result_path=sfn.JsonPath.DISCARD,
+            comment=comment,
         )
 
     def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:

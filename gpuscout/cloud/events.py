@@ -417,10 +417,12 @@ def handle_training_job_event(
     event_time = detail.last_modified_time or envelope_time
     fields: dict[str, Any] = {"secondary_status_transitions": _transition_dicts(detail)}
     tuning_name = tuning_job_of(detail)
-    if tuning_name and store.get_job(run_id, job_name) is None:
+    job = store.get_job(run_id, job_name)
+    if tuning_name and job is None:
         why = _create_trial_row(detail, run_id, tuning_name, store=store, s3=s3, bucket=artifacts_bucket)
         if why is not None:
             return JobEventOutcome(run_id=run_id, job_name=job_name, status=status, applied=False, ignored_reason=why)
+        job = store.get_job(run_id, job_name)
     if detail.failure_reason:
         fields["failure_reason"] = detail.failure_reason
     if tuning_name and status is JobStatus.STOPPED:
@@ -435,13 +437,11 @@ def handle_training_job_event(
         fields["training_seconds"] = detail.training_time_in_seconds
     benchmark: BenchmarkResult | None = None
     terminal = status in TERMINAL_JOB_STATUSES
-    existing = store.get_job(run_id, job_name)
-    if terminal and not (existing is not None and existing.is_canary):  # a canary is no measurement: no benchmark
+    if terminal and not (job is not None and job.is_canary):  # a canary is no measurement: no benchmark
         benchmark = read_benchmark(s3, artifacts_bucket, run_id, job_name)
         if benchmark is not None:
             fields["benchmark"] = benchmark.model_dump(mode="json")
     applied = store.apply_job_event(run_id, job_name, status, event_time, **fields)
-    job = store.get_job(run_id, job_name)
     outcome = JobEventOutcome(
         run_id=run_id,
         job_name=job_name,
