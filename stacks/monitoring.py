@@ -67,33 +67,19 @@ class Monitoring(Construct):
             statistic=cloudwatch.Stats.SUM,
             period=five_minutes,
         )
-        self.failed_runs_alarm = runs_failed.create_alarm(
-            self,
+        self.failed_runs_alarm = self._on_any(
+            runs_failed,
             "FailedRuns",
-            alarm_description="A benchmark run failed after it was planned (error, timeout or abort; see the run row)",
-            threshold=1,
-            evaluation_periods=1,
-            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            "A benchmark run failed after it was planned (error, timeout or abort; see the run row)",
+            notify,
         )
-        self.failed_runs_alarm.add_alarm_action(notify)
         # Executions that timed out or were aborted, whether or not they had planned a run yet.
-        self.ended_executions_alarms = []
-        for name, metric, what in (
-            ("TimedOutExecutions", state_machine.metric_timed_out(period=five_minutes), "timed out"),
-            ("AbortedExecutions", state_machine.metric_aborted(period=five_minutes), "was aborted"),
-        ):
-            alarm = metric.create_alarm(
-                self,
-                name,
-                alarm_description=f"A benchmark execution {what}",
-                threshold=1,
-                evaluation_periods=1,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
-            )
-            alarm.add_alarm_action(notify)
-            self.ended_executions_alarms.append(alarm)
+        self.ended_executions_alarms = [
+            self._on_any(state_machine.metric_timed_out(period=five_minutes), "TimedOutExecutions",
+                         "A benchmark execution timed out", notify),
+            self._on_any(state_machine.metric_aborted(period=five_minutes), "AbortedExecutions",
+                         "A benchmark execution was aborted", notify),
+        ]  # fmt: skip
         self.dead_letter_alarms = []
         for index, queue in enumerate(dead_letter_queues):
             alarm = queue.metric_approximate_number_of_messages_visible(period=five_minutes).create_alarm(
@@ -107,19 +93,15 @@ class Monitoring(Construct):
             )
             alarm.add_alarm_action(notify)
             self.dead_letter_alarms.append(alarm)
-        self.lambda_error_alarms = []
-        for name, function in functions.items():
-            alarm = function.metric_errors(period=five_minutes).create_alarm(
-                self,
+        self.lambda_error_alarms = [
+            self._on_any(
+                function.metric_errors(period=five_minutes),
                 f"Errors-{name}",
-                alarm_description=f"Lambda function {name} raised an unexpected error",
-                threshold=1,
-                evaluation_periods=1,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                f"Lambda function {name} raised an unexpected error",
+                notify,
             )
-            alarm.add_alarm_action(notify)
-            self.lambda_error_alarms.append(alarm)
+            for name, function in functions.items()
+        ]
 
         hour = Duration.hours(1)
         self.dashboard = cloudwatch.Dashboard(self, "Dashboard", default_interval=Duration.days(7))
@@ -185,3 +167,19 @@ class Monitoring(Construct):
                 width=24,
             )
         )
+
+    def _on_any(
+        self, metric: cloudwatch.Metric, construct_id: str, description: str, notify: actions.SnsAction
+    ) -> cloudwatch.Alarm:
+        """An alarm to the topic when ``metric`` counts at least one in a period (no data: not breaching)."""
+        alarm = metric.create_alarm(
+            self,
+            construct_id,
+            alarm_description=description,
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        alarm.add_alarm_action(notify)
+        return alarm

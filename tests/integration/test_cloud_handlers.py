@@ -498,14 +498,28 @@ def test_analyze_prices_with_todays_aws_list_price_and_falls_back_per_instance(c
     assert g5["usd_per_million_tokens"] == pytest.approx(2.9 / 3600 / g5["tokens_per_s"] * 1e6)
 
 
-def test_analyze_publishes_the_run_summary_to_the_topic(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a stack with a notification topic (an SQS queue subscribed to read what was sent) and a finished run
+def _topic_inbox(monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[Any, Any, str, str]:
+    """A notification topic with an SQS queue subscribed to read what was sent: (sns, sqs, topic ARN, queue URL).
+    With ``monkeypatch``, the Lambdas' settings name the topic (NOTIFICATION_TOPIC_ARN), read afresh."""
+    from gpuscout.cloud.control_plane import services
+    from gpuscout.cloud.settings import get_settings
+
     sns = boto3.client("sns", region_name="us-east-1")
     sqs = boto3.client("sqs", region_name="us-east-1")
     topic = sns.create_topic(Name="gpuscout-notifications")["TopicArn"]
     queue = sqs.create_queue(QueueName="inbox")["QueueUrl"]
     queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
+    if monkeypatch is not None:
+        monkeypatch.setenv("NOTIFICATION_TOPIC_ARN", topic)
+        get_settings.cache_clear()
+        services.cache_clear()
+    return sns, sqs, topic, queue
+
+
+def test_analyze_publishes_the_run_summary_to_the_topic(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a stack with a notification topic (an SQS queue subscribed to read what was sent) and a finished run
+    sns, sqs, topic, queue = _topic_inbox()
     settings = cloud.services.settings.model_copy(update={"notification_topic_arn": topic})
     planned = _validate_and_plan(cloud, cloud_manifest())
     run_id = planned["run_id"]
@@ -667,19 +681,8 @@ def test_a_timed_out_execution_marks_its_run_failed_once(cloud: Cloud) -> None:
 def test_a_run_that_ends_without_analysis_is_told_like_a_finished_one_once(
     cloud: Cloud, monkeypatch: pytest.MonkeyPatch, status: str
 ) -> None:
-    from gpuscout.cloud.control_plane import services
-    from gpuscout.cloud.settings import get_settings
-
     # Given a stack with a notification topic (an SQS queue subscribed to read what was sent) and a planned run,
-    sns = boto3.client("sns", region_name="us-east-1")
-    sqs = boto3.client("sqs", region_name="us-east-1")
-    topic = sns.create_topic(Name="gpuscout-notifications")["TopicArn"]
-    queue = sqs.create_queue(QueueName="inbox")["QueueUrl"]
-    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
-    monkeypatch.setenv("NOTIFICATION_TOPIC_ARN", topic)
-    get_settings.cache_clear()
-    services.cache_clear()
+    _, sqs, _, queue = _topic_inbox(monkeypatch)
     event = load_event("sfn_execution_timed_out")
     event["detail"]["status"] = status
     run_id = _planned_by(cloud, event["detail"]["executionArn"])["run_id"]
@@ -847,19 +850,8 @@ def test_a_canarys_row_bills_its_spend_to_the_budget_guard_and_is_never_read_as_
 def test_a_rejected_manifest_and_a_refused_plan_are_told_on_the_topic(
     cloud: Cloud, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpuscout.cloud.control_plane import services
-    from gpuscout.cloud.settings import get_settings
-
     # Given a stack with a notification topic (an SQS queue subscribed to read what was sent)
-    sns = boto3.client("sns", region_name="us-east-1")
-    sqs = boto3.client("sqs", region_name="us-east-1")
-    topic = sns.create_topic(Name="gpuscout-notifications")["TopicArn"]
-    queue = sqs.create_queue(QueueName="inbox")["QueueUrl"]
-    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
-    monkeypatch.setenv("NOTIFICATION_TOPIC_ARN", topic)
-    get_settings.cache_clear()
-    services.cache_clear()
+    _, sqs, _, queue = _topic_inbox(monkeypatch)
     # When a broken manifest is dropped into the bucket, and a valid one over its budget
     rejected = validate_handler.handler(cloud.submit("name: broken\nsequence_length: -1\n", "broken"), cloud.context)
     validated = validate_handler.handler(cloud.submit(cloud_manifest(budget=0.01), "poor"), cloud.context)
