@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 
-def job_environment(root: Path, dataset: Path, hyperparameters: dict[str, Any], **extra: str) -> dict[str, str]:
+def job_environment(
+    root: Path,
+    dataset: Path,
+    hyperparameters: dict[str, Any],
+    *,
+    base: Mapping[str, str] | None = None,
+    **extra: str,
+) -> dict[str, str]:
     """Write ``root/opt/ml/input/config/hyperparameters.json`` and return the environment that points train.py at it,
-    at ``dataset`` (the train channel) and at the output, model and checkpoint folders under ``root``."""
+    at ``dataset`` (the train channel) and at the output, model and checkpoint folders under ``root``, over ``base``
+    (this process's environment by default)."""
     config = root / "opt/ml/input/config"
     config.mkdir(parents=True, exist_ok=True)
     (config / "hyperparameters.json").write_text(json.dumps(hyperparameters))
     return {
-        **os.environ,
+        **(os.environ if base is None else base),
         "SM_INPUT_CONFIG_DIR": str(config),
         "SM_CHANNEL_TRAIN": str(dataset),
         "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"),

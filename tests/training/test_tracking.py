@@ -29,6 +29,7 @@ from gpuscout.domain.tracking import (
 )
 from gpuscout.paths import TRAINING_DIR
 from tests import wandb_offline_reader as wb
+from tests.sagemaker_job import job_environment
 
 RUN_ID = "r-track"
 JOB = "gs-track-tiny"
@@ -73,19 +74,7 @@ def _offline_env(tmp_path: Path) -> dict[str, str]:
 
 
 def _job_env(root: Path, dataset: Path, tmp_path: Path, extra: Mapping[str, str]) -> dict[str, str]:
-    config = root / "opt/ml/input/config"
-    config.mkdir(parents=True, exist_ok=True)
-    (config / "hyperparameters.json").write_text(json.dumps(HPS))
-    return _offline_env(tmp_path) | {
-        "SM_INPUT_CONFIG_DIR": str(config),
-        "SM_CHANNEL_TRAIN": str(dataset),
-        "SM_OUTPUT_DATA_DIR": str(root / "opt/ml/output/data"),
-        "SM_MODEL_DIR": str(root / "opt/ml/model"),
-        "GPUSCOUT_CHECKPOINT_DIR": str(root / "opt/ml/checkpoints"),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
+    return job_environment(root, dataset, HPS, base=_offline_env(tmp_path), **extra)
 
 
 def _train(root: Path, dataset: Path, tmp_path: Path, extra: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
