@@ -1,8 +1,9 @@
 """Building what train.py trains: the model (a preset with random weights, a local path, the SageMaker "model"
-channel or an S3 download), its architecture facts for FLOPs, and DeepSpeed's configuration and collectives.
+channel, an S3 download, or for a canary the part of an S3 or hub checkpoint its layers need), its architecture facts
+for FLOPs, and DeepSpeed's configuration and collectives.
 
-Imported by train.py; may import gpuscout.domain, gpuscout.errors, gpuscout.paths, data_preparation, packing
-and train_args."""
+Imported by train.py; may import gpuscout.domain, gpuscout.errors, gpuscout.paths, data_preparation, packing,
+partial_checkpoint and train_args."""
 
 from __future__ import annotations
 
@@ -55,6 +56,24 @@ def _download_s3_model(uri: str, target: Path) -> Path:
     return target
 
 
+def _canary_part(source: str, layers: int, workdir: Path) -> str | None:
+    """A canary's S3 or hub model read in part (partial_checkpoint): the local directory of its first ``layers``
+    layers, or None (said on stdout, with why) when only the whole checkpoint will do: a local path (read in place),
+    the hub with HF_HUB_OFFLINE=1 (from_pretrained's cache or its clear error), a format that cannot be read in part."""
+    from partial_checkpoint import CannotReadInPartError, HubSource, RangeSource, S3Source, fetch_first_layers
+
+    if Path(source).exists() or (not source.startswith("s3://") and os.environ.get("HF_HUB_OFFLINE") == "1"):
+        return None
+    reader: RangeSource = S3Source(source) if source.startswith("s3://") else HubSource(source)
+    try:
+        fetched = fetch_first_layers(reader, layers, workdir / "canary-model")
+    except CannotReadInPartError as why:
+        print(f"train: canary: loading the whole checkpoint: {why}", flush=True)
+        return None
+    print(f"train: canary: {fetched.summary(reader.description)}", flush=True)
+    return str(fetched.directory)
+
+
 def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> tuple[Any, Architecture, str]:
     """The causal LM (fp32 master weights), its architecture and the name benchmark.json reports."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -86,6 +105,8 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
     channel = os.environ.get("SM_CHANNEL_MODEL", MODEL_CHANNEL_DIR)
     if source.startswith("s3://") and Path(channel).is_dir() and any(Path(channel).iterdir()):
         source = channel
+    elif hp.canary_layers and (part := _canary_part(source, hp.canary_layers, workdir)) is not None:
+        source = part
     elif source.startswith("s3://"):
         source = str(_download_s3_model(source, workdir / "model"))
     model: Any

@@ -200,7 +200,7 @@ def plan(
     console.print(f"[green]within budget[/]{note}")
     if stack_name:
         from gpuscout.cloud.client import CloudStack
-        from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
+        from gpuscout.plan.canary import canary_model_note, cloud_canaries, predicted_canary_cost_usd
 
         stack = CloudStack(stack_name)
         parallel = the_plan.search.max_parallel_trials if the_plan.search else None
@@ -210,6 +210,8 @@ def plan(
         for canary in canaries:
             if canary.placement:  # too large for the canary type: on its job's type, bought as its job is
                 console.print(f"[yellow]canary:[/] {canary.spec.job_name} {escape(canary.placement)}", soft_wrap=True)
+        if canaries and (model_note := canary_model_note(manifest)):
+            console.print(f"[yellow]canary:[/] {escape(model_note)}", soft_wrap=True)
         if canaries:
             cost = predicted_canary_cost_usd(canaries)
             console.print(

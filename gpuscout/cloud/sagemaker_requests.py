@@ -116,11 +116,15 @@ def _s3_channel(name: str, uri: str) -> dict[str, Any]:
 MODEL_CHANNEL = "model"
 
 
-def _model_channel(spec: JobSpec) -> list[dict[str, Any]]:
+def _model_channel(spec: JobSpec, *, isolated: bool) -> list[dict[str, Any]]:
     """An S3 model (model.path) as the ``model`` input channel: SageMaker downloads it with the job's role before
-    the container starts (train.py reads SM_CHANNEL_MODEL), so it loads under network isolation too."""
+    the container starts (train.py reads SM_CHANNEL_MODEL), so it loads under network isolation too.
+
+    A canary with network (a ``canary_layers`` cut, not ``isolated``) gets no channel: the channel would download
+    the whole checkpoint, and train.py reads only the part its layers need from S3 (training/partial_checkpoint.py).
+    Under network isolation the channel is the only way in, so its canary downloads all of it."""
     uri = spec.hyperparameters.get("model_name_or_path", "")
-    if not uri.startswith("s3://"):
+    if not uri.startswith("s3://") or (int(spec.hyperparameters.get("canary_layers") or 0) > 0 and not isolated):
         return []
     uri = uri if uri.endswith("/") else uri + "/"  # raw/models/q must not also pull raw/models/q-7b/
     return [_s3_channel(MODEL_CHANNEL, uri)]
@@ -137,7 +141,9 @@ def job_code_environment(spec: JobSpec) -> dict[str, str]:
     return env
 
 
-def _input_channels(spec: JobSpec, settings: RequestSettings, data: DataSource | None) -> list[dict[str, Any]]:
+def _input_channels(
+    spec: JobSpec, settings: RequestSettings, data: DataSource | None, *, isolated: bool
+) -> list[dict[str, Any]]:
     """The built-in job reads the processed dataset (``train``) and an S3 model (``model``); the user's own code
     gets its folder as the ``code`` channel and reads its own data."""
     if spec.job_code is not None:
@@ -147,7 +153,7 @@ def _input_channels(spec: JobSpec, settings: RequestSettings, data: DataSource |
         return [_s3_channel(CODE_CHANNEL, uri if uri.endswith("/") else uri + "/")]
     if data is None:
         raise ValueError(f"job {spec.job_name}: the built-in job needs its processed data source")
-    return [_s3_channel("train", processed_data_uri(settings, data)), *_model_channel(spec)]
+    return [_s3_channel("train", processed_data_uri(settings, data)), *_model_channel(spec, isolated=isolated)]
 
 
 def training_job_request(
@@ -181,7 +187,7 @@ def training_job_request(
         },
         "RoleArn": settings.role_arn,
         "HyperParameters": dict(spec.hyperparameters),
-        "InputDataConfig": _input_channels(spec, settings, data),
+        "InputDataConfig": _input_channels(spec, settings, data, isolated=enable_network_isolation),
         "OutputDataConfig": {"S3OutputPath": output_uri(settings, spec.run_id)},
         "ResourceConfig": {
             "InstanceType": spec.instance_type,

@@ -251,6 +251,20 @@ def cloud_canaries(
     )
 
 
+def canary_model_note(manifest: Manifest) -> str | None:
+    """How the cloud canaries get an S3 or hub model, when they cannot read only their layers' part of it (the
+    training image's partial_checkpoint does, by byte range, given network)."""
+    if manifest.job is not None:
+        return None
+    model, _, _ = manifest.builtin()
+    if model.path and model.path.startswith("s3://") and manifest.network_isolation:
+        return (
+            f"each canary downloads the whole model {model.path} (network_isolation: true allows only the model "
+            f"input channel, which copies all of it), though it keeps {CLOUD_CANARY_LAYERS} layers"
+        )
+    return None
+
+
 def predicted_canary_cost_usd(canaries: Sequence[Canary]) -> float:
     """What the canaries are predicted to cost: each is billed like the start of the job it covers (the prediction's
     overhead_seconds: the planner's provisioning, image pull and data download, 360 s for a cloud job) on its own

@@ -165,3 +165,24 @@ def test_a_canary_moved_to_a_spot_jobs_type_runs_on_spot_as_its_job(tmp_path: Pa
     needs = plan_needs(jobs, concurrency=4, canary_instance_type="ml.g5.8xlarge", canaries=[c.spec for c in canaries])
     on_demand_p4d = [n for n in needs if n.instance_type == "ml.p4d.24xlarge" and not n.spot]
     assert on_demand_p4d == []
+
+
+def test_a_canary_that_must_copy_a_whole_s3_model_says_so(tmp_path: Path) -> None:
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.plan.canary import canary_model_note
+
+    catalog = load_catalog()
+    s3_model = "model: {path: 's3://gpuscout-data-1/raw/models/q/', architecture: qwen2-tiny}"
+    text = MANIFEST.replace("model: {preset: qwen2-tiny}", s3_model).replace("tokenizer: {kind: bpe, vocab_size: 512}",
+                                                                            "tokenizer: {kind: qwen}")  # fmt: skip
+    notes = {}
+    for isolated in (False, True):
+        path = tmp_path / f"m-{isolated}.yaml"
+        path.write_text(text + f"network_isolation: {str(isolated).lower()}\n")
+        notes[isolated] = canary_model_note(load_manifest(path, catalog=catalog))
+    # With network a canary reads only its layers' byte ranges (training/partial_checkpoint.py): nothing to say;
+    # under network isolation only the model channel reaches it, and that copies the whole checkpoint
+    assert notes[False] is None
+    assert notes[True] is not None and "downloads the whole model s3://gpuscout-data-1/raw/models/q/" in notes[True]
+    assert canary_model_note(load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=catalog)) is None
