@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Collection, Mapping
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +36,10 @@ _INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
 # The training image's base (training/Dockerfile ARG BASE_IMAGE): a public registry, so `cdk deploy` needs no
 # `docker login`; the default is the Dockerfile's own.
 _PUBLIC_IMAGE_RE = re.compile(r"^public\.ecr\.aws/[a-z0-9._/-]+(:[A-Za-z0-9._-]+|@sha256:[0-9a-f]{64})$")
+# A PyTorch DLC's tag names its torch version first: pytorch:2.13.0-cu133-amzn2023-sagemaker, pytorch:2.13-cu133-...,
+# pytorch-training:2.10.0-gpu-py313-cu130-ubuntu22.04-sagemaker.
+_DLC_TORCH_RE = re.compile(r"^public\.ecr\.aws/deep-learning-containers/pytorch(?:-training)?:(\d+\.\d+(?:\.\d+)?)-")
+IMAGE_REQUIREMENTS = Path(__file__).resolve().parents[1] / "training" / "requirements.txt"
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
 # CloudWatch Logs accepts only these retention periods (days -> aws_logs.RetentionDays member name).
 LOG_RETENTION_DAYS = {
@@ -138,6 +143,12 @@ class StackConfig(BaseModel):
             raise ValueError(
                 f"{v!r} is not a public ECR image (public.ecr.aws/<repository>:<tag> or @sha256:<digest>); a private "
                 "registry would need a `docker login` before every deploy"
+            )
+        tagged, pinned = dlc_torch_version(v) if v else None, pinned_torch()
+        if tagged is not None and not (pinned == tagged or pinned.startswith(tagged + ".")):
+            raise ValueError(
+                f"{v!r} brings torch {tagged}, but the image installs torch {pinned} (training/requirements.txt) over "
+                f"its base's own torch only when they are equal: use a DLC tag of torch {pinned}"
             )
         return v
 
@@ -260,3 +271,18 @@ def load_config(context: Mapping[str, Any]) -> StackConfig:
             for e in err.errors(include_url=False)
         )
         raise ConfigError(f"invalid gpuscout settings in cdk.json context (or -c overrides):\n{problems}") from err
+
+
+def dlc_torch_version(image: str) -> str | None:
+    """The torch version a PyTorch DLC's tag names (2.13.0, or 2.13 for a floating tag); None for another image or a
+    digest (training/Dockerfile still checks the base's torch when it builds)."""
+    match = _DLC_TORCH_RE.match(image)
+    return match.group(1) if match else None
+
+
+def pinned_torch() -> str:
+    """The torch version training/requirements.txt pins (the training image keeps its base's torch only if equal)."""
+    for line in IMAGE_REQUIREMENTS.read_text().splitlines():
+        if line.startswith("torch=="):
+            return line.split("==", 1)[1].split("#", 1)[0].strip()
+    raise ValueError(f"{IMAGE_REQUIREMENTS} pins no torch")

@@ -90,6 +90,12 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(log_retention_days=10), "log_retention_days"),
         (_context(quota_wait_hours=96), "quota_wait_hours .96. exceeds execution_timeout_hours"),
         (_context(training_image_base=PRIVATE_DLC), "training_image_base"),
+        (
+            _context(
+                training_image_base="public.ecr.aws/deep-learning-containers/pytorch:2.12-cu130-amzn2023-sagemaker"
+            ),
+            r"brings torch 2\.12, but the image installs torch 2\.13\.0",
+        ),
         (_context(processing_instance_type="ml.p4d.24xlarge"), "cannot run SageMaker Processing jobs"),
         (_context(stack_name="1-bad_name"), "stack_name"),
         (_context(map_max_concurrency=40), "25,000-event execution history"),
@@ -160,7 +166,7 @@ def test_a_configured_image_base_becomes_the_dockerfile_build_arg(tmp_path: Path
     from stacks.training_image import TrainingImage
 
     # Given context training_image_base (a public ECR image), When the image asset synthesizes
-    base = "public.ecr.aws/deep-learning-containers/pytorch-training:2.11.0-gpu-py312-cu130-ubuntu22.04-sagemaker"
+    base = "public.ecr.aws/deep-learning-containers/pytorch:2.13-cu133-amzn2023-sagemaker"  # a floating tag, same torch
     assert load_config(_context(training_image_base=base)).training_image_base == base
     app = cdk.App(outdir=str(tmp_path))
     TrainingImage(cdk.Stack(app, "ImageOnly"), "Image", base_image=base)

@@ -68,17 +68,79 @@ def _dockerfile() -> str:
     return (ROOT / "training" / "Dockerfile").read_text()
 
 
-def test_the_image_base_needs_no_registry_login() -> None:
+def test_the_image_base_needs_no_registry_login_and_brings_the_pinned_torch() -> None:
+    from stacks.config import dlc_torch_version
+
     text = _dockerfile()
     default = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.MULTILINE)
     assert default, "training/Dockerfile: no ARG BASE_IMAGE=<image> default"
-    assert default.group(1).startswith("public.ecr.aws/deep-learning-containers/pytorch-training:")
-    assert "-sagemaker" in default.group(1), "the SageMaker flavour of the DLC (its toolkit, EFA, OFI NCCL)"
+    assert default.group(1).startswith("public.ecr.aws/deep-learning-containers/pytorch:")
+    assert "-sagemaker" in default.group(1), "the SageMaker flavour of the DLC (EFA, OFI NCCL, CUDA compat)"
     (from_line,) = re.findall(r"^FROM (.+)$", text, re.MULTILINE)
     assert from_line.strip() == "${BASE_IMAGE}"
     assert "dkr.ecr" not in text.replace("# ", ""), "a private ECR registry needs `docker login`"
-    # and the pinned requirements are what the image installs
-    assert "pip install -r /opt/ml/code/training/requirements.txt" in text
+    # and the base's torch is the pinned one: nothing of torch or its CUDA wheels is installed again
+    assert dlc_torch_version(default.group(1)) == IMAGE["torch"]
+
+
+def _install_step() -> str:
+    """The Dockerfile's RUN that installs training/requirements.txt, as the shell runs it."""
+    text = _dockerfile().replace("\\\n", " ")
+    (step,) = [line for line in text.splitlines() if line.startswith("RUN ") and "requirements.txt" in line]
+    return step.removeprefix("RUN ")
+
+
+def _fake_python(folder: Path, torch: str, *, pip: bool) -> Path:
+    """A ``python`` (and ``uv``) on PATH that reports ``torch`` and records every call in calls.log."""
+    folder.mkdir()
+    log = folder / "calls.log"
+    script = f"""#!/bin/bash
+echo "$(basename "$0") $*" >> {log}
+case "$*" in
+  *"print(torch.__version__)"*) echo {torch} ;;
+  "-m pip --version") {"echo pip 25" if pip else "exit 1"} ;;
+esac
+"""
+    for name in ("python", "uv"):
+        (folder / name).write_text(script)
+        (folder / name).chmod(0o755)
+    return log
+
+
+@pytest.mark.parametrize("pip", [True, False])
+def test_the_image_installs_the_pins_over_the_bases_own_torch(tmp_path: Path, pip: bool) -> None:
+    import os
+    import subprocess
+
+    step = _install_step().replace("/opt/ml/code/training/requirements.txt", str(ROOT / "training/requirements.txt"))
+    step = step.replace("/tmp/torch-constraint.txt", str(tmp_path / "constraint.txt"))
+    # Given a base whose torch is the pinned one (with the CUDA build's local label)
+    log = _fake_python(tmp_path / "bin", f"{IMAGE['torch']}+cu130", pip=pip)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    # When the Dockerfile's install step runs
+    done = subprocess.run(["sh", "-c", step], env=env, capture_output=True, text=True, check=False)
+    # Then it installs the pins with torch held at the base's exact build, and checks it afterwards
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text()
+    installer = "python -m pip install -r" if pip else "uv pip install --python"
+    (install,) = [line for line in calls.splitlines() if line.startswith(installer)]
+    assert "training/requirements.txt -c " in install and "mlflow" in calls
+    assert f"assert torch.__version__ == '{IMAGE['torch']}+cu130'" in calls
+
+
+def test_a_base_with_another_torch_stops_the_build_naming_both(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    step = _install_step().replace("/opt/ml/code/training/requirements.txt", str(ROOT / "training/requirements.txt"))
+    log = _fake_python(tmp_path / "bin", "2.10.0+cu130", pip=True)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    done = subprocess.run(["sh", "-c", step], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 1
+    assert (
+        f"the base image has torch 2.10.0+cu130, training/requirements.txt pins torch {IMAGE['torch']}" in done.stderr
+    )
+    assert "install" not in log.read_text()  # nothing was installed
 
 
 def test_the_entrypoint_passes_sagemakers_argument_to_the_launcher() -> None:
