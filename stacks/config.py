@@ -144,6 +144,8 @@ class StackConfig(BaseModel):
                 f"{v!r} is not a public ECR image (public.ecr.aws/<repository>:<tag> or @sha256:<digest>); a private "
                 "registry would need a `docker login` before every deploy"
             )
+        if v is not None and "-cpu" in v:
+            raise ValueError(f"{v!r} is a CPU image: the training image needs the DLC's CUDA build")
         tagged, pinned = dlc_torch_version(v) if v else None, pinned_torch()
         if tagged is not None and not (pinned == tagged or pinned.startswith(tagged + ".")):
             raise ValueError(

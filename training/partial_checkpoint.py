@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 BIN_CHECKPOINTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 CHUNK_BYTES = 64 * 1024 * 1024  # one range request reads at most this much (memory stays bounded)
+RETRIES = 4  # attempts per hub request (huggingface_hub's own downloads retry too); S3: botocore's retries
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -209,6 +212,12 @@ def fetch_first_layers(source: RangeSource, layers: int, target: Path) -> Partia
             total_bytes = data_at + max(ends, default=0)
     if not tensors:
         raise TrainingError(f"{source.description}: no tensor kept for {layers} layer(s)")
+    names = weight_map.keys() if weight_map is not None else [t.name for t in tensors]
+    if not any(_LAYER.search(name) for name in names):
+        raise CannotReadInPartError(
+            f"{source.description}: no tensor is named like '<prefix>.layers.<i>.', so its decoder layers cannot be "
+            "told apart"
+        )
     target.mkdir(parents=True, exist_ok=True)
     read = _write_safetensors(target / SINGLE, tensors, metadata, source)
     (target / CONFIG).write_text(json.dumps(config, indent=2))
@@ -273,19 +282,31 @@ class HubSource:
 
         url = hf_hub_url(self.repo_id, name, revision=self.revision, endpoint=self.endpoint)
         headers = build_hf_headers()
+        headers["accept-encoding"] = "identity"  # a CDN ignores Range for a compressed answer (file_download.py)
         if start is not None:
             headers["range"] = f"bytes={start}-{(end or start + 1) - 1}"
-        try:
-            response = get_session().get(url, headers=headers, timeout=60)
-            if response.status_code == 404:
-                return None
-            if response.status_code == 416:  # a range past the end of a shorter file
-                return b""
-            hf_raise_for_status(response)
-        except Exception as err:  # httpx and huggingface_hub errors alike: name the file and why
-            raise TrainingError(f"cannot read {name} of {self.description}: {err}") from err
-        if start is not None and response.status_code != 206:
-            raise CannotReadInPartError(
-                f"{url} answered a byte-range request with HTTP {response.status_code}, not 206 (partial content)"
-            )
-        return bytes(response.content)
+        for attempt in range(1, RETRIES + 1):
+            try:
+                # streamed: the status is checked before a body is read (a server ignoring Range sends a whole shard)
+                with get_session().stream("GET", url, headers=headers, timeout=60) as response:
+                    if response.status_code == 404:
+                        return None
+                    if response.status_code == 416:  # a range past the end of a shorter file
+                        return b""
+                    if response.status_code in RETRY_STATUSES and attempt < RETRIES:
+                        time.sleep(2**attempt)
+                        continue
+                    hf_raise_for_status(response)
+                    if start is not None and response.status_code != 206:
+                        raise CannotReadInPartError(
+                            f"{url} answered a byte-range request with HTTP {response.status_code}, not 206 "
+                            "(partial content)"
+                        )
+                    return bytes(response.read())
+            except CannotReadInPartError:
+                raise
+            except Exception as err:  # httpx and huggingface_hub errors alike: retry, then name the file and why
+                if attempt == RETRIES or "offline mode" in str(err).lower():
+                    raise TrainingError(f"cannot read {name} of {self.description}: {err}") from err
+                time.sleep(2**attempt)
+        raise AssertionError("unreachable")

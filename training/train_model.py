@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,20 +57,45 @@ def _download_s3_model(uri: str, target: Path) -> Path:
     return target
 
 
-def _canary_part(source: str, layers: int, workdir: Path) -> str | None:
-    """A canary's S3 or hub model read in part (partial_checkpoint): the local directory of its first ``layers``
-    layers, or None (said on stdout, with why) when only the whole checkpoint will do: a local path (read in place),
-    the hub with HF_HUB_OFFLINE=1 (from_pretrained's cache or its clear error), a format that cannot be read in part."""
+def _hub_offline() -> bool:
+    """huggingface_hub's own switch (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, 1/true/yes/on)."""
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode())
+
+
+def _canary_model(source: str, layers: int) -> str:
+    """What a canary loads for an S3 or hub model: the part its first ``layers`` layers need (partial_checkpoint),
+    else, said on stdout with why, the whole checkpoint (S3: downloaded; hub: the id, which from_pretrained fetches).
+    One process per machine reads it, into a folder under GPUSCOUT_CANARY_MODEL_DIR (default: the temp folder); the
+    other ranks wait on its lock and load the same files."""
+    import fcntl
+    import hashlib
+
+    root = Path(os.environ.get("GPUSCOUT_CANARY_MODEL_DIR") or tempfile.gettempdir()) / "gpuscout-canary-model"
+    folder = root / hashlib.sha256(f"{source}|{layers}".encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / "done.json"
+        if done.is_file():
+            path = str(json.loads(done.read_text())["path"])
+            print(f"train: canary: loading {path} (read by another rank)", flush=True)
+            return path
+        path = _fetch_canary_model(source, layers, folder)
+        done.write_text(json.dumps({"path": path}))
+        return path
+
+
+def _fetch_canary_model(source: str, layers: int, folder: Path) -> str:
     from partial_checkpoint import CannotReadInPartError, HubSource, RangeSource, S3Source, fetch_first_layers
 
-    if Path(source).exists() or (not source.startswith("s3://") and os.environ.get("HF_HUB_OFFLINE") == "1"):
-        return None
     reader: RangeSource = S3Source(source) if source.startswith("s3://") else HubSource(source)
     try:
-        fetched = fetch_first_layers(reader, layers, workdir / "canary-model")
-    except CannotReadInPartError as why:
+        fetched = fetch_first_layers(reader, layers, folder / "part")
+    except (CannotReadInPartError, TrainingError, ValueError, KeyError) as why:
         print(f"train: canary: loading the whole checkpoint: {why}", flush=True)
-        return None
+        return str(_download_s3_model(source, folder / "whole")) if source.startswith("s3://") else source
     print(f"train: canary: {fetched.summary(reader.description)}", flush=True)
     return str(fetched.directory)
 
@@ -105,8 +131,8 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
     channel = os.environ.get("SM_CHANNEL_MODEL", MODEL_CHANNEL_DIR)
     if source.startswith("s3://") and Path(channel).is_dir() and any(Path(channel).iterdir()):
         source = channel
-    elif hp.canary_layers and (part := _canary_part(source, hp.canary_layers, workdir)) is not None:
-        source = part
+    elif hp.canary_layers and not Path(source).exists() and (source.startswith("s3://") or not _hub_offline()):
+        source = _canary_model(source, hp.canary_layers)
     elif source.startswith("s3://"):
         source = str(_download_s3_model(source, workdir / "model"))
     model: Any

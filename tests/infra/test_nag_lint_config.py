@@ -96,6 +96,10 @@ def test_config_defaults_and_cli_strings() -> None:
             ),
             r"brings torch 2\.12, but the image installs torch 2\.13\.0",
         ),
+        (
+            _context(training_image_base="public.ecr.aws/deep-learning-containers/pytorch:2.13-cpu-amzn2023-sagemaker"),
+            "is a CPU image",
+        ),
         (_context(processing_instance_type="ml.p4d.24xlarge"), "cannot run SageMaker Processing jobs"),
         (_context(stack_name="1-bad_name"), "stack_name"),
         (_context(map_max_concurrency=40), "25,000-event execution history"),

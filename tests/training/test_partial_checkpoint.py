@@ -116,6 +116,19 @@ def test_an_s3_checkpoint_is_read_in_part(
     assert "2 of 8 decoder layers" in fetched.summary(source.description)
 
 
+def test_weights_not_named_by_layer_say_why_they_cannot_be_cut(aws: Any, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "falcon-like"
+    folder.mkdir()
+    (folder / pc.CONFIG).write_text('{"num_hidden_layers": 4}')
+    save_file({f"transformer.h.{i}.mlp.weight": torch.ones(2, 2) for i in range(4)}, str(folder / pc.SINGLE),
+              metadata={"format": "pt"})  # fmt: skip
+    _upload(aws, folder, "raw/models/falcon-like")
+    with pytest.raises(pc.CannotReadInPartError, match=r"no tensor is named like '<prefix>\.layers\.<i>\.'"):
+        pc.fetch_first_layers(pc.S3Source(f"s3://{BUCKET}/raw/models/falcon-like"), 2, tmp_path / "part")
+
+
 def test_a_bin_checkpoint_says_why_it_cannot_be_read_in_part(aws: Any, tmp_path: Path) -> None:
     aws.create_bucket(Bucket=BUCKET)
     aws.put_object(Bucket=BUCKET, Key="raw/models/old/config.json", Body=b'{"num_hidden_layers": 4}')
@@ -138,6 +151,7 @@ def test_a_canary_of_an_s3_model_loads_only_its_layers(
     monkeypatch.setattr(train_model, "MODEL_CHANNEL_DIR", str(tmp_path / "no-channel"))
     monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)
     monkeypatch.setattr(train_model, "_download_s3_model", lambda *_a: pytest.fail("downloaded the whole model"))
+    monkeypatch.setenv("GPUSCOUT_CANARY_MODEL_DIR", str(tmp_path / "shared"))
     hp = train_args.Hyperparameters(model_name_or_path=f"s3://{BUCKET}/{PREFIX}/", canary_layers=2)
 
     # When train.py builds the canary's model
@@ -150,6 +164,11 @@ def test_a_canary_of_an_s3_model_loads_only_its_layers(
     assert torch.equal(state[down], full[down].float())
     assert torch.equal(state["lm_head.weight"], full["lm_head.weight"].float())
     assert "train: canary: read " in capsys.readouterr().out
+    # and another rank on the same machine loads the same files without reading S3 again
+    again, _, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work-rank1")
+    out = capsys.readouterr().out
+    assert "read by another rank" in out and "train: canary: read " not in out
+    assert torch.equal(again.state_dict()["lm_head.weight"], state["lm_head.weight"])
 
 
 def test_a_canary_of_a_bin_checkpoint_loads_it_whole_and_says_why(
@@ -170,12 +189,13 @@ def test_a_canary_of_a_bin_checkpoint_loads_it_whole_and_says_why(
     _upload(aws, old, "raw/models/old")
     monkeypatch.setattr(train_model, "MODEL_CHANNEL_DIR", str(tmp_path / "no-channel"))
     monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)
+    monkeypatch.setenv("GPUSCOUT_CANARY_MODEL_DIR", str(tmp_path / "shared"))
     hp = train_args.Hyperparameters(model_name_or_path=f"s3://{BUCKET}/raw/models/old", canary_layers=2)
 
     model, _, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
 
     assert model.config.num_hidden_layers == 2
-    assert (tmp_path / "work" / "model" / "pytorch_model.bin").is_file()  # the whole checkpoint, downloaded
+    assert list((tmp_path / "shared").glob("*/*/whole/pytorch_model.bin"))  # the whole checkpoint, downloaded once
     assert "loading the whole checkpoint: s3://" in capsys.readouterr().out
 
 
@@ -187,6 +207,7 @@ class _HubHandler(BaseHTTPRequestHandler):
     root: Path
     repo: str
     honour_ranges = True
+    failures_left = 0  # answer this many requests with 503 first (a busy CDN)
     requests: list[tuple[str, str | None]]
 
     def log_message(self, *_: Any) -> None:
@@ -194,6 +215,11 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.requests.append((self.path, self.headers.get("range")))
+        if type(self).failures_left > 0:
+            type(self).failures_left -= 1
+            self.send_response(503)
+            self.end_headers()
+            return
         prefix = f"/{self.repo}/resolve/main/"
         if self.path.startswith(prefix) and self.path.endswith(".safetensors"):
             self.send_response(302)
@@ -258,3 +284,14 @@ def test_a_server_that_ignores_ranges_is_named(hub: type[_HubHandler], tmp_path:
     source = pc.HubSource("acme/tiny", endpoint=hub.endpoint)  # type: ignore[attr-defined]
     with pytest.raises(pc.CannotReadInPartError, match="HTTP 200, not 206"):
         pc.fetch_first_layers(source, 1, tmp_path / "part")
+
+
+def test_a_busy_hub_is_retried(
+    hub: type[_HubHandler], checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(pc.time, "sleep", lambda _s: None)
+    hub.failures_left = 2
+    fetched = pc.fetch_first_layers(pc.HubSource("acme/tiny", endpoint=hub.endpoint), 1, tmp_path / "part")  # type: ignore[attr-defined]
+    _loads_the_first_layers(fetched, checkpoint[1], 1)
+    assert hub.failures_left == 0
