@@ -8,7 +8,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 unexport PYTHONDONTWRITEBYTECODE
 export MPLBACKEND := Agg
 
-.PHONY: demo test check lint format types synth install clean gpu-check gpu-memory-probe
+.PHONY: demo test check lint format types synth install clean gpu-check gpu-wheels gpu-memory-probe
 
 ## --no-compile: pip would compile all ~20,000 files it installs to bytecode, one at a time (45 of the install's 70 s on
 ## a 2-core Xeon, 2026-11-25; compileall on both cores still took 29 s). Python compiles a module the first time it is
@@ -60,6 +60,13 @@ types:
 
 ## Lint + types + tests.
 check: install lint types test
+
+## Wheels for `make gpu-check` on a GPU machine with no package index (benchmarks/gpu_wheels.py): the dependency
+## closure of benchmarks/gpu-check-requirements.txt for that machine's Python (PY) except its own torch, triton and
+## numpy, into .whl/ (gpu-check installs .whl/*.whl). Needs a package index here; about a minute.
+PY ?= 3.12
+gpu-wheels: install
+	$(BIN)/python benchmarks/gpu_wheels.py --python-version $(PY) --out .whl
 
 ## CUDA-only checks and a short Hopper smoke on an NVIDIA GPU, on the machine's own torch (no venv is built):
 ## installs benchmarks/gpu-check-requirements.txt (from .whl/ wheels when present, else from the package index)

@@ -1,0 +1,58 @@
+"""`make gpu-wheels` carries the dependency closure of gpu-check's requirements minus the GPU machine's own torch
+branch (benchmarks/gpu_wheels.py), computed from pip's installation report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_wheels  # noqa: E402
+
+
+def _item(name: str, version: str, *requires: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "version": version, "requires_dist": list(requires)},
+        "download_info": {"url": f"https://files.example/{name}-{version}.whl"},
+    }
+
+
+REPORT = {
+    "install": [
+        _item("transformers", "5.23.0", "numpy>=1.17", "tokenizers<0.24,>=0.22", "torch>=2.4; extra == 'torch'"),
+        _item("Liger_Kernel", "0.8.5", "torch>=2.1.2", "triton>=2.3.1"),
+        _item("tokenizers", "0.23.3", "huggingface-hub<3,>=1"),
+        _item("huggingface_hub", "2.4.0", "pywin32; sys_platform == 'win32'", "typing-extensions>=4"),
+        _item("typing_extensions", "4.16.0"),
+        _item("torch", "2.10.0", "sympy>=1.13", "nvidia-cublas-cu12; platform_system == 'Linux'", "typing-extensions"),
+        _item("triton", "3.6.0"),
+        _item("numpy", "2.5.5"),
+        _item("sympy", "1.14.0", "mpmath"),
+        _item("mpmath", "1.3.0"),
+        _item("nvidia-cublas-cu12", "12.8.4.1"),
+    ]
+}
+
+
+def test_the_closure_leaves_the_machines_torch_branch_out() -> None:
+    keep, left_out = gpu_wheels.closure(REPORT, ["transformers", "liger-kernel"], "3.12")
+    assert [d["name"] for d in keep] == ["huggingface_hub", "Liger_Kernel", "tokenizers", "transformers",
+                                         "typing_extensions"]  # fmt: skip
+    # torch, triton, numpy and what only they need stay with the machine; a dependency torch shares with the
+    # carried packages (typing-extensions) is carried; extras' and other platforms' requirements are not followed
+    assert left_out == ["mpmath", "numpy", "nvidia-cublas-cu12", "sympy", "torch", "triton"]
+    assert all(d["url"].startswith("https://files.example/") for d in keep)
+
+
+def test_markers_are_evaluated_for_the_target_python() -> None:
+    environment = gpu_wheels.marker_environment("3.12")
+    assert gpu_wheels.needs(["tomli; python_version < '3.11'", "a; python_version >= '3.12'"], environment) == ["a"]
+    assert gpu_wheels.needs(["tomli; python_version < '3.11'"], gpu_wheels.marker_environment("3.10")) == ["tomli"]
+
+
+def test_the_requirements_roots_are_gpu_checks_pins() -> None:
+    roots = gpu_wheels.root_names(gpu_wheels.REQUIREMENTS)
+    assert "transformers" in roots and "liger-kernel" in roots and "torch" not in roots
