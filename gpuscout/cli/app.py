@@ -332,14 +332,12 @@ def runs(
     limit: Annotated[int, typer.Option(help="Show at most this many runs.", min=1)] = 50,
     stack_name: CloudStackOption = None,
     fmt: Annotated[
-        OutputFormat, typer.Option("--format", "-f", help="Output format (table or json).")
+        OutputFormat, typer.Option("--format", "-f", help="Output format (table, json or csv).")
     ] = OutputFormat.TABLE,
 ) -> None:
     """List runs, newest first. A local run whose process is gone shows as ABANDONED."""
     from gpuscout.local.closing import is_abandoned
 
-    if fmt is OutputFormat.CSV:
-        raise GpuscoutError("runs supports --format table or json")
     store = open_store(db, stack_name, read_only=True)
     records = store.list_runs(limit=limit)
     rows: list[dict[str, Any]] = []
@@ -367,6 +365,9 @@ def runs(
         )
     if fmt is OutputFormat.JSON:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    if fmt is OutputFormat.CSV:
+        _write_csv(rows, fields=list(rows[0]) if rows else ["run_id"])
         return
     if not rows:
         console.print("no runs yet; try `gpuscout local configs/manifests/quickstart.yaml`")
@@ -427,13 +428,7 @@ def results(
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         return
     if fmt is OutputFormat.CSV:
-        buffer = io.StringIO()
-        fields = list(rows[0]) if rows else ["job_name"]
-        writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _csv_value(v) for k, v in row.items()})
-        sys.stdout.write(buffer.getvalue())
+        _write_csv(rows, fields=list(rows[0]) if rows else ["job_name"])
         return
     console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {status_markup(run.status.value)}")
     if run.error:
@@ -442,6 +437,16 @@ def results(
     text = recommendation_text(analysis)
     if text:
         console.print(text)
+
+
+def _write_csv(rows: list[dict[str, Any]], *, fields: list[str]) -> None:
+    """``rows`` as CSV on stdout, a header line first (lists and dicts as JSON, None as empty)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _csv_value(v) for k, v in row.items()})
+    sys.stdout.write(buffer.getvalue())
 
 
 def _csv_value(value: object) -> object:

@@ -235,6 +235,11 @@ def test_runs_never_truncates_the_run_id_and_has_json(db: Path) -> None:
     assert code == 0
     [row] = json.loads(out)
     assert row["run_id"] == RUN_ID and row["status"] == run.status.value and "note" in row
+    # and csv, as --help offers it: the same fields, the long note whole
+    code, out, err = invoke("runs", "--db", str(db), "--format", "csv")
+    assert code == 0, err
+    [csv_row] = list(csv.DictReader(io.StringIO(out)))
+    assert list(csv_row) == list(row) and csv_row["run_id"] == RUN_ID and csv_row["note"] == row["note"]
 
 
 @pytest.mark.parametrize(
