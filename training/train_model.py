@@ -142,8 +142,9 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
             source, attn_implementation=attention, dtype=torch.float32, **layers
         )
     except (OSError, ValueError) as err:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        hint = " (HF_HUB_OFFLINE=1: hub models need network; use model_preset or a local path)" if offline else ""
+        hint = (
+            " (HF_HUB_OFFLINE=1: hub models need network; use model_preset or a local path)" if _hub_offline() else ""
+        )
         raise TrainingError(f"cannot load model {hp.model_name_or_path!r}{hint}: {err}") from err
     model.config.use_cache = False
     if model.get_input_embeddings().weight.shape[0] < vocab:

@@ -137,6 +137,14 @@ def test_a_bin_checkpoint_says_why_it_cannot_be_read_in_part(aws: Any, tmp_path:
         pc.fetch_first_layers(pc.S3Source(f"s3://{BUCKET}/raw/models/old"), 2, tmp_path / "part")
 
 
+def _a_canary_job_without_a_model_channel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """train.py's environment in a canary job with network: no "model" channel (sagemaker_requests gives it none),
+    the machine's shared canary-model folder under ``tmp_path``."""
+    monkeypatch.setattr(train_model, "MODEL_CHANNEL_DIR", str(tmp_path / "no-channel"))
+    monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)
+    monkeypatch.setenv("GPUSCOUT_CANARY_MODEL_DIR", str(tmp_path / "shared"))
+
+
 def test_a_canary_of_an_s3_model_loads_only_its_layers(
     aws: Any,
     checkpoint: tuple[Path, dict[str, torch.Tensor]],
@@ -148,10 +156,8 @@ def test_a_canary_of_an_s3_model_loads_only_its_layers(
     # Given an S3 model and no "model" channel (a canary with network gets none: sagemaker_requests)
     folder, full = checkpoint
     _upload(aws, folder)
-    monkeypatch.setattr(train_model, "MODEL_CHANNEL_DIR", str(tmp_path / "no-channel"))
-    monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)
+    _a_canary_job_without_a_model_channel(monkeypatch, tmp_path)
     monkeypatch.setattr(train_model, "_download_s3_model", lambda *_a: pytest.fail("downloaded the whole model"))
-    monkeypatch.setenv("GPUSCOUT_CANARY_MODEL_DIR", str(tmp_path / "shared"))
     hp = train_args.Hyperparameters(model_name_or_path=f"s3://{BUCKET}/{PREFIX}/", canary_layers=2)
 
     # When train.py builds the canary's model
@@ -187,9 +193,7 @@ def test_a_canary_of_a_bin_checkpoint_loads_it_whole_and_says_why(
     shutil.copy(folder / pc.CONFIG, old / pc.CONFIG)
     torch.save(full, old / "pytorch_model.bin")
     _upload(aws, old, "raw/models/old")
-    monkeypatch.setattr(train_model, "MODEL_CHANNEL_DIR", str(tmp_path / "no-channel"))
-    monkeypatch.delenv("SM_CHANNEL_MODEL", raising=False)
-    monkeypatch.setenv("GPUSCOUT_CANARY_MODEL_DIR", str(tmp_path / "shared"))
+    _a_canary_job_without_a_model_channel(monkeypatch, tmp_path)
     hp = train_args.Hyperparameters(model_name_or_path=f"s3://{BUCKET}/raw/models/old", canary_layers=2)
 
     model, _, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
