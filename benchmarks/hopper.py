@@ -152,7 +152,8 @@ def variants(model: str, blocks: int, quick: bool) -> list[Variant]:
     optimized: dict[str, Any] = {
         "packing": True,
         "attention_implementation": "sdpa" if quick else "flex",
-        "fused_cross_entropy": True,  # Liger fused linear CE on CUDA, chunked CE elsewhere
+        "fused_cross_entropy": True,
+        "cross_entropy_kernel": "chunked",  # the project's chunked loss; rows ce-liger and ce-torch time the others
         "torch_compile": not quick,
         "fused_adamw": True,
         "pin_memory": True,
@@ -166,10 +167,16 @@ def variants(model: str, blocks: int, quick: bool) -> list[Variant]:
         rows.append(Variant(name, change, {**optimized, **settings}))
 
     if quick:  # a CPU smoke test: flex and compile take minutes to compile on a CPU; one ablation row
-        off("no-fused-ce", "full-vocabulary logits + standard cross-entropy", fused_cross_entropy=False)
+        off("no-fused-ce", "full-vocabulary logits + standard cross-entropy", fused_cross_entropy=False,
+            cross_entropy_kernel="auto")  # fmt: skip
         return rows
     off("sdpa-mask", "SDPA with a dense 4D document mask instead of flex attention", attention_implementation="sdpa")
-    off("no-fused-ce", "full-vocabulary logits + standard cross-entropy", fused_cross_entropy=False)
+    off("no-fused-ce", "full-vocabulary logits + standard cross-entropy", fused_cross_entropy=False,
+        cross_entropy_kernel="auto")  # fmt: skip
+    off("ce-liger", "Liger's fused linear cross-entropy (eager, ~4,096-row chunks, fp32 weight-gradient sum) "
+        "instead of the chunked loss", cross_entropy_kernel="liger")  # fmt: skip
+    off("ce-torch", "torch's linear_cross_entropy (4,096-row chunks) instead of the chunked loss",
+        cross_entropy_kernel="torch")  # fmt: skip
     off("no-compile", "eager PyTorch", torch_compile=False)
     off("no-fused-adamw", "for-loop AdamW instead of the fused CUDA kernel", fused_adamw=False)
     off("no-pinned-memory", "pageable host batches (copies not asynchronous)", pin_memory=False)

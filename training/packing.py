@@ -20,6 +20,7 @@ from data_preparation import piece_spans
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
+CHUNK_ROWS = 4096  # target rows a fused loss projects at a time (memory model: gpuscout/plan/memory.py)
 
 
 @dataclass
@@ -149,7 +150,7 @@ def _chunk_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *, chunk_tokens: int = 4096
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *, chunk_tokens: int = CHUNK_ROWS
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``head(hidden)`` against ``labels`` (shifted inside, like HF).
 
@@ -158,10 +159,7 @@ def chunked_cross_entropy(
     batch's [B, L, vocab] logits. Numerically the same loss as a cross-entropy over the full logits.
     ``head`` is called as a module so DeepSpeed ZeRO-3 gathers its weight.
     """
-    h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-    t = labels[:, 1:].reshape(-1)
-    keep = t != IGNORE_INDEX
-    h, t = h[keep], t[keep]
+    h, t = _targets(hidden, labels)
     count = t.numel()
     if count == 0:
         return hidden.sum() * 0.0
@@ -187,24 +185,107 @@ def plain_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     )
 
 
+# The fused losses (never the full [B, L, vocab] logits). "chunked": the project's own (chunked_cross_entropy),
+# "liger": Liger kernel's fused linear cross-entropy (CUDA + triton), "torch": torch's own
+# torch.nn.functional.linear_cross_entropy with chunking options (torch >= 2.13). All three project CHUNK_ROWS
+# target rows at a time, so the planner's memory model (gpuscout/plan/memory.py, "chunked") holds for each.
+FUSED_LOSSES = ("chunked", "liger", "torch")
+LOSSES = ("plain", *FUSED_LOSSES)
+
+
+def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, *, chunk_rows: int = CHUNK_ROWS) -> int:
+    """Liger's ``chunk_mem_const`` that makes its chunks about ``chunk_rows`` rows.
+
+    Liger 0.8.5 splits the rows into next_pow2(rows / ceil(vocab / (c * hidden))) row chunks, c = 1 by default:
+    at Qwen's 151,936-word vocabulary and 1,536 hidden that is 64 chunks of 128 rows for 8,192 rows, and every chunk
+    rewrites the whole [vocab, hidden] weight-gradient buffer (~1 GB in fp32), ~120 GB of memory traffic per
+    micro-batch. With this constant the chunks are as large as the chunked loss's."""
+    wanted_chunks = max(1, -(-rows // chunk_rows))
+    return max(1, -(-vocab // (wanted_chunks * hidden)))
+
+
+def torch_linear_cross_entropy_available() -> bool:
+    return hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+def _targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states that predict a target and their targets, ignored rows dropped (shifted like HF)."""
+    h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+    t = labels[:, 1:].reshape(-1)
+    keep = t != IGNORE_INDEX
+    return h[keep], t[keep]
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer would run in here: autocast's when it is on for the tensor's device."""
+    kind = tensor.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return tensor.dtype
+
+
+@torch.compiler.disable  # a Triton autograd.Function with an early return: kept out of the compiled graph
+def liger_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss through Liger's fused linear cross-entropy, ignored rows dropped before the kernel,
+    ~CHUNK_ROWS-row chunks, weight gradient accumulated in fp32. Runs eagerly even inside a compiled model:
+    under torch.compile its ignore_index handling can return a wrong or NaN loss (Liger-Kernel PR #1338)."""
+    import inspect
+
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    h, t = _targets(hidden, labels)
+    if t.numel() == 0:
+        return hidden.sum() * 0.0
+    weight: torch.Tensor = head.weight  # type: ignore[assignment]  # a Linear's weight
+    dtype = _compute_dtype(h)
+    h = h.to(dtype)
+    options: dict[str, Any] = {"ignore_index": IGNORE_INDEX, "reduction": "mean", "accum_dtype": torch.float32}
+    forward = inspect.signature(LigerFusedLinearCrossEntropyFunction.forward)
+    if "chunk_mem_const" in forward.parameters:
+        options["chunk_mem_const"] = liger_chunk_mem_const(h.shape[0], h.shape[1], weight.shape[0])
+    bound = forward.bind(None, h, weight, t, **options)
+    bound.apply_defaults()
+    result = LigerFusedLinearCrossEntropyFunction.apply(*list(bound.arguments.values())[1:])
+    return result[0] if isinstance(result, tuple) else result
+
+
+@torch.compiler.disable  # torch's chunked op falls back to eager under compile anyway; said here, not found out
+def torch_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss through torch.nn.functional.linear_cross_entropy (chunked, CHUNK_ROWS rows per chunk,
+    torch's own accumulation policy for the device and dtype; fp32 accumulation for bf16), ignored rows dropped
+    first. Its backward recomputes each chunk from the saved inputs, as the chunked loss does."""
+    h, t = _targets(hidden, labels)
+    if t.numel() == 0:
+        return hidden.sum() * 0.0
+    dtype = _compute_dtype(h)
+    options = torch.nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=CHUNK_ROWS)
+    weight: torch.Tensor = head.weight.to(dtype)  # type: ignore[assignment]  # a Linear's weight
+    # Per-row losses averaged in fp32: the op returns its reduction in the input dtype, and a bf16 mean is off by
+    # up to ~0.5 % (7.28 for 7.234 in a CPU check), coarser than the differences between rows we compare.
+    rows = torch.nn.functional.linear_cross_entropy(h.to(dtype), weight, t, reduction="none", options=options)
+    return rows.float().mean()
+
+
 class CausalLMWithLoss(torch.nn.Module):
     """A *ForCausalLM model whose forward returns the mean next-token loss of a packed micro-batch.
 
-    ``loss``: "plain" (full logits, as transformers computes them), "chunked" (chunked_cross_entropy) or
-    "liger" (Liger kernel's fused linear cross-entropy; CUDA only). DDP / DeepSpeed wrap this module.
+    ``loss``: "plain" (full logits, as transformers computes them), or one of FUSED_LOSSES: "chunked"
+    (chunked_cross_entropy), "liger" (Liger kernel; CUDA only) or "torch" (torch's linear_cross_entropy). "liger" and
+    "torch" take the head's weight directly, so they cannot run under DeepSpeed ZeRO-3 (its weights are partitioned);
+    "chunked" calls the head as a module and can. DDP / DeepSpeed wrap this module.
     """
 
     def __init__(self, lm: torch.nn.Module, *, loss: str = "plain") -> None:
         super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)}")
+        if loss == "liger" and not liger_available():
+            raise ValueError("loss 'liger' needs liger-kernel (pip install liger-kernel==0.8.5) and a CUDA GPU")
+        if loss == "torch" and not torch_linear_cross_entropy_available():
+            raise ValueError(f"loss 'torch' needs torch.nn.functional.linear_cross_entropy (torch >= 2.13); this is "
+                             f"torch {torch.__version__}")  # fmt: skip
         self.lm = lm
         self.loss_kind = loss
-        self._liger: Any = None
-        if loss == "liger":
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            self._liger = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
-        elif loss not in ("plain", "chunked"):
-            raise ValueError(f"unknown loss {loss!r}")
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, labels: torch.Tensor
@@ -216,10 +297,32 @@ class CausalLMWithLoss(torch.nn.Module):
         head = lm.get_output_embeddings()
         if self.loss_kind == "plain":
             return plain_cross_entropy(head(hidden), labels)
-        if self._liger is not None:
-            h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-            return self._liger(head.weight, h, labels[:, 1:].reshape(-1))
+        if self.loss_kind == "liger":
+            return liger_cross_entropy(hidden, head, labels)
+        if self.loss_kind == "torch":
+            return torch_cross_entropy(hidden, head, labels)
         return chunked_cross_entropy(hidden, head, labels)
+
+
+def fused_loss(kernel: str, *, device_type: str, zero3: bool) -> str:
+    """The fused loss a ``cross_entropy_kernel`` setting runs here; ValueError naming why when it cannot.
+
+    "auto" is the chunked loss everywhere: it runs on every device and under ZeRO-3, and no GPU measurement has yet
+    shown another to be faster (benchmarks/hopper.py rows ce-liger and ce-torch time them). An explicit choice that
+    cannot run is refused, never swapped for another silently."""
+    if kernel == "auto":
+        return "chunked"
+    if kernel not in FUSED_LOSSES:
+        raise ValueError(f"cross_entropy_kernel {kernel!r} is not one of auto, {', '.join(FUSED_LOSSES)}")
+    if kernel in ("liger", "torch") and zero3:
+        raise ValueError(f"cross_entropy_kernel {kernel} reads the head's weight directly, which DeepSpeed ZeRO-3 "
+                         "partitions; use chunked (or auto) with deepspeed_stage 3")  # fmt: skip
+    if kernel == "liger" and (device_type != "cuda" or not liger_available()):
+        raise ValueError("cross_entropy_kernel liger needs a CUDA GPU and liger-kernel (with triton) installed")
+    if kernel == "torch" and not torch_linear_cross_entropy_available():
+        raise ValueError(f"cross_entropy_kernel torch needs torch.nn.functional.linear_cross_entropy (torch 2.13 or "
+                         f"later); this is torch {torch.__version__}")  # fmt: skip
+    return kernel
 
 
 def liger_available() -> bool:

@@ -21,6 +21,15 @@ from gpuscout.errors import TrainingError
 
 SM_CONFIG_DIR = Path(os.environ.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config"))
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
+# The hyperparameters that take one of a few values, and those values.
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "precision": ("auto", "bf16", "fp16", "fp32"),
+    "attention_implementation": tuple(ATTENTION_IMPLEMENTATIONS),
+    "deepspeed_stage": (0, 2, 3),
+    "cross_entropy_kernel": ("auto", "chunked", "liger", "torch"),
+    "host_allocator": ("training", "system"),
+    "stop_rule": ("fixed", "steady_state"),
+}
 
 
 @dataclass
@@ -47,6 +56,8 @@ class Hyperparameters:
     pin_memory: bool = True  # page-locked host batches + non_blocking copies (CUDA only)
     deepspeed_stage: int = 0
     fused_cross_entropy: bool = False
+    # which fused loss (packing.FUSED_LOSSES) with fused_cross_entropy: auto = chunked, the project's own
+    cross_entropy_kernel: str = "auto"
     fused_adamw: bool = False
     host_allocator: str = "training"  # training | system (host_allocator.py)
     stop_rule: str = "fixed"  # fixed | steady_state
@@ -71,16 +82,11 @@ class Hyperparameters:
             problems.append("give exactly one of model_preset and model_name_or_path")
         if self.model_preset and self.model_preset not in PRESETS:
             problems.append(f"model_preset {self.model_preset!r} is not one of {', '.join(PRESETS)}")
-        if self.precision not in ("auto", "bf16", "fp16", "fp32"):
-            problems.append("precision must be auto, bf16, fp16 or fp32")
-        if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
-            problems.append(f"attention_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        if self.deepspeed_stage not in (0, 2, 3):
-            problems.append("deepspeed_stage must be 0, 2 or 3")
-        if self.host_allocator not in ("training", "system"):
-            problems.append("host_allocator must be training or system")
-        if self.stop_rule not in ("fixed", "steady_state"):
-            problems.append("stop_rule must be fixed or steady_state")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {', '.join(map(str, allowed))}")
+        if self.cross_entropy_kernel != "auto" and not self.fused_cross_entropy:
+            problems.append(f"cross_entropy_kernel {self.cross_entropy_kernel} needs fused_cross_entropy true")
         if not 0 < self.ci_tolerance < 1:
             problems.append("ci_tolerance is a fraction in (0, 1), e.g. 0.02 for +-2 %")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps"):

@@ -261,11 +261,14 @@ class Benchmark:
             self.optimizations.append("gradient_checkpointing")
         loss_kind = "plain"
         if hp.fused_cross_entropy:
-            from packing import liger_available
+            from packing import fused_loss
 
-            liger = dist.device.type == "cuda" and hp.deepspeed_stage != 3 and liger_available()
-            loss_kind = "liger" if liger else "chunked"
-            self.optimizations.append("liger_cross_entropy" if liger else "chunked_cross_entropy")
+            try:
+                loss_kind = fused_loss(hp.cross_entropy_kernel, device_type=dist.device.type,
+                                       zero3=hp.deepspeed_stage == 3)  # fmt: skip
+            except ValueError as err:
+                raise TrainingError(str(err)) from err
+            self.optimizations.append(f"{loss_kind}_cross_entropy")
         model = CausalLMWithLoss(lm, loss=loss_kind).to(dist.device)
         if hp.torch_compile:
             model.compile()

@@ -252,6 +252,8 @@ class Variant(StrictModel):
     packing: bool = True
     attention: Literal["sdpa", "eager", "flex"] = "sdpa"
     fused_cross_entropy: bool = False
+    # which fused loss runs with fused_cross_entropy (docs/manifest.md): auto = chunked, the project's own
+    cross_entropy_kernel: Literal["auto", "chunked", "liger", "torch"] = "auto"
     fused_adamw: bool = False
     # train.py's host memory allocator: "training" keeps freed memory for the next step, "system" leaves malloc as
     # the environment set it (training/host_allocator.py, docs/metrics.md "Host allocator")
@@ -261,3 +263,10 @@ class Variant(StrictModel):
     @classmethod
     def _keys(cls, v: dict[str, HyperparameterValue]) -> dict[str, HyperparameterValue]:
         return _check_hp_keys(v)
+
+    @model_validator(mode="after")
+    def _kernel_needs_fused_loss(self) -> Variant:
+        if self.cross_entropy_kernel != "auto" and not self.fused_cross_entropy:
+            raise ValueError(f"cross_entropy_kernel: {self.cross_entropy_kernel} chooses a fused loss; it needs "
+                             "fused_cross_entropy: true")  # fmt: skip
+        return self

@@ -199,6 +199,8 @@ def hyperparameters(
             "validation_batches": str(t.validation_batches),
         }
     )
+    if variant.cross_entropy_kernel != "auto":
+        hp["cross_entropy_kernel"] = variant.cross_entropy_kernel
     if t.warmup_steps is not None:
         hp["warmup_steps"] = str(t.warmup_steps)
     return hp

@@ -9,6 +9,7 @@ and writes benchmarks/results/gpu-check-<gpu>-<date>.json. Written and CPU-colle
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,46 @@ def test_torch_compile_on_and_off_give_the_same_loss(real_blocks: Any, record: A
     started = time.perf_counter()
     compiled, _ = _loss_and_grads(compiled_model, "chunked", ids, seg, "sdpa")
     record(loss_eager=eager, loss_compiled=compiled, compile_and_step_s=round(time.perf_counter() - started, 1))
+    assert compiled == pytest.approx(eager, rel=1e-2)
+
+
+@pytest.mark.parametrize("loss", ["chunked", "torch", "liger"])
+def test_each_fused_loss_compiled_equals_eager_and_the_full_logits_with_ignored_rows(
+    real_blocks: Any, record: Any, loss: str
+) -> None:
+    """train.py compiles the whole CausalLMWithLoss; a fused loss inside the compiled region must give the eager
+    loss and gradients when labels hold -100 (Liger-Kernel PR #1338: wrong or NaN under compile). Every
+    cross_entropy_kernel choice, the full-logits loss as the reference."""
+    from packing import CausalLMWithLoss, fused_loss, make_inputs
+
+    try:
+        fused_loss(loss, device_type="cuda", zero3=False)
+    except ValueError as err:
+        pytest.fail(f"cross_entropy_kernel {loss} cannot run on this machine: {err}")
+    ids, seg, vocab = real_blocks
+    inputs = make_inputs(ids, seg, packing=True, attention="sdpa", dtype=BF16)
+    labels = inputs.labels.clone()
+    labels[0, : labels.shape[1] // 3] = -100  # a long ignored span beside padding and document starts
+    model = _model("sdpa", vocab)
+
+    def run(wrapper: Any) -> tuple[float, dict[str, Any]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=BF16):
+            value = wrapper(inputs.input_ids, inputs.position_ids, inputs.attention_mask, labels)
+        value.backward()
+        return float(value), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+    reference, grads_reference = run(CausalLMWithLoss(model, loss="plain"))
+    eager, grads_eager = run(CausalLMWithLoss(model, loss=loss))
+    compiled_wrapper = CausalLMWithLoss(model, loss=loss)
+    compiled_wrapper.compile()  # as train.py does
+    compiled, grads_compiled = run(compiled_wrapper)
+    worst_eager = _close(grads_eager, grads_reference, rtol=0.05)
+    worst_compiled = _close(grads_compiled, grads_eager, rtol=0.05)
+    record(loss_plain=reference, loss_eager=eager, loss_compiled=compiled, worst_grad_rel_diff_eager=worst_eager,
+           worst_grad_rel_diff_compiled=worst_compiled)  # fmt: skip
+    assert math.isfinite(eager) and math.isfinite(compiled), "loss is NaN or infinite"
+    assert eager == pytest.approx(reference, rel=1e-2)
     assert compiled == pytest.approx(eager, rel=1e-2)
 
 

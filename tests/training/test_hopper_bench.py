@@ -136,6 +136,8 @@ def test_baseline_model_has_train_py_weights_and_default_attention() -> None:
 
 
 def test_variants_ablate_each_optimization_at_the_same_global_batch() -> None:
+    import train_args
+
     hopper = _load("hopper")
     rows = hopper.variants("qwen2.5-1.5b", 4, quick=False)
     optimized = rows[0].hyperparameters
@@ -146,7 +148,11 @@ def test_variants_ablate_each_optimization_at_the_same_global_batch() -> None:
         assert hp["per_device_train_batch_size"] * hp["gradient_accumulation_steps"] == 4
     flipped = {row.name: {k for k, v in row.hyperparameters.items() if optimized[k] != v} for row in rows[1:]}
     assert flipped["sdpa-mask"] == {"attention_implementation"}
-    assert flipped["no-fused-ce"] == {"fused_cross_entropy"}
+    assert flipped["no-fused-ce"] == {"fused_cross_entropy", "cross_entropy_kernel"}
+    assert flipped["ce-liger"] == flipped["ce-torch"] == {"cross_entropy_kernel"}
+    assert optimized["cross_entropy_kernel"] == "chunked"
+    for row in rows:  # every row's settings are ones train.py accepts
+        train_args.Hyperparameters(model_preset="qwen2.5-1.5b", **row.hyperparameters).validate()
     assert flipped["no-compile"] == {"torch_compile"}
     assert flipped["no-fused-adamw"] == {"fused_adamw"}
     assert flipped["no-pinned-memory"] == {"pin_memory"}

@@ -6,14 +6,15 @@ transformers model run on each document separately with ``labels`` (its own loss
 initial weights, same data: the loss, every gradient and the weights after a few optimizer steps agree.
 
 flex attention runs on CPU too, but compiling it there takes about 100 s on a 2-core machine, so the CPU test uses
-SDPA with the 4D document mask; the flex and Liger variants run where CUDA is present.
+SDPA with the 4D document mask; the flex and Liger variants run where CUDA is present. Each fused loss the
+``cross_entropy_kernel`` setting offers (chunked, torch's linear_cross_entropy, Liger) is held to the same bar.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from packing import CausalLMWithLoss, liger_available, make_inputs
+from packing import CausalLMWithLoss, liger_available, make_inputs, torch_linear_cross_entropy_available
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from gpuscout.domain.models import PRESETS
@@ -64,8 +65,12 @@ def _optimized_loss(wrapper: CausalLMWithLoss, docs: list[torch.Tensor], attenti
 
 
 CASES = [pytest.param("sdpa", "chunked", "cpu", id="cpu-sdpa-mask-chunked-ce-foreach-adamw")]
+if torch_linear_cross_entropy_available():
+    CASES.append(pytest.param("sdpa", "torch", "cpu", id="cpu-sdpa-mask-torch-ce-foreach-adamw"))
 if torch.cuda.is_available():
     CASES.append(pytest.param("flex", "chunked", "cuda", id="cuda-flex-chunked-ce-fused-adamw"))
+    if torch_linear_cross_entropy_available():
+        CASES.append(pytest.param("flex", "torch", "cuda", id="cuda-flex-torch-ce-fused-adamw"))
     if liger_available():
         CASES.append(pytest.param("flex", "liger", "cuda", id="cuda-flex-liger-ce-fused-adamw"))
 

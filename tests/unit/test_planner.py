@@ -70,6 +70,16 @@ def test_hyperparameters_contract():
     assert "warmup_steps" not in auto
     hf = manifest(model={"hf_id": "Qwen/Qwen2.5-1.5B"}, tokenizer={"kind": "qwen"})
     assert plan(hf, CATALOG, run_id="r").jobs[0].hyperparameters["model_name_or_path"] == "Qwen/Qwen2.5-1.5B"
+    assert "cross_entropy_kernel" not in auto  # auto: train.py's default (the chunked loss)
+    torch_ce = manifest(variants=[{"name": "t", "fused_cross_entropy": True, "cross_entropy_kernel": "torch"}])
+    assert plan(torch_ce, CATALOG, run_id="r").jobs[0].hyperparameters["cross_entropy_kernel"] == "torch"
+
+
+def test_a_cross_entropy_kernel_without_the_fused_loss_is_refused():
+    from gpuscout.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="cross_entropy_kernel: liger chooses a fused loss"):
+        manifest(variants=[{"name": "l", "cross_entropy_kernel": "liger"}])
 
 
 def test_zero3_spot_and_multi_node():
