@@ -68,30 +68,31 @@ PY ?= 3.12
 gpu-wheels: install
 	$(BIN)/python benchmarks/gpu_wheels.py --python-version $(PY) --out .whl
 
-## CUDA-only checks and a short Hopper smoke on an NVIDIA GPU, on the machine's own torch (no venv is built):
-## installs benchmarks/gpu-check-requirements.txt (from .whl/ wheels when present, else from the package index)
-## and writes benchmarks/results/gpu-check-<gpu>-<date>.json plus a hopper-*-gpu-check-smoke table.
+## CUDA-only checks, a short Hopper smoke and the three fused losses timed on an NVIDIA GPU, on the machine's own
+## torch (benchmarks/gpu_check.py): an overlay env in front of the machine's site-packages gets
+## benchmarks/gpu-check-requirements.txt with their dependencies (from .whl/ offline, else the index; torch, triton
+## and numpy held at the machine's versions), then every step runs even when one fails, and one JSON,
+## benchmarks/results/gpu-check-<gpu>-<date>[-NAME].json, holds them all. GPU_CHECK_STEPS picks steps (one
+## 10-minute call each, docs/performance.md "First hour"; GPU_CHECK_BUDGET_S keeps the steps inside one);
+## GPU_CHECK_FLAGS=--no-gpu-ok runs it on a CPU.
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= benchmarks/results
-GPU_SITE ?= /tmp/gpuscout-gpu-site
+GPU_ENV ?= /tmp/gpuscout-gpu-env
+GPU_CHECK_STEPS ?= install,cuda-tests,smoke,loss-paths
+GPU_CHECK_NAME ?=
+GPU_CHECK_FLAGS ?=
+GPU_CHECK_BUDGET_S ?= 560
 gpu-check:
-	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: torch sees no CUDA GPU')"
-	if ls .whl/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; \
-	else \
-	  $(GPU_PYTHON) -m pip install -q --upgrade --target $(GPU_SITE) -r benchmarks/gpu-check-requirements.txt; \
-	fi
-	PYTHONPATH=$(GPU_SITE):$$PWD GPUSCOUT_GPU_CHECK_OUT=$(GPU_CHECK_OUT) PYTHONUNBUFFERED=1 \
-	  $(GPU_PYTHON) -m pytest -m cuda tests/gpu -p no:cacheprovider -q
-	PYTHONPATH=$(GPU_SITE):$$PWD PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/hopper.py --models qwen2.5-0.5b \
-	  --steps 8 --rows optimized --piece gpu-check-smoke --out $(GPU_CHECK_OUT)
+	$(GPU_PYTHON) benchmarks/gpu_check.py --env-dir $(GPU_ENV) --out $(GPU_CHECK_OUT) --steps $(GPU_CHECK_STEPS) \
+	  --budget-s $(GPU_CHECK_BUDGET_S) \
+	  $(if $(GPU_CHECK_NAME),--name $(GPU_CHECK_NAME)) $(GPU_CHECK_FLAGS)
 
 ## The planner's memory model against what CUDA really holds: peak memory of a grid of Qwen2.5-0.5B/1.5B training
-## configurations (flex, SDPA, Liger, full logits, checkpointing; the planner's prediction beside each), on the
-## machine's own torch like gpu-check; writes benchmarks/results/memory-probe-gpu-<date>.json. A few minutes.
+## configurations (flex, SDPA, Liger, full logits, checkpointing; the planner's prediction beside each), in
+## gpu-check's overlay env; writes benchmarks/results/memory-probe-gpu-<date>.json. A few minutes.
 gpu-memory-probe:
-	PYTHONPATH=$(GPU_SITE):$$PWD PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/memory_probe_gpu.py \
-	  --models qwen2.5-0.5b,qwen2.5-1.5b --out $(GPU_CHECK_OUT)/memory-probe-gpu-$$(date -u +%F).json
+	$(GPU_PYTHON) benchmarks/gpu_check.py --env-dir $(GPU_ENV) --out $(GPU_CHECK_OUT) --steps install,memory-probe \
+	  --budget-s $(GPU_CHECK_BUDGET_S) --name memory-probe $(GPU_CHECK_FLAGS)
 
 synth: install
 	npx cdk synth --quiet

@@ -61,18 +61,29 @@ def slug(name: str | None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", (name or "cpu").lower().removeprefix("nvidia ")).strip("-")
 
 
-def write_report(out_dir: Path, info: dict[str, Any], checks: list[CheckOutcome]) -> Path:
-    """Write gpu-check-<gpu>-<date>.json; returns its path. ``passed`` is true only when every check passed and
-    at least one ran (a machine without CUDA skips them all: that is not a pass)."""
+def report_payload(info: dict[str, Any], checks: list[CheckOutcome]) -> dict[str, Any]:
+    """The report's fields. ``passed`` is true only when every check passed and at least one ran (a machine
+    without CUDA skips them all: that is not a pass)."""
     ran = [c for c in checks if c.outcome != "skipped"]
-    payload = {
+    return {
         "kind": "gpu-check",
         "passed": bool(ran) and all(c.outcome == "passed" for c in ran),
         "machine": info,
         "counts": {k: sum(c.outcome == k for c in checks) for k in ("passed", "failed", "skipped")},
         "checks": [c.__dict__ for c in checks],
     }
+
+
+def write_report(out_dir: Path, info: dict[str, Any], checks: list[CheckOutcome]) -> Path:
+    """Write gpu-check-<gpu>-<date>.json (report_payload); returns its path."""
+    payload = report_payload(info, checks)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"gpu-check-{slug(info.get('gpu'))}-{str(info.get('date', ''))[:10]}.json"
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
+
+
+def write_checks(path: Path, checks: list[CheckOutcome]) -> None:
+    """The checks alone, for benchmarks/gpu_check.py to put in its report beside the steps."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([c.__dict__ for c in checks], indent=2, default=str) + "\n")

@@ -7,7 +7,8 @@ torch is the one measured, and is never replaced. pip resolves the closure once 
 for the target Python and platform: metadata only, no wheel downloaded), the torch branch is pruned from the
 dependency graph, and each remaining distribution is downloaded as a binary wheel at its resolved version.
 .whl/manifest.json records the Python, the wheels and what was left out, and `make gpu-check`
-(benchmarks/gpu_check.py) installs exactly that set and checks every dependency is met.
+(benchmarks/gpu_check.py) installs from exactly that set with pip's resolver (--no-index), so a missing dependency
+fails there, loudly. pip's own wheel goes along for a machine whose Python has none.
 
 Needs a package index (run it where pip works). Standard library and ``packaging`` only.
 """
@@ -120,12 +121,20 @@ def resolve(requirements: Path, python_version: str) -> dict[str, Any]:
         return dict(json.loads(report.read_text()))
 
 
+def pip_pin() -> str:
+    """pip itself, at this machine's version: carried so the install runs where the GPU machine's Python has no pip
+    (a pip wheel runs as a zip application, benchmarks/gpu_check.py)."""
+    from importlib import metadata
+
+    return f"pip=={metadata.version('pip')}"
+
+
 def download(distributions: list[dict[str, str]], python_version: str, out: Path) -> list[str]:
-    """Each distribution's wheel for the target into ``out``; the wheel file names."""
+    """Each distribution's wheel for the target into ``out``, and pip's; the wheel file names."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
-    pins = [f"{d['name']}=={d['version']}" for d in distributions]
+    pins = [f"{d['name']}=={d['version']}" for d in distributions] + [pip_pin()]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *_pip_platform_args(python_version),
                "-d", str(out), *pins]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -150,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "requirements": args.requirements.name,
         "wheels": wheels,
         "distributions": [{"name": d["name"], "version": d["version"]} for d in keep],
+        "tools": [pip_pin()],
         "provided_by_the_machine": sorted(PROVIDED_BY_THE_MACHINE),
         "left_out": left_out,
         "bytes": size,

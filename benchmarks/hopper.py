@@ -478,6 +478,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = parse_args(argv)
     env = environment()
     env["command"] = ["benchmarks/hopper.py", *argv]
+    if not setup.quick and not env.get("gpu"):
+        print("[hopper] torch sees no CUDA GPU: a measurement run needs one (a CPU would train Qwen2.5 at 4,096 "
+              "tokens for hours and measure nothing of Hopper); --quick is the CPU smoke test",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if env["gpu"] and not env["liger-kernel"]:
         print(
             "[hopper] warning: liger-kernel is not installed (pip install liger-kernel==0.8.5): fused_cross_entropy "

@@ -1,5 +1,6 @@
 """CUDA-only checks (`make gpu-check`): skipped without a CUDA GPU; the outcomes and recorded numbers go to one JSON
-in benchmarks/results/ (benchmarks/gpu_check_report.py) when GPUSCOUT_GPU_CHECK_OUT names the folder."""
+in benchmarks/results/ (benchmarks/gpu_check_report.py) when GPUSCOUT_GPU_CHECK_OUT names the folder; under
+`make gpu-check` (benchmarks/gpu_check.py) to the file GPUSCOUT_GPU_CHECK_CHECKS names, for its report."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ for folder in (REPO / "training", REPO / "benchmarks"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from gpu_check_report import CheckOutcome, machine, write_report  # noqa: E402
+from gpu_check_report import CheckOutcome, machine, write_checks, write_report  # noqa: E402
 
 _OUTCOMES: list[CheckOutcome] = []
 
@@ -58,6 +59,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    checks_file = os.environ.get("GPUSCOUT_GPU_CHECK_CHECKS")  # set by benchmarks/gpu_check.py (make gpu-check)
+    if checks_file:
+        write_checks(Path(checks_file), _OUTCOMES)
+        return
     out = os.environ.get("GPUSCOUT_GPU_CHECK_OUT")
     if out and _OUTCOMES:
         path = write_report(Path(out), machine(), _OUTCOMES)

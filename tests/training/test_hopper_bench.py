@@ -156,3 +156,13 @@ def test_variants_ablate_each_optimization_at_the_same_global_batch() -> None:
     assert flipped["no-compile"] == {"torch_compile"}
     assert flipped["no-fused-adamw"] == {"fused_adamw"}
     assert flipped["no-pinned-memory"] == {"pin_memory"}
+
+
+def test_a_measurement_run_without_a_gpu_is_refused_before_any_work(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "hopper.py"), "--models", "qwen2.5-1.5b", "--rows", "optimized",
+         "--out", str(tmp_path / "results"), "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, check=False, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "results").exists()
