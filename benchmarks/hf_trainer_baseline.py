@@ -233,9 +233,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [min(len(p), length) for p in train_pieces]
     t_eff = flops.effective_context(lengths)
     model_flops = flops.model_flops_per_token(arch, t_eff)
-    # executed FLOPs per non-padding token: every row computes all `length` positions, attention over `length`
+    # executed FLOPs per non-padding token: every row computes all `length` positions, attention over `length`, and
+    # the forward pass again when checkpointing recomputes it
     mean_len = sum(lengths) / len(lengths)
-    hardware_flops = flops.model_flops_per_token(arch, float(length)) * length / mean_len
+    executed = flops.hardware_flops_per_token(arch, float(length), activation_recompute=args.gradient_checkpointing)
+    hardware_flops = executed * length / mean_len
     gpu_name = torch.cuda.get_device_name() if cuda else None
     peak = None
     if cuda:

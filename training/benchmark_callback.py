@@ -162,12 +162,13 @@ class StepStats:
         return ratio_ci95(amounts, [r.seconds for r in timed])
 
     def steady_state_reached(
-        self, *, ci_tolerance: float, min_timed_steps: int, unit: str = "tokens"
+        self, *, ci_tolerance: float, min_timed_steps: int, unit: str = "tokens", min_timed_seconds: float = 0.0
     ) -> tuple[bool, str]:
-        """Steady state: after ``min_timed_steps`` timed steps, the 95 % CI half-width of the ``unit`` rate (total
-        / total time, see ratio_ci95) is within ``ci_tolerance`` (a fraction: 0.02 = +-2 %) of that estimate."""
+        """Steady state: after ``min_timed_steps`` timed steps and ``min_timed_seconds`` of timed work, the 95 % CI
+        half-width of the ``unit`` rate (total / total time, see ratio_ci95) is within ``ci_tolerance`` (a fraction:
+        0.02 = +-2 %) of that estimate."""
         timed_count = sum(1 for r in self.timed if r.seconds > 0)
-        if timed_count < max(2, min_timed_steps):
+        if timed_count < max(2, min_timed_steps) or sum(r.seconds for r in self.timed) < min_timed_seconds:
             return False, ""
         mean, low, high = self.rate_ci95(unit)
         half = (high - low) / 2
@@ -205,13 +206,19 @@ class StepStats:
 
 
 class GpuSampler:
-    """Samples GPU utilization (%) and power (W) of the local GPUs with NVML in a background thread."""
+    """Samples GPU utilization (%) and power (W) of the local GPUs with NVML in a background thread.
+
+    The means ``stop`` returns cover only the samples taken while ``timing(True)`` was in force (the timed steps:
+    warmup, compilation, validation and checkpoints excluded); ``recent_utilization`` sees every sample."""
 
     def __init__(self, device_indices: list[int], interval_s: float = 0.5) -> None:
         self._interval = interval_s
         self._util: list[float] = []
         self._power: list[float] = []
+        self._timed_util: list[float] = []
+        self._timed_power: list[float] = []
         self._stop = threading.Event()
+        self._timed = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml: Any = None
         self._handles: list[Any] = []
@@ -238,11 +245,24 @@ class GpuSampler:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             for handle in self._handles:
+                timed = self._timed.is_set()
                 try:
-                    self._util.append(float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-                    self._power.append(self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
+                    util = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                    power = self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
                 except Exception:  # a transient NVML error loses one sample, not the run
                     continue
+                self._util.append(util)
+                self._power.append(power)
+                if timed:
+                    self._timed_util.append(util)
+                    self._timed_power.append(power)
+
+    def timing(self, on: bool) -> None:
+        """Count the samples from now on towards the means ``stop`` returns (True) or not (False)."""
+        if on:
+            self._timed.set()
+        else:
+            self._timed.clear()
 
     def start(self) -> None:
         if self.available and self._thread is None:
@@ -276,12 +296,13 @@ class GpuSampler:
         return statistics.fmean(samples) if samples else None
 
     def stop(self) -> tuple[float | None, float | None]:
-        """Stops sampling; returns (mean utilization %, mean power W per GPU)."""
+        """Stops sampling; returns (mean utilization %, mean power W per GPU) over the timed samples. Calling it
+        again returns the same."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=2)
-        util = statistics.fmean(self._util) if self._util else None
-        power = statistics.fmean(self._power) if self._power else None
+        util = statistics.fmean(self._timed_util) if self._timed_util else None
+        power = statistics.fmean(self._timed_power) if self._timed_power else None
         return util, power
 
 

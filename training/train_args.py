@@ -63,6 +63,9 @@ class Hyperparameters:
     stop_rule: str = "fixed"  # fixed | steady_state
     ci_tolerance: float = 0.02  # fraction of the mean
     min_timed_steps: int = 10
+    # steady_state also waits for this much timed work; < 0 = auto: 60 s on CUDA (clocks and power settle over
+    # tens of seconds; a few 0.4 s steps can look steady before they do), none on a CPU
+    min_timed_seconds: float = -1.0
     eval_interval: int = 0  # 0 = validate only at the end
     checkpoint_interval: int = 0  # 0 = no checkpoints
     checkpoint_keep: int = 2  # complete checkpoints kept; 2 = one survives a failed write of the next

@@ -96,6 +96,7 @@ class Benchmark:
         self.resumed_from: int | None = None
         self.sequence_length = hp.sequence_length
         self.t_eff = 0.0
+        self.validation_error: str | None = None
 
     def log(self, message: str) -> None:
         if self.dist.is_main:
@@ -203,7 +204,7 @@ class Benchmark:
             if not stats.timed:
                 raise TrainingError(f"{stop_reason}, before any timed step: nothing was measured")
         else:
-            self._validate(parts, data)
+            self._final_validation(parts, data, stats, startup_s, stop_reason)
         if os.environ.get("GPUSCOUT_SAVE_MODEL") == "1" and self.dist.is_main and parts.engine is None:
             parts.model.lm.save_pretrained(str(self.model_dir))  # type: ignore[operator]
         return self._result(stats, parts.warmup, startup_s, stop_reason)
@@ -341,13 +342,18 @@ class Benchmark:
         first_step = self.progress.step + 1
         meter = ResourceMeter(self.sampler)
         for steps_here, step in enumerate(range(first_step, hp.max_steps + 1), start=1):
+            timed = not stats.is_warmup(steps_here)
             t0 = watch.now()
+            self.sampler.timing(timed)  # GPU utilization and power means cover the timed steps only
             used = meter.read()
+            lr = float(parts.scheduler.get_last_lr()[0])  # this step's: the scheduler steps after the update
             work = self._micro_batches(parts, batches)
+            work.lr = lr
             work.grad_norm = self._optimizer_step(parts)
             seconds = watch.now() - t0
+            self.sampler.timing(False)
             work.usage = meter.since(used)
-            self._record_step(step, work, stats, parts, seconds=seconds, timed=not stats.is_warmup(steps_here))
+            self._record_step(step, work, stats, parts, seconds=seconds, timed=timed)
             if hp.eval_interval and step % hp.eval_interval == 0 and step < hp.max_steps:
                 self._validate(parts, data)
             if hp.checkpoint_interval and step % hp.checkpoint_interval == 0:
@@ -446,7 +452,7 @@ class Benchmark:
                 "tokens_per_s": total_tokens / seconds,
                 "samples_per_s": total_samples / seconds,
                 "step_time_s": seconds,
-                "lr": float(parts.scheduler.get_last_lr()[0]),
+                "lr": work.lr,
                 "grad_norm": work.grad_norm,  # None under DeepSpeed (it clips internally)
                 "gpu_mem_gb": mem,
             }
@@ -462,7 +468,10 @@ class Benchmark:
         hp, dist = self.hp, self.dist
         if hp.stop_rule != "steady_state":
             return None
-        done, reason = stats.steady_state_reached(ci_tolerance=hp.ci_tolerance, min_timed_steps=hp.min_timed_steps)
+        floor = hp.min_timed_seconds if hp.min_timed_seconds >= 0 else (60.0 if dist.device.type == "cuda" else 0.0)
+        done, reason = stats.steady_state_reached(
+            ci_tolerance=hp.ci_tolerance, min_timed_steps=hp.min_timed_steps, min_timed_seconds=floor
+        )
         if dist.world_size > 1:  # every rank stops on rank 0's decision
             flag = torch.tensor([1.0 if done else 0.0], device=dist.device)
             torch.distributed.broadcast(flag, 0)
@@ -471,11 +480,17 @@ class Benchmark:
 
     # ------------------------------------------------------------ the result
 
-    def _efficiency(self, tokens_per_s: float) -> Efficiency:
+    def _efficiency(self, tokens_per_s: float, positions_per_token: float) -> Efficiency:
+        """MFU from the useful work (T_eff, real tokens); HFU from what the kernels execute: attention over the whole
+        block unless flex skips the masked blocks, every padded position (``positions_per_token`` = positions computed
+        per real token in the timed steps), and the forward pass again under gradient checkpointing."""
         hp, dist = self.hp, self.dist
         assert self.arch is not None
         flops_per_token = flops.model_flops_per_token(self.arch, self.t_eff)
-        hw_flops = flops.hardware_flops_per_token(self.arch, self.t_eff, activation_recompute=hp.gradient_checkpointing)
+        executed_context = self.t_eff if hp.packing and hp.attention_implementation == "flex" else self.sequence_length
+        hw_flops = positions_per_token * flops.hardware_flops_per_token(
+            self.arch, float(executed_context), activation_recompute=hp.gradient_checkpointing
+        )
         peak = self.hardware.peak_tflops_per_gpu
         gpus = dist.world_size if dist.device.type == "cuda" else 0
         if gpus and peak:
@@ -499,7 +514,9 @@ class Benchmark:
         s = stats.summary()
         tokens_per_s = float(s["tokens_per_s"])
         gpus = self.dist.world_size if self.dist.device.type == "cuda" else 0
-        efficiency = self._efficiency(tokens_per_s)
+        timed_tokens = sum(r.tokens for r in stats.timed)
+        positions = sum(r.samples for r in stats.timed) * self.sequence_length
+        efficiency = self._efficiency(tokens_per_s, positions / timed_tokens if timed_tokens else 1.0)
         progress = self.progress
         steps = step_accounts(stats.records)  # benchmark.json's steps and what the detector judges
         disturbance = Disturbance(**detect(steps))
@@ -538,7 +555,10 @@ class Benchmark:
                 train=progress.train_loss,
                 validation=progress.validation_loss,
                 final_train_loss=progress.train_loss[-1].loss if progress.train_loss else None,
-                final_validation_loss=progress.validation_loss[-1].loss if progress.validation_loss else None,
+                final_validation_loss=None
+                if self.validation_error or not progress.validation_loss
+                else progress.validation_loss[-1].loss,
+                validation_error=self.validation_error,
             ),
             stop=StopInfo(
                 rule=hp.stop_rule, reason=stop_reason, steps=progress.step, resumed_from_step=self.resumed_from
@@ -563,6 +583,19 @@ class Benchmark:
         return result
 
     # ------------------------------------------------------------ validation and checkpoints
+
+    def _final_validation(self, parts: Parts, data: Splits, stats: StepStats, startup_s: float, reason: str) -> None:
+        """Validate after the timed steps. The measurement is written first, and a failure here (a recompile for a
+        short last batch, memory) is a note in the result, not a failed job. With several ranks a failure on one
+        rank alone would leave the others in a collective, so only a failure every rank meets is survived."""
+        self.write(self._result(stats, parts.warmup, startup_s, reason))
+        try:
+            self._validate(parts, data)
+        except Exception as err:  # any failure of the validation itself; the timed steps are done
+            if isinstance(err, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            self.validation_error = f"{type(err).__name__}: {err}"[:1000]
+            self.log(f"the final validation failed; the measurement stands: {self.validation_error}")
 
     def _validate(self, parts: Parts, data: Splits) -> None:
         hp, dist = self.hp, self.dist

@@ -83,4 +83,5 @@ class StepWork:
     samples: int = 0
     wait: float = 0.0
     grad_norm: float | None = None
+    lr: float | None = None  # the learning rate this step's update used (read before the scheduler steps)
     usage: dict[str, Any] = field(default_factory=dict)  # rank 0's StepRecord usage fields (ResourceMeter.since)

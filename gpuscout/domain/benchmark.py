@@ -136,6 +136,8 @@ class Loss(_Strict):
     validation: list[LossPoint] = Field(default_factory=list)
     final_train_loss: float | None = None
     final_validation_loss: float | None = None
+    # the final validation failed after the timed steps (the measurement stands; the loss at the end is unknown)
+    validation_error: str | None = None
 
 
 SIGNAL_STOP_PREFIX = "stopped on SIG"  # a stop reason that starts so: the job stopped itself on a signal

@@ -113,6 +113,8 @@ class StopRule(StrictModel):
     kind: Literal["fixed", "steady_state"] = "fixed"
     ci_tolerance: float = Field(default=0.02, gt=0.0, lt=1.0)
     min_timed_steps: int = Field(default=10, ge=2)
+    # and at least this much timed work before stopping (None = train.py's default: 60 s on a GPU, none on a CPU)
+    min_timed_seconds: float | None = Field(default=None, ge=0.0, le=86_400.0)
 
 
 class TrainingSpec(StrictModel):

@@ -199,6 +199,8 @@ def hyperparameters(
             "validation_batches": str(t.validation_batches),
         }
     )
+    if t.stop_rule.min_timed_seconds is not None:
+        hp["min_timed_seconds"] = repr(t.stop_rule.min_timed_seconds)
     if variant.cross_entropy_kernel != "auto":
         hp["cross_entropy_kernel"] = variant.cross_entropy_kernel
     if t.warmup_steps is not None:

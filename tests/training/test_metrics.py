@@ -51,6 +51,13 @@ def test_steady_state_stops_on_a_steady_series_only() -> None:
     noisy = _stats([1000.0 * (1 + 0.5 * (-1) ** i) for i in range(30)])
     assert noisy.steady_state_reached(ci_tolerance=0.01, min_timed_steps=10) == (False, "")
 
+    # one-second steps: steady after 10 timed steps, yet not before 25 s of timed work when a floor asks for it
+    for n in range(1, len(steady.records) + 1):
+        part = StepStats(warmup_steps=3, records=steady.records[:n])
+        if part.steady_state_reached(ci_tolerance=0.01, min_timed_steps=10, min_timed_seconds=25.0)[0]:
+            break
+    assert n == 3 + 25
+
 
 def test_throughput_interval_is_centred_on_the_reported_throughput() -> None:
     # Given noisy step times (one slow step), total tokens / total time is far from the mean of per-step rates;

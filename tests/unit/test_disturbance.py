@@ -170,3 +170,31 @@ def test_the_users_own_malloc_tuning_is_left_alone_and_an_older_glibc_gets_its_l
     assert host_allocator.configure("training") == (
         "glibc 2.35 malloc kept for training: mmap_threshold 32 MiB, trim_threshold 2 GiB, top_pad 256 MiB"
     )
+
+
+def test_gpu_utilization_and_power_means_cover_the_timed_steps_only(monkeypatch):
+    import time
+    import types
+
+    from benchmark_callback import GpuSampler
+
+    busy = {"util": 5.0, "power": 80_000}  # idle while compiling or validating
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=busy["util"]),
+        nvmlDeviceGetPowerUsage=lambda handle: busy["power"],
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    sampler = GpuSampler([0], interval_s=0.01)
+    sampler.start()
+    time.sleep(0.2)  # warmup and compilation: sampled, not counted
+    busy.update(util=95.0, power=650_000)
+    sampler.timing(True)
+    time.sleep(0.2)
+    sampler.timing(False)
+    busy.update(util=0.0, power=70_000)  # the final validation
+    time.sleep(0.2)
+    util, power = sampler.stop()
+    assert util == pytest.approx(95.0, abs=5) and power == pytest.approx(650.0, abs=30)
+    assert sampler.stop() == (util, power)  # asked again (the result is written twice), the same means
