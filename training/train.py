@@ -35,6 +35,9 @@ from gpuscout.errors import TrainingError
 
 def main(argv: Sequence[str] | None = None) -> int:
     import_time_s = process_age_s()  # the interpreter's start and the imports above, before any of the job's work
+    # CUDA's caching allocator reads this at its first allocation: segments that grow in place leave less memory
+    # reserved-but-unusable between variable-sized blocks (the image sets it too; a user's own setting stands)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         hp = parse_hyperparameters(argv)
     except TrainingError as err:

@@ -311,9 +311,10 @@ class Benchmark:
             return Parts(model, engine, optimizer, scheduler, warmup, engine=engine)
         wrapped: Any = model
         if dist.world_size > 1:
-            wrapped = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None
-            )
+            # gradients as views of DDP's communication buckets: no second gradient copy (4 B/param), as the
+            # planner's memory model (gpuscout/plan/memory.py state_bytes) assumes
+            devices = [dist.local_rank] if dist.device.type == "cuda" else None
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=devices, gradient_as_bucket_view=True)
         scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         return Parts(model, wrapped, optimizer, scheduler, warmup, scaler=scaler)
 

@@ -7,8 +7,9 @@ backward. docs/performance.md ("Memory model") says how, on what, and what still
 
 Peak = states + weight copies + activations + mask + loss + CUDA context, where (T = batch x sequence tokens)
 
-* states: 16 bytes/parameter (fp32 weights 4 + fp32 gradients 4 + AdamW 8; DeepSpeed's bf16 2 + 2 + master 4 +
-  Adam 8 is the same), ZeRO-2 shards all but the weights over the data-parallel size, ZeRO-3 everything;
+* states: 16 bytes/parameter (fp32 weights 4 + fp32 gradients 4 + AdamW 8; DDP's gradients are views of its
+  buckets); under ZeRO-2/3 DeepSpeed's own estimators (state_bytes): 2 B/param whole + 18 B/param sharded, or the
+  18 sharded + the largest layer gathered;
 * weight copies: under autocast (bf16/fp16 without DeepSpeed) every matmul weight gets a 16-bit copy, cached for the
   forward pass and saved for backward: 2 bytes per matmul parameter;
 * activations: per layer ``layer_bytes_per_token(h, i, kv_width, heads) x T + layer_bytes_per_batch_seq2 x batch x
@@ -131,15 +132,24 @@ class MemoryEstimate:
         return self.total / 1e9
 
 
+def largest_layer_params(arch: Architecture) -> int:
+    """Parameters of the largest single module (DeepSpeed's ``largest_layer_params``): the embedding (or an untied
+    head, the same shape) for a Qwen-sized vocabulary, else an MLP projection."""
+    return max(arch.vocab_size * arch.hidden_size, arch.hidden_size * arch.intermediate_size)
+
+
 def state_bytes(arch: Architecture, *, precision: str, stage: int, world: int) -> float:
+    """Model states per GPU. Without DeepSpeed: fp32 weights, fp32 gradients and two AdamW moments, 16 bytes per
+    parameter (DDP's gradients are views of its buckets, no extra copy). With ZeRO, DeepSpeed's own estimators
+    without offload (deepspeed 0.19.8, estimate_zero2/3_model_states_mem_needs): 16-bit weights kept whole plus
+    18 bytes per parameter sharded (16-bit and fp32 gradients, fp32 master weights, two moments) under ZeRO-2; the
+    18 sharded plus the largest layer gathered in fp32 terms (4 bytes per parameter) under ZeRO-3."""
     params = total_params(arch)
-    full = params * STATE_BYTES_PER_PARAM
     if stage == 3:
-        return full / world
+        return 4.0 * largest_layer_params(arch) + 18.0 * params / world
     if stage == 2:
-        weights = params * (2.0 if precision != "fp32" else 4.0)
-        return weights + (full - weights) / world
-    return full
+        return 2.0 * params + 18.0 * params / world
+    return params * STATE_BYTES_PER_PARAM
 
 
 def _dense_mask_applies(s: StepSettings) -> bool:

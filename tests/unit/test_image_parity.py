@@ -155,3 +155,13 @@ def test_the_entrypoint_passes_sagemakers_argument_to_the_launcher() -> None:
     script = argv[2].replace("exec python /opt/ml/code/training/launcher.py", "echo launcher")
     done = subprocess.run(["bash", "-c", script, "--", "train"], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "launcher train"
+
+
+def test_the_image_and_train_py_let_cuda_segments_expand() -> None:
+    """The planner's memory model compares against 90 % of the GPU with no fragmentation factor: the caching
+    allocator's expandable segments keep reserved-but-unusable memory small. Set in the image and, for a local GPU
+    run, by train.py itself (a user's own PYTORCH_CUDA_ALLOC_CONF stands)."""
+    dockerfile = (ROOT / "training" / "Dockerfile").read_text()
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in dockerfile
+    train = (ROOT / "training" / "train.py").read_text()
+    assert 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")' in train
