@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -79,11 +80,17 @@ def run_step(step: Step, *, env: dict[str, str], cwd: Path = ROOT) -> StepOutcom
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         try:
-            done = subprocess.run(step.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=step.timeout_s, check=False)  # fmt: skip
-            status, code = ("passed" if done.returncode == 0 else "failed"), done.returncode
-        except subprocess.TimeoutExpired:
-            status, code = "timed-out", None
+            # its own process group, so a step stopped at its limit takes its children (hopper.py's train.py, which
+            # holds the GPU) with it instead of leaving them to overlap the next step
+            proc = subprocess.Popen(step.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                code: int | None = proc.wait(timeout=step.timeout_s)
+                status = "passed" if code == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                status, code = "timed-out", None
         except OSError as err:
             status, code = "failed", None
             log.write(f"could not start: {err}\n")
@@ -177,7 +184,9 @@ def pip_command(python: Path, wheel_dir: Path) -> list[str]:
     return [str(python), str(carried[-1] / "pip")]
 
 
-def install(box_python: str, env_dir: Path, wheel_dir: Path, requirements: Path) -> dict[str, Any]:
+def install(
+    box_python: str, env_dir: Path, wheel_dir: Path, requirements: Path, *, timeout_s: float = 900
+) -> dict[str, Any]:
     """Create (or reuse) the overlay and install the requirements with their dependencies, the machine's torch,
     triton and numpy held; returns what it did. Raises RuntimeError naming the failure."""
     facts = machine_facts(box_python)
@@ -199,7 +208,10 @@ def install(box_python: str, env_dir: Path, wheel_dir: Path, requirements: Path)
     command = [*pip_command(python, wheel_dir), "install", "--disable-pip-version-check", "--no-compile",
                "--no-cache-dir", *source, "-r", str(requirements), "-c", str(constraints)]  # fmt: skip
     print("[gpu-check] install: " + " ".join(command), flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=max(10, timeout_s))
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"pip did not finish within {timeout_s:.0f} s (the call's --budget-s)") from err
     if done.returncode != 0:
         raise RuntimeError("pip could not install the requirements beside the machine's torch:\n"
                            + _tail(done.stdout + done.stderr, 30))  # fmt: skip
@@ -289,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     if "install" in wanted or not overlay_python(a.env_dir).exists():
         started = time.perf_counter()
         try:
-            install_record = install(box, a.env_dir, a.wheels, a.requirements)
+            left = deadline - time.monotonic() if deadline is not None else 900
+            install_record = install(box, a.env_dir, a.wheels, a.requirements, timeout_s=min(900, left))
             installed = True
             outcomes.append(StepOutcome("install", "passed", round(time.perf_counter() - started, 1)))
         except (RuntimeError, subprocess.SubprocessError, OSError) as err:

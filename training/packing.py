@@ -201,7 +201,7 @@ def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, *, chunk_rows: int
     rewrites the whole [vocab, hidden] weight-gradient buffer (~1 GB in fp32), ~120 GB of memory traffic per
     micro-batch. With this constant the chunks are as large as the chunked loss's."""
     wanted_chunks = max(1, -(-rows // chunk_rows))
-    return max(1, -(-vocab // (wanted_chunks * hidden)))
+    return max(1, vocab // (wanted_chunks * hidden))  # rounded down: never fewer (larger) chunks than wanted
 
 
 def torch_linear_cross_entropy_available() -> bool:
@@ -252,8 +252,9 @@ def liger_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
 @torch.compiler.disable  # torch's chunked op falls back to eager under compile anyway; said here, not found out
 def torch_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss through torch.nn.functional.linear_cross_entropy (chunked, CHUNK_ROWS rows per chunk,
-    torch's own accumulation policy for the device and dtype; fp32 accumulation for bf16), ignored rows dropped
-    first. Its backward recomputes each chunk from the saved inputs, as the chunked loss does."""
+    torch's own accumulation policy for the device and dtype), ignored rows dropped first. ``reduction="none"`` so
+    the mean is taken in fp32 (the op's own mean comes back in bf16, ~0.5 % coarse); the price: its backward
+    recomputes each chunk's logits (one more head matmul than Liger's, like the chunked loss's recompute)."""
     h, t = _targets(hidden, labels)
     if t.numel() == 0:
         return hidden.sum() * 0.0

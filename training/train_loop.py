@@ -414,7 +414,9 @@ class Benchmark:
         else:
             optimizer.step()
         parts.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients are views of its buckets only while they are zeroed in place (set_to_none would free the
+        # views and the next backward would allocate a second copy, 4 B/param; torch's DDP docstring)
+        optimizer.zero_grad(set_to_none=not (self.dist.world_size > 1 and parts.engine is None))
         return grad_norm
 
     def _record_step(
@@ -510,7 +512,11 @@ class Benchmark:
             note=note,
         )
 
-    def _result(self, stats: StepStats, warmup: int, startup_s: float, stop_reason: str) -> BenchmarkResult:
+    def _result(
+        self, stats: StepStats, warmup: int, startup_s: float, stop_reason: str, *, provisional: bool = False
+    ) -> BenchmarkResult:
+        """The benchmark result; ``provisional``: written before the final validation (no final validation loss
+        yet, nothing printed: the final result prints its lines once)."""
         hp = self.hp
         s = stats.summary()
         tokens_per_s = float(s["tokens_per_s"])
@@ -557,7 +563,7 @@ class Benchmark:
                 validation=progress.validation_loss,
                 final_train_loss=progress.train_loss[-1].loss if progress.train_loss else None,
                 final_validation_loss=None
-                if self.validation_error or not progress.validation_loss
+                if provisional or self.validation_error or not progress.validation_loss
                 else progress.validation_loss[-1].loss,
                 validation_error=self.validation_error,
             ),
@@ -567,6 +573,8 @@ class Benchmark:
             steps=[StepAccount(**row) for row in steps],
             disturbance=disturbance,
         )
+        if provisional:
+            return result
         if disturbance.disturbed:
             self.log(f"disturbed measurement: {disturbance.evidence}")
         if self.dist.is_main:
@@ -586,13 +594,16 @@ class Benchmark:
     # ------------------------------------------------------------ validation and checkpoints
 
     def _final_validation(self, parts: Parts, data: Splits, stats: StepStats, startup_s: float, reason: str) -> None:
-        """Validate after the timed steps. The measurement is written first, and a failure here (a recompile for a
-        short last batch, memory) is a note in the result, not a failed job. With several ranks a failure on one
-        rank alone would leave the others in a collective, so only a failure every rank meets is survived."""
-        self.write(self._result(stats, parts.warmup, startup_s, reason))
+        """Validate after the timed steps. The measurement is written first; on one process a failure here (a
+        recompile for a short last batch, memory) is a note in the result, not a failed job. With several ranks it
+        still fails the job: one rank's failure would leave the others waiting in a collective (a hang), and the
+        launcher stops them all instead; the measurement written before stays on disk."""
+        self.write(self._result(stats, parts.warmup, startup_s, reason, provisional=True))
         try:
             self._validate(parts, data)
         except Exception as err:  # any failure of the validation itself; the timed steps are done
+            if self.dist.world_size > 1:
+                raise
             if isinstance(err, torch.OutOfMemoryError):
                 torch.cuda.empty_cache()
             self.validation_error = f"{type(err).__name__}: {err}"[:1000]

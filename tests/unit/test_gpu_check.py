@@ -141,3 +141,13 @@ def test_the_recipe_runs_to_the_end_without_a_gpu_and_one_json_holds_every_step(
 def test_without_a_gpu_and_without_the_flag_it_stops_before_installing(tmp_path: Path) -> None:
     assert gpu_check.main(["--env-dir", str(tmp_path / "env"), "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "env").exists()
+
+
+def test_a_step_stopped_at_its_limit_takes_its_children_with_it(tmp_path: Path) -> None:
+    marker = tmp_path / "child-still-running"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').write('x')"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(30)"
+    (outcome,) = gpu_check.run_steps([_step("parent", parent, timeout_s=1)], env={"PATH": "/usr/bin:/bin"}, gpu=True)
+    assert outcome.status == "timed-out"
+    time.sleep(4)
+    assert not marker.exists()  # the grandchild (train.py under hopper.py) was stopped too
