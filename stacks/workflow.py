@@ -584,9 +584,25 @@ class BenchmarkWorkflow(Construct):
     ) -> tasks.LambdaInvoke:
         """record_job_failure with the caught error ($.error) of the job or tuning job $.job_name of run $.run_id;
         its result discarded (the state's input goes on)."""
+        job_name = sfn.JsonPath.string_at("$.job_name")
+        return self._caught_error_step(construct_id, function=function, fields={"job_name": job_name}, **kwargs)
+
+    def _mark_failed_step(
+        self, construct_id: str, *, function: lambda_.IFunction, execution_arn: str, comment: str
+    ) -> tasks.LambdaInvoke:
+        """mark_run_failed with the caught error ($.error) of run $.run_id, planned by ``execution_arn``; its result
+        discarded (the state's input goes on)."""
+        fields = {"execution_arn": execution_arn}
+        return self._caught_error_step(construct_id, function=function, fields=fields, comment=comment)
+
+    def _caught_error_step(
+        self, construct_id: str, *, function: lambda_.IFunction, fields: dict[str, Any], **kwargs: Any
+    ) -> tasks.LambdaInvoke:
+        """``function`` called with $.run_id, ``fields`` and the caught error $.error, in that order; its result
+        discarded (the state's input goes on)."""
         payload = {
             "run_id": sfn.JsonPath.string_at("$.run_id"),
-            "job_name": sfn.JsonPath.string_at("$.job_name"),
+            **fields,
             "error": sfn.JsonPath.object_at("$.error"),
         }
         return self._lambda_step(
@@ -595,24 +611,6 @@ class BenchmarkWorkflow(Construct):
             payload=sfn.TaskInput.from_object(payload),
             result_path=sfn.JsonPath.DISCARD,
             **kwargs,
-        )
-
-    def _mark_failed_step(
-        self, construct_id: str, *, function: lambda_.IFunction, execution_arn: str, comment: str
-    ) -> tasks.LambdaInvoke:
-        """mark_run_failed with the caught error ($.error) of run $.run_id, planned by ``execution_arn``; its result
-        discarded (the state's input goes on)."""
-        payload = {
-            "run_id": sfn.JsonPath.string_at("$.run_id"),
-            "execution_arn": execution_arn,
-            "error": sfn.JsonPath.object_at("$.error"),
-        }
-        return self._lambda_step(
-            construct_id,
-            function=function,
-            payload=sfn.TaskInput.from_object(payload),
-            result_path=sfn.JsonPath.DISCARD,
-            comment=comment,
         )
 
     def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:
