@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gpu_check_report import CheckOutcome, report_payload, slug  # beside this file (standard library only)
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "benchmarks" / "gpu-check-requirements.txt"
 # What the GPU machine brings and the install must keep (benchmarks/gpu_wheels.py leaves them out of .whl/).
@@ -333,9 +335,6 @@ def write(
     gpu: bool,
 ) -> Path:
     """The one JSON: the machine as the overlay sees it, every step, every CUDA check."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_check_report import CheckOutcome, report_payload, slug
-
     code = f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import gpu_check_report as g; " \
            "print(json.dumps(g.machine(), default=str))"  # fmt: skip
     try:

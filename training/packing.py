@@ -280,11 +280,9 @@ class CausalLMWithLoss(torch.nn.Module):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)}")
-        if loss == "liger" and not liger_available():
-            raise ValueError("loss 'liger' needs liger-kernel (pip install liger-kernel==0.8.5) and a CUDA GPU")
-        if loss == "torch" and not torch_linear_cross_entropy_available():
-            raise ValueError(f"loss 'torch' needs torch.nn.functional.linear_cross_entropy (torch >= 2.13); this is "
-                             f"torch {torch.__version__}")  # fmt: skip
+        missing = _missing_library(loss)
+        if missing:
+            raise ValueError(f"loss {loss!r}: {missing}")
         self.lm = lm
         self.loss_kind = loss
 
@@ -318,12 +316,21 @@ def fused_loss(kernel: str, *, device_type: str, zero3: bool) -> str:
     if kernel in ("liger", "torch") and zero3:
         raise ValueError(f"cross_entropy_kernel {kernel} reads the head's weight directly, which DeepSpeed ZeRO-3 "
                          "partitions; use chunked (or auto) with deepspeed_stage 3")  # fmt: skip
-    if kernel == "liger" and (device_type != "cuda" or not liger_available()):
-        raise ValueError("cross_entropy_kernel liger needs a CUDA GPU and liger-kernel (with triton) installed")
-    if kernel == "torch" and not torch_linear_cross_entropy_available():
-        raise ValueError(f"cross_entropy_kernel torch needs torch.nn.functional.linear_cross_entropy (torch 2.13 or "
-                         f"later); this is torch {torch.__version__}")  # fmt: skip
+    if kernel == "liger" and device_type != "cuda":
+        raise ValueError("cross_entropy_kernel liger needs a CUDA GPU (Liger's kernels are Triton's)")
+    missing = _missing_library(kernel)
+    if missing:
+        raise ValueError(f"cross_entropy_kernel {kernel}: {missing}")
     return kernel
+
+
+def _missing_library(loss: str) -> str | None:
+    """Why ``loss`` cannot run here for want of a library (CausalLMWithLoss and fused_loss both ask); None if it can."""
+    if loss == "liger" and not liger_available():
+        return "liger-kernel (with triton) is not installed (pip install liger-kernel==0.8.5)"
+    if loss == "torch" and not torch_linear_cross_entropy_available():
+        return f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy (torch 2.13 or later)"
+    return None
 
 
 def liger_available() -> bool:

@@ -138,7 +138,7 @@ def largest_layer_params(arch: Architecture) -> int:
     return max(arch.vocab_size * arch.hidden_size, arch.hidden_size * arch.intermediate_size)
 
 
-def state_bytes(arch: Architecture, *, precision: str, stage: int, world: int) -> float:
+def state_bytes(arch: Architecture, *, stage: int, world: int) -> float:
     """Model states per GPU. Without DeepSpeed: fp32 weights, fp32 gradients and two AdamW moments, 16 bytes per
     parameter (DDP's gradients are views of its buckets, no extra copy). With ZeRO, DeepSpeed's own estimators
     without offload (deepspeed 0.19.8, estimate_zero2/3_model_states_mem_needs): 16-bit weights kept whole plus
@@ -220,7 +220,7 @@ def estimate(
         recompute = layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings) + max(layer_copies, 0.0)
         recompute += backward
     return MemoryEstimate(
-        states=state_bytes(arch, precision=settings.precision, stage=settings.deepspeed_stage, world=world),
+        states=state_bytes(arch, stage=settings.deepspeed_stage, world=world),
         weight_copies=copies,
         activations=saved_activation_bytes(arch, seq=seq, batch=batch, settings=settings),
         mask=mask_bytes(seq=seq, batch=batch, settings=settings),

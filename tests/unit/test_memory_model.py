@@ -26,10 +26,10 @@ def gb(settings: StepSettings = BASE, *, batch: int = 4, seq: int = 4096, world:
 def test_states_are_16_bytes_per_parameter_and_zero_shards_them():
     a = arch("qwen2.5-7b")
     params = total_params(a)
-    assert memory.state_bytes(a, precision="bf16", stage=0, world=8) == 16 * params
+    assert memory.state_bytes(a, stage=0, world=8) == 16 * params
     largest = 152_064 * 3_584  # Qwen2.5-7B's embedding
-    assert memory.state_bytes(a, precision="bf16", stage=3, world=8) == pytest.approx(4 * largest + 18 * params / 8)
-    assert memory.state_bytes(a, precision="bf16", stage=2, world=8) == pytest.approx(2 * params + 18 * params / 8)
+    assert memory.state_bytes(a, stage=3, world=8) == pytest.approx(4 * largest + 18 * params / 8)
+    assert memory.state_bytes(a, stage=2, world=8) == pytest.approx(2 * params + 18 * params / 8)
     z3 = StepSettings(deepspeed_stage=3, gradient_checkpointing=True)
     assert gb(z3, world=8, name="qwen2.5-7b", batch=1) < gb(z3, world=2, name="qwen2.5-7b", batch=1)
     # DeepSpeed runs bf16 weights itself: no autocast copies; plain DDP under autocast has them (2 B/param)
@@ -112,5 +112,5 @@ def test_zero_states_are_deepspeeds_own_estimates(name, world):
     _, want3, _ = zero3.estimate_zero3_model_states_mem_needs(
         params, memory.largest_layer_params(a), num_gpus_per_node=world, cpu_offload=False, cpu_offload_params=False
     )
-    assert memory.state_bytes(a, precision="bf16", stage=2, world=world) == pytest.approx(want2, abs=1)
-    assert memory.state_bytes(a, precision="bf16", stage=3, world=world) == pytest.approx(want3, abs=1)
+    assert memory.state_bytes(a, stage=2, world=world) == pytest.approx(want2, abs=1)
+    assert memory.state_bytes(a, stage=3, world=world) == pytest.approx(want3, abs=1)
