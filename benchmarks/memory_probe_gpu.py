@@ -41,7 +41,7 @@ class Probe:
     batch: int
     seq: int
     attention: str  # "sdpa" (dense 4D document mask), "flex" (block mask), "sdpa-unpacked" (no mask)
-    loss: str  # "liger" or "plain"
+    loss: str  # "plain" or a fused kernel: "chunked", "liger", "torch" (training/packing.py)
     checkpointing: bool
     layers: int | None = None  # None: the preset's
 
@@ -50,20 +50,22 @@ def grid(models: list[str]) -> list[Probe]:
     probes: list[Probe] = []
     for m in models:
         for attention in ("flex", "sdpa"):
-            for loss in ("liger", "plain"):
+            for loss in ("chunked", "plain"):
                 for ckpt in (False, True):
                     probes.append(Probe(m, 1, 4096, attention, loss, ckpt))
         probes += [
-            Probe(m, 2, 4096, "flex", "liger", False),
-            Probe(m, 2, 4096, "sdpa", "liger", False),
+            Probe(m, 2, 4096, "flex", "chunked", False),
+            Probe(m, 2, 4096, "sdpa", "chunked", False),
             Probe(m, 2, 4096, "flex", "plain", False),
-            Probe(m, 1, 2048, "flex", "liger", False),
-            Probe(m, 1, 2048, "sdpa", "liger", False),
-            Probe(m, 1, 4096, "sdpa-unpacked", "liger", False),
-            Probe(m, 2, 4096, "flex", "liger", True),
+            Probe(m, 1, 2048, "flex", "chunked", False),
+            Probe(m, 1, 4096, "flex", "liger", False),
+            Probe(m, 1, 4096, "flex", "torch", False),
+            Probe(m, 1, 2048, "sdpa", "chunked", False),
+            Probe(m, 1, 4096, "sdpa-unpacked", "chunked", False),
+            Probe(m, 2, 4096, "flex", "chunked", True),
         ]
     if models:
-        probes += [Probe(models[0], 1, 4096, "flex", "liger", False, layers=12),
+        probes += [Probe(models[0], 1, 4096, "flex", "chunked", False, layers=12),
                    Probe(models[0], 1, 4096, "sdpa", "plain", False, layers=12)]  # fmt: skip
     return probes
 
@@ -74,27 +76,32 @@ def architecture(probe: Probe) -> Architecture:
     return dataclasses.replace(arch, num_hidden_layers=probe.layers) if probe.layers else arch
 
 
-def predicted_gb(probe: Probe) -> float:
-    """The planner's peak for the probe's configuration, less the CUDA context (max_memory_allocated omits it)."""
+def predicted(probe: Probe) -> dict[str, float]:
+    """The planner's peak for the probe's configuration as torch allocates it (no CUDA context) and the uncertainty
+    the estimate states for it, both in GB."""
     from gpuscout.domain.manifest_training import Variant
-    from gpuscout.plan.memory import CUDA_CONTEXT_GB
-    from gpuscout.plan.planner import memory_per_gpu_gb
+    from gpuscout.plan.planner import memory_estimate
 
     arch = architecture(probe)
+    fused = probe.loss != "plain"
     variant = Variant(
         name="probe", per_device_batch_size=probe.batch, gradient_checkpointing=probe.checkpointing,
-        fused_cross_entropy=probe.loss == "liger", packing=probe.attention != "sdpa-unpacked",
-        attention="flex" if probe.attention == "flex" else "sdpa",
+        fused_cross_entropy=fused, cross_entropy_kernel=probe.loss if fused else "auto",
+        packing=probe.attention != "sdpa-unpacked", attention="flex" if probe.attention == "flex" else "sdpa",
+        gradient_accumulation_steps=1,
     )  # fmt: skip
-    return memory_per_gpu_gb(arch, seq=probe.seq, batch=probe.batch, precision="bf16", stage=0, world=1,
-                             variant=variant) - CUDA_CONTEXT_GB  # fmt: skip
+    e = memory_estimate(arch, seq=probe.seq, batch=probe.batch, precision="bf16", stage=0, world=1, variant=variant)
+    return {"predicted_gb": e.allocated / 1e9, "predicted_uncertainty_gb": e.allocated_uncertainty / 1e9}
 
 
 def measure(probe: Probe) -> dict[str, Any]:
     import torch
-    from packing import CausalLMWithLoss, install_flex_autocast_cast, make_inputs
+    from packing import CausalLMWithLoss, _missing_library, install_flex_autocast_cast, make_inputs
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    missing = _missing_library(probe.loss)
+    if missing:  # a row the box cannot run is reported as such, not a crash of the whole probe
+        return {**asdict(probe), "status": "skipped", "reason": missing, "peak_gb": float("nan"), "seconds": 0.0}
     arch = architecture(probe)
     kwargs: dict[str, Any] = dict(arch.to_qwen2_config_kwargs())
     config = Qwen2Config(**kwargs, use_cache=False)
@@ -140,8 +147,8 @@ def measure(probe: Probe) -> dict[str, Any]:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         result.update(status="completed", states_gb=before / 1e9, peak_gb=peak / 1e9,
-                      transient_gb=(peak - before) / 1e9, loss=float(loss),
-                      predicted_gb=predicted_gb(probe))  # fmt: skip
+                      reserved_gb=torch.cuda.max_memory_reserved() / 1e9, transient_gb=(peak - before) / 1e9,
+                      loss=float(loss), **predicted(probe))  # fmt: skip
     except torch.cuda.OutOfMemoryError as err:
         result.update(status="out of memory", peak_gb=torch.cuda.max_memory_allocated() / 1e9, error=str(err)[:300])
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -184,6 +184,9 @@ def cloud_canary_memory_gb(arch: Architecture, spec: JobSpec, *, world: int) -> 
         fused_cross_entropy=hp.get("fused_cross_entropy") == "true",
         packing=hp.get("packing", "true") == "true",
         deepspeed_stage=int(hp.get("deepspeed_stage", "0") or 0),
+        cross_entropy_kernel=hp.get("cross_entropy_kernel", "chunked"),
+        torch_compile=hp.get("torch_compile") == "true",
+        gradient_accumulation_steps=int(hp.get("gradient_accumulation_steps", "1") or 1),
     )
     cut = replace(arch, num_hidden_layers=min(CLOUD_CANARY_LAYERS, arch.num_hidden_layers))
     seq = int(hp.get("sequence_length", "0") or 0)

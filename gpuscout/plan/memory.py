@@ -5,7 +5,17 @@ runs train.py's model wrapping (CausalLMWithLoss, make_inputs with packing and t
 master weights under bf16 autocast, non-reentrant checkpointing) on CPU and counts the bytes autograd saves for
 backward. docs/performance.md ("Memory model") says how, on what, and what still needs a GPU to confirm.
 
-Peak = states + weight copies + activations + mask + loss + CUDA context, where (T = batch x sequence tokens)
+Peak = states + CUDA context (+ NCCL) + the largest of three moments' transients, where (T = batch x sequence
+tokens):
+
+* the loss (end of the forward pass and the loss's backward): weight copies + activations + mask + loss, less the
+  fp32 gradients when they do not exist yet (one GPU, no DeepSpeed, accumulation 1: train.py zeroes gradients with
+  ``set_to_none``, and there are no DDP bucket views);
+* with checkpointing, the first layer's recomputation at the end of the backward pass (activations + mask +
+  recompute), every gradient there but that layer's (and an untied input embedding's) when they start absent;
+* the end of the backward pass and the optimizer step (fused AdamW on CUDA): the states alone.
+
+The parts:
 
 * states: 16 bytes/parameter (fp32 weights 4 + fp32 gradients 4 + AdamW 8; DDP's gradients are views of its
   buckets); under ZeRO-2/3 DeepSpeed's own estimators (state_bytes): 2 B/param whole + 18 B/param sharded, or the
@@ -22,14 +32,27 @@ Peak = states + weight copies + activations + mask + loss + CUDA context, where 
 * loss: the measured peak of the loss alone, per token and vocabulary entry: the full logits (bf16, a contiguous
   copy, the fp32 upcast, log-softmax and their gradients) for the plain loss, one 4,096-token chunk of them for the
   fused (chunked, or on CUDA Liger's smaller chunks: an upper bound) loss;
-* CUDA context: 1.5 GB (not seen by torch.cuda.max_memory_allocated).
+* CUDA context: 1.5 GB (not seen by torch.cuda.max_memory_allocated);
+* NCCL, with more than one GPU: 1 GB per GPU of communicator buffers outside torch's allocator (NVIDIA/nccl#864
+  reports ~1.6 GB for one communicator with its all-reduce, CUDA context included; NVLS on NVSwitch machines takes
+  more, which is why NeMo's launcher sets NCCL_NVLS_ENABLE=0 to save memory).
 
-No allocator fragmentation factor is added: the planner compares against 90 % of the GPU memory, and what the
-caching allocator reserves beyond what it allocates has not been measured on a GPU here.
+The head's gradient is not a term: the loss's peak comes before it (tests/training/test_memory_calibration.py measures
+whole micro-batches, first and later, with train.py's order: forward under autocast, backward outside it).
+
+Every estimate states its own uncertainty (``MemoryEstimate.uncertainty``, bytes either way), the sum of each part's:
+states and weight copies are counted exactly (DeepSpeed's ZeRO-3 largest layer is approximated); activations and the
+loss were calibrated on CPU kernels with the real model code, and CUDA's attention and loss kernels keep their own
+buffers (5 % of activations, 10 % of the loss, 25 % for Liger's and torch's fused kernels, not probed on CPU; 20 %
+of the recomputed layer, whose moment's gradients are approximated);
+torch.compile re-plans what is saved (20 % of activations when compiled: not measured yet); the CUDA context
++-0.75 GB; NCCL +-1 GB. Allocator fragmentation is not counted: the planner compares against
+90 % of the GPU memory, train.py runs with ``expandable_segments`` and reports reserved beside allocated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -45,6 +68,9 @@ CALIBRATION_PATH = MEMORY_DIR / "calibration.json"
 STATE_BYTES_PER_PARAM = 16.0
 WEIGHT_COPY_BYTES_PER_PARAM = 2.0
 CUDA_CONTEXT_GB = 1.5
+CUDA_CONTEXT_UNCERTAINTY_GB = 0.75
+NCCL_GB = 1.0  # per GPU, with more than one (module docstring)
+NCCL_UNCERTAINTY_GB = 1.0
 CHUNK_TOKENS = 4096  # training/packing.py chunked_cross_entropy's chunk_tokens
 
 
@@ -96,6 +122,9 @@ class StepSettings:
     fused_cross_entropy: bool = False
     packing: bool = True
     deepspeed_stage: int = 0
+    cross_entropy_kernel: str = "chunked"  # chunked | liger | torch (the fused loss's kernel; "auto" is chunked)
+    torch_compile: bool = False
+    gradient_accumulation_steps: int = 1
 
     @property
     def calibration_key(self) -> str:
@@ -110,9 +139,10 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU by part; ``total`` is the step's peak, the larger of two moments: the loss (every weight copy,
-    every saved activation and the loss transient at once) and, with checkpointing, a layer's recomputation in the
-    backward pass (the saved inputs, one layer's full activations and its weight copies)."""
+    """Bytes per GPU by part; ``total`` is the step's peak, the largest of three moments (module docstring): the
+    loss (every weight copy, every saved activation and the loss transient at once, less the gradients not yet
+    created), with checkpointing a layer's recomputation in the backward pass (the saved inputs, one layer's full
+    activations and its weight copies, less the gradients still to come), and the optimizer step (the states)."""
 
     states: float
     weight_copies: float
@@ -121,15 +151,46 @@ class MemoryEstimate:
     loss: float
     recompute: float  # one layer's activations and weight copies while it is recomputed (checkpointing), else 0
     cuda_context: float
+    absent_at_loss: float = 0.0  # states not yet allocated when the loss runs (the fp32 gradients, accumulation 1)
+    absent_at_recompute: float = 0.0  # gradients still to come when the first layer is recomputed
+    nccl: float = 0.0  # communicator buffers outside torch's allocator (world > 1)
+    uncertainty: float = 0.0  # bytes either way (module docstring)
+
+    @property
+    def at_loss(self) -> float:
+        return self.weight_copies + self.loss - self.absent_at_loss
+
+    @property
+    def at_recompute(self) -> float:
+        if not self.recompute:  # no checkpointing: no such moment
+            return -(self.activations + self.mask)
+        return self.recompute - self.absent_at_recompute
+
+    @property
+    def transient(self) -> float:
+        """What the peak moment adds to the states, the saved activations, mask, context and NCCL."""
+        return max(self.at_loss, self.at_recompute, -(self.activations + self.mask))
 
     @property
     def total(self) -> float:
-        transient = max(self.weight_copies + self.loss, self.recompute)
-        return self.states + self.activations + self.mask + transient + self.cuda_context
+        return self.states + self.activations + self.mask + self.transient + self.cuda_context + self.nccl
 
     @property
     def total_gb(self) -> float:
         return self.total / 1e9
+
+    @property
+    def allocated(self) -> float:
+        """The peak torch.cuda.max_memory_allocated sees: without the CUDA context and NCCL's buffers."""
+        return self.total - self.cuda_context - self.nccl
+
+    @property
+    def allocated_uncertainty(self) -> float:
+        """``uncertainty`` less the context's and NCCL's parts (not in what torch allocates)."""
+        outside = (CUDA_CONTEXT_UNCERTAINTY_GB * 1e9 if self.cuda_context else 0.0) + (
+            NCCL_UNCERTAINTY_GB * 1e9 if self.nccl else 0.0
+        )
+        return max(self.uncertainty - outside, 0.0)
 
 
 def largest_layer_params(arch: Architecture) -> int:
@@ -138,17 +199,20 @@ def largest_layer_params(arch: Architecture) -> int:
     return max(arch.vocab_size * arch.hidden_size, arch.hidden_size * arch.intermediate_size)
 
 
-def state_bytes(arch: Architecture, *, stage: int, world: int) -> float:
+def state_bytes(arch: Architecture, *, stage: int, world: int, half: bool = True) -> float:
     """Model states per GPU. Without DeepSpeed: fp32 weights, fp32 gradients and two AdamW moments, 16 bytes per
-    parameter (DDP's gradients are views of its buckets, no extra copy). With ZeRO, DeepSpeed's own estimators
-    without offload (deepspeed 0.19.8, estimate_zero2/3_model_states_mem_needs): 16-bit weights kept whole plus
-    18 bytes per parameter sharded (16-bit and fp32 gradients, fp32 master weights, two moments) under ZeRO-2; the
-    18 sharded plus the largest layer gathered in fp32 terms (4 bytes per parameter) under ZeRO-3."""
+    parameter (DDP's gradients are views of its buckets, no extra copy). With ZeRO and a 16-bit precision,
+    DeepSpeed's own estimators without offload (deepspeed 0.19.8, estimate_zero2/3_model_states_mem_needs): 16-bit
+    weights kept whole plus 18 bytes per parameter sharded (16-bit and fp32 gradients, fp32 master weights, two
+    moments) under ZeRO-2; the 18 sharded plus the largest layer gathered in fp32 terms (4 bytes per parameter)
+    under ZeRO-3. In fp32 (``half=False``) DeepSpeed keeps no second copy of weights or gradients: fp32 weights whole
+    plus 12 bytes per parameter sharded (gradients and moments) under ZeRO-2, 16 sharded under ZeRO-3 (the
+    estimators assume 16-bit training and do not cover it)."""
     params = total_params(arch)
     if stage == 3:
-        return 4.0 * largest_layer_params(arch) + 18.0 * params / world
+        return 4.0 * largest_layer_params(arch) + (18.0 if half else 16.0) * params / world
     if stage == 2:
-        return 2.0 * params + 18.0 * params / world
+        return (2.0 * params + 18.0 * params / world) if half else (4.0 * params + 12.0 * params / world)
     return params * STATE_BYTES_PER_PARAM
 
 
@@ -202,11 +266,36 @@ def mask_bytes(*, seq: int, batch: int, settings: StepSettings) -> float:
     return entry * batch * seq * seq
 
 
+def gradients_absent_at_loss(settings: StepSettings, *, world: int) -> bool:
+    """Whether the fp32 gradients do not exist yet when the loss runs: one GPU without DeepSpeed (no DDP bucket
+    views), gradients zeroed with ``set_to_none`` (train.py), and one micro-batch per optimizer step."""
+    return world == 1 and settings.deepspeed_stage == 0 and settings.gradient_accumulation_steps <= 1
+
+
+def _uncertainty(settings: StepSettings, e: MemoryEstimate) -> float:
+    """Bytes either way (module docstring): each part's share, summed."""
+    kernel = settings.cross_entropy_kernel if settings.fused_cross_entropy else "plain"
+    loss_share = 0.25 if kernel in ("liger", "torch") else 0.10
+    activation_share = 0.05 + (0.20 if settings.torch_compile else 0.0)
+    parts = (
+        activation_share * (e.activations + e.mask),
+        # the recomputation moment: which gradients exist by then is approximated (13 % off on CPU at 2 layers)
+        (activation_share + 0.15) * e.recompute,
+        loss_share * e.loss,
+        CUDA_CONTEXT_UNCERTAINTY_GB * 1e9 if e.cuda_context else 0.0,
+        NCCL_UNCERTAINTY_GB * 1e9 if e.nccl else 0.0,
+        # ZeRO-3's gathered layers: DeepSpeed's own figure approximates them by the largest one
+        e.states * 0.05 if settings.deepspeed_stage == 3 else 0.0,
+    )
+    return sum(parts)
+
+
 def estimate(
     arch: Architecture, *, seq: int, batch: int, settings: StepSettings, world: int, device: str = "cuda"
 ) -> MemoryEstimate:
     """Peak memory per GPU (or of the host, ``device="cpu"``) for one training step (module docstring)."""
     autocast = settings.precision != "fp32" and settings.deepspeed_stage == 0 and device == "cuda"
+    half = settings.precision != "fp32" and device == "cuda"
     if device != "cuda":  # train.py autocasts on CUDA only: on the CPU the model computes in fp32
         settings = StepSettings(**{**settings.__dict__, "precision": "fp32"})
     copies = WEIGHT_COPY_BYTES_PER_PARAM * matmul_params(arch) if autocast else 0.0
@@ -219,12 +308,23 @@ def estimate(
         backward = 8.0 * arch.hidden_size * arch.intermediate_size
         recompute = layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings) + max(layer_copies, 0.0)
         recompute += backward
-    return MemoryEstimate(
-        states=state_bytes(arch, stage=settings.deepspeed_stage, world=world),
+    head = arch.vocab_size * arch.hidden_size
+    stage = settings.deepspeed_stage
+    absent = absent_later = 0.0
+    if stage == 0 and gradients_absent_at_loss(settings, world=world):
+        absent = 4.0 * total_params(arch)
+        layer_params = (matmul_params(arch) - head) / max(arch.num_hidden_layers, 1)
+        absent_later = 4.0 * (layer_params + (0 if arch.tie_word_embeddings else head))
+    e = MemoryEstimate(
+        states=state_bytes(arch, stage=stage, world=world, half=half),
         weight_copies=copies,
         activations=saved_activation_bytes(arch, seq=seq, batch=batch, settings=settings),
         mask=mask_bytes(seq=seq, batch=batch, settings=settings),
         loss=loss_bytes(arch, seq=seq, batch=batch, settings=settings),
         recompute=recompute,
         cuda_context=CUDA_CONTEXT_GB * 1e9 if device == "cuda" else 0.0,
+        absent_at_loss=absent,
+        absent_at_recompute=absent_later,
+        nccl=NCCL_GB * 1e9 if device == "cuda" and world > 1 else 0.0,
     )
+    return dataclasses.replace(e, uncertainty=_uncertainty(settings, e))

@@ -115,7 +115,10 @@ def architecture(manifest: Manifest) -> Architecture:
     return arch.with_vocab(training_vocab(arch.name, arch.vocab_size, tokenizer_vocab))
 
 
-def step_settings(variant: Variant, *, precision: str) -> StepSettings:
+def step_settings(variant: Variant, *, precision: str, accumulation: int | None = None) -> StepSettings:
+    """The memory model's settings for ``variant``; ``accumulation`` (micro-batches per optimizer step) defaults
+    to the variant's own, or 2 when it sets none (gradients counted at the loss: the larger estimate)."""
+    kernel = variant.cross_entropy_kernel
     return StepSettings(
         precision=precision,
         attention=variant.attention,
@@ -123,6 +126,9 @@ def step_settings(variant: Variant, *, precision: str) -> StepSettings:
         fused_cross_entropy=variant.fused_cross_entropy,
         packing=variant.packing,
         deepspeed_stage=variant.deepspeed_stage,
+        cross_entropy_kernel="chunked" if kernel == "auto" else kernel,
+        torch_compile=variant.torch_compile,
+        gradient_accumulation_steps=accumulation or variant.gradient_accumulation_steps or 2,
     )
 
 
@@ -136,11 +142,24 @@ def memory_per_gpu_gb(
     world: int,
     variant: Variant,
     device: str = "cuda",
+    accumulation: int | None = None,
 ) -> float:
     """Peak memory per GPU (the host's on ``device="cpu"``) in GB: the calibrated model of
-    :mod:`gpuscout.plan.memory`. ``stage`` overrides the variant's deepspeed_stage."""
-    settings = replace(step_settings(variant, precision=precision), deepspeed_stage=stage)
-    return memory.estimate(arch, seq=seq, batch=batch, settings=settings, world=world, device=device).total_gb
+    :mod:`gpuscout.plan.memory`. ``stage`` overrides the variant's deepspeed_stage; ``accumulation`` its
+    gradient_accumulation_steps (step_settings)."""
+    return memory_estimate(
+        arch, seq=seq, batch=batch, precision=precision, stage=stage, world=world, variant=variant, device=device,
+        accumulation=accumulation,
+    ).total_gb  # fmt: skip
+
+
+def memory_estimate(
+    arch: Architecture, *, seq: int, batch: int, precision: str, stage: int, world: int, variant: Variant,
+    device: str = "cuda", accumulation: int | None = None,
+) -> memory.MemoryEstimate:  # fmt: skip
+    """memory_per_gpu_gb's estimate by part, with its stated uncertainty."""
+    settings = replace(step_settings(variant, precision=precision, accumulation=accumulation), deepspeed_stage=stage)
+    return memory.estimate(arch, seq=seq, batch=batch, settings=settings, world=world, device=device)
 
 
 def what_fits(
@@ -149,10 +168,13 @@ def what_fits(
 ) -> list[str]:  # fmt: skip
     """Changes to ``variant`` that would bring its peak under ``limit_gb``, most similar first."""
 
+    accumulation = variant.gradient_accumulation_steps or 2
+
     def fits(v: Variant, b: int) -> bool:
         need = memory_per_gpu_gb(
-            arch, seq=seq, batch=b, precision=precision, stage=v.deepspeed_stage, world=world, variant=v, device=device
-        )
+            arch, seq=seq, batch=b, precision=precision, stage=v.deepspeed_stage, world=world, variant=v, device=device,
+            accumulation=accumulation * max(batch // max(b, 1), 1),
+        )  # fmt: skip
         return need <= limit_gb
 
     def largest_batch(v: Variant) -> int:
@@ -336,22 +358,18 @@ def plan(
                 raise PlanError(f"{where} runs on CPU; variant {variant.name!r} needs deepspeed_stage 0")
             if variant.deepspeed_stage and world < 2:
                 raise PlanError(f"{where} has one GPU; variant {variant.name!r} needs deepspeed_stage 0")
-            need = memory_per_gpu_gb(
-                arch,
-                seq=seq,
-                batch=batch,
-                precision=precision,
-                stage=variant.deepspeed_stage,
-                world=world,
-                variant=variant,
-                device=device,
-            )
+            estimate = memory_estimate(
+                arch, seq=seq, batch=batch, precision=precision, stage=variant.deepspeed_stage, world=world,
+                variant=variant, device=device, accumulation=accum,
+            )  # fmt: skip
+            need = estimate.total_gb
             if capacity is not None and need > MEMORY_USABLE_FRACTION * capacity:
                 fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
                                   device=device, limit_gb=MEMORY_USABLE_FRACTION * capacity)  # fmt: skip
                 advice = "would fit: " + "; or ".join(fixes) if fixes else "nothing but a larger instance would fit"
                 raise PlanError(
-                    f"{where}, variant {variant.name!r}: needs ~{need:.1f} GB per "
+                    f"{where}, variant {variant.name!r}: needs ~{need:.1f} GB "
+                    f"(+-{estimate.uncertainty / 1e9:.1f} GB, the memory model's stated uncertainty) per "
                     f"{'GPU' if device == 'cuda' else 'host'} but {capacity:.0f} GB is available "
                     f"({MEMORY_USABLE_FRACTION:.0%} usable) for {arch.name} at "
                     f"sequence_length {seq}, per_device_batch_size {batch}; {advice}"

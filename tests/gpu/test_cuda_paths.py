@@ -162,34 +162,40 @@ def test_nvml_fills_utilization_and_power() -> None:
 
 
 MEMORY_CASES = [
-    # (preset, micro-batch, sequence, gradient checkpointing, fused cross-entropy)
-    pytest.param("qwen2.5-0.5b", 1, 4096, False, True, id="0.5b-b1-liger"),
-    pytest.param("qwen2.5-0.5b", 2, 4096, True, True, id="0.5b-b2-ckpt-liger"),
-    pytest.param("qwen2.5-0.5b", 1, 2048, False, False, id="0.5b-b1-2k-full-logits"),
+    # (preset, micro-batch, sequence, gradient checkpointing, loss: plain or a fused kernel)
+    pytest.param("qwen2.5-0.5b", 1, 4096, False, "chunked", id="0.5b-b1-chunked"),
+    pytest.param("qwen2.5-0.5b", 2, 4096, True, "chunked", id="0.5b-b2-ckpt-chunked"),
+    pytest.param("qwen2.5-0.5b", 1, 4096, False, "liger", id="0.5b-b1-liger"),
+    pytest.param("qwen2.5-0.5b", 1, 2048, False, "plain", id="0.5b-b1-2k-full-logits"),
 ]
 
 
-@pytest.mark.parametrize(("preset", "batch", "seq", "ckpt", "fused"), MEMORY_CASES)
-def test_the_planners_peak_memory_is_within_15_percent(
-    preset: str, batch: int, seq: int, ckpt: bool, fused: bool, record: Any
+@pytest.mark.parametrize(("preset", "batch", "seq", "ckpt", "loss"), MEMORY_CASES)
+def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
+    preset: str, batch: int, seq: int, ckpt: bool, loss: str, record: Any
 ) -> None:
+    """Two optimizer steps as train.py runs them on one GPU (forward under autocast, backward outside it, fused
+    AdamW, gradients set to None): torch's peak allocated against the planner's estimate less the CUDA context,
+    within the uncertainty the estimate states for this case (gpuscout.plan.memory)."""
     from packing import CausalLMWithLoss, liger_available
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from gpuscout.domain.manifest_training import Variant
     from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
-    from gpuscout.plan.memory import CUDA_CONTEXT_GB
-    from gpuscout.plan.planner import memory_per_gpu_gb
+    from gpuscout.plan.planner import memory_estimate
 
-    if fused and not liger_available():
+    if loss == "liger" and not liger_available():
         pytest.fail("liger-kernel is not installed")
     arch = PRESETS[preset]
     arch = arch.with_vocab(training_vocab(preset, arch.vocab_size, QWEN_TOKENIZER_VOCAB))
+    fused = loss != "plain"
     # packing off: the step below feeds no attention mask (causal sdpa), so the dense-mask terms do not apply
     variant = Variant(name="m", per_device_batch_size=batch, gradient_checkpointing=ckpt, fused_cross_entropy=fused,
-                      packing=False)  # fmt: skip
-    predicted = memory_per_gpu_gb(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
-    predicted -= CUDA_CONTEXT_GB  # max_memory_allocated does not see the CUDA context
+                      cross_entropy_kernel=loss if fused else "auto", packing=False,
+                      gradient_accumulation_steps=1)  # fmt: skip
+    estimate = memory_estimate(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
+    predicted = estimate.allocated / 1e9  # max_memory_allocated sees neither the CUDA context nor NCCL
+    tolerance = estimate.allocated_uncertainty / estimate.allocated
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
@@ -198,18 +204,22 @@ def test_the_planners_peak_memory_is_within_15_percent(
     model = Qwen2ForCausalLM(config).cuda().train()
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    wrapper = CausalLMWithLoss(model, loss="liger" if fused else "plain")
+    wrapper = CausalLMWithLoss(model, loss=loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, arch.vocab_size, (batch, seq), device="cuda")
     positions = torch.arange(seq, device="cuda").expand(batch, seq)
     for _ in range(2):  # the second step has the optimizer state allocated
         with torch.autocast("cuda", dtype=BF16):
-            loss = wrapper(ids, positions, None, ids)
-        loss.backward()
+            value = wrapper(ids, positions, None, ids)
+        value.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     measured = torch.cuda.max_memory_allocated() / 1e9
-    record(predicted_gb=round(predicted, 2), measured_gb=round(measured, 2), ratio=round(predicted / measured, 3))
+    reserved = torch.cuda.max_memory_reserved() / 1e9
+    record(predicted_gb=round(predicted, 2), tolerance=round(tolerance, 3), measured_gb=round(measured, 2),
+           reserved_gb=round(reserved, 2), ratio=round(predicted / measured, 3))  # fmt: skip
     del model, wrapper, optimizer
     torch.cuda.empty_cache()
-    assert predicted == pytest.approx(measured, rel=0.15), f"predicted {predicted:.1f} GB, measured {measured:.1f} GB"
+    assert predicted == pytest.approx(measured, rel=tolerance), (
+        f"predicted {predicted:.1f} GB +- {tolerance:.0%}, measured {measured:.1f} GB"
+    )
