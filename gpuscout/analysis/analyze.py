@@ -120,7 +120,9 @@ class _Rep(NamedTuple):
     train_time_s: float | None
     startup_time_s: float
     peak_memory_gb: float | None
+    peak_reserved_gb: float | None
     final_train_loss: float | None
+    validation_error: str | None
     dataset_tokens: int
     curve: Any  # (points, 3) float array: tokens, elapsed s, train loss (one array, not a tuple per point)
     curve_points: list[Any]  # the LossPoint dicts themselves, for the chart's downsampled copy
@@ -186,7 +188,9 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             train_time_s=_opt(timing.get("train_time_s")),
             startup_time_s=float(timing.get("startup_time_s") or 0.0),
             peak_memory_gb=_opt(memory.get("peak_allocated_gb")),
+            peak_reserved_gb=_opt(memory.get("peak_reserved_gb")),
             final_train_loss=_opt(loss.get("final_train_loss")),
+            validation_error=loss.get("validation_error"),
             dataset_tokens=int((bench.get("dataset") or {}).get("tokens") or 0),
             curve=_curve_array(train),
             curve_points=train,
@@ -250,6 +254,16 @@ def _contention_note(jobs: Sequence[JobRecord]) -> str | None:
         return None
     first = str(flagged[0].get("note") or "measured under competition")
     return first if len(jobs) == 1 else f"{len(flagged)} of {len(jobs)} repetitions {first}"
+
+
+def _validation_note(reps: Sequence[_Rep]) -> str | None:
+    """Which repetitions' final validation failed (train.py kept the measurement; there is no final val loss)."""
+    failed = [r.validation_error for r in reps if r.validation_error]
+    if not failed:
+        return None
+    which = "" if len(reps) == 1 else f"{len(failed)} of {len(reps)} repetitions: "
+    first = failed[0] if len(failed[0]) <= 160 else failed[0][:159] + "…"
+    return f"final validation failed, no validation loss ({which}{first}); the throughput stands"
 
 
 def _step_times(rep: _Rep) -> list[tuple[int, float]]:
@@ -357,6 +371,7 @@ def _measure_group(
         ci_method = f"{ci_method}: unreliable ({unreliable})"
     world = reps[0].world_size or fields["gpus"] or 1
     peak = [r.peak_memory_gb for r in reps if r.peak_memory_gb is not None]
+    reserved = [r.peak_reserved_gb for r in reps if r.peak_reserved_gb is not None]
     breakdowns = [
         costs.phase_seconds(
             job.secondary_status_transitions,
@@ -400,6 +415,8 @@ def _measure_group(
         step_time_p50_s=_mean([r.step_p50 for r in reps if r.step_p50 is not None]),
         step_time_p90_s=_mean([r.step_p90 for r in reps if r.step_p90 is not None]),
         peak_memory_gb=max(peak) if peak else None,
+        peak_reserved_gb=max(reserved) if reserved else None,
+        validation_note=_validation_note(reps),
         final_train_loss=_mean([r.final_train_loss for r in reps if r.final_train_loss is not None]),
         dataset_tokens=dataset_tokens,
         epoch_seconds=costs.epoch_seconds(dataset_tokens, tokens_rate) if dataset_tokens > 0 and tokens_rate else None,

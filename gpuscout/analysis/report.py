@@ -84,6 +84,12 @@ def _shown(analysis: RunAnalysis) -> tuple[list[JobAnalysis], int]:
     return jobs, len(analysis.jobs) - len(jobs)
 
 
+def _memory(allocated: float | None, reserved: float | None) -> str:
+    """Peak allocated, and the allocator's peak reserved beside it where the job reported one (CUDA)."""
+    text = _num(allocated, 1)
+    return f"{text} ({reserved:.1f})" if allocated is not None and reserved is not None else text
+
+
 def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
     target_col = (
         f"to loss {analysis.constraints.target_loss:g}" if analysis.constraints.target_loss is not None else None
@@ -101,7 +107,7 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
         "one epoch",
         *([target_col] if target_col else []),
         "benchmark billed",
-        "peak mem GB",
+        "peak mem GB (reserved)",
         "stop",
         "Pareto",
         "note",
@@ -121,10 +127,10 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
                 _hours_usd(job.epoch_hours, job.epoch_usd_spot if job.spot else job.epoch_usd),
                 *([_loss_target(job)] if target_col else []),
                 _usd(job.billed_usd),
-                _num(job.peak_memory_gb, 1),
+                _memory(job.peak_memory_gb, job.peak_reserved_gb),
                 ("⚠ " if job.tolerance_reached is False else "") + job.stop_text if job.rate is not None else "–",
                 "yes" if job.on_pareto_front else "",
-                ("⚠ " if job.disturbed or job.contention_note else "") + job.measurement_note,
+                ("⚠ " if job.disturbed or job.contention_note or job.validation_note else "") + job.measurement_note,
             ]
         )
     return header, rows

@@ -69,7 +69,9 @@ class JobAnalysis(BaseModel):
     hfu: float | None = None
     step_time_p50_s: float | None = None
     step_time_p90_s: float | None = None
-    peak_memory_gb: float | None = None
+    peak_memory_gb: float | None = None  # torch's peak allocated (the most of any repetition)
+    peak_reserved_gb: float | None = None  # the caching allocator's peak reserved, beside it (CUDA only)
+    validation_note: str | None = None  # the final validation failed: no validation loss, the measurement stands
     final_train_loss: float | None = None
     # prices used
     usd_per_hour: float | None = None  # on-demand, per instance
@@ -135,7 +137,8 @@ class JobAnalysis(BaseModel):
         flags = []
         if self.ci_kind == "unreliable":
             flags.append(self.ci_method or "unreliable interval")
-        flags += [note for note in (self.contention_note, self.disturbance_note, self.kernel_note) if note]
+        notes = (self.contention_note, self.disturbance_note, self.kernel_note, self.validation_note)
+        flags += [note for note in notes if note]
         return "; ".join(flags)
 
     @property

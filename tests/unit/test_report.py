@@ -178,3 +178,25 @@ def test_estimate_outside_its_interval_does_not_crash(analysis: RunAnalysis, tmp
     assert (lows, highs) == ([800.0, 1000.0], [1000.0, 1200.0])
     out = report.write_report(odd, tmp_path)
     assert tmp_path / "tokens_per_s.png" in out["charts"]
+
+
+def test_a_failed_final_validation_and_reserved_memory_are_shown_wherever_the_job_is(tmp_path: Path) -> None:
+    """train.py keeps a measurement whose final validation failed (loss.validation_error): the row says so in the
+    note of report.md, report.html and `results` (measurement_note), and the peak reserved stands beside allocated."""
+    run, jobs, catalog = load_example_run()
+    bench = jobs[0].benchmark
+    assert bench is not None
+    bench = {**bench, "loss": {**bench["loss"], "validation_error": "IndexError: index 0 is out of bounds"},
+             "memory": {**(bench.get("memory") or {}), "peak_allocated_gb": 61.24, "peak_reserved_gb": 66.5}}  # fmt: skip
+    jobs[0] = jobs[0].model_copy(update={"benchmark": bench})
+    result = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    [job] = [j for j in result.jobs if jobs[0].job_name in j.job_names]
+    assert job.validation_note and "IndexError" in job.validation_note and "throughput stands" in job.validation_note
+    assert job.validation_note in job.measurement_note
+    assert job.peak_reserved_gb == pytest.approx(66.5)
+    others = [j for j in result.jobs if j is not job]
+    assert all(j.validation_note is None for j in others)
+    files = report.write_report(result, tmp_path, note=NOTE)
+    markdown = Path(files["md"]).read_text()
+    assert "61.2 (66.5)" in markdown and "final validation failed" in markdown
+    assert "final validation failed" in Path(files["html"]).read_text()
