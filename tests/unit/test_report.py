@@ -186,8 +186,12 @@ def test_a_failed_final_validation_and_reserved_memory_are_shown_wherever_the_jo
     run, jobs, catalog = load_example_run()
     bench = jobs[0].benchmark
     assert bench is not None
-    bench = {**bench, "loss": {**bench["loss"], "validation_error": "IndexError: index 0 is out of bounds"},
-             "memory": {**(bench.get("memory") or {}), "peak_allocated_gb": 61.24, "peak_reserved_gb": 66.5}}  # fmt: skip
+    memory = {**(bench.get("memory") or {}), "peak_allocated_gb": 61.24, "peak_reserved_gb": 66.5}
+    bench = {
+        **bench,
+        "loss": {**bench["loss"], "validation_error": "IndexError: index 0 is out of bounds"},
+        "memory": memory,
+    }
     jobs[0] = jobs[0].model_copy(update={"benchmark": bench})
     result = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
     [job] = [j for j in result.jobs if jobs[0].job_name in j.job_names]
