@@ -23,13 +23,13 @@ import tempfile
 import time
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from data_sources import read_documents
+from data_sources import FORMATS, read_documents
 
 from gpuscout.errors import DataPreparationError
 
@@ -79,6 +79,7 @@ class PrepareConfig:
     max_documents: int | None = None
     min_characters: int = 16
     text_field: str = "text"
+    format: str = "auto"  # dataset.format: auto (by suffix) | jsonl | txt | parquet
     workers: int = 1
     seed: int = 0
     blocks_per_shard: int = BLOCKS_PER_SHARD
@@ -116,6 +117,11 @@ class DatasetSummary:
     validation_fraction: float
     splits: dict[str, SplitSummary]
     tokenize_seconds: float = 0.0
+    # where the first invalid record of each kind was ("not_json", "no_text_field": "<file> line K")
+    first_invalid: dict[str, str] = field(default_factory=dict)
+    documents_cut: int = 0  # documents longer than max_piece_characters, cut into pieces before the split
+    max_piece_characters: int = 0
+    largest_document_fraction: float = 0.0  # of all kept characters, before cutting
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -166,6 +172,63 @@ def clean(
         seen.add(digest)
         kept.append(text)
     return kept, read
+
+
+PIECE_TOKENS_PER_BLOCK = 16  # a piece of a long document holds ~16 blocks' worth of characters (~4 per token)
+
+
+def max_piece_characters(sequence_length: int) -> int:
+    """The longest document kept whole for the train/validation split: longer ones are cut into pieces of at most
+    this many characters, so one huge document is split by pieces like the rest, not sent to one side whole."""
+    return max(4096, 4 * PIECE_TOKENS_PER_BLOCK * sequence_length)
+
+
+def cut_long_documents(documents: Sequence[str], max_characters: int) -> tuple[list[str], int]:
+    """Documents longer than ``max_characters`` cut into pieces of at most that many, at the last line break in the
+    second half of each window (else mid-line); returns the documents and how many were cut."""
+    out: list[str] = []
+    cut = 0
+    for text in documents:
+        if len(text) <= max_characters:
+            out.append(text)
+            continue
+        cut += 1
+        start = 0
+        while start < len(text):
+            end = min(start + max_characters, len(text))
+            if end < len(text):
+                newline = text.rfind("\n", start + max_characters // 2, end)
+                end = newline + 1 if newline >= 0 else end
+            piece = text[start:end].strip()
+            if piece:
+                out.append(piece)
+            start = end
+    return out, cut
+
+
+def invalid_lines(dropped: Mapping[str, int], firsts: Mapping[str, str], *, text_field: str) -> list[str]:
+    """What was wrong with the records that were dropped as invalid, one line per kind, naming the first."""
+    lines = []
+    if dropped.get("not_json"):
+        lines.append(f"{dropped['not_json']:,} lines are not valid JSON, first at {firsts.get('not_json', '?')}")
+    if dropped.get("no_text_field"):
+        lines.append(
+            f"{dropped['no_text_field']:,} records have no string field {text_field!r} (dataset.text_field), "
+            f"first at {firsts.get('no_text_field', '?')}"
+        )
+    return lines
+
+
+def _empty_hint(config: PrepareConfig, dropped: Mapping[str, int], firsts: Mapping[str, str]) -> str:
+    biggest = max(dropped.values())
+    if dropped["too_short"] and dropped["too_short"] >= biggest:
+        return f"; every document was shorter than dataset.min_characters ({config.min_characters}): lower it"
+    if dropped["invalid"] and dropped["invalid"] >= biggest:
+        lines = invalid_lines(dropped, firsts, text_field=config.text_field)
+        if dropped.get("no_text_field") and not dropped.get("not_json"):
+            lines[-1] += ": set dataset.text_field"
+        return "; " + "; ".join(lines)
+    return ""
 
 
 def split_documents(documents: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -437,23 +500,33 @@ def prepare(config: PrepareConfig) -> DatasetSummary:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.npy"):
         stale.unlink()
-    dropped: Counter[str] = Counter({"empty": 0, "too_short": 0, "duplicate": 0, "invalid": 0})
+    dropped: Counter[str] = Counter(
+        {"empty": 0, "too_short": 0, "duplicate": 0, "invalid": 0, "not_json": 0, "no_text_field": 0}
+    )
+    firsts: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="gpuscout-raw-") as work:
         documents, read = clean(
-            read_documents(config.input, config.text_field, dropped, Path(work)),
+            read_documents(config.input, config.text_field, dropped, Path(work), fmt=config.format, firsts=firsts),
             min_characters=config.min_characters,
             max_documents=config.max_documents,
             dropped=dropped,
         )
     read += dropped["invalid"]
     if not documents:
-        hint = ""
-        if dropped["too_short"] and dropped["too_short"] >= max(dropped.values()):
-            hint = f"; every document was shorter than dataset.min_characters ({config.min_characters}): lower it"
-        elif dropped["invalid"] and dropped["invalid"] >= max(dropped.values()):
-            hint = f"; no record had a text field {config.text_field!r}: set dataset.text_field"
-        raise DataPreparationError(f"{config.input}: no documents left after cleaning ({dict(dropped)}){hint}")
+        raise DataPreparationError(
+            f"{config.input}: no documents left after cleaning ({dict(dropped)}){_empty_hint(config, dropped, firsts)}"
+        )
     log(config, f"read {read} documents, kept {len(documents)}, dropped {dict(dropped)}")
+    for line in invalid_lines(dropped, firsts, text_field=config.text_field):
+        log(config, line)
+    total_characters = sum(len(d) for d in documents)
+    largest = max(len(d) for d in documents) / total_characters if total_characters else 0.0
+    max_piece = max_piece_characters(config.sequence_length)
+    kept = len(documents)
+    documents, cut = cut_long_documents(documents, max_piece)
+    if cut:
+        log(config, f"cut {cut} document(s) longer than {max_piece:,} characters into pieces before the split "
+                    f"(the largest held {largest:.0%} of the text)")  # fmt: skip
     train_docs, val_docs = split_documents(documents, config.validation_fraction, config.seed)
 
     tokenizer, tokenizer_id = build_tokenizer(config, train_docs)
@@ -487,7 +560,7 @@ def prepare(config: PrepareConfig) -> DatasetSummary:
             "pad_token_id": tokenizer.pad_token_id,
             "path": "tokenizer",
         },
-        documents=len(documents),
+        documents=kept,
         documents_read=read,
         dropped=dict(sorted(dropped.items())),
         tokens=total_tokens,
@@ -498,6 +571,10 @@ def prepare(config: PrepareConfig) -> DatasetSummary:
         validation_fraction=config.validation_fraction,
         splits=splits,
         tokenize_seconds=tokenize_seconds,
+        first_invalid=firsts,
+        documents_cut=cut,
+        max_piece_characters=max_piece,
+        largest_document_fraction=largest,
     )
     (out / "dataset.json").write_text(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) + "\n")
     log(
@@ -526,6 +603,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PrepareConfig:
     p.add_argument("--max-documents", type=int, default=None)
     p.add_argument("--min-characters", type=int, default=16)
     p.add_argument("--text-field", default="text")
+    p.add_argument("--format", choices=FORMATS, default="auto", help="dataset.format: auto = by file suffix")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks-per-shard", type=int, default=BLOCKS_PER_SHARD)
@@ -542,6 +620,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PrepareConfig:
         max_documents=a.max_documents,
         min_characters=a.min_characters,
         text_field=a.text_field,
+        format=a.format,
         workers=a.workers,
         seed=a.seed,
         blocks_per_shard=a.blocks_per_shard,

@@ -68,6 +68,7 @@ def data_source_of(manifest: Manifest) -> DataSource:
         tokenizer_path=manifest.tokenizer.path,
         vocab_size=manifest.tokenizer.resolved_vocab_size,
         text_field=dataset.text_field,
+        format=dataset.format,
         min_characters=dataset.min_characters,
         validation_fraction=dataset.validation_fraction,
     )

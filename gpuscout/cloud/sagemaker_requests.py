@@ -62,6 +62,7 @@ class DataSource:
     tokenizer_path: str | None = None
     vocab_size: int | None = None
     text_field: str = "text"
+    format: str = "auto"  # dataset.format
     min_characters: int = 20
     validation_fraction: float = 0.05
 
@@ -228,6 +229,8 @@ def processing_job_request(run_id: str, settings: RequestSettings, data: DataSou
         str(data.sequence_length),
         "--text-field",
         data.text_field,
+        "--format",
+        data.format,
         "--min-characters",
         str(data.min_characters),
         "--validation-fraction",

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 VOCAB_FAR_BELOW = 0.5  # a trained vocabulary under half the requested size is flagged
 INVALID_FRACTION = 0.10  # more than 10 % of the records read were invalid (not text, broken JSON)
+DOMINANT_DOCUMENT = 0.5  # one document holds more than half of the kept text
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,49 @@ def dataset_problems(
             )
         )
     read = int(summary.get("documents_read") or 0)
-    invalid = int((summary.get("dropped") or {}).get("invalid") or 0)
+    dropped = summary.get("dropped") or {}
+    invalid = int(dropped.get("invalid") or 0)
     if read and invalid / read > INVALID_FRACTION:
+        firsts = summary.get("first_invalid") or {}
+        kinds = []
+        if dropped.get("not_json"):
+            kinds.append(f"{int(dropped['not_json']):,} lines are not valid JSON, first at {firsts.get('not_json')}")
+        if dropped.get("no_text_field"):
+            kinds.append(
+                f"{int(dropped['no_text_field']):,} records have no text field (dataset.text_field), first at "
+                f"{firsts.get('no_text_field')}"
+            )
+        detail = "; ".join(kinds) if kinds else "check dataset.text_field and the file format"
+        problems.append(
+            DatasetProblem(
+                "warn", f"{invalid:,} of {read:,} records were invalid and dropped ({invalid / read:.0%}): {detail}"
+            )
+        )
+    train_tokens = int((splits.get("train") or {}).get("tokens") or 0)
+    validation_tokens = int(validation.get("tokens") or 0)
+    if validation_tokens > train_tokens:
         problems.append(
             DatasetProblem(
                 "warn",
-                f"{invalid:,} of {read:,} records were invalid and dropped ({invalid / read:.0%}): check "
-                "dataset.text_field and the file format",
+                f"the validation split holds more tokens ({validation_tokens:,}) than the training split "
+                f"({train_tokens:,}): the benchmark trains on the smaller part of the text; lower "
+                "dataset.validation_fraction or use more documents",
+            )
+        )
+    largest = float(summary.get("largest_document_fraction") or 0)
+    if largest > DOMINANT_DOCUMENT:
+        cut = int(summary.get("documents_cut") or 0)
+        how = (
+            f"it was cut into pieces of at most {int(summary.get('max_piece_characters') or 0):,} characters "
+            "before the train/validation split"
+            if cut
+            else "the split puts it on one side whole"
+        )
+        problems.append(
+            DatasetProblem(
+                "warn",
+                f"one document holds {largest:.0%} of the text: {how}; the benchmark's data is mostly that one "
+                "document",
             )
         )
     return problems

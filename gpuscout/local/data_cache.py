@@ -91,6 +91,8 @@ def data_preparation_command(manifest: Any, output: Path, *, workers: int) -> li
         str(dataset.min_characters),
         "--text-field",
         dataset.text_field,
+        "--format",
+        dataset.format,
         "--workers",
         str(workers),
         "--seed",

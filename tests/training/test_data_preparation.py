@@ -51,7 +51,7 @@ def test_fixture_corpus_counts_are_exact(tmp_path: Path) -> None:
     # nested/extra.jsonl: 3 documents, the first is "Café" in NFD form = a duplicate after NFC normalization.
     assert s.documents_read == 22
     assert s.documents == 14
-    assert s.dropped == {"duplicate": 3, "empty": 1, "invalid": 2, "too_short": 2}
+    assert s.dropped == {"duplicate": 3, "empty": 1, "invalid": 2, "not_json": 1, "no_text_field": 1, "too_short": 2}
     assert s.splits["train"].documents + s.splits["validation"].documents == 14
     assert s.splits["train"].documents == 9
     # every kept document contributes its tokens plus one EOS; nothing else is non-padding
@@ -107,7 +107,7 @@ def test_qwen_tokenizer_tokenizes_hebrew_offline(tmp_path: Path) -> None:
 def test_bundled_hebrew_bible(tmp_path: Path) -> None:
     s = dp.prepare(_config(tmp_path / "bible", input="bundled:hebrew-bible", max_documents=5, vocab_size=600))
     assert s.documents == 5  # Genesis 1-5, one document per chapter
-    assert s.dropped == {"duplicate": 0, "empty": 0, "invalid": 0, "too_short": 0}
+    assert s.dropped == {"duplicate": 0, "empty": 0, "invalid": 0, "not_json": 0, "no_text_field": 0, "too_short": 0}
 
 
 def test_reads_s3_prefix_and_parquet(tmp_path: Path) -> None:
