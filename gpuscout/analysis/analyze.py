@@ -28,7 +28,7 @@ from gpuscout.analysis import costs, intervals
 from gpuscout.analysis.costs import TimeBreakdown
 from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
 from gpuscout.analysis.pricing import PriceBook
-from gpuscout.analysis.recommend import decide
+from gpuscout.analysis.recommend import decide, with_incomplete
 from gpuscout.analysis.results import (
     OBJECTIVES,
     Constraints,
@@ -42,7 +42,7 @@ from gpuscout.analysis.results import (
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import detect
 from gpuscout.plan.search import SearchPlan
-from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+from gpuscout.store.base import JobRecord, JobStatus, RunRecord, RunStatus
 
 LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
 MIN_TIMED_STEPS = 2  # fewer timed steps give no interval: a verdict cannot rest on them
@@ -621,7 +621,9 @@ def analyze_run(
     with _collection_paused():
         measured = measure(jobs, constraints.target_loss)
         priced = [price_job(a, prices, specs.get(a.job_name)) for a in measured]
-        ranked, recommendation, excluded = decide(priced, objective, constraints)
+        ranked, recommendation, excluded = decide(priced, objective, constraints, search=run.search is not None)
+    incomplete = incomplete_note(run, jobs)
+    recommendation = with_incomplete(recommendation, incomplete)
     dataset_tokens = next((a.dataset_tokens for a in ranked if a.dataset_tokens), None)
     return RunAnalysis(
         run_id=run.run_id,
@@ -637,6 +639,34 @@ def analyze_run(
         total_billed_usd=math.fsum(a.billed_usd or 0.0 for a in ranked),
         assumptions=_assumptions(prices, objective, constraints),
         search=search_outcome(run.search, jobs, ranked) if run.search else None,
+        incomplete=incomplete,
+    )
+
+
+INCOMPLETE_LISTED = 4
+
+
+def incomplete_note(run: RunRecord, jobs: Sequence[JobRecord]) -> str | None:
+    """One sentence naming what a stopped or partly failed run did not finish; None when every planned job finished
+    (a search's pruned trials and the cloud's canaries are not jobs the verdict misses)."""
+    measured = [j for j in jobs if not j.is_canary]
+    unfinished = [j for j in measured if j.status not in (JobStatus.COMPLETED, JobStatus.PRUNED)]
+    stopped = run.status == RunStatus.STOPPED
+    if not unfinished and not stopped:
+        return None
+    head = "Incomplete run: it was stopped" if stopped else "Not everything ran"
+    if not unfinished:
+        return f"{head}; every planned job had finished."
+    names = ", ".join(
+        f"{j.instance_type} / {j.variant_name}"
+        + (f" rep {j.repetition + 1}" if j.repetition else "")
+        + f" ({j.status.value})"
+        for j in unfinished[:INCOMPLETE_LISTED]
+    )
+    more = f" and {len(unfinished) - INCOMPLETE_LISTED} more" if len(unfinished) > INCOMPLETE_LISTED else ""
+    return (
+        f"{head}; {len(unfinished)} of {len(measured)} jobs did not finish: {names}{more}. "
+        "The verdict covers only what finished."
     )
 
 
@@ -682,11 +712,11 @@ def reprice(analysis: RunAnalysis | Mapping[str, Any], prices: PriceBook) -> Run
     for previous in old.price_snapshot.prices.values():
         prices.setdefault(previous)  # instance types the new prices do not cover keep their old price
     priced = [price_job(a, prices) for a in fresh]
-    ranked, recommendation, excluded = decide(priced, old.objective, old.constraints)
+    ranked, recommendation, excluded = decide(priced, old.objective, old.constraints, search=old.search is not None)
     return old.model_copy(
         update={
             "jobs": ranked,
-            "recommendation": recommendation,
+            "recommendation": with_incomplete(recommendation, old.incomplete),
             "excluded": excluded,
             "price_snapshot": prices.snapshot(),
             "total_billed_usd": math.fsum(a.billed_usd or 0.0 for a in ranked),

@@ -112,8 +112,8 @@ def _margin(best: JobAnalysis, runner_up: JobAnalysis, objective: str) -> float:
     return _speed(best) / _speed(runner_up) - 1.0  # the winner is this much faster
 
 
-def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
-    """Recommendation from eligible jobs in rank order."""
+def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = False) -> Recommendation:
+    """Recommendation from eligible jobs in rank order; ``search``: a settings search's (its advice differs)."""
     if not ranked:
         return Recommendation(
             job_name=None, summary="No recommendation: every target x variant was excluded (see the exclusions)."
@@ -141,11 +141,12 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
             clear_winner=False,
             verdict="cannot_tell",
         )
-    if len(ranked) == 1:
+    if len(ranked) == 1:  # measured, but compared with nothing: never a firm (green) winner
         return Recommendation(
             **base,
-            summary=f"{best.label}: {facts}, {other}. It is the only target x variant left, so there is no runner-up.",
-            clear_winner=True,
+            summary=f"Only candidate: {best.label}: {facts}, {other}. It is the only target x variant left, so "
+            "nothing was compared with it: this says what it does, not that it is the best choice.",
+            clear_winner=False,
             verdict="only_candidate",
         )
     runner = ranked[1]
@@ -155,7 +156,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
         if objective in COST_OBJECTIVES
         else f"{margin:.1%} faster than the runner-up {runner.label} ({_metric_text(runner, objective)})"
     )
-    verdict, why = judge(best, runner, objective)
+    verdict, why = judge(best, runner, objective, search=search)
     below = [j for j in ranked[2:] if j.disturbed and _could_lead(j, best, objective)]
     if below and verdict in ("clear", "provisional"):  # a disturbed measurement may hide a faster setting
         why = (why + " " if verdict == "provisional" else "") + (
@@ -166,7 +167,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str) -> Recommendation:
     lead = f"{best.label} leads on the mean: {facts}, {other}; {comparison}."
     summary = {
         "clear": f"Recommended: {best.label}: {facts}, {other}; {comparison}.",
-        "no_clear_winner": f"No clear winner: {why}. {lead} More repetitions would separate them.",
+        "no_clear_winner": f"No clear winner: {why}. {lead} {_separate_advice(best, runner, search=search)}",
         "provisional": f"Provisional: {lead} {why[:1].upper()}{why[1:]}",
         "cannot_tell": f"Cannot tell: {why}. {lead}",
         "same_settings": f"No winner: {why}. {lead}",
@@ -195,7 +196,23 @@ def _disturbed_text(jobs: Sequence[JobAnalysis]) -> str:
     return "; ".join(f"{j.label}: {j.disturbance_note}" for j in jobs)
 
 
-def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, str]:
+def _separate_advice(best: JobAnalysis, runner: JobAnalysis, *, search: bool) -> str:
+    """What would separate two overlapping measurements: a quiet machine when either was contended (repetitions on a
+    busy machine only widen the intervals), else more repetitions, which a search's candidates get as plain variants."""
+    if best.contention_note or runner.contention_note:
+        return (
+            "They were measured while other processes competed for the machine: a quiet machine, not more "
+            "repetitions, would separate them."
+        )
+    if search:
+        return (
+            f"Re-running {best.variant_name} and {runner.variant_name} as plain variants with repetitions: 2 would "
+            "separate them (a search runs each candidate once)."
+        )
+    return "More repetitions would separate them."
+
+
+def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: bool = False) -> tuple[str, str]:
     """The verdict between the leader and the runner-up, and why (docs/costs.md, "The verdict").
 
     - same_settings: the two run the same settings under different names, so any difference is noise;
@@ -239,19 +256,23 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str) -> tuple[str, 
             )
         if unsettled:
             reasons.append(" and ".join(f"{j.label}: {j.stop_text}" for j in unsettled))
-        firm = (
-            "set repetitions: 2 or more (they run interleaved)"
-            if within
-            else "let the steady-state rule settle"
-            if unsettled
-            else "run it again on a quiet machine"
-        )
+        if crowded:
+            firm = "run it again on a quiet machine (more repetitions on a busy one only widen the intervals)"
+        elif within and search:
+            firm = (
+                f"re-run {best.variant_name} and {runner.variant_name} as plain variants with repetitions: 2 (a "
+                "search runs each candidate once)"
+            )
+        elif within:
+            firm = "set repetitions: 2 or more (they run interleaved)"
+        else:
+            firm = "let the steady-state rule settle"
         return "provisional", "; ".join(reasons) + f". To make it firm, {firm} and compare again."
     return "clear", "between-repetition intervals do not overlap"
 
 
 def decide(
-    jobs: Sequence[JobAnalysis], objective: str, constraints: Constraints
+    jobs: Sequence[JobAnalysis], objective: str, constraints: Constraints, *, search: bool = False
 ) -> tuple[list[JobAnalysis], Recommendation, list[Exclusion]]:
     """Exclude, rank, mark the Pareto front and recommend. Returns ranked jobs first, then excluded ones."""
     eligible: list[JobAnalysis] = []
@@ -279,4 +300,14 @@ def decide(
         )
         for j in excluded
     ]
-    return ranked + excluded, recommend(ranked, objective), exclusions
+    return ranked + excluded, recommend(ranked, objective, search=search), exclusions
+
+
+def with_incomplete(recommendation: Recommendation, incomplete: str | None) -> Recommendation:
+    """The recommendation of a run that did not finish everything it planned: never a firm winner, and it says first
+    what did not run (``incomplete``, analyze.incomplete_note)."""
+    if incomplete is None:
+        return recommendation
+    return recommendation.model_copy(
+        update={"clear_winner": False, "summary": f"{incomplete} {recommendation.summary}"}
+    )

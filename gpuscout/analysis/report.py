@@ -456,6 +456,21 @@ def _search_blocks(analysis: RunAnalysis) -> list[tuple[str, list[list[str]]]]:
     return blocks
 
 
+def banners(analysis: RunAnalysis) -> list[str]:
+    """What a reader must know before the recommendation: a run that did not finish everything, and measurements
+    taken while other processes competed for the machine (which more repetitions do not fix)."""
+    out = [analysis.incomplete] if analysis.incomplete else []
+    crowded = [j for j in analysis.jobs if j.contention_note]
+    if crowded:
+        measured = [j for j in analysis.jobs if j.rate is not None]
+        out.append(
+            f"Measured under competition: {len(crowded)} of {len(measured)} measurements were taken while other "
+            "processes competed for this machine (see the note column); their numbers vary with that load. Run "
+            "again on a quiet machine: more repetitions on a busy one do not fix it."
+        )
+    return out
+
+
 def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, note: str | None = None) -> str:
     header, rows = _table_rows(analysis)
     s = _sections(analysis)
@@ -466,6 +481,7 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         f"Run `{analysis.run_id}` · {' · '.join(_constraints_text(analysis))} · "
         f"benchmark billed {_usd(analysis.total_billed_usd)} · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}",
         "",
+        *[f"> **{banner}**\n" for banner in banners(analysis)],
         "## Recommendation",
         "",
         analysis.recommendation.summary,
@@ -536,6 +552,7 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
         f" · benchmark billed {esc(_usd(analysis.total_billed_usd))}"
         f" · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}</p>"
     )
+    out.extend(f"<p class='note'><strong>{esc(banner)}</strong></p>" for banner in banners(analysis))
     out.append(f"<h2>Recommendation</h2><p class='{rec_class}'>{esc(analysis.recommendation.summary)}</p>")
     out.append("<h2>Ranked results</h2>" + _html_table(header, rows, frozenset({0, 2, 3, 4, 5, 6, 7, 8})))
     if s["excluded_rows"]:

@@ -261,4 +261,6 @@ class RunAnalysis(BaseModel):
     total_billed_usd: float
     assumptions: list[str]
     search: SearchOutcome | None = None  # a settings search's candidates, trials and prunes (docs/search.md)
+    # the run stopped, or jobs it planned did not finish: what did not run (never a firm winner then)
+    incomplete: str | None = None
     generated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

@@ -179,7 +179,9 @@ def test_nothing_left_means_no_recommendation() -> None:
 
 def test_single_candidate_has_no_runner_up() -> None:
     _, rec, _ = decide([_job("a", "ml.a", 10_000)], "fastest", Constraints())
-    assert rec.clear_winner and rec.margin_fraction is None and "no runner-up" in rec.summary
+    # measured, compared with nothing: never a firm (green) winner
+    assert not rec.clear_winner and rec.verdict == "only_candidate" and rec.margin_fraction is None
+    assert "nothing was compared with it" in rec.summary
 
 
 def test_pareto_front() -> None:
