@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
-PY := $(VENV)/bin/python
+VENV_PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 unexport PYTHONDONTWRITEBYTECODE
@@ -15,10 +15,10 @@ export MPLBACKEND := Agg
 ## imported and keeps it in __pycache__, so only what runs is compiled, once. That needs bytecode writing on: these
 ## machines' environment sets PYTHONDONTWRITEBYTECODE=1, so make passes it to no recipe (unexport above).
 $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -r requirements-dev.txt
-	$(PY) -m pip install --quiet --no-compile --no-deps -e .
+	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install --quiet --no-compile --upgrade pip
+	$(VENV_PY) -m pip install --quiet --no-compile -r requirements-dev.txt
+	$(VENV_PY) -m pip install --quiet --no-compile --no-deps -e .
 	touch $@
 
 node_modules/.stamp-install: package.json package-lock.json

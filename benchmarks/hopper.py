@@ -485,8 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if env["gpu"] and not env["liger-kernel"]:
         print(
-            "[hopper] warning: liger-kernel is not installed (pip install liger-kernel==0.8.5): fused_cross_entropy "
-            "falls back to the chunked cross-entropy and the table will say liger-kernel None",
+            "[hopper] warning: liger-kernel is not installed (pip install liger-kernel==0.8.5): the ce-liger row "
+            "fails with the reason (the other rows use the chunked loss) and the table will say liger-kernel None",
             flush=True,
         )
     summary = prepare_data(setup)

@@ -199,9 +199,12 @@ def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, *, chunk_rows: int
     Liger 0.8.5 splits the rows into next_pow2(rows / ceil(vocab / (c * hidden))) row chunks, c = 1 by default:
     at Qwen's 151,936-word vocabulary and 1,536 hidden that is 64 chunks of 128 rows for 8,192 rows, and every chunk
     rewrites the whole [vocab, hidden] weight-gradient buffer (~1 GB in fp32), ~120 GB of memory traffic per
-    micro-batch. With this constant the chunks are as large as the chunked loss's."""
+    micro-batch. With this constant the chunks are at most about ``chunk_rows`` (Liger rounds to a power of two:
+    4,095 rows at Qwen2.5-0.5B's shapes run as 2 chunks of 2,048), except where the vocabulary is smaller than the
+    wanted chunks x hidden: the constant is then 1 and the chunks may be larger (a small model, a small loss).
+    gpuscout/plan/memory.py's liger_chunk_rows applies the same arithmetic."""
     wanted_chunks = max(1, -(-rows // chunk_rows))
-    return max(1, vocab // (wanted_chunks * hidden))  # rounded down: never fewer (larger) chunks than wanted
+    return max(1, vocab // (wanted_chunks * hidden))  # rounded down: no fewer (larger) chunks than wanted
 
 
 def torch_linear_cross_entropy_available() -> bool:

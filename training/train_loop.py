@@ -414,8 +414,9 @@ class Benchmark:
         else:
             optimizer.step()
         parts.scheduler.step()
-        # DDP's gradients are views of its buckets only while they are zeroed in place (set_to_none would free the
-        # views and the next backward would allocate a second copy, 4 B/param; torch's DDP docstring)
+        # DDP's gradients stay views of its buckets when zeroed in place; with set_to_none the reducer copies each
+        # new gradient into its bucket slot and repoints .grad (briefly one parameter's copy at a time; a whole
+        # second copy across no_sync micro-batches under accumulation). In place keeps the memory model's figure.
         optimizer.zero_grad(set_to_none=not (self.dist.world_size > 1 and parts.engine is None))
         return grad_norm
 

@@ -31,7 +31,8 @@ The parts:
   eager); flex attention's block mask is small, so flex is modelled as sdpa without either mask term;
 * loss: the measured peak of the loss alone, per token and vocabulary entry: the full logits (bf16, a contiguous
   copy, the fp32 upcast, log-softmax and their gradients) for the plain loss, one 4,096-token chunk of them for the
-  fused (chunked, or on CUDA Liger's smaller chunks: an upper bound) loss;
+  chunked loss and torch's; Liger's from its code (loss_bytes): one chunk of logits in the compute dtype, the fp32
+  weight gradient and the input's gradient;
 * CUDA context: 1.5 GB (not seen by torch.cuda.max_memory_allocated);
 * NCCL, with more than one GPU: 1 GB per GPU of communicator buffers outside torch's allocator (NVIDIA/nccl#864
   reports ~1.6 GB for one communicator with its all-reduce, CUDA context included; NVLS on NVSwitch machines takes
@@ -205,14 +206,14 @@ def state_bytes(arch: Architecture, *, stage: int, world: int, half: bool = True
     DeepSpeed's own estimators without offload (deepspeed 0.19.8, estimate_zero2/3_model_states_mem_needs): 16-bit
     weights kept whole plus 18 bytes per parameter sharded (16-bit and fp32 gradients, fp32 master weights, two
     moments) under ZeRO-2; the 18 sharded plus the largest layer gathered in fp32 terms (4 bytes per parameter)
-    under ZeRO-3. In fp32 (``half=False``) DeepSpeed keeps no second copy of weights or gradients: fp32 weights whole
-    plus 12 bytes per parameter sharded (gradients and moments) under ZeRO-2, 16 sharded under ZeRO-3 (the
-    estimators assume 16-bit training and do not cover it)."""
+    under ZeRO-3. In fp32 (``half=False``; the estimators assume 16-bit training and do not cover it): under ZeRO-2
+    fp32 weights whole plus 16 bytes per parameter sharded (stage_1_and_2.py clones the master partition whatever
+    its dtype: 4, gradients 4, moments 8); under ZeRO-3 16 sharded (stage3.py reuses the fp32 partition)."""
     params = total_params(arch)
     if stage == 3:
         return 4.0 * largest_layer_params(arch) + (18.0 if half else 16.0) * params / world
     if stage == 2:
-        return (2.0 * params + 18.0 * params / world) if half else (4.0 * params + 12.0 * params / world)
+        return (2.0 * params + 18.0 * params / world) if half else (4.0 * params + 16.0 * params / world)
     return params * STATE_BYTES_PER_PARAM
 
 
@@ -248,12 +249,32 @@ def saved_logit_bytes(arch: Architecture, *, seq: int, batch: int, settings: Ste
     return float(c["bytes_per_token_per_vocab"]) * batch * (seq - 1) * arch.vocab_size
 
 
+def liger_chunk_rows(rows: int, hidden: int, vocab: int, *, chunk_rows: int = CHUNK_TOKENS) -> int:
+    """Rows per chunk of Liger 0.8.5's fused linear cross-entropy as train.py calls it: training/packing.py's
+    liger_chunk_mem_const (tests/training/test_loss_paths.py holds the two equal), then Liger's own split,
+    next_pow2(rows / ceil(vocab / (c x hidden))), at most ``rows``."""
+    wanted = max(1, -(-rows // chunk_rows))
+    const = max(1, vocab // (wanted * hidden))
+    factor = -(-vocab // (const * hidden))
+    per_chunk = -(-rows // factor)
+    return min(1 << (per_chunk - 1).bit_length(), rows)
+
+
 def loss_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
-    """Peak bytes of the loss: all prediction rows' logits at once (plain) or one chunk of them (fused)."""
+    """Peak bytes of the loss: all prediction rows' logits at once (plain) or one chunk of them (the chunked loss,
+    and torch's, measured as the chunked one). Liger computes its gradients in the forward pass: one chunk of logits
+    in the compute dtype, rewritten in place as their gradient, the fp32 weight-gradient accumulator and the input's
+    gradient (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py)."""
     precision = "fp32" if settings.precision == "fp32" else "bf16"
+    rows = batch * (seq - 1)
+    if settings.fused_cross_entropy and settings.cross_entropy_kernel == "liger":
+        entry = 4.0 if precision == "fp32" else 2.0
+        chunk = liger_chunk_rows(rows, arch.hidden_size, arch.vocab_size)
+        return (
+            entry * chunk * arch.vocab_size + 4.0 * arch.vocab_size * arch.hidden_size + entry * rows * arch.hidden_size
+        )
     kind = "chunked" if settings.fused_cross_entropy else "plain"
     per = float(load_calibration().loss_peak[f"{precision}/{kind}"]["bytes_per_token_per_vocab"])
-    rows = batch * (seq - 1)
     if settings.fused_cross_entropy:
         rows = min(rows, CHUNK_TOKENS)
     return per * rows * arch.vocab_size

@@ -164,11 +164,12 @@ def memory_estimate(
 
 def what_fits(
     arch: Architecture, *, seq: int, batch: int, precision: str, world: int, variant: Variant, device: str,
-    limit_gb: float,
+    limit_gb: float, accumulation: int | None = None,
 ) -> list[str]:  # fmt: skip
-    """Changes to ``variant`` that would bring its peak under ``limit_gb``, most similar first."""
+    """Changes to ``variant`` that would bring its peak under ``limit_gb``, most similar first; ``accumulation`` is
+    the one the refused estimate used (smaller micro-batches keep the global batch with more of it)."""
 
-    accumulation = variant.gradient_accumulation_steps or 2
+    accumulation = accumulation or variant.gradient_accumulation_steps or 2
 
     def fits(v: Variant, b: int) -> bool:
         need = memory_per_gpu_gb(
@@ -365,7 +366,8 @@ def plan(
             need = estimate.total_gb
             if capacity is not None and need > MEMORY_USABLE_FRACTION * capacity:
                 fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
-                                  device=device, limit_gb=MEMORY_USABLE_FRACTION * capacity)  # fmt: skip
+                                  device=device, limit_gb=MEMORY_USABLE_FRACTION * capacity,
+                                  accumulation=accum)  # fmt: skip
                 advice = "would fit: " + "; or ".join(fixes) if fixes else "nothing but a larger instance would fit"
                 raise PlanError(
                     f"{where}, variant {variant.name!r}: needs ~{need:.1f} GB "

@@ -19,6 +19,8 @@ from packing import (
     torch_linear_cross_entropy_available,
 )
 
+from gpuscout.plan import memory
+
 
 def test_auto_is_the_chunked_loss_on_every_device_and_under_zero3() -> None:
     for device in ("cpu", "cuda"):
@@ -54,8 +56,10 @@ def test_liger_chunks_are_at_most_the_chunked_losss_and_far_larger_than_its_defa
     vocab = 151_936
     default = _liger_chunk_rows(rows, hidden, vocab, 1)  # 64+ chunks at Qwen's vocabulary, each a full dW rewrite
     chunk = _liger_chunk_rows(rows, hidden, vocab, liger_chunk_mem_const(rows, hidden, vocab))
-    assert chunk <= 4096  # the memory model's one chunk of logits holds for Liger too
+    assert chunk <= 4096  # never more than the chunked loss's rows
     assert chunk >= min(rows, 1024) and chunk >= 4 * default
+    # the planner's memory model computes the same chunk (gpuscout cannot import training/)
+    assert memory.liger_chunk_rows(rows, hidden, vocab) == chunk
 
 
 @pytest.mark.skipif(not torch_linear_cross_entropy_available(), reason="torch < 2.13 has no linear_cross_entropy")

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -56,3 +58,19 @@ def test_markers_are_evaluated_for_the_target_python() -> None:
 def test_the_requirements_roots_are_gpu_checks_pins() -> None:
     roots = gpu_wheels.root_names(gpu_wheels.REQUIREMENTS)
     assert "transformers" in roots and "liger-kernel" in roots and "torch" not in roots
+
+
+@pytest.mark.parametrize("args", [[], ["PY=3.12"], ["PY=3.11"]])
+def test_make_gpu_wheels_passes_the_python_version_and_keeps_the_venvs_interpreter(args: list[str]) -> None:
+    """`make gpu-wheels PY=3.12` once overrode the venv's own interpreter variable too (and plain `make gpu-wheels`
+    passed `.venv/bin/python` as the version)."""
+    import subprocess
+
+    done = subprocess.run(
+        ["make", "-n", "-W", "requirements.txt", "gpu-wheels", *args],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    version = args[0].split("=")[1] if args else "3.12"
+    assert f"gpu_wheels.py --python-version {version} --out .whl" in done.stdout
+    assert ".venv/bin/python -m pip install" in done.stdout  # the venv recipe still uses the venv's python
+    assert f"\n{version} -m pip" not in done.stdout
