@@ -139,9 +139,11 @@ def _probe(python: str, code: str) -> Any:
 def machine_facts(python: str) -> dict[str, Any]:
     """The interpreter's version, its site-packages, and the installed versions and paths of MACHINE_PACKAGES."""
     code = (
-        "import json, site, sys\n"
+        "import json, os, site, sys\n"
         "from importlib import metadata\n"
-        "out = {'python': '.'.join(map(str, sys.version_info[:3])), 'site': site.getsitepackages(), 'packages': {}}\n"
+        "user = site.getusersitepackages() if site.ENABLE_USER_SITE else None\n"  # a torch in ~/.local counts too
+        "paths = site.getsitepackages() + ([user] if user and os.path.isdir(user) else [])\n"
+        "out = {'python': '.'.join(map(str, sys.version_info[:3])), 'site': paths, 'packages': {}}\n"
         f"for name in {list(MACHINE_PACKAGES)!r}:\n"
         "    try:\n"
         "        d = metadata.distribution(name)\n"
