@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
 
 from gpuscout.analysis import costs, intervals
+from gpuscout.analysis.caveats import contention_note, incomplete_note, validation_note
 from gpuscout.analysis.costs import TimeBreakdown
 from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
 from gpuscout.analysis.pricing import PriceBook
@@ -42,7 +43,7 @@ from gpuscout.analysis.results import (
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import detect
 from gpuscout.plan.search import SearchPlan
-from gpuscout.store.base import JobRecord, JobStatus, RunRecord, RunStatus
+from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
 MIN_TIMED_STEPS = 2  # fewer timed steps give no interval: a verdict cannot rest on them
@@ -247,25 +248,6 @@ def interval_problem(mean: float, ci: tuple[float, float] | None, timed_steps: i
     return None
 
 
-def _contention_note(jobs: Sequence[JobRecord]) -> str | None:
-    """Which repetitions were measured while other processes competed for the machine (local runs)."""
-    flagged = [j.contention for j in jobs if j.contention and j.contention.get("competing")]
-    if not flagged:
-        return None
-    first = str(flagged[0].get("note") or "measured under competition")
-    return first if len(jobs) == 1 else f"{len(flagged)} of {len(jobs)} repetitions {first}"
-
-
-def _validation_note(reps: Sequence[_Rep]) -> str | None:
-    """Which repetitions' final validation failed (train.py kept the measurement; there is no final val loss)."""
-    failed = [r.validation_error for r in reps if r.validation_error]
-    if not failed:
-        return None
-    which = "" if len(reps) == 1 else f"{len(failed)} of {len(reps)} repetitions: "
-    first = failed[0] if len(failed[0]) <= 160 else failed[0][:159] + "…"
-    return f"final validation failed, no validation loss ({which}{first}); the throughput stands"
-
-
 def _step_times(rep: _Rep) -> list[tuple[int, float]]:
     timed = [(int(s["step"]), float(s["seconds"])) for s in rep.steps if s.get("timed", True)]
     return _downsample(timed, LOSS_CURVE_POINTS)
@@ -401,7 +383,7 @@ def _measure_group(
         timed_steps=min(timed) if timed else None,
         **stop_outcome(reps, spec),
         settings_key=settings_key(first),
-        contention_note=_contention_note([job for job, _ in completed]),
+        contention_note=contention_note([job for job, _ in completed]),
         disturbance_note=disturbance_note(measured, reps),
         disturbed=any(disturbed(rep) for rep in reps),
         undisturbed_factor=undisturbed_factor(reps),
@@ -416,7 +398,7 @@ def _measure_group(
         step_time_p90_s=_mean([r.step_p90 for r in reps if r.step_p90 is not None]),
         peak_memory_gb=max(peak) if peak else None,
         peak_reserved_gb=max(reserved) if reserved else None,
-        validation_note=_validation_note(reps),
+        validation_note=validation_note(reps),
         final_train_loss=_mean([r.final_train_loss for r in reps if r.final_train_loss is not None]),
         dataset_tokens=dataset_tokens,
         epoch_seconds=costs.epoch_seconds(dataset_tokens, tokens_rate) if dataset_tokens > 0 and tokens_rate else None,
@@ -640,33 +622,6 @@ def analyze_run(
         assumptions=_assumptions(prices, objective, constraints),
         search=search_outcome(run.search, jobs, ranked) if run.search else None,
         incomplete=incomplete,
-    )
-
-
-INCOMPLETE_LISTED = 4
-
-
-def incomplete_note(run: RunRecord, jobs: Sequence[JobRecord]) -> str | None:
-    """One sentence naming what a stopped or partly failed run did not finish; None when every planned job finished
-    (a search's pruned trials and the cloud's canaries are not jobs the verdict misses)."""
-    measured = [j for j in jobs if not j.is_canary]
-    unfinished = [j for j in measured if j.status not in (JobStatus.COMPLETED, JobStatus.PRUNED)]
-    stopped = run.status == RunStatus.STOPPED
-    if not unfinished and not stopped:
-        return None
-    head = "Incomplete run: it was stopped" if stopped else "Not everything ran"
-    if not unfinished:
-        return f"{head}; every planned job had finished."
-    names = ", ".join(
-        f"{j.instance_type} / {j.variant_name}"
-        + (f" rep {j.repetition + 1}" if j.repetition else "")
-        + f" ({j.status.value})"
-        for j in unfinished[:INCOMPLETE_LISTED]
-    )
-    more = f" and {len(unfinished) - INCOMPLETE_LISTED} more" if len(unfinished) > INCOMPLETE_LISTED else ""
-    return (
-        f"{head}; {len(unfinished)} of {len(measured)} jobs did not finish: {names}{more}. "
-        "The verdict covers only what finished."
     )
 
 

@@ -112,6 +112,21 @@ def _margin(best: JobAnalysis, runner_up: JobAnalysis, objective: str) -> float:
     return _speed(best) / _speed(runner_up) - 1.0  # the winner is this much faster
 
 
+def duration_text(hours: float) -> str:
+    """Hours in the unit that shows them: "0.0 h" for a 40-second job said nothing."""
+    seconds = hours * 3600.0
+    if seconds < 90:
+        return f"{seconds:,.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:,.1f} min"
+    return f"{hours:,.1f} h"
+
+
+def usd_text(value: float) -> str:
+    """Dollars with the digits that matter: cents from $1, four significant digits below ("$0.00" said nothing)."""
+    return f"${value:,.2f}" if abs(value) >= 1 else f"${value:.4g}"
+
+
 def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = False) -> Recommendation:
     """Recommendation from eligible jobs in rank order; ``search``: a settings search's (its advice differs)."""
     if not ranked:
@@ -126,7 +141,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
         else f"${_cost(best):,.4g} per 1M {best.unit}"
     )
     if best.workload_hours is not None and best.workload_usd is not None:
-        other += f"; {best.workload_basis}: {best.workload_hours:,.1f} h, ${best.workload_usd:,.2f}"
+        other += f"; {best.workload_basis}: {duration_text(best.workload_hours)}, {usd_text(best.workload_usd)}"
     base = dict(
         job_name=best.job_name,
         instance_type=best.instance_type,

@@ -28,7 +28,7 @@ from typer.exceptions import TyperException
 
 from gpuscout import __version__
 from gpuscout.cli.cloud_commands import register as register_cloud_commands
-from gpuscout.cli.console_style import fit_piped_width, status_markup
+from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table, status_markup
 from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError
 from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
@@ -372,25 +372,28 @@ def runs(
     if not rows:
         console.print("no runs yet; try `gpuscout local configs/manifests/quickstart.yaml`")
         return
-    table = Table(title="Runs (newest first)", title_justify="left")
-    table.add_column("run id", no_wrap=True, min_width=max(len(r["run_id"]) for r in rows))  # never truncated
-    table.add_column("name", overflow="ellipsis", max_width=24)
-    table.add_column("status", no_wrap=True)
-    table.add_column("created (UTC)", no_wrap=True)
-    table.add_column("jobs", justify="right")
-    table.add_column("predicted $", justify="right")
-    table.add_column("note", overflow="ellipsis", no_wrap=True)  # the note gives way, not the run id
-    for row in rows:
-        table.add_row(
+    columns = [
+        Column("run id", whole=True),
+        Column("name"),
+        Column("status", whole=True),
+        Column("created (UTC)", whole=True),
+        Column("jobs", justify="right", whole=True),
+        Column("predicted $", justify="right", whole=True),
+        Column("note", notes=True),
+    ]
+    cells = [
+        [
             row["run_id"],
-            escape(row["name"]),
+            escape(row["name"] or ""),
             status_markup(row["status"]),
             row["created_at"][:19].replace("T", " "),
             str(row["jobs"]),
             _num(row["predicted_cost_usd"], "{:.4f}"),
             escape(row["note"]),
-        )
-    console.print(table)
+        ]
+        for row in rows
+    ]
+    responsive_table(console, "Runs (newest first)", columns, cells)
 
 
 @app.command()
@@ -404,7 +407,7 @@ def results(
     stack_name: CloudStackOption = None,
 ) -> None:
     """Show a run's ranked results: tokens/s, MFU, $ per 1M tokens, status, and the recommendation."""
-    from gpuscout.cli.local_view import ranked_table, recommendation_text
+    from gpuscout.cli.local_view import print_ranked, recommendation_text
     from gpuscout.local.results import result_rows
 
     store = open_store(db, stack_name, read_only=True)
@@ -433,7 +436,7 @@ def results(
     console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {status_markup(run.status.value)}")
     if run.error:
         console.print(f"  {escape(run.error)}")
-    console.print(ranked_table(rows, title="Ranked results" + (" (repriced with current prices)" if reprice else "")))
+    print_ranked(console, rows, title="Ranked results" + (" (repriced with current prices)" if reprice else ""))
     text = recommendation_text(analysis)
     if text:
         console.print(text)

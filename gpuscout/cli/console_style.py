@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 
 PIPED_WIDTH = 160  # tables piped to a file or a test would otherwise wrap at 80 columns
 
@@ -36,3 +41,60 @@ def fit_piped_width(console: Console) -> Console:
         columns = os.environ.get("COLUMNS", "")
         console.width = int(columns) if columns.isdigit() else PIPED_WIDTH
     return console
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a :func:`responsive_table`: ``whole`` columns (ids, statuses, numbers) are never shortened;
+    the others fold onto more lines; ``notes`` columns leave the table and print below it, one line per row."""
+
+    header: str
+    justify: str = "left"
+    whole: bool = False
+    notes: bool = False
+
+
+def _cell_width(cell: str) -> int:
+    return max((Text.from_markup(line).cell_len for line in cell.splitlines()), default=0)
+
+
+def responsive_table(
+    console: Console, title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], *, key: int = 0
+) -> None:
+    """Print ``rows`` (rich markup cells) as a table whose whole columns keep every character at any terminal width.
+
+    Note columns print below the table (``<key cell>: note``), wrapped at the terminal's width. When even the whole
+    columns do not fit side by side, each row prints as a short block instead: its key cell, then ``header: value``
+    pairs, so a status or a number is never cut to ``24,…``."""
+    table_columns = [c for c in columns if not c.notes]
+    at = [i for i, c in enumerate(columns) if not c.notes]
+    need = sum(max([len(c.header) if c.whole else 4] + [_cell_width(r[i]) if c.whole else 4 for r in rows])
+               for i, c in zip(at, table_columns, strict=True)) + 3 * len(table_columns) + 1  # fmt: skip
+    notes = [(row[key], i, row[i]) for row in rows for i, c in enumerate(columns) if c.notes and row[i]]
+    if need <= console.width:
+        table = Table(title=title, title_justify="left")
+        for i, c in zip(at, table_columns, strict=True):
+            width = max([_cell_width(r[i]) for r in rows] + [len(c.header)]) if c.whole else None
+            table.add_column(
+                c.header, justify=c.justify, no_wrap=c.whole, min_width=width,  # type: ignore[arg-type]
+                overflow="fold",
+            )  # fmt: skip
+        for row in rows:
+            table.add_row(*(row[i] for i in at))
+        console.print(table)
+        for who, i, text in notes:
+            console.print(Text.from_markup(f"{who} {columns[i].header}: {text}"))
+        return
+    console.print(Text(title, style="italic"))
+    for row in rows:
+        console.print(Text.from_markup(row[key], style="bold"))
+        pairs = [f"{c.header}: {row[i]}" for i, c in enumerate(columns) if i != key and row[i] and not c.notes]
+        joined = Text.from_markup(" · ".join(pairs))
+        if joined.cell_len + 2 <= console.width:
+            console.print(Padding(joined, (0, 0, 0, 2)))
+        else:  # one pair per line: a value never splits across lines between its words
+            for pair in pairs:
+                console.print(Padding(Text.from_markup(pair), (0, 0, 0, 2)))
+        for i, c in enumerate(columns):
+            if c.notes and row[i]:
+                console.print(Padding(Text.from_markup(f"{c.header}: {row[i]}"), (0, 0, 0, 2)))

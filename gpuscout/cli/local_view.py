@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuscout.cli.console_style import Column, responsive_table
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.job_process import JobOutcome, JobProgress
 from gpuscout.local.results import result_rows
@@ -90,39 +91,43 @@ def _usd_text(value: float | None) -> str:
     return f"{value:,.4f}" if value < 10 else f"{value:,.2f}"
 
 
-def ranked_table(rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked results") -> Table:
+def print_ranked(console: Console, rows: Sequence[Mapping[str, Any]], *, title: str = "Ranked results") -> None:
     """Rank, variant, instance, tokens/s ± 95 % CI, MFU (or why not), $ per 1M tokens, status, stop rule outcome,
-    note."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("rank", justify="right")
-    table.add_column("variant")
-    table.add_column("instance")
+    and each row's note below the table; numbers and statuses are never cut (console_style.responsive_table)."""
     unit = "samples" if any(row.get("unit") == "samples" for row in rows) else "tokens"
-    table.add_column(f"{unit}/s ± CI95", justify="right")
-    table.add_column("MFU", justify="right")
-    table.add_column(f"$ / 1M {unit}", justify="right")
-    table.add_column("status")
-    table.add_column("stop", overflow="fold", max_width=34)
-    table.add_column("note", overflow="fold", max_width=60)
+    columns = [
+        Column("rank", justify="right", whole=True),
+        Column("variant"),
+        Column("instance"),
+        Column(f"{unit}/s ± CI95", justify="right", whole=True),
+        Column("MFU", justify="right", whole=True),
+        Column(f"$ / 1M {unit}", justify="right", whole=True),
+        Column("status", whole=True),
+        Column("stop"),
+        Column("note", notes=True),
+    ]
+    cells = []
     for row in rows:
         status = str(row.get("status") or "")
         colour = "green" if status.lower() == "completed" else "red"
         count = f" x{row['instance_count']}" if (row.get("instance_count") or 1) > 1 else ""
         note = str(row.get("note") or "").splitlines()
-        table.add_row(
-            str(row["rank"]) if row.get("rank") is not None else "-",
-            escape(str(row.get("variant") or "")),
-            escape(f"{row.get('instance_type')}{count}{' (spot)' if row.get('spot') else ''}"),
-            _tps_text(row),
-            _mfu_text(row),
-            _usd_text(
-                row.get(f"usd_per_million_{unit}_spot") if row.get("spot") else row.get(f"usd_per_million_{unit}")
-            ),
-            f"[{colour}]{escape(status)}[/]",
-            ("[yellow]⚠[/] " if row.get("tolerance_reached") is False else "") + escape(str(row.get("stop") or "")),
-            escape(note[-1] if note else ""),
+        cells.append(
+            [
+                str(row["rank"]) if row.get("rank") is not None else "-",
+                escape(str(row.get("variant") or "")),
+                escape(f"{row.get('instance_type')}{count}{' (spot)' if row.get('spot') else ''}"),
+                _tps_text(row),
+                _mfu_text(row),
+                _usd_text(
+                    row.get(f"usd_per_million_{unit}_spot") if row.get("spot") else row.get(f"usd_per_million_{unit}")
+                ),
+                f"[{colour}]{escape(status)}[/]",
+                ("[yellow]⚠[/] " if row.get("tolerance_reached") is False else "") + escape(str(row.get("stop") or "")),
+                escape(note[-1] if note else ""),
+            ]
         )
-    return table
+    responsive_table(console, title, columns, cells, key=1)
 
 
 def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
@@ -191,7 +196,7 @@ class RichRunObserver:
         self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
     ) -> None:
         run_id = run.run_id
-        self.console.print(ranked_table(result_rows(analysis, jobs), title=f"Ranked results: run {run_id}"))
+        print_ranked(self.console, result_rows(analysis, jobs), title=f"Ranked results: run {run_id}")
         text = recommendation_text(analysis)
         if text:
             self.console.print(text)

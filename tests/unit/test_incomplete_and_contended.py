@@ -107,3 +107,15 @@ def test_the_report_carries_a_contention_banner_above_the_recommendation(tmp_pat
         banner = text.index("Measured under competition: 1 of")
         assert banner < text.index("Recommendation") and "more repetitions on a busy one do not fix it" in text
         assert text.count("measured under competition (1.8 other cores busy)") >= 1  # the row's own note
+
+
+def test_small_workloads_are_not_shown_as_zero_hours_and_zero_dollars() -> None:
+    from gpuscout.analysis.recommend import duration_text, usd_text
+
+    assert duration_text(40 / 3600) == "40 s" and duration_text(0.5) == "30.0 min" and duration_text(3.0) == "3.0 h"
+    assert usd_text(0.0004123) == "$0.0004123" and usd_text(12.345) == "$12.35"
+    job = _job("a", "ml.a", 10_000, (9_000, 11_000)).model_copy(
+        update={"workload_basis": "one epoch", "workload_hours": 0.01, "workload_usd": 0.0004}
+    )
+    _, rec, _ = decide([job], "fastest", Constraints())
+    assert "one epoch: 36 s, $0.0004" in rec.summary and "0.0 h" not in rec.summary

@@ -65,10 +65,10 @@ def _job(variant: str, rep: int, bench: dict[str, Any], *, workers: int = 0, tol
 def _table_text(rows: list[dict[str, Any]]) -> str:
     from rich.console import Console
 
-    from gpuscout.cli.local_view import ranked_table
+    from gpuscout.cli.local_view import print_ranked
 
     console = Console(file=io.StringIO(), width=300)
-    console.print(ranked_table(rows))
+    print_ranked(console, rows)
     return console.file.getvalue()  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,61 @@
+"""Terminal output that holds at any width (issue: honest off the happy path, item 3): `runs` and `results` rendered
+at 60, 80 and 120 columns keep every status, id and number whole; notes wrap below the table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_cli import RUN_ID, _stored_run
+from typer.testing import CliRunner
+
+from gpuscout.cli import app as cli
+from gpuscout.store.base import RunStatus
+from gpuscout.store.sqlite import SqliteStore
+
+WIDTHS = [60, 80, 120]
+
+
+def _run(width: int, *args: str) -> str:
+    result = CliRunner(env={"COLUMNS": str(width)}).invoke(cli.app, list(args))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= width for line in lines), f"a line wider than {width} columns"
+    return result.stdout
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "gpuscout.db"
+    _stored_run(path)
+    store = SqliteStore(path)
+    run = store.get_run(RUN_ID)
+    # the case seen: a long note squeezed status, name, jobs and cost to width 0, and ABANDONED never showed
+    store.put_run(run.model_copy(update={"status": RunStatus.STOPPED, "error": "interrupted by Ctrl-C " * 12}))
+    store.put_run(run.model_copy(update={"run_id": "other-20250302-080000-def456", "status": RunStatus.RUNNING,
+                                         "pid": 2**22 + 7, "host": "this-host-name", "error": None}))  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_runs_shows_every_runs_status_id_and_numbers_whole(db: Path, width: int, monkeypatch) -> None:
+    import gpuscout.local.closing as closing
+
+    monkeypatch.setattr(closing, "is_abandoned", lambda run: run.run_id.startswith("other"))
+    out = _run(width, "runs", "--db", str(db))
+    for whole in (RUN_ID, "other-20250302-080000-def456", "STOPPED", "ABANDONED", "0.0010"):
+        assert whole in out, f"{whole!r} is cut or missing at {width} columns:\n{out}"
+    assert len(re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", out)) == 2  # each creation time whole
+    assert "interrupted by Ctrl-C" in out and "is gone; close it with" in " ".join(out.split())
+    assert "…" not in out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_results_keeps_rates_costs_and_statuses_whole(db: Path, width: int) -> None:
+    out = _run(width, "results", RUN_ID, "--db", str(db))
+    assert re.search(r"9,000(?: ± [\d,]+)?", out) and re.search(r"6,000(?: ± [\d,]+)?", out)
+    assert "completed" in out.lower() and "failed" in out.lower()
+    assert re.search(r"0\.00\d\d", out)  # $ per 1M tokens, four decimals, whole
+    assert "…" not in out and "24,…" not in out
+    assert "per_device_train_batch_size must be >= 1" in " ".join(out.split())  # the failed job's note, whole
