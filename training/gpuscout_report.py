@@ -166,7 +166,11 @@ class Reporter:
                 }
             )
         )
-        return _agreed_stop(self.should_stop())
+        answered = self.stop_reason is not None
+        stop = _agreed_stop(self.should_stop())
+        if stop and not answered:  # the runner ends a script that goes on STOP_GRACE_S after this line
+            self._emit(format_metric_line({"stop_step": number}))
+        return stop
 
     def should_stop(self) -> bool:
         count = len(self.stats.records)
@@ -457,12 +461,19 @@ def from_log(lines: Iterable[str], rep: Reporter) -> dict[str, Any]:
             raise ValueError(f"step {values['step']:g}: the metric line has no step_time_s")
         samples = values.get("samples")
         tokens = values.get("tokens")
-        rep.step(
+        # the helper's own lines carry rates, not counts (a script ended after ignoring "stop" left only those)
+        if samples is None and values.get("samples_per_s") is not None:
+            samples = round(values["samples_per_s"] * seconds)
+        if tokens is None and values.get("tokens_per_s") is not None:
+            tokens = round(values["tokens_per_s"] * seconds)
+        stop = rep.step(
             samples=int(samples) if samples is not None else None,
             tokens=int(tokens) if tokens is not None else None,
             loss=values.get("loss"),
             seconds=seconds,
         )
+        if stop:  # what a script that honoured the stop rule would have measured; later lines are not counted
+            break
     return rep.done()
 
 

@@ -8,6 +8,7 @@ May import: gpuscout.domain, gpuscout.store and gpuscout.local's process_control
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -45,6 +46,9 @@ FAILURE_REASON_MAX_CHARS = 1500
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda oom", "cannot allocate memory")
 TERMINATE_GRACE_S = 10.0
 TIMED_OUT = "max_runtime_seconds"
+# a user's script that keeps training after the helper answered "stop" (or past its max_steps) is ended this long after
+STOP_GRACE_S = 15.0
+IGNORED_STOP = "ignored_stop"
 
 
 @dataclass
@@ -129,6 +133,9 @@ class JobProgress:
 
     samples_per_s: float | None = None
     steps: list[tuple[int, float, float]] = field(default_factory=list)  # (step, tokens, seconds) per step line
+    # the gpuscout_report helper answered "stop" at this step (its stop_step metric line), and when it was read
+    stop_step: int | None = None
+    stop_seen_at: float | None = None
 
     def update(self, line: str) -> None:
         self.lines += 1
@@ -138,6 +145,8 @@ class JobProgress:
         if line.lstrip().startswith("gpuscout_summary"):
             self.summary.update(values)
             return
+        if "stop_step" in values and self.stop_step is None:
+            self.stop_step, self.stop_seen_at = int(values["stop_step"]), time.monotonic()
         if "step" in values:
             self.step = int(values["step"])
         if "loss" in values:
@@ -280,6 +289,16 @@ def run_job(
     contention = monitor.summary()
     if spec.job_code is not None and proc.returncode == 0 and stopped is None:
         benchmark_from_log(spec, folders, env)
+    if stopped == IGNORED_STOP:  # what it measured up to the stop stands; the job itself did not end as asked
+        benchmark_from_log(spec, folders, env)
+        benchmark, _ = _read_benchmark(folders.output_data / "benchmark.json")
+        where = f"step {job_progress.stop_step}" if job_progress.stop_step else f"max_steps {job_max_steps(spec)}"
+        reason = (
+            f"the script kept training after gpuscout's helper answered stop ({where}; it reached step "
+            f"{job_progress.step}) and was ended {STOP_GRACE_S:.0f} s later: end the loop when gs.step() returns "
+            "True (docs/byo.md)"
+        )
+        return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
     benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
     completed = benchmark is not None and benchmark["status"] == "completed"
     # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
@@ -366,8 +385,11 @@ def _wait(
     should_stop: Callable[[JobProgress], str | None] | None,
     poll_interval_s: float,
 ) -> str | None:
-    """Wait for the job, reporting progress; stop it at max_runtime_seconds (returns TIMED_OUT) or when
-    ``should_stop`` gives a reason (returns it). None: the job ended by itself."""
+    """Wait for the job, reporting progress; stop it at max_runtime_seconds (returns TIMED_OUT), when
+    ``should_stop`` gives a reason (returns it), or STOP_GRACE_S after a user's script was told to stop and went on
+    (the helper's stop_step line, or a step past its max_steps: returns IGNORED_STOP). None: it ended by itself."""
+    max_steps = job_max_steps(spec) if spec.job_code is not None else None
+    overran_at: float | None = None
     while True:
         try:
             proc.wait(timeout=poll_interval_s)
@@ -378,9 +400,16 @@ def _wait(
         if should_stop is not None and (why := should_stop(job_progress)):
             _stop(proc)
             return why
-        if time.monotonic() - started > spec.max_runtime_seconds:
+        now = time.monotonic()
+        if now - started > spec.max_runtime_seconds:
             _stop(proc)
             return TIMED_OUT
+        if overran_at is None and max_steps is not None and (job_progress.step or 0) > max_steps:
+            overran_at = now
+        told = min(t for t in (job_progress.stop_seen_at, overran_at, math.inf) if t is not None)
+        if spec.job_code is not None and now - told > STOP_GRACE_S:
+            _stop(proc)
+            return IGNORED_STOP
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

@@ -77,6 +77,7 @@ def half_precision_warnings(manifest: Any, local_hardware: Any) -> list[str]:
 
 CALIBRATION_TIMED_STEPS = 5
 CALIBRATION_WARMUP_STEPS = 2
+CALIBRATION_MAX_RUNTIME_S = 900  # a calibration's deadline: 7 steps of a script that needs longer are not a plan
 
 
 def calibrate_job(
@@ -110,7 +111,9 @@ def calibrate_job(
             spec = firsts[variant.name]
             assert spec.job_code is not None
             code = spec.job_code.model_copy(update={"environment": {**spec.job_code.environment, **settings}})
-            spec = spec.model_copy(update={"job_code": code, "job_name": f"calibration-{len(measured) + 1}"})
+            deadline = min(spec.max_runtime_seconds, CALIBRATION_MAX_RUNTIME_S)
+            name = f"calibration-{len(measured) + 1}"
+            spec = spec.model_copy(update={"job_code": code, "job_name": name, "max_runtime_seconds": deadline})
             on_message(f"calibrating {variant.name!r}: {steps} steps on this machine (no job.estimate)")
             outcome = run_job(spec, JobFolders.create(Path(tmp) / spec.job_name, spec, None))
             bench = outcome.benchmark or {}
