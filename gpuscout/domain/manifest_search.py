@@ -114,6 +114,9 @@ class TrackingSection(StrictModel):
 
     mlflow: MlflowTracking | None = None
     wandb: WandbTracking | None = None
+    # a tracking server that does not answer before the first local job: tracking to it off for the run (disable), or
+    # the run refused (refuse); gpuscout/local/tracker_check.py
+    if_unreachable: Literal["disable", "refuse"] = "disable"
 
     @model_validator(mode="after")
     def _one_at_least(self) -> TrackingSection:

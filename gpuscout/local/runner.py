@@ -43,6 +43,7 @@ from gpuscout.local.process_control import (
     SignalGuard,
     this_host,
 )
+from gpuscout.local.tracker_check import checked_tracking
 from gpuscout.plan.canary import CANARY_STEPS, plan_canaries
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
@@ -192,6 +193,8 @@ def _run_planned(
         try:
             data_dir: Path | None = None
             refused: set[str] = set()
+            # each tracking server asked once, now: one that is not there is off for the run (or refuses it)
+            manifest, specs = checked_tracking(manifest, specs, on_message=lambda m: observer.message(m, warning=True))
             if manifest.job is None:
                 store.update_run(run_id, status=RunStatus.PREPARING)
                 data_dir = prepare_data(manifest, data_cache_dir, observer.message)
