@@ -28,6 +28,7 @@ from gpuscout.analysis import costs, intervals
 from gpuscout.analysis.caveats import contention_note, incomplete_note, validation_note
 from gpuscout.analysis.costs import TimeBreakdown
 from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
+from gpuscout.analysis.machines import machines_of
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide, with_incomplete
 from gpuscout.analysis.results import (
@@ -622,6 +623,7 @@ def analyze_run(
         assumptions=_assumptions(prices, objective, constraints),
         search=search_outcome(run.search, jobs, ranked) if run.search else None,
         incomplete=incomplete,
+        machines=machines_of(jobs),
     )
 
 

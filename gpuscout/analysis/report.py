@@ -456,6 +456,25 @@ def _search_blocks(analysis: RunAnalysis) -> list[tuple[str, list[list[str]]]]:
     return blocks
 
 
+MACHINE_HEADER = ["instance", "device", "model", "GPUs", "CPU cores", "software", "CUDA / driver"]
+
+
+def _machine_rows(analysis: RunAnalysis) -> list[list[str]]:
+    """What each measurement ran on, from the jobs' benchmark.json (analysis/machines.py)."""
+    return [
+        [
+            m.instance_type,
+            m.device,
+            m.model or "-",
+            str(m.gpus) if m.gpus else "-",
+            str(m.cpu_count) if m.cpu_count else "-",
+            m.software,
+            " / ".join(v for v in (m.cuda, m.driver) if v) or "-",
+        ]
+        for m in analysis.machines
+    ]
+
+
 def banners(analysis: RunAnalysis) -> list[str]:
     """What a reader must know before the recommendation: a run that did not finish everything, and measurements
     taken while other processes competed for the machine (which more repetitions do not fix)."""
@@ -500,6 +519,8 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
     if charts:
         parts += ["## Charts", ""]
         parts += [f"![{title}]({path.name})\n" for title, path in charts]
+    if analysis.machines:
+        parts += ["## Machines", "", _md_table(MACHINE_HEADER, _machine_rows(analysis)), ""]
     parts += ["## How the numbers were obtained", "", _md_table(s["method_header"], s["method_rows"]), ""]
     parts += ["## Prices used (snapshot)", "", _md_table(s["prices_header"], s["prices_rows"]), ""]
     parts += ["## Assumptions", ""] + [f"- {a}" for a in analysis.assumptions] + [""]
@@ -566,6 +587,8 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
         for title, path in charts:
             data = base64.b64encode(path.read_bytes()).decode("ascii")
             out.append(f"<img alt='{esc(title)}' src='data:image/png;base64,{data}'>")
+    if analysis.machines:
+        out.append("<h2>Machines</h2>" + _html_table(MACHINE_HEADER, _machine_rows(analysis)))
     out.append("<h2>How the numbers were obtained</h2>" + _html_table(s["method_header"], s["method_rows"]))
     out.append("<h2>Prices used (snapshot)</h2>" + _html_table(s["prices_header"], s["prices_rows"], frozenset({1, 2})))
     out.append("<h2>Assumptions</h2><ul>" + "".join(f"<li>{esc(a)}</li>" for a in analysis.assumptions) + "</ul>")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.analysis.costs import TimeBreakdown
+from gpuscout.analysis.machines import Machine
 from gpuscout.analysis.pricing import PriceSnapshot
 
 Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
@@ -263,4 +264,5 @@ class RunAnalysis(BaseModel):
     search: SearchOutcome | None = None  # a settings search's candidates, trials and prunes (docs/search.md)
     # the run stopped, or jobs it planned did not finish: what did not run (never a firm winner then)
     incomplete: str | None = None
+    machines: list[Machine] = Field(default_factory=list)  # what the numbers were measured on (analysis/machines.py)
     generated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

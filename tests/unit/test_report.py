@@ -204,3 +204,19 @@ def test_a_failed_final_validation_and_reserved_memory_are_shown_wherever_the_jo
     markdown = Path(files["md"]).read_text()
     assert "61.2 (66.5)" in markdown and "final validation failed" in markdown
     assert "final validation failed" in Path(files["html"]).read_text()
+
+
+def test_the_report_says_what_the_numbers_were_measured_on(written: dict[str, Any], analysis: RunAnalysis) -> None:
+    """A machine section (item 7 of the off-the-happy-path issue): model, GPUs, cores, library versions, from each
+    completed job's benchmark.json."""
+    assert [m.instance_type for m in analysis.machines][:2] == ["ml.g5.2xlarge", "ml.g5.12xlarge"]
+    h100 = [m for m in analysis.machines if m.model == "NVIDIA H100 SXM5 80GB"]
+    assert {m.gpus for m in h100} == {8, 16} and all(m.torch == "2.5.1" for m in h100)
+    markdown = written["md"].read_text()
+    section = markdown[markdown.index("## Machines") : markdown.index("## How the numbers were obtained")]
+    assert (
+        "| ml.p5.48xlarge | cuda | NVIDIA H100 SXM5 80GB | 16 | 64 | python 3.11.10, torch 2.5.1, transformers 4.46.3 |"
+        in section
+    )
+    assert "12.4 / 550.127.05" in section
+    assert "<h2>Machines</h2>" in written["html"].read_text()

@@ -1,0 +1,58 @@
+"""The machines a run's numbers were measured on, as its jobs' benchmark.json files say (hardware and software): the
+first thing a reader of a report asks. One row per distinct machine and software stack."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from gpuscout.store.base import JobRecord, JobStatus
+
+
+class Machine(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    instance_type: str
+    device: str  # cuda | cpu
+    model: str | None  # the GPU's name as the driver reports it, or the CPU's model name
+    gpus: int  # all instances together; 0 on CPU
+    cpu_count: int | None
+    python: str | None
+    torch: str | None
+    transformers: str | None
+    deepspeed: str | None
+    cuda: str | None  # the CUDA runtime torch was built with
+    driver: str | None  # the NVIDIA driver
+
+    @property
+    def software(self) -> str:
+        parts = [f"{name} {version}" for name, version in (("python", self.python), ("torch", self.torch),
+                 ("transformers", self.transformers), ("deepspeed", self.deepspeed)) if version]  # fmt: skip
+        return ", ".join(parts) or "-"
+
+
+def machines_of(jobs: Sequence[JobRecord]) -> list[Machine]:
+    """Each distinct machine and software stack among the completed jobs, in the order first seen."""
+    seen: dict[Machine, None] = {}
+    for job in jobs:
+        bench = job.benchmark or {}
+        if job.status is not JobStatus.COMPLETED or not bench.get("hardware"):
+            continue
+        hw, sw = bench["hardware"], bench.get("software") or {}
+        cuda = hw.get("device") == "cuda"
+        machine = Machine(
+            instance_type=job.instance_type,
+            device=str(hw.get("device")),
+            model=hw.get("gpu_name") if cuda else hw.get("cpu_model"),
+            gpus=int(hw.get("world_size") or 0) if cuda else 0,
+            cpu_count=hw.get("cpu_count"),
+            python=sw.get("python"),
+            torch=sw.get("torch"),
+            transformers=sw.get("transformers"),
+            deepspeed=sw.get("deepspeed"),
+            cuda=sw.get("cuda_runtime") or hw.get("cuda_version"),
+            driver=sw.get("nvidia_driver") or hw.get("driver_version"),
+        )
+        seen.setdefault(machine, None)
+    return list(seen)
