@@ -300,6 +300,9 @@ def local(  # noqa: PLR0917 - typer passes the options by keyword; the signature
     from gpuscout.cli.local_view import RichRunObserver
     from gpuscout.local.runner import ensure_writable, run_local
 
+    from gpuscout.domain.manifest_loader import load_manifest
+
+    load_manifest(file)  # a manifest error is reported before the database is created
     ensure_writable(runs_dir.resolve())  # before the database is opened or anything planned
     store = open_store(db)
     run = run_local(

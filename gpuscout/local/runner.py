@@ -64,6 +64,12 @@ def ensure_writable(folder: Path) -> None:
         raise GpuscoutError(f"--runs-dir {folder}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise GpuscoutError(f"--runs-dir {folder}: {existing} is not writable; choose another folder with --runs-dir")
+    try:  # a folder some file systems refuse even so (/proc, a read-only mount): found now, not mid-run
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise GpuscoutError(
+            f"--runs-dir {folder}: cannot create it ({err.strerror or err}); choose another folder with --runs-dir"
+        ) from err
 
 
 def run_local(

@@ -379,3 +379,19 @@ def test_python_dash_m_gpuscout_works() -> None:
     assert proc.returncode == 0, proc.stderr
     for command in ("validate", "plan", "local", "runs", "results", "report", "catalog"):
         assert command in proc.stdout
+
+
+def test_a_runs_dir_the_file_system_refuses_is_a_clear_error_and_no_database_is_made(tmp_path: Path) -> None:
+    """/proc exists and, as root, is 'writable', yet nothing can be created in it: once an 'unexpected error'."""
+    db = tmp_path / "g.db"
+    code, out, err = invoke("local", str(QUICKSTART), "--runs-dir", "/proc/gpuscout-nope", "--db", str(db))
+    assert code == 1 and "--runs-dir /proc/gpuscout-nope: cannot create it" in " ".join(err.split())
+    assert "unexpected error" not in out + err and not db.exists()
+
+
+def test_an_invalid_manifest_creates_no_database(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nvariants: 3\n")
+    db = tmp_path / "g.db"
+    code, _, err = invoke("local", str(bad), "--db", str(db))
+    assert code == 2 and "variants" in err and not db.exists()
