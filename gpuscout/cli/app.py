@@ -298,9 +298,8 @@ def local(  # noqa: PLR0917 - typer passes the options by keyword; the signature
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
     from gpuscout.cli.local_view import RichRunObserver
-    from gpuscout.local.runner import ensure_writable, run_local
-
     from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.local.runner import ensure_writable, run_local
 
     load_manifest(file)  # a manifest error is reported before the database is created
     ensure_writable(runs_dir.resolve())  # before the database is opened or anything planned
