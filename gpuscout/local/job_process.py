@@ -136,6 +136,8 @@ class JobProgress:
     # the gpuscout_report helper answered "stop" at this step (its stop_step metric line), and when it was read
     stop_step: int | None = None
     stop_seen_at: float | None = None
+    # a settings search's pruner asked to stop it while other processes competed for the machine: not pruned
+    prune_withheld: str | None = None
 
     def update(self, line: str) -> None:
         self.lines += 1
@@ -274,7 +276,7 @@ def run_job(
             with monitor:
                 stopped = _wait(
                     proc, spec, started, job_progress, on_progress, should_stop=should_stop,
-                    poll_interval_s=poll_interval_s,
+                    poll_interval_s=poll_interval_s, competing=lambda: bool(monitor.summary()["competing"]),
                 )  # fmt: skip
         except KeyboardInterrupt:
             _stop(proc)
@@ -384,6 +386,7 @@ def _wait(
     *,
     should_stop: Callable[[JobProgress], str | None] | None,
     poll_interval_s: float,
+    competing: Callable[[], bool] = lambda: False,
 ) -> str | None:
     """Wait for the job, reporting progress; stop it at max_runtime_seconds (returns TIMED_OUT), when
     ``should_stop`` gives a reason (returns it), or STOP_GRACE_S after a user's script was told to stop and went on
@@ -398,8 +401,10 @@ def _wait(
             pass
         on_progress(job_progress)
         if should_stop is not None and (why := should_stop(job_progress)):
-            _stop(proc)
-            return why
+            if not competing():  # a search never prunes on a contended measurement: the job runs on, flagged
+                _stop(proc)
+                return why
+            job_progress.prune_withheld = why
         now = time.monotonic()
         if now - started > spec.max_runtime_seconds:
             _stop(proc)

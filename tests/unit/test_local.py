@@ -349,3 +349,34 @@ def test_the_progress_of_a_users_own_job_knows_its_step_budget() -> None:
     # Then the progress bar still shows "step n/12", not "n/None"
     assert job_max_steps(spec) == 12
     assert job_max_steps(_spec()) == 3
+
+
+def test_a_search_never_prunes_a_job_measured_under_competition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pruner asks to stop it, but other processes compete for the machine meanwhile: its numbers are not the
+    setting's, so it runs on (flagged contended in the analysis) instead of being pruned on them."""
+    from gpuscout.local import job_process
+
+    _fake_training_dir(tmp_path, """
+        import time
+        for step in range(1, 6):
+            print(f"gpuscout_metric step={step} loss=1.0 tokens_per_s=100 step_time_s=0.1", flush=True)
+            time.sleep(0.1)
+    """, monkeypatch)  # fmt: skip
+    busy = {"competing": True, "note": "measured under competition: other processes used 1.9 of 2 CPU cores"}
+    monkeypatch.setattr(job_process.ContentionMonitor, "summary", lambda self: busy)
+    data = tmp_path / "data"
+    data.mkdir()
+    spec = _spec()
+    folders = JobFolders.create(tmp_path / "job", spec, data)
+    progress: list[JobProgress] = []
+    outcome = run_job(spec, folders, should_stop=lambda p: progress.append(p) or "pruned: slower than the best",
+                      poll_interval_s=0.05)  # fmt: skip
+    assert outcome.status is not JobStatus.PRUNED and outcome.contention == busy
+    assert progress and progress[-1].prune_withheld == "pruned: slower than the best"
+    quiet = {**busy, "competing": False, "note": None}
+    monkeypatch.setattr(job_process.ContentionMonitor, "summary", lambda self: quiet)
+    folders = JobFolders.create(tmp_path / "job2", spec, data)
+    outcome = run_job(spec, folders, should_stop=lambda _p: "pruned: slower than the best", poll_interval_s=0.05)
+    assert outcome.status is JobStatus.PRUNED  # on a quiet machine the pruner decides as before
