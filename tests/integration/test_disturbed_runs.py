@@ -91,8 +91,11 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     flagged = {name: (j.benchmark.get("disturbance") or {}) for name, j in jobs.items()}
     assert {name for name, d in flagged.items() if d.get("disturbed")} == {"once", "always", "always-m2"}
     evidence = flagged["once"]["evidence"]
-    assert evidence.startswith("8 of 14 timed steps 3.") and "fastest quarter's median" in evidence
-    assert "steps 9-16 ran 3." in evidence and flagged["once"]["slow_steps"] == 8  # the script slept from step 9
+    # the 8 steps the script slept in, plus up to 2 that a loaded 2-core machine slowed as well (seen: 9 of 14 while
+    # another test suite ran beside it)
+    slow = int(evidence.split(" of 14 timed steps 3.")[0]) if " of 14 timed steps 3." in evidence else -1
+    assert 8 <= slow <= 10 and "fastest quarter's median" in evidence, evidence
+    assert "steps 9-16 ran 3." in evidence and 8 <= flagged["once"]["slow_steps"] <= 10  # slept from step 9
     assert "the process's own kernel time did not rise in them" in evidence  # a sleep: the time went elsewhere
     assert flagged["steady"]["evidence"] is None and flagged["steady"]["slow_steps"] == 0
     # the runner said so and measured each disturbed job once more, after the others
