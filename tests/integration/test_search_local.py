@@ -49,6 +49,17 @@ def _manifest(tmp_path: Path, *, pruning: bool) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This file tests the pruner's logic; the suite's other worker competes for this 2-core machine, and a search
+    never prunes a contended trial (tests/unit/test_local.py tests that guard), so the monitor is told the machine
+    is quiet here."""
+    from gpuscout.local import contention, job_process
+
+    quiet = contention.summarize([0.0], [0.0], [], 2)
+    monkeypatch.setattr(job_process.ContentionMonitor, "summary", lambda self: quiet)
+
+
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prepared-data cache for the file's runs (same source, tokenizer and sequence length)."""
