@@ -64,12 +64,18 @@ def ensure_writable(folder: Path) -> None:
         raise GpuscoutError(f"--runs-dir {folder}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise GpuscoutError(f"--runs-dir {folder}: {existing} is not writable; choose another folder with --runs-dir")
+    if folder.exists():
+        return
     try:  # a folder some file systems refuse even so (/proc, a read-only mount): found now, not mid-run
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True)
     except OSError as err:
         raise GpuscoutError(
             f"--runs-dir {folder}: cannot create it ({err.strerror or err}); choose another folder with --runs-dir"
         ) from err
+    made = folder  # created only to try: a refused run leaves no folder behind
+    while made != existing:
+        made.rmdir()
+        made = made.parent
 
 
 def run_local(
