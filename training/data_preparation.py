@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from data_sources import FORMATS, read_documents
 
+from gpuscout.domain.dataset_checks import invalid_lines
 from gpuscout.errors import DataPreparationError
 
 SCRIPT_VERSION = "1.0.0"
@@ -204,19 +205,6 @@ def cut_long_documents(documents: Sequence[str], max_characters: int) -> tuple[l
                 out.append(piece)
             start = end
     return out, cut
-
-
-def invalid_lines(dropped: Mapping[str, int], firsts: Mapping[str, str], *, text_field: str) -> list[str]:
-    """What was wrong with the records that were dropped as invalid, one line per kind, naming the first."""
-    lines = []
-    if dropped.get("not_json"):
-        lines.append(f"{dropped['not_json']:,} lines are not valid JSON, first at {firsts.get('not_json', '?')}")
-    if dropped.get("no_text_field"):
-        lines.append(
-            f"{dropped['no_text_field']:,} records have no string field {text_field!r} (dataset.text_field), "
-            f"first at {firsts.get('no_text_field', '?')}"
-        )
-    return lines
 
 
 def _empty_hint(config: PrepareConfig, dropped: Mapping[str, int], firsts: Mapping[str, str]) -> str:

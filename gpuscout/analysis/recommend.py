@@ -112,14 +112,17 @@ def _margin(best: JobAnalysis, runner_up: JobAnalysis, objective: str) -> float:
     return _speed(best) / _speed(runner_up) - 1.0  # the winner is this much faster
 
 
-def duration_text(hours: float) -> str:
-    """Hours in the unit that shows them: "0.0 h" for a 40-second job said nothing."""
-    seconds = hours * 3600.0
+def seconds_text(seconds: float) -> str:
+    """A duration in the unit that shows it (s, min or h): "0.0 h" for a 40-second job said nothing."""
     if seconds < 90:
         return f"{seconds:,.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:,.1f} min"
-    return f"{hours:,.1f} h"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def duration_text(hours: float) -> str:
+    return seconds_text(hours * 3600.0)
 
 
 def usd_text(value: float) -> str:

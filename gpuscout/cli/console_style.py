@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 PIPED_WIDTH = 160  # tables piped to a file or a test would otherwise wrap at 80 columns
+FOLDED_MIN_WIDTH = 4  # the narrowest a folding column of a responsive_table is counted at
 
 STATUS_COLOURS = {
     "SUCCEEDED": "green",
@@ -68,15 +69,18 @@ def responsive_table(
     pairs, so a status or a number is never cut to ``24,…``."""
     table_columns = [c for c in columns if not c.notes]
     at = [i for i, c in enumerate(columns) if not c.notes]
-    need = sum(max([len(c.header) if c.whole else 4] + [_cell_width(r[i]) if c.whole else 4 for r in rows])
-               for i, c in zip(at, table_columns, strict=True)) + 3 * len(table_columns) + 1  # fmt: skip
+    # a whole column needs its widest cell or header; a folding one gives way down to FOLDED_MIN_WIDTH
+    widths = [
+        max([len(c.header)] + [_cell_width(r[i]) for r in rows]) if c.whole else FOLDED_MIN_WIDTH
+        for i, c in zip(at, table_columns, strict=True)
+    ]
+    need = sum(widths) + 3 * len(table_columns) + 1  # + the borders and padding between columns
     notes = [(row[key], i, row[i]) for row in rows for i, c in enumerate(columns) if c.notes and row[i]]
     if need <= console.width:
         table = Table(title=title, title_justify="left")
-        for i, c in zip(at, table_columns, strict=True):
-            width = max([_cell_width(r[i]) for r in rows] + [len(c.header)]) if c.whole else None
+        for c, width in zip(table_columns, widths, strict=True):
             table.add_column(
-                c.header, justify=c.justify, no_wrap=c.whole, min_width=width,  # type: ignore[arg-type]
+                c.header, justify=c.justify, no_wrap=c.whole, min_width=width if c.whole else None,  # type: ignore[arg-type]
                 overflow="fold",
             )  # fmt: skip
         for row in rows:

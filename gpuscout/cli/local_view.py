@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuscout.analysis.recommend import seconds_text
 from gpuscout.cli.console_style import Column, responsive_table
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.job_process import JobOutcome, JobProgress
@@ -23,13 +24,7 @@ from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 
 def _fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    return "-" if seconds is None else seconds_text(seconds)
 
 
 def plan_table(the_plan: Any) -> Table:

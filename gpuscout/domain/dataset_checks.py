@@ -29,6 +29,21 @@ def global_batch_blocks(hyperparameters: Mapping[str, Any], world_size: int) -> 
     return batch * accumulation * max(1, world_size)
 
 
+def invalid_lines(dropped: Mapping[str, int], firsts: Mapping[str, str], *, text_field: str | None = None) -> list[str]:
+    """What was wrong with the records dropped as invalid, one line per kind, naming the first place of each
+    (data_preparation's ``dropped`` counts and ``first_invalid``); ``text_field`` names the field when known."""
+    lines = []
+    if dropped.get("not_json"):
+        lines.append(f"{int(dropped['not_json']):,} lines are not valid JSON, first at {firsts.get('not_json', '?')}")
+    if dropped.get("no_text_field"):
+        field = f"string field {text_field!r}" if text_field else "text field"
+        lines.append(
+            f"{int(dropped['no_text_field']):,} records have no {field} (dataset.text_field), "
+            f"first at {firsts.get('no_text_field', '?')}"
+        )
+    return lines
+
+
 def dataset_problems(
     summary: Mapping[str, Any], *, requested_vocab_size: int | None = None, global_batch: int | None = None
 ) -> list[DatasetProblem]:
@@ -75,15 +90,7 @@ def dataset_problems(
     dropped = summary.get("dropped") or {}
     invalid = int(dropped.get("invalid") or 0)
     if read and invalid / read > INVALID_FRACTION:
-        firsts = summary.get("first_invalid") or {}
-        kinds = []
-        if dropped.get("not_json"):
-            kinds.append(f"{int(dropped['not_json']):,} lines are not valid JSON, first at {firsts.get('not_json')}")
-        if dropped.get("no_text_field"):
-            kinds.append(
-                f"{int(dropped['no_text_field']):,} records have no text field (dataset.text_field), first at "
-                f"{firsts.get('no_text_field')}"
-            )
+        kinds = invalid_lines(dropped, summary.get("first_invalid") or {})
         detail = "; ".join(kinds) if kinds else "check dataset.text_field and the file format"
         problems.append(
             DatasetProblem(

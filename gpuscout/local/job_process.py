@@ -289,11 +289,11 @@ def run_job(
         should_stop(job_progress)  # the steps printed after the last poll still count (the job has finished)
     timed_out = stopped == TIMED_OUT
     contention = monitor.summary()
-    if spec.job_code is not None and proc.returncode == 0 and stopped is None:
+    # a job section's script that ended, or was ended after ignoring "stop": its log's steps up to the stop stand
+    if spec.job_code is not None and ((proc.returncode == 0 and stopped is None) or stopped == IGNORED_STOP):
         benchmark_from_log(spec, folders, env)
-    if stopped == IGNORED_STOP:  # what it measured up to the stop stands; the job itself did not end as asked
-        benchmark_from_log(spec, folders, env)
-        benchmark, _ = _read_benchmark(folders.output_data / "benchmark.json")
+    benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
+    if stopped == IGNORED_STOP:  # the job itself did not end as asked
         where = f"step {job_progress.stop_step}" if job_progress.stop_step else f"max_steps {job_max_steps(spec)}"
         reason = (
             f"the script kept training after gpuscout's helper answered stop ({where}; it reached step "
@@ -301,7 +301,6 @@ def run_job(
             "True (docs/byo.md)"
         )
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
-    benchmark, unreadable = _read_benchmark(folders.output_data / "benchmark.json")
     completed = benchmark is not None and benchmark["status"] == "completed"
     # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
     # stop reached it (the signal then cut its exit short); its measurement is whole

@@ -31,12 +31,10 @@ def answers(url: str, *, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
         return None  # it answered, with an error status: reachable
     except urllib.error.URLError as err:
         return f"no answer ({err.reason})"
-    except (TimeoutError, OSError) as err:
-        return (
-            f"no answer within {timeout_s:.0f} s ({type(err).__name__})"
-            if isinstance(err, TimeoutError)
-            else (f"no answer ({err})")
-        )
+    except TimeoutError as err:
+        return f"no answer within {timeout_s:.0f} s ({type(err).__name__})"
+    except OSError as err:
+        return f"no answer ({err})"
 
 
 def unreachable_trackers(tracking: Any, *, check: Callable[[str], str | None] = answers) -> dict[str, str]:

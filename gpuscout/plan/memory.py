@@ -332,7 +332,7 @@ def estimate(
     head = arch.vocab_size * arch.hidden_size
     stage = settings.deepspeed_stage
     absent = absent_later = 0.0
-    if stage == 0 and gradients_absent_at_loss(settings, world=world):
+    if gradients_absent_at_loss(settings, world=world):
         absent = 4.0 * total_params(arch)
         layer_params = (matmul_params(arch) - head) / max(arch.num_hidden_layers, 1)
         absent_later = 4.0 * (layer_params + (0 if arch.tie_word_embeddings else head))
