@@ -3,13 +3,16 @@ variable (gpuscout.domain.tracking.JobTracking as JSON) names them.
 
 What a tracked job records, in each tracker it names:
 
-- at the start: the hyperparameters, the job's variant, instance count, spot flag and on-demand price, and the device
-  (MLflow params / W&B config); MLflow tags ``gpuscout.run_id``, ``gpuscout.job_name``, ``gpuscout.level=job``; the
-  W&B run is in group <run id> with job type ``benchmark``;
-- every optimizer step: the values of its metric line (loss, tokens_per_s, samples_per_s, step_time_s, lr,
-  grad_norm, gpu_mem_gb and any other value the line carries) and ``gpu_util_pct``, the mean GPU utilization NVML
-  sampled during the step (none on CPU, none for a step shorter than the sampler's interval); ``val_loss`` at each
-  validation;
+- at the start: the training settings (the hyperparameters less gpuscout's internal ones), the job's variant,
+  instance count, spot flag and on-demand price, and the device (MLflow params / W&B config); MLflow tags
+  ``gpuscout.run_id``, ``gpuscout.job_name``, ``gpuscout.level=job``; the W&B run is in group <run id> with job type
+  ``benchmark``;
+- every optimizer step: the values of its metric line (loss, step_time_s, lr, grad_norm, gpu_mem_gb and any other
+  value the line carries), with the step's own rates as ``step_tokens_per_s`` / ``step_samples_per_s`` (warm-up
+  steps included) and ``tokens_per_s`` / ``samples_per_s`` in the summary's meaning: all tokens (samples) of the
+  timed steps so far over their time, absent during warm-up, so the last value is ``benchmark/tokens_per_s``; and
+  ``gpu_util_pct``, the mean GPU utilization NVML sampled during the step (none on CPU, none for a step shorter than
+  the sampler's interval); ``val_loss`` at each validation;
 - at the end: ``benchmark/<name>`` summary metrics (tokens/s and its interval, samples/s, MFU and HFU when known,
   step times, peak memory, mean GPU utilization, final losses, $ per 1M tokens at the on-demand price when known) and
   benchmark.json: an MLflow artifact; in W&B a file of the run folder (so ``wandb sync`` uploads it from wherever the
@@ -55,6 +58,13 @@ from gpuscout.domain.tracking import (
 )
 
 SUMMARY_PREFIX = "benchmark/"
+# Hyperparameters that steer gpuscout's own machinery, not the training a user compares: never logged as params
+INTERNAL_PARAMS = frozenset(
+    {"canary_layers", "search_candidate", "price_per_hour_usd", "objective_min_timed_steps", "checkpoint_keep",
+     "host_allocator"}
+)  # fmt: skip
+# The steady-state stop rule's own settings: logged only when that rule is in force
+STEADY_STATE_PARAMS = ("ci_tolerance", "min_timed_steps", "min_timed_seconds")
 MLFLOW_BATCH_PARAMS = 100  # MLflow's limit of params per log_batch call
 WANDB_TAG_MAX_CHARS = 64
 
@@ -79,6 +89,19 @@ def _finite(values: Mapping[str, Any]) -> dict[str, float]:
             continue
         if math.isfinite(value):
             out[key] = float(value)
+    return out
+
+
+def loggable_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The params a tracker gets: the training settings a user compares, without gpuscout's internal fields
+    (INTERNAL_PARAMS), the steady-state rule's settings under another rule, and unset values (None, "")."""
+    out = {}
+    for key, value in params.items():
+        if key in INTERNAL_PARAMS or value is None or value == "":
+            continue
+        if key in STEADY_STATE_PARAMS and params.get("stop_rule") != "steady_state":
+            continue
+        out[key] = value
     return out
 
 
@@ -253,24 +276,33 @@ class JobTracker:
 
     def start(self, params: Mapping[str, Any], *, variant: str | None = None) -> None:
         """Open each tracker's run; ``params`` are the job's hyperparameters (with run_id and job_name) and facts
-        of the device, to which the job's variant, instance count, spot flag and price are added. ``variant``
-        overrides the variable's where one variable serves several jobs (a SageMaker tuning job's trials, each a
-        search candidate of the same target)."""
+        of the device, less gpuscout's internal fields (loggable_params), to which the job's variant, instance
+        count, spot flag and price are added. ``variant`` overrides the variable's where one variable serves several
+        jobs (a SageMaker tuning job's trials, each a search candidate of the same target)."""
         config = self.config
         if not self.backends or config is None:
             return
         variant = variant or config.variant
-        everything = {**params, "variant": variant, "instance_count": config.instance_count, "spot": config.spot,
-                      "usd_per_hour": config.usd_per_hour}  # fmt: skip
+        everything = {**loggable_params(params), "variant": variant, "instance_count": config.instance_count,
+                      "spot": config.spot, "usd_per_hour": config.usd_per_hour}  # fmt: skip
         run_id, job_name = str(params.get("run_id") or ""), str(params.get("job_name") or "")
         tags = {"gpuscout.instance_type": str(params.get("instance_type") or ""), "gpuscout.variant": variant}
         self._each("start", lambda b: b.start(run_id, job_name, everything, tags))
 
-    def log_step(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """One step's metrics (``step`` itself and None values are not logged)."""
+    def log_step(self, step: int, metrics: Mapping[str, Any], *, timed_totals: tuple[float, ...] | None = None) -> None:
+        """One step's metrics (``step`` itself and None values are not logged). The line's ``tokens_per_s`` and
+        ``samples_per_s`` (the step's own) are logged as ``step_tokens_per_s`` / ``step_samples_per_s``;
+        ``tokens_per_s`` / ``samples_per_s`` are the timed steps' so far from ``timed_totals`` (tokens, samples,
+        seconds; None during warm-up), benchmark.json's meaning."""
         if not self.backends:
             return
-        values = _finite({k: v for k, v in metrics.items() if k != "step"})
+        line = dict(metrics)
+        for name in ("tokens_per_s", "samples_per_s"):
+            line[f"step_{name}"] = line.pop(name, None)
+        if timed_totals is not None and timed_totals[2] > 0:
+            tokens, samples, seconds = timed_totals
+            line |= {"tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds}
+        values = _finite({k: v for k, v in line.items() if k != "step"})
         if values:
             self._each(f"step {step}", lambda b: b.log_step(step, values))
 

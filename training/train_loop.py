@@ -461,11 +461,12 @@ class Benchmark:
                 "gpu_mem_gb": mem,
             }
             timed_records = [r for r in stats.timed if r.seconds > 0]
+            totals = tuple(float(sum(getattr(r, n) for r in timed_records)) for n in ("tokens", "samples", "seconds"))
             if hp.price_per_hour_usd and timed and len(timed_records) >= hp.objective_min_timed_steps:
-                rate = sum(r.tokens for r in timed_records) / sum(r.seconds for r in timed_records)
-                metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, rate)
+                metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, totals[0] / totals[2])
             print(format_metric_line(metrics), flush=True)
-            self.tracker.log_step(step, {**metrics, "gpu_util_pct": self.sampler.recent_utilization()})
+            metrics["gpu_util_pct"] = self.sampler.recent_utilization()  # trackers: their rates are the timed steps'
+            self.tracker.log_step(step, metrics, timed_totals=totals if timed and totals[2] > 0 else None)
 
     def _steady_state(self, stats: StepStats) -> str | None:
         """Why to stop now under stop_rule=steady_state (every rank follows rank 0's decision), else None."""

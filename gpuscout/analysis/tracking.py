@@ -1,30 +1,39 @@
 """A run's results in its experiment trackers: after the analysis, one tracker run per benchmark run holds the ranked
 results and the report, beside the job runs training/experiment_tracking.py logged.
 
-- MLflow: a run named after the run id (tags ``gpuscout.run_id``, ``gpuscout.level=run``) in the manifest's
-  experiment, created once and reused when logged again. Its metrics are the recommended job's figures
-  (``best/<name>``) and the job counts; tags the recommendation and its verdict; artifacts ``ranked_results.json``,
-  ``ranked_results.csv``, ``analysis.json`` and the report folder under ``report/``. Every job run of the run (found
-  by its tags) is nested under it (tag ``mlflow.parentRunId``; jobs run as separate processes, in the cloud on
-  separate machines, so the parent is attached afterwards) and gets its analysed figures (``analysis/rank``,
-  ``analysis/usd_per_million_tokens``, ...); a job run still RUNNING (its process was stopped: Ctrl-C, a pruned
-  trial) is ended KILLED.
-- W&B: a run with job type ``analysis`` in group <run id> (the group of the job runs): config (run id, name,
-  objective, unit), the ranked results as a ``ranked_results`` table, summary ``best/<name>``, the same files in the
-  run folder, and, where the destination logs Artifacts, a ``report`` Artifact with them.
+- MLflow: a run named after the run id (tags ``gpuscout.run_id``, ``gpuscout.level=run``) in the manifest's experiment,
+  created once and reused when logged again. Its params are the run's settings (the manifest flattened:
+  ``model.preset``, ``training.max_steps``, ``variants.<name>.<field>``, ``targets.<i>.<field>``, ...); its metrics are
+  the recommended job's figures (``best/<name>``) and the job counts; tags the recommendation and its verdict; artifacts
+  ``ranked_results.json``, ``ranked_results.csv``, ``analysis.json`` and the report folder under ``report/``. Every job
+  run of the run (found by its tags) is nested under it (tag ``mlflow.parentRunId``; jobs run as separate processes, in
+  the cloud on separate machines, so the parent is attached afterwards) and gets its analysed figures
+  (``analysis/rank``, ``analysis/usd_per_million_tokens``, ...), a tag ``gpuscout.excluded_reason`` when it was not
+  ranked (and ``gpuscout.pruned_reason`` for a trial the settings search pruned) and, for a local run, its ``train.log``
+  (and a non-empty ``train.stderr.log``) as artifacts under ``logs/``; a job run still RUNNING (its process was stopped:
+  Ctrl-C, a pruned trial) is ended KILLED.
+- W&B: a run with job type ``analysis`` in group <run id> (the group of the job runs): config (run id, name, objective,
+  unit, the run's settings under ``settings``), the ranked results as a ``ranked_results`` table, summary
+  ``best/<name>``, the same files in the run folder, and, where the destination logs Artifacts, a ``report`` Artifact
+  with them.
 
 A tracker that fails is reported (``TrackingOutcome.problems``) and the others go on; nothing here raises for a
-tracker's error. mlflow and wandb are imported only inside the functions that use them.
-"""
+tracker's error. mlflow and wandb are imported only inside the functions that use them. What the libraries print
+themselves (MLflow's database set-up, W&B's progress lines) goes to ``output_log`` when one is given (a local run's
+``tracking.log``), not to the terminal gpuscout writes to."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import re
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +69,10 @@ JOB_FIGURES = ("rank", "usd_per_million_tokens", "usd_per_million_tokens_spot", 
 BEST_FIGURES = ("tokens_per_s", "samples_per_s", "mfu", "usd_per_hour", "usd_per_million_tokens",
                 "usd_per_million_tokens_spot", "usd_per_million_samples", "usd_per_million_samples_spot")  # fmt: skip
 MLFLOW_TAG_MAX_CHARS = 5000
+MLFLOW_PARAM_MAX_CHARS = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+MLFLOW_KEY_MAX_CHARS = 250
+MLFLOW_BATCH_PARAMS = 100  # params per log_batch call
+_NOT_IN_KEYS = re.compile(r"[^A-Za-z0-9_\-. /]")  # what MLflow refuses in a param name
 MLFLOW_MAX_RESULTS = 5000  # job runs searched per run (a cloud run has at most 40 jobs, a local one a few hundred)
 
 
@@ -102,6 +115,63 @@ def best_figures(analysis: Mapping[str, Any]) -> dict[str, float]:
     return figures
 
 
+def run_settings(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """A manifest's settings as flat params: nested keys joined with dots (``training.max_steps``); a list of
+    mappings that each have a distinct ``name`` keyed by it (``variants.b4-a1.per_device_batch_size``), another list
+    of mappings by position (``targets.0.instance_type``); other lists as JSON; None left out; values cut to MLflow's
+    6,000 characters."""
+    out: dict[str, str] = {}
+
+    def walk(key: str, value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, Mapping):
+            if not value and key:
+                out[key] = "{}"
+            for name, item in value.items():
+                walk(f"{key}.{name}" if key else str(name), item)
+            return
+        if isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
+            names = [item.get("name") for item in value]
+            by_name = all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names)
+            for index, item in enumerate(value):
+                rest = {k: v for k, v in item.items() if not (by_name and k == "name")}
+                walk(f"{key}.{item['name'] if by_name else index}", rest)
+            return
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        out[_NOT_IN_KEYS.sub("_", key)[:MLFLOW_KEY_MAX_CHARS]] = text[:MLFLOW_PARAM_MAX_CHARS]
+
+    walk("", manifest)
+    return out
+
+
+@contextlib.contextmanager
+def library_output_to(log: Path | None) -> Iterator[None]:
+    """Everything printed while inside, by Python code or by a process started inside (W&B's service), appended to
+    ``log`` instead of this process's stdout and stderr; nothing changes without a log."""
+    if log is None:
+        yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with log.open("a", encoding="utf-8") as out:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                    yield
+            finally:
+                out.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        for fd in saved:
+            os.close(fd)
+
+
 def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
     """ranked_results.json, ranked_results.csv and analysis.json in ``folder``."""
     rows = ranked_rows(analysis)
@@ -139,34 +209,68 @@ def run_to_track(run: RunRecord, result: ResultRecord | None) -> tuple[TrackingS
     return tracking.resolved(str((run.manifest or {}).get("name") or run.name)), result.analysis
 
 
+@dataclass(frozen=True)
+class RunExtras:
+    """What log_run adds beside the analysis: the run's settings (its manifest, as a mapping) and, for a local run,
+    each job's log files (job name -> paths), and the file the tracker libraries' own output goes to."""
+
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    job_logs: Mapping[str, list[Path]] = field(default_factory=dict)
+    output_log: Path | None = None
+
+
+def local_job_logs(run_dir: Path) -> dict[str, list[Path]]:
+    """A local run's job logs: ``jobs/<job>/train.log`` and a non-empty ``train.stderr.log``, per job folder."""
+    logs: dict[str, list[Path]] = {}
+    for folder in sorted((run_dir / "jobs").glob("*")):
+        found = [folder / "train.log"] if (folder / "train.log").is_file() else []
+        stderr = folder / "train.stderr.log"
+        if stderr.is_file() and stderr.stat().st_size:
+            found.append(stderr)
+        if found:
+            logs[folder.name] = found
+    return logs
+
+
 def log_run(
-    run_id: str, analysis: Mapping[str, Any], report_dir: Path | None, destinations: Destinations
+    run_id: str,
+    analysis: Mapping[str, Any],
+    report_dir: Path | None,
+    destinations: Destinations,
+    extras: RunExtras | None = None,
 ) -> TrackingOutcome:
-    """Log a run's analysis (``RunAnalysis.model_dump(mode="json")``) and its report folder (when it exists) to
-    each destination (module docstring)."""
+    """Log a run's analysis (``RunAnalysis.model_dump(mode="json")``), its report folder (when it exists) and the
+    ``extras`` to each destination (module docstring)."""
     outcome = TrackingOutcome()
+    extras = extras or RunExtras()
     report = report_dir if report_dir is not None and report_dir.is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="gpuscout-tracking-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpuscout-tracking-") as tmp, library_output_to(extras.output_log):
         files = _write_files(analysis, Path(tmp))
         if destinations.mlflow is not None:
             try:
-                outcome.logged.append(_log_mlflow(run_id, analysis, files, report, destinations.mlflow))
+                outcome.logged.append(_log_mlflow(run_id, analysis, files, report, destinations.mlflow, extras=extras))
             except Exception as err:  # a tracker's failure is reported, never raised
                 outcome.problems.append(f"MLflow: the run's results were not logged ({type(err).__name__}: {err})")
         if destinations.wandb is not None:
             try:
-                outcome.logged.append(_log_wandb(run_id, analysis, files, report, destinations.wandb))
+                outcome.logged.append(_log_wandb(run_id, analysis, files, report, destinations.wandb, extras=extras))
             except Exception as err:
                 outcome.problems.append(f"W&B: the run's results were not logged ({type(err).__name__}: {err})")
     return outcome
 
 
 def _log_mlflow(
-    run_id: str, analysis: Mapping[str, Any], files: list[Path], report: Path | None, dest: MlflowDestination
+    run_id: str,
+    analysis: Mapping[str, Any],
+    files: list[Path],
+    report: Path | None,
+    dest: MlflowDestination,
+    *,
+    extras: RunExtras,
 ) -> str:
     bound_mlflow_retries()
     import mlflow
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import Metric, Param, RunTag
 
     prepare_mlflow_uri(dest.tracking_uri, mlflow)
     client = mlflow.MlflowClient(tracking_uri=dest.tracking_uri)
@@ -186,10 +290,18 @@ def _log_mlflow(
     by_name = {r.data.tags.get(JOB_NAME_TAG): r for r in job_runs}
     for job in analysis.get("jobs") or []:
         figures = _numbers(job, JOB_FIGURES, "analysis/")
+        job_tags = _job_tags(job)
         for name in job.get("job_names") or [job.get("job_name")]:
-            if name in by_name and figures:
+            if name in by_name and (figures or job_tags):
                 metrics = [Metric(k, v, now, 0) for k, v in figures.items()]
-                client.log_batch(by_name[name].info.run_id, metrics=metrics)
+                client.log_batch(by_name[name].info.run_id, metrics=metrics, tags=job_tags)
+    for name, paths in extras.job_logs.items():
+        if name in by_name:
+            for path in paths:
+                client.log_artifact(by_name[name].info.run_id, str(path), artifact_path="logs")
+    params = [Param(k, v) for k, v in run_settings(extras.settings).items()]
+    for start in range(0, len(params), MLFLOW_BATCH_PARAMS):
+        client.log_batch(parent, params=params[start : start + MLFLOW_BATCH_PARAMS])
     for job_run in job_runs:
         client.set_tag(job_run.info.run_id, MLFLOW_PARENT_TAG, parent)
         if job_run.info.status == "RUNNING":  # its process was stopped before it could end the run
@@ -216,8 +328,27 @@ def _log_mlflow(
     )
 
 
+def _job_tags(job: Mapping[str, Any]) -> list[Any]:
+    """Why a job run was not ranked, as tags (a pruned trial's reason also under its own name)."""
+    from mlflow.entities import RunTag
+
+    reason = job.get("excluded_reason")
+    if not reason:
+        return []
+    tags = [RunTag("gpuscout.excluded_reason", str(reason)[:MLFLOW_TAG_MAX_CHARS])]
+    if job.get("status") == "pruned":
+        tags.append(RunTag("gpuscout.pruned_reason", str(job.get("failure") or reason)[:MLFLOW_TAG_MAX_CHARS]))
+    return tags
+
+
 def _log_wandb(
-    run_id: str, analysis: Mapping[str, Any], files: list[Path], report: Path | None, dest: WandbDestination
+    run_id: str,
+    analysis: Mapping[str, Any],
+    files: list[Path],
+    report: Path | None,
+    dest: WandbDestination,
+    *,
+    extras: RunExtras,
 ) -> str:
     import wandb
 
@@ -235,6 +366,7 @@ def _log_wandb(
             "run_name": analysis.get("run_name"),
             "objective": analysis.get("objective"),
             "unit": analysis.get("unit"),
+            "settings": dict(extras.settings),
         },
         settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False),
     )

@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from gpuscout.analysis.tracking import TrackingOutcome, log_run, run_to_track
+from gpuscout.analysis.tracking import RunExtras, TrackingOutcome, log_run, run_to_track
 from gpuscout.cloud.client import CloudStack
 from gpuscout.domain.tracking import workstation_destinations
 from gpuscout.errors import GpuscoutError
@@ -155,5 +155,6 @@ def track_cloud_run(stack: CloudStack, run_id: str, download_dir: Path) -> Track
             tracked.jobs_without_wandb = [j.job_name for j in jobs]
         else:
             _download_wandb_runs(stack, run_id, jobs, tracked)
-    tracked.outcome = log_run(run_id, analysis, report_dir, workstation_destinations(tracking, download_dir))
+    extras = RunExtras(settings=run.manifest or {}, output_log=download_dir / "tracking.log")
+    tracked.outcome = log_run(run_id, analysis, report_dir, workstation_destinations(tracking, download_dir), extras)
     return tracked

@@ -29,7 +29,7 @@ from gpuscout.store.base import (
 )
 
 if TYPE_CHECKING:
-    from gpuscout.analysis.tracking import TrackingOutcome
+    from gpuscout.analysis.tracking import RunExtras, TrackingOutcome
 
 
 UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)
@@ -74,7 +74,8 @@ def close_run(
     if analysis is not None and tracking is not None:  # the run's results to its experiment trackers
         from gpuscout.analysis.tracking import log_run
 
-        logged = log_run(run_id, analysis, run_dir / "report", local_destinations(tracking, run_dir.parent))
+        destinations = local_destinations(tracking, run_dir.parent)
+        logged = log_run(run_id, analysis, run_dir / "report", destinations, _extras(store.get_run(run_id), run_dir))
         for line in logged.logged + logged.problems:
             observer.message(f"tracking: {line}", warning=line in logged.problems)
     if interrupted:
@@ -104,7 +105,16 @@ def track_local_run(run: RunRecord, store: ResultStore) -> TrackingOutcome:
     if run.run_dir is None:
         raise GpuscoutError(f"run {run.run_id} has no local run folder (a cloud run? pass --stack-name)")
     run_dir = Path(run.run_dir)
-    return log_run(run.run_id, analysis, run_dir / "report", local_destinations(tracking, run_dir.parent))
+    destinations = local_destinations(tracking, run_dir.parent)
+    return log_run(run.run_id, analysis, run_dir / "report", destinations, _extras(run, run_dir))
+
+
+def _extras(run: RunRecord, run_dir: Path) -> RunExtras:
+    """A local run's settings (its manifest as written), its jobs' logs, and ``tracking.log`` in its folder for what
+    the tracker libraries print themselves."""
+    from gpuscout.analysis.tracking import RunExtras, local_job_logs
+
+    return RunExtras(settings=run.manifest or {}, job_logs=local_job_logs(run_dir), output_log=run_dir / "tracking.log")
 
 
 def close_abandoned_run(

@@ -126,11 +126,20 @@ def test_a_tracked_job_logs_params_steps_and_benchmark_to_mlflow_and_wandb(datas
     }  # fmt: skip
     assert params["learning_rate"] == "0.003" and params["per_device_train_batch_size"] == "4"
     assert params["usd_per_hour"] == str(PRICE_PER_HOUR) and params["device"] == "cpu"
-    # every step's loss and tokens/s, as the job's metric lines printed them
-    for key in ("loss", "tokens_per_s", "samples_per_s", "step_time_s"):
+    # gpuscout's internal fields and unset values are not the user's settings: not logged
+    internal = {"canary_layers", "price_per_hour_usd", "search_candidate", "host_allocator", "ci_tolerance"}
+    assert not internal & set(params)
+    assert "" not in params.values()
+    # every step's loss, step time and own rates, as the job's metric lines printed them
+    for key, line_key in (("loss", "loss"), ("step_time_s", "step_time_s"), ("step_tokens_per_s", "tokens_per_s"),
+                          ("step_samples_per_s", "samples_per_s")):  # fmt: skip
         history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
         assert sorted(history) == [1, 2, 3, 4, 5, 6], key
-        assert history == pytest.approx({s: v[key] for s, v in steps.items()}, rel=1e-6), key
+        assert history == pytest.approx({s: v[line_key] for s, v in steps.items()}, rel=1e-6), key
+    # tokens_per_s in the summary's meaning: the timed steps' so far (none during warm-up), ending at the summary
+    timed_history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "tokens_per_s")}
+    assert sorted(timed_history) == [s for s in steps if s > result.timing.warmup_steps]
+    assert timed_history[max(timed_history)] == pytest.approx(result.throughput.tokens_per_s, rel=1e-9)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [3, 6]
     assert "gpu_util_pct" not in run.data.metrics  # no NVML on CPU: not logged, rather than logged as 0
     metrics = run.data.metrics
@@ -159,10 +168,12 @@ def test_a_tracked_job_logs_params_steps_and_benchmark_to_mlflow_and_wandb(datas
     assert config["job_name"] == JOB and config["variant"] == "b4" and config["usd_per_hour"] == PRICE_PER_HOUR
     history = {row["_step"]: row for row in wb.history(records)}
     assert sorted(history) == [1, 2, 3, 4, 5, 6]
-    for key in ("loss", "tokens_per_s"):
+    for key, line_key in (("loss", "loss"), ("step_tokens_per_s", "tokens_per_s")):
         assert {s: row[key] for s, row in history.items()} == pytest.approx(
-            {s: v[key] for s, v in steps.items()}, rel=1e-6
+            {s: v[line_key] for s, v in steps.items()}, rel=1e-6
         )
+    assert history[6]["tokens_per_s"] == pytest.approx(result.throughput.tokens_per_s, rel=1e-9)
+    assert "tokens_per_s" not in history[1]  # a warm-up step has no rate in the summary's meaning
     assert "val_loss" in history[3] and "val_loss" in history[6]
     summary = wb.summary(records)
     assert summary["benchmark/tokens_per_s"] == pytest.approx(result.throughput.tokens_per_s)

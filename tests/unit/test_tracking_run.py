@@ -288,3 +288,94 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     files = wb.run_files(runs)
     assert len(files) == 2
     assert {wb.run_info(wb.read_records(f)).run_group for f in files} == {run.run_id}
+
+
+@pytest.mark.slow(seconds=12)
+def test_the_run_level_mlflow_run_has_the_settings_the_job_logs_and_why_a_trial_was_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow import MlflowClient
+
+    from gpuscout.analysis.tracking import RunExtras, local_job_logs
+
+    monkeypatch.delenv("WANDB_SILENT")  # as a user's shell has it: W&B's own progress lines are on
+    # Given a local run folder: one job whose trial the search pruned, one whose log the run keeps, a fresh MLflow
+    # database (MLflow prints its set-up) and W&B offline
+    runs = tmp_path / "runs"
+    run_dir = runs / RUN_ID
+    destinations = local_destinations(TRACKING, runs)
+    assert destinations.mlflow is not None and destinations.mlflow.artifact_location is not None
+    uri = destinations.mlflow.tracking_uri
+    pruned = "gs-p5-bs16-x2-r0"
+    ids = _job_runs(uri, "example", destinations.mlflow.artifact_location, {RECOMMENDED: "FINISHED", pruned: "RUNNING"})
+    why = "pruned by the settings search: pruned after 3 timed steps: 1,000 tokens/s ... is clearly worse"
+    analysis = json.loads(json.dumps(ANALYSIS))
+    for job in analysis["jobs"]:
+        if job["job_name"] == pruned:
+            job |= {"status": "pruned", "rank": None, "failure": why, "excluded_reason": why}
+    job_folder = run_dir / "jobs" / RECOMMENDED
+    job_folder.mkdir(parents=True)
+    (job_folder / "train.log").write_text("gpuscout_metric step=1 loss=6.5\n")
+    (job_folder / "train.stderr.log").write_text("")  # empty: not logged
+    manifest = {"name": "example", "model": {"preset": "qwen2-tiny"}, "training": {"max_steps": 20, "seed": None},
+                "targets": [{"instance_type": "local", "price_per_hour_usd": 0.096}],
+                "variants": [{"name": "b4-a1", "per_device_batch_size": 4}, {"name": "b1-a4"}],
+                "description": "x" * 7000}  # fmt: skip
+    extras = RunExtras(settings=manifest, job_logs=local_job_logs(run_dir), output_log=run_dir / "tracking.log")
+    capfd.readouterr()
+    # When the run is logged
+    outcome = log_run(RUN_ID, analysis, _report(run_dir / "report"), destinations, extras)
+    # Then the terminal got nothing from the tracker libraries: their lines are in the run's tracking.log
+    printed = capfd.readouterr()
+    assert (printed.out, printed.err) == ("", ""), printed
+    assert outcome.problems == [] and (run_dir / "tracking.log").is_file()
+    # the run-level MLflow run has the run's settings as params (nothing internal, nothing unset)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("example")
+    assert experiment is not None
+    (parent,) = client.search_runs([experiment.experiment_id], f"tags.`{LEVEL_TAG}` = 'run'")
+    assert {k: v for k, v in parent.data.params.items() if k != "description"} == {
+        "name": "example", "model.preset": "qwen2-tiny", "training.max_steps": "20",
+        "targets.0.instance_type": "local", "targets.0.price_per_hour_usd": "0.096",
+        "variants.b4-a1.per_device_batch_size": "4", "variants.b1-a4": "{}",
+    }  # fmt: skip
+    assert parent.data.params["description"] == "x" * 6000  # MLflow's limit
+    # the pruned trial's run says why, and the kept log is an artifact of its job's run
+    tags = client.get_run(ids[pruned]).data.tags
+    assert tags["gpuscout.pruned_reason"] == why and tags["gpuscout.excluded_reason"] == why
+    assert "gpuscout.pruned_reason" not in client.get_run(ids[RECOMMENDED]).data.tags
+    assert [a.path for a in client.list_artifacts(ids[RECOMMENDED], "logs")] == ["logs/train.log"]
+    # W&B: the same settings in the analysis run's config
+    (run_file,) = wb.run_files(runs)
+    settings = wb.config(wb.read_records(run_file))["settings"]
+    assert settings["variants"][0] == {"name": "b4-a1", "per_device_batch_size": 4}
+
+
+def test_what_a_library_prints_goes_to_the_log_however_it_prints(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+
+    from gpuscout.analysis.tracking import library_output_to
+
+    log = tmp_path / "run" / "tracking.log"
+    capfd.readouterr()
+    # When Python code, a raw write to the descriptors and a process started inside all print
+    with library_output_to(log):
+        print("python stdout")
+        print("python stderr", file=sys.stderr)
+        os.write(1, b"fd 1\n")
+        os.write(2, b"fd 2\n")
+        subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"],
+                       check=True)  # fmt: skip
+    print("after")
+    # Then all of it is in the log, and the terminal has only what came after
+    printed = capfd.readouterr()
+    assert (printed.out, printed.err) == ("after\n", "")
+    assert set(log.read_text().splitlines()) == {"python stdout", "python stderr", "fd 1", "fd 2", "child out",
+                                                 "child err"}  # fmt: skip
+    # and without a log nothing is redirected
+    with library_output_to(None):
+        print("shown")
+    assert capfd.readouterr().out == "shown\n"
