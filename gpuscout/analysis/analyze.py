@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
 
-from gpuscout.analysis import costs, intervals
+from gpuscout.analysis import costs, intervals, step_series
 from gpuscout.analysis.caveats import contention_note, incomplete_note, validation_note
 from gpuscout.analysis.costs import TimeBreakdown
 from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
@@ -41,6 +41,7 @@ from gpuscout.analysis.results import (
     SearchTargetOutcome,
     SearchTrial,
 )
+from gpuscout.analysis.step_series import downsample
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import detect
 from gpuscout.plan.search import SearchPlan
@@ -92,13 +93,6 @@ def _failure_text(job: JobRecord) -> str:
     words = _FAILURE_WORDS.get(job.status, f"did not finish (status {job.status.value})")
     reason = job.failure_reason or ((job.benchmark or {}).get("failure_reason"))
     return f"{words}: {reason}" if reason and job.status is not JobStatus.OOM else words
-
-
-def _downsample(points: Sequence[Any], limit: int) -> list[Any]:
-    if len(points) <= limit:
-        return list(points)
-    step = (len(points) - 1) / (limit - 1)
-    return [points[round(i * step)] for i in range(limit)]
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -249,11 +243,6 @@ def interval_problem(mean: float, ci: tuple[float, float] | None, timed_steps: i
     return None
 
 
-def _step_times(rep: _Rep) -> list[tuple[int, float]]:
-    timed = [(int(s["step"]), float(s["seconds"])) for s in rep.steps if s.get("timed", True)]
-    return _downsample(timed, LOSS_CURVE_POINTS)
-
-
 def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any]:
     """The stop rule's outcome over the repetitions: rule, reason, and for steady_state whether every repetition's
     within-run throughput interval reached the tolerance (the widest half-width counts)."""
@@ -369,6 +358,7 @@ def _measure_group(
         source=breakdowns[0][1],
     )
     dataset_tokens = reps[0].dataset_tokens
+    shown = next((r for r in reps if disturbed(r)), reps[0])  # the per-step charts' repetition: a disturbed one if any
     tokens_rate: float | None = mean_tps
     tokens_ci = ci
     if reps[0].unit == "samples":  # a job section's samples job: the rate and its interval are samples/s
@@ -405,8 +395,10 @@ def _measure_group(
         epoch_seconds=costs.epoch_seconds(dataset_tokens, tokens_rate) if dataset_tokens > 0 and tokens_rate else None,
         time_breakdown=breakdown,
         overhead_seconds=breakdown.overhead_seconds,
-        loss_curve=list(map(_LOSS_POINT, _downsample(reps[0].curve_points, LOSS_CURVE_POINTS))),  # for the charts
-        step_times=_step_times(next((r for r in reps if disturbed(r)), reps[0])),
+        loss_curve=list(map(_LOSS_POINT, downsample(reps[0].curve_points, LOSS_CURVE_POINTS))),  # for the charts
+        step_times=step_series.step_times(shown.steps),
+        step_rates=step_series.step_rates(shown.steps, shown.unit),
+        step_losses=step_series.step_losses(shown.curve_points),
     )
     if target_loss is not None:
         loss_requests.append((len(out), ([r.curve for r in reps], target_loss, tps)))

@@ -19,6 +19,7 @@ runner-up's; otherwise the summary says "no clear winner" and names both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,8 +127,15 @@ def duration_text(hours: float) -> str:
 
 
 def usd_text(value: float) -> str:
-    """Dollars with the digits that matter: cents from $1, four significant digits below ("$0.00" said nothing)."""
-    return f"${value:,.2f}" if abs(value) >= 1 else f"${value:.4g}"
+    """Dollars with the digits that matter: cents from $1, four significant digits below ("$0.00" said nothing),
+    never in scientific notation ("$2.171e-05" is not how anyone writes money)."""
+    if abs(value) >= 1 or value == 0:
+        return f"${value:,.2f}"
+    text = f"{value:.4g}"
+    if "e" in text:
+        digits = 3 - math.floor(math.log10(abs(value)))
+        text = f"{value:.{digits}f}"
+    return f"${text}"
 
 
 def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = False) -> Recommendation:

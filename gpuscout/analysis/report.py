@@ -1,38 +1,24 @@
-"""Report of a RunAnalysis: Markdown, self-contained HTML (charts inlined), JSON and PNG charts (matplotlib Agg).
+"""Report of a RunAnalysis: Markdown, self-contained HTML (charts inlined), JSON and PNG charts (report_charts.py).
 
-Charts use horizontal bars so labels stay readable with many targets x variants; at most MAX_BARS of them (best
-ranked first, then excluded ones) are drawn, and a chart says so when it leaves some out.
+Tables show a column only where some row has a value for it (no MFU column for a CPU run, no spot column where
+nothing has a spot price), and the price snapshot lists only the instance types the run measured.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure  # drawn without pyplot: no global state, the Agg canvas by default
-from matplotlib.ticker import FuncFormatter
-
+from gpuscout.analysis.recommend import duration_text, usd_text
+from gpuscout.analysis.report_charts import MAX_BARS, write_charts
 from gpuscout.analysis.results import JobAnalysis, RunAnalysis
+from gpuscout.analysis.settings_table import settings_table
+from gpuscout.domain.catalog import LOCAL
 from gpuscout.errors import GpuscoutError
 from gpuscout.plan.job_section import rate_text
-
-MAX_BARS = 40
-MAX_CURVES = 10
-DPI = 110
-ON_DEMAND_COLOUR = "#1f6fb4"
-SPOT_COLOUR = "#f28e2b"
-FRONT_COLOUR = "#d62728"
-PHASE_COLOURS = {
-    "provisioning": "#9c9c9c",
-    "image_pull": "#bab0ac",
-    "data_download": "#76b7b2",
-    "startup": "#edc948",
-    "training": "#59a14f",
-    "upload": "#b07aa1",
-}
 
 
 class ReportError(GpuscoutError):
@@ -45,9 +31,7 @@ def _num(value: float | None, digits: int = 0) -> str:
 
 
 def _usd(value: float | None) -> str:
-    if value is None:
-        return "–"
-    return f"${value:,.4f}" if abs(value) < 1 else f"${value:,.2f}"
+    return "–" if value is None else usd_text(value)
 
 
 def _pct(value: float | None) -> str:
@@ -68,7 +52,7 @@ def _tps(job: JobAnalysis) -> str:
 
 
 def _hours_usd(hours: float | None, usd: float | None) -> str:
-    return "–" if hours is None else f"{hours:,.2f} h / {_usd(usd)}"
+    return "–" if hours is None else f"{duration_text(hours)} / {_usd(usd)}"
 
 
 def _loss_target(job: JobAnalysis) -> str:
@@ -90,263 +74,50 @@ def _memory(allocated: float | None, reserved: float | None) -> str:
     return f"{text} ({reserved:.1f})" if allocated is not None and reserved is not None else text
 
 
-def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]]]:
-    target_col = (
-        f"to loss {analysis.constraints.target_loss:g}" if analysis.constraints.target_loss is not None else None
-    )
+# A ranked-table column: header, the cell of each job, right-aligned in HTML, shown even when no row has a value
+_Column = tuple[str, Any, bool, bool]
+EMPTY_CELLS = frozenset({"", "–", "-"})
+
+
+def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]], frozenset[int]]:
+    """The ranked table: header, rows and the numeric columns' indices; an optional column no row has a value for
+    (MFU on a CPU, spot on a local machine, memory without a GPU, an empty note) is left out."""
     unit = analysis.unit
-    header = [
-        "rank",
-        "instance / variant",
-        "reps",
-        f"{unit}/s ± 95 % CI",
-        "tokens/s per GPU",
-        "MFU",
-        f"$/1M {unit} on-demand",
-        f"$/1M {unit} spot",
-        "one epoch",
-        *([target_col] if target_col else []),
-        "benchmark billed",
-        "peak mem GB (reserved)",
-        "stop",
-        "Pareto",
-        "note",
-    ]
-    rows = []
-    for job in analysis.jobs:
-        rows.append(
-            [
-                str(job.rank) if job.rank is not None else "–",
-                job.label,
-                f"{job.repetitions}/{job.repetitions_planned}",
-                _tps(job),
-                _num(job.tokens_per_s_per_gpu),
-                _pct(job.mfu),
-                _usd(job.usd_per_million_samples if unit == "samples" else job.usd_per_million_tokens),
-                _usd(job.usd_per_million_samples_spot if unit == "samples" else job.usd_per_million_tokens_spot),
-                _hours_usd(job.epoch_hours, job.epoch_usd_spot if job.spot else job.epoch_usd),
-                *([_loss_target(job)] if target_col else []),
-                _usd(job.billed_usd),
-                _memory(job.peak_memory_gb, job.peak_reserved_gb),
-                ("⚠ " if job.tolerance_reached is False else "") + job.stop_text if job.rate is not None else "–",
-                "yes" if job.on_pareto_front else "",
-                ("⚠ " if job.disturbed or job.contention_note or job.validation_note else "") + job.measurement_note,
-            ]
-        )
-    return header, rows
+    target = analysis.constraints.target_loss
+    samples = unit == "samples"
+    columns: list[_Column] = [
+        ("rank", lambda j: str(j.rank) if j.rank is not None else "–", True, True),
+        ("instance / variant", lambda j: j.label, False, True),
+        ("reps", lambda j: f"{j.repetitions}/{j.repetitions_planned}", True, True),
+        (f"{unit}/s ± 95 % CI", _tps, True, True),
+        ("tokens/s per GPU", lambda j: _num(j.tokens_per_s_per_gpu), True, False),
+        ("MFU", lambda j: _pct(j.mfu), True, False),
+        (f"$/1M {unit} on-demand",
+         lambda j: _usd(j.usd_per_million_samples if samples else j.usd_per_million_tokens), True, True),
+        (f"$/1M {unit} spot",
+         lambda j: _usd(j.usd_per_million_samples_spot if samples else j.usd_per_million_tokens_spot), True, False),
+        ("one epoch", lambda j: _hours_usd(j.epoch_hours, j.epoch_usd_spot if j.spot else j.epoch_usd), True, True),
+        *([(f"to loss {target:g}", _loss_target, False, True)] if target is not None else []),
+        ("benchmark billed", lambda j: _usd(j.billed_usd), True, True),
+        ("peak mem GB (reserved)", lambda j: _memory(j.peak_memory_gb, j.peak_reserved_gb), True, False),
+        ("stop", lambda j: ("⚠ " if j.tolerance_reached is False else "") + j.stop_text if j.rate is not None else "–",
+         False, True),
+        ("Pareto", lambda j: "yes" if j.on_pareto_front else "", False, False),
+        ("note", lambda j: ("⚠ " if j.disturbed or j.contention_note or j.validation_note else "")
+         + j.measurement_note, False, False),
+    ]  # fmt: skip
+    cells = [[cell(job) for job in analysis.jobs] for _, cell, _, _ in columns]
+    kept = [i for i, (_, _, _, always) in enumerate(columns) if always or any(c not in EMPTY_CELLS for c in cells[i])]
+    header = [columns[i][0] for i in kept]
+    rows = [[cells[i][r] for i in kept] for r in range(len(analysis.jobs))]
+    return header, rows, frozenset(n for n, i in enumerate(kept) if columns[i][2])
 
 
-# -- charts -------------------------------------------------------------------------------------------------------
-def _bar_figure(count: int) -> tuple[Figure, Any]:
-    fig = Figure(figsize=(10, max(2.8, 0.36 * count + 1.6)), dpi=DPI, layout="constrained")
-    ax = fig.subplots()
-    return fig, ax
-
-
-def _finish(fig: Figure, ax: Any, title: str, left_out: int) -> None:
-    if left_out:
-        title += f"\n(best {MAX_BARS} shown; {left_out} more in the table)"
-    ax.set_title(title, fontsize=11)
-    ax.grid(axis="x", alpha=0.3)
-
-
-def _chart_tokens_per_s(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.tokens_per_s is not None][:MAX_BARS]
-    if not jobs:
-        return None
-    left_out = sum(1 for j in analysis.jobs if j.tokens_per_s is not None) - len(jobs)
-    jobs = jobs[::-1]  # best at the top
-    fig, ax = _bar_figure(len(jobs))
-    values = [j.tokens_per_s or 0.0 for j in jobs]
-    # a point estimate outside its own interval draws no whisker on that side (matplotlib rejects negative xerr)
-    errors = [
-        [max(0.0, v - (j.tokens_per_s_ci95 or (v, v))[0]) for v, j in zip(values, jobs, strict=True)],
-        [max(0.0, (j.tokens_per_s_ci95 or (v, v))[1] - v) for v, j in zip(values, jobs, strict=True)],
-    ]
-    ax.barh(range(len(jobs)), values, xerr=errors, color=ON_DEMAND_COLOUR, capsize=3, error_kw={"elinewidth": 1})
-    ax.set_yticks(range(len(jobs)), [j.label for j in jobs], fontsize=9)
-    ax.set_xlabel("training throughput (non-padding tokens/s, all GPUs; bars: 95 % CI)")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    _finish(fig, ax, "Throughput per instance / variant", left_out)
-    return fig
-
-
-def _chart_cost(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.usd_per_million_tokens is not None][:MAX_BARS]
-    if not jobs:
-        return None
-    left_out = sum(1 for j in analysis.jobs if j.usd_per_million_tokens is not None) - len(jobs)
-    jobs = jobs[::-1]
-    fig, ax = _bar_figure(len(jobs))
-    ys = list(range(len(jobs)))
-    height = 0.38
-    ax.barh([y + height / 2 for y in ys], [j.usd_per_million_tokens or 0 for j in jobs], height, label="on-demand")
-    ax.barh(
-        [y - height / 2 for y in ys],
-        [j.usd_per_million_tokens_spot or 0 for j in jobs],
-        height,
-        color=SPOT_COLOUR,
-        label="spot (see price assumptions)",
-    )
-    for y, j in zip(ys, jobs, strict=True):
-        for value, offset in ((j.usd_per_million_tokens, height / 2), (j.usd_per_million_tokens_spot, -height / 2)):
-            ax.text(value or 0, y + offset, f" {_usd(value)}", va="center", fontsize=7)
-    ax.set_yticks(ys, [j.label for j in jobs], fontsize=9)
-    ax.set_xlabel("cost per 1M training tokens (USD)")
-    fig.legend(loc="outside lower center", ncols=2, fontsize=9)
-    ax.margins(x=0.15)
-    _finish(fig, ax, "Cost per 1M tokens, on-demand and spot", left_out)
-    return fig
-
-
-def _curve_jobs(analysis: RunAnalysis) -> list[JobAnalysis]:
-    return [j for j in analysis.jobs if j.loss_curve][:MAX_CURVES]
-
-
-def _chart_loss(analysis: RunAnalysis, *, dollars: bool) -> Figure | None:
-    jobs = _curve_jobs(analysis)
-    if not jobs or (dollars and all(j.effective_usd_per_hour is None for j in jobs)):
-        return None
-    fig = Figure(figsize=(10, 5.2), dpi=DPI, layout="constrained")
-    ax = fig.subplots()
-    for job in jobs:
-        rate = job.effective_usd_per_hour
-        if dollars and rate is None:
-            continue
-        xs = [
-            elapsed / 3600 * (rate or 0.0) * job.instance_count if dollars else elapsed / 60
-            for _, elapsed, _ in job.loss_curve
-        ]
-        ax.plot(xs, [loss for _, _, loss in job.loss_curve], label=job.label, linewidth=1.4)
-    if analysis.constraints.target_loss is not None:
-        ax.axhline(analysis.constraints.target_loss, color="black", linestyle="--", linewidth=1, label="target loss")
-    ax.set_xscale("log")
-    ax.set_xlabel(
-        "training cost so far (USD, price the target pays, log scale)"
-        if dollars
-        else "training time (minutes, log scale; overheads excluded)"
-    )
-    ax.set_ylabel("train loss (cross-entropy, nats/token)")
-    ax.grid(alpha=0.3, which="both")
-    left_out = sum(1 for j in analysis.jobs if j.loss_curve) - len(jobs)
-    title = "Train loss against cost" if dollars else "Train loss against time"
-    if left_out:
-        title += f" (best {MAX_CURVES} shown)"
-    ax.set_title(title + " (first repetition of each)", fontsize=11)
-    ax.legend(fontsize=8, loc="upper right")
-    return fig
-
-
-def _chart_step_times(analysis: RunAnalysis) -> Figure | None:
-    """Each job's timed steps against their step number: a disturbed measurement shows as a slow phase or a scatter
-    of slow steps (drawn in red, and named so in the legend)."""
-    jobs = [j for j in analysis.jobs if j.step_times][:MAX_CURVES]
-    if not jobs:
-        return None
-    fig = Figure(figsize=(10, 4.6), dpi=DPI, layout="constrained")
-    ax = fig.subplots()
-    for job in jobs:
-        steps = [step for step, _ in job.step_times]
-        millis = [1000 * seconds for _, seconds in job.step_times]
-        if job.disturbed:
-            ax.plot(steps, millis, color=FRONT_COLOUR, marker="x", linewidth=1.4, label=f"{job.label} (disturbed)")
-        else:
-            ax.plot(steps, millis, marker=".", linewidth=1.0, label=job.label)
-    ax.set_xlabel("optimizer step (timed steps only; warm-up excluded)")
-    ax.set_ylabel("step time (ms)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    left_out = sum(1 for j in analysis.jobs if j.step_times) - len(jobs)
-    title = "Step times: one speed, or disturbed?" + (f" (best {MAX_CURVES} shown)" if left_out else "")
-    ax.set_title(title, fontsize=11)
-    ax.legend(fontsize=8, loc="upper right")
-    return fig
-
-
-def _chart_pareto(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.tokens_per_s is not None and j.effective_usd_per_million_tokens is not None]
-    if not jobs:
-        return None
-    fig = Figure(figsize=(10, 6), dpi=DPI, layout="constrained")
-    ax = fig.subplots()
-    off = [j for j in jobs if not j.on_pareto_front]
-    front = sorted((j for j in jobs if j.on_pareto_front), key=lambda j: j.effective_usd_per_million_tokens or 0)
-    ax.scatter(
-        [j.effective_usd_per_million_tokens or 0.0 for j in off],
-        [j.tokens_per_s or 0.0 for j in off],
-        color="#7f7f7f",
-        label="dominated",
-        zorder=2,
-    )
-    ax.plot(
-        [j.effective_usd_per_million_tokens or 0.0 for j in front],
-        [j.tokens_per_s or 0.0 for j in front],
-        "-o",
-        color=FRONT_COLOUR,
-        label="Pareto front",
-        zorder=3,
-    )
-    labelled = front if len(jobs) > MAX_BARS else jobs
-    for j in labelled:
-        ax.annotate(
-            j.label,
-            (j.effective_usd_per_million_tokens or 0, j.tokens_per_s or 0),
-            textcoords="offset points",
-            xytext=(6, 4),
-            fontsize=8,
-        )
-    spread = max(j.tokens_per_s or 1 for j in jobs) / max(min(j.tokens_per_s or 1 for j in jobs), 1e-9)
-    if spread > 20:
-        ax.set_yscale("log")
-    ax.set_xlabel("cost per 1M tokens (USD, price the target pays) — lower is better")
-    ax.set_ylabel("throughput (tokens/s" + (", log scale" if spread > 20 else "") + ") — higher is better")
-    ax.set_title("Speed against cost: the Pareto front (nothing is both faster and cheaper)", fontsize=11)
-    ax.grid(alpha=0.3, which="both")
-    ax.margins(x=0.25, y=0.1)
-    ax.legend(fontsize=9)
-    return fig
-
-
-def _chart_time_breakdown(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.time_breakdown is not None][:MAX_BARS]
-    if not jobs:
-        return None
-    left_out = sum(1 for j in analysis.jobs if j.time_breakdown is not None) - len(jobs)
-    jobs = jobs[::-1]
-    fig, ax = _bar_figure(len(jobs))
-    lefts = [0.0] * len(jobs)
-    for phase, colour in PHASE_COLOURS.items():
-        widths = [getattr(j.time_breakdown, phase) / 60 for j in jobs]
-        ax.barh(range(len(jobs)), widths, left=lefts, color=colour, label=phase.replace("_", " "))
-        lefts = [a + b for a, b in zip(lefts, widths, strict=True)]
-    ax.set_yticks(range(len(jobs)), [j.label for j in jobs], fontsize=9)
-    ax.set_xlabel("time per benchmark job (minutes, mean over repetitions)")
-    fig.legend(fontsize=8, loc="outside lower center", ncols=6)
-    _finish(fig, ax, "Where the benchmark time went: overheads against training", left_out)
-    return fig
-
-
-CHARTS: dict[str, tuple[str, Callable[[RunAnalysis], Figure | None]]] = {
-    "tokens_per_s.png": ("Throughput", _chart_tokens_per_s),
-    "cost_per_million_tokens.png": ("Cost per 1M tokens", _chart_cost),
-    "loss_vs_time.png": ("Loss against time", lambda a: _chart_loss(a, dollars=False)),
-    "loss_vs_cost.png": ("Loss against cost", lambda a: _chart_loss(a, dollars=True)),
-    "pareto.png": ("Pareto front", _chart_pareto),
-    "time_breakdown.png": ("Time breakdown", _chart_time_breakdown),
-    "step_times.png": ("Step times", _chart_step_times),
-}
-
-
-def write_charts(analysis: RunAnalysis, out_dir: Path) -> list[tuple[str, Path]]:
-    written = []
-    for name, (title, make) in CHARTS.items():
-        fig = make(analysis)
-        if fig is None:
-            continue
-        path = out_dir / name
-        fig.savefig(path)
-        written.append((title, path))
-    return written
+def _filled(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[list[str], list[list[str]]]:
+    """The table without the columns (after the first) that no row has a value in (GPUs and CUDA on a CPU run, the
+    time to a target loss without one)."""
+    kept = [i for i in range(len(header)) if i == 0 or any(row[i] not in EMPTY_CELLS for row in rows)]
+    return [header[i] for i in kept], [[row[i] for i in kept] for row in rows]
 
 
 # -- documents ----------------------------------------------------------------------------------------------------
@@ -385,19 +156,21 @@ def _constraints_text(analysis: RunAnalysis) -> list[str]:
 
 def _sections(analysis: RunAnalysis) -> dict[str, Any]:
     prices = analysis.price_snapshot.prices
+    measured = {j.instance_type for j in analysis.jobs}
     return {
         "prices_header": ["instance", "on-demand $/h", "spot $/h", "on-demand source", "spot source", "date", "region"],
         "prices_rows": [
             [
                 p.instance_type,
                 _usd(p.on_demand_usd_per_hour),
-                _usd(p.spot_usd_per_hour),
+                "–" if p.instance_type == LOCAL else _usd(p.spot_usd_per_hour),
                 p.on_demand_source,
-                p.spot_source,
+                "a local machine has no spot price" if p.instance_type == LOCAL else p.spot_source,
                 p.date or "–",
                 p.region or "–",
             ]
             for p in prices.values()
+            if p.instance_type in measured  # the snapshot holds the catalog's types; the run's are the ones read
         ],
         "excluded_header": ["instance / variant", "reason"],
         "excluded_rows": [[j.label, j.excluded_reason or ""] for j in analysis.jobs if j.excluded_reason],
@@ -491,7 +264,8 @@ def banners(analysis: RunAnalysis) -> list[str]:
 
 
 def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, note: str | None = None) -> str:
-    header, rows = _table_rows(analysis)
+    header, rows, _ = _table_rows(analysis)
+    settings_header, settings_rows, common = settings_table(analysis.jobs)
     s = _sections(analysis)
     parts = [f"# gpuscout report: {analysis.run_name or analysis.run_id}", ""]
     if note:
@@ -510,6 +284,10 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         _md_table(header, rows),
         "",
     ]
+    if settings_rows or common:
+        parts += ["## Settings of each variant", ""]
+        parts += [_md_table(settings_header, settings_rows), ""] if settings_rows else []
+        parts += [f"{'Common to all' if settings_rows else 'Settings'}: {common}", ""] if common else []
     if s["excluded_rows"]:
         parts += ["## Excluded", "", _md_table(s["excluded_header"], s["excluded_rows"]), ""]
     if analysis.search is not None:
@@ -520,8 +298,8 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         parts += ["## Charts", ""]
         parts += [f"![{title}]({path.name})\n" for title, path in charts]
     if analysis.machines:
-        parts += ["## Machines", "", _md_table(MACHINE_HEADER, _machine_rows(analysis)), ""]
-    parts += ["## How the numbers were obtained", "", _md_table(s["method_header"], s["method_rows"]), ""]
+        parts += ["## Machines", "", _md_table(*_filled(MACHINE_HEADER, _machine_rows(analysis))), ""]
+    parts += ["## How the numbers were obtained", "", _md_table(*_filled(s["method_header"], s["method_rows"])), ""]
     parts += ["## Prices used (snapshot)", "", _md_table(s["prices_header"], s["prices_rows"]), ""]
     parts += ["## Assumptions", ""] + [f"- {a}" for a in analysis.assumptions] + [""]
     return "\n".join(parts)
@@ -556,7 +334,8 @@ def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: f
 
 
 def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, note: str | None = None) -> str:
-    header, rows = _table_rows(analysis)
+    header, rows, numeric = _table_rows(analysis)
+    settings_header, settings_rows, common = settings_table(analysis.jobs)
     s = _sections(analysis)
     esc = html.escape
     rec_class = "rec" if analysis.recommendation.clear_winner else "rec unclear"
@@ -575,7 +354,11 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
     )
     out.extend(f"<p class='note'><strong>{esc(banner)}</strong></p>" for banner in banners(analysis))
     out.append(f"<h2>Recommendation</h2><p class='{rec_class}'>{esc(analysis.recommendation.summary)}</p>")
-    out.append("<h2>Ranked results</h2>" + _html_table(header, rows, frozenset({0, 2, 3, 4, 5, 6, 7, 8})))
+    out.append("<h2>Ranked results</h2>" + _html_table(header, rows, numeric))
+    if settings_rows or common:
+        out.append("<h2>Settings of each variant</h2>")
+        out.append(_html_table(settings_header, settings_rows) if settings_rows else "")
+        out.append(f"<p>{'Common to all' if settings_rows else 'Settings'}: {esc(common)}</p>" if common else "")
     if s["excluded_rows"]:
         out.append("<h2>Excluded</h2>" + _html_table(s["excluded_header"], s["excluded_rows"]))
     if analysis.search is not None:
@@ -588,8 +371,8 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
             data = base64.b64encode(path.read_bytes()).decode("ascii")
             out.append(f"<img alt='{esc(title)}' src='data:image/png;base64,{data}'>")
     if analysis.machines:
-        out.append("<h2>Machines</h2>" + _html_table(MACHINE_HEADER, _machine_rows(analysis)))
-    out.append("<h2>How the numbers were obtained</h2>" + _html_table(s["method_header"], s["method_rows"]))
+        out.append("<h2>Machines</h2>" + _html_table(*_filled(MACHINE_HEADER, _machine_rows(analysis))))
+    out.append("<h2>How the numbers were obtained</h2>" + _html_table(*_filled(s["method_header"], s["method_rows"])))
     out.append("<h2>Prices used (snapshot)</h2>" + _html_table(s["prices_header"], s["prices_rows"], frozenset({1, 2})))
     out.append("<h2>Assumptions</h2><ul>" + "".join(f"<li>{esc(a)}</li>" for a in analysis.assumptions) + "</ul>")
     out.append("</body></html>")

@@ -114,6 +114,9 @@ class JobAnalysis(BaseModel):
     loss_curve: list[tuple[float, float, float]] = Field(default_factory=list)  # (tokens, elapsed s, train loss)
     # (step, seconds) of the timed steps of the repetition the per-step chart shows (a disturbed one if any)
     step_times: list[tuple[int, float]] = Field(default_factory=list)
+    # the same repetition's every step (warm-up included): (step, its own rate in ``unit``/s, timed), (step, loss)
+    step_rates: list[tuple[int, float, bool]] = Field(default_factory=list)
+    step_losses: list[tuple[int, float]] = Field(default_factory=list)
     # decision
     excluded_reason: str | None = None
     rank: int | None = None

@@ -123,6 +123,6 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     report_dir = tmp_path / "runs" / run.run_id / "report"
     report = (report_dir / "report.md").read_text()
     assert "| note |" in report and "⚠ 2 of 2 repetitions: disturbed measurement" in report
-    assert "left out of the figures: " in report and (report_dir / "step_times.png").is_file()
+    assert "left out of the figures: " in report and (report_dir / "step_rates.png").is_file()
     assert "⚠ 2 of 2 repetitions: disturbed measurement" in (report_dir / "report.html").read_text()
     assert json.loads((report_dir / "report.json").read_text())["jobs"][0]["disturbed"] is True

@@ -133,6 +133,19 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert "n/a (CPU)" in printed
     assert "Recommendation" in printed
 
+    # The report of a CPU run: what a reader asks first, and nothing a CPU run has no data for
+    report_dir = run_dir / "report"
+    markdown = (report_dir / "report.md").read_text()
+    ranked_header = markdown.split("## Ranked results", 1)[1].strip().splitlines()[0]
+    for absent in ("MFU", "spot", "per GPU", "peak mem"):
+        assert absent not in ranked_header, ranked_header  # every row would say "–"
+    assert "| local / b2-a2 | 2 | 2 |" in markdown and "| local / b4-a1 | 4 | 1 |" in markdown  # the settings
+    assert "## Settings of each variant" in markdown and "micro-batch | accumulation" in markdown
+    prices = markdown.split("## Prices used (snapshot)", 1)[1].split("## Assumptions", 1)[0]
+    assert "ml." not in prices and "| local |" in prices  # only the instance types the run measured
+    assert {"step_rates.png", "loss_per_step.png"} <= {p.name for p in report_dir.glob("*.png")}
+    assert "0.00 h" not in markdown and "e-0" not in markdown  # seconds in seconds, dollars without exponents
+
     # Read back through the CLI, as a user would afterwards.
     runner = CliRunner(env={"COLUMNS": "200"})  # xdist workers set COLUMNS=80
     listed = runner.invoke(cli.app, ["runs", "--db", str(db)])

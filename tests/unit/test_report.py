@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from example_run import load_example_run
 from matplotlib.container import ErrorbarContainer
 
-from gpuscout.analysis import report
+from gpuscout.analysis import report, report_charts
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.results import RunAnalysis
 
@@ -48,6 +49,7 @@ def test_every_file_is_written(written: dict[str, Any]) -> None:
             "loss_vs_cost.png",
             "pareto.png",
             "time_breakdown.png",
+            "loss_per_step.png",  # the fixtures' benchmark.json files predate steps[]: no per-step throughput chart
         ]
     )
     for chart in written["charts"]:
@@ -101,22 +103,27 @@ def test_many_jobs_stay_readable(analysis: RunAnalysis) -> None:
         for i, j in enumerate(ranked * 10)
     ]
     big = analysis.model_copy(update={"jobs": many})
-    fig = report._chart_tokens_per_s(big)
+    fig = report_charts._chart_tokens_per_s(big)
     assert fig is not None
     ax = fig.axes[0]
-    assert len(ax.get_yticklabels()) == report.MAX_BARS
-    assert f"best {report.MAX_BARS} shown; {len(many) - report.MAX_BARS} more in the table" in ax.get_title()
-    assert fig.get_figheight() >= 0.36 * report.MAX_BARS  # a bar height per label, not squeezed
+    assert len(ax.get_yticklabels()) == report_charts.MAX_BARS
+    assert (
+        f"best {report_charts.MAX_BARS} shown; {len(many) - report_charts.MAX_BARS} more in the table" in ax.get_title()
+    )
+    assert fig.get_figheight() >= 0.36 * report_charts.MAX_BARS  # a bar height per label, not squeezed
     assert ax.get_xlabel().startswith("training throughput (non-padding tokens/s")
 
 
 def test_charts_label_axes_with_units(analysis: RunAnalysis) -> None:
-    for name, (_, make) in report.CHARTS.items():
-        if name == "step_times.png":  # the fixture's benchmark.json files predate steps[]: give each job some
-            jobs = [j.model_copy(update={"step_times": [(s, 0.1) for s in range(4, 20)]}) for j in analysis.jobs]
+    for name, (_, make) in report_charts.CHARTS.items():
+        if name == "step_rates.png":  # the fixture's benchmark.json files predate steps[]: give each job some
+            rates = [(s, 1000.0 * (1 + (s > 3)), s > 3) for s in range(1, 20)]
+            jobs = [j.model_copy(update={"step_rates": rates}) for j in analysis.jobs]
             fig = make(analysis.model_copy(update={"jobs": jobs}))
-            assert fig is not None and fig.axes[0].get_ylabel() == "step time (ms)"
-            assert fig.axes[0].get_xlabel().startswith("optimizer step (timed steps only")
+            assert fig is not None and fig.axes[0].get_ylabel() == "that step's tokens/s"
+            assert fig.axes[0].get_xlabel() == "optimizer step"
+            legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+            assert legend.count("warm-up step (not measured)") == 1
             continue
         fig = make(analysis)
         assert fig is not None, name
@@ -124,7 +131,9 @@ def test_charts_label_axes_with_units(analysis: RunAnalysis) -> None:
         assert ax.get_xlabel(), name
         assert ax.get_title(), name
         # every x axis states its unit in brackets; y axes too where they carry numbers
-        assert re.search(r"\((non-padding tokens/s|USD|minutes|cost per|training cost)", ax.get_xlabel()), name
+        assert re.search(r"\((non-padding tokens/s|USD|minutes|cost per|training cost|a step is|seconds|hours)", ax.get_xlabel()), (
+            name
+        )
         if name.startswith("loss"):
             assert ax.get_ylabel() == "train loss (cross-entropy, nats/token)"
         if name == "pareto.png":
@@ -167,7 +176,7 @@ def test_estimate_outside_its_interval_does_not_crash(analysis: RunAnalysis, tmp
         ranked[1].model_copy(update={"tokens_per_s": 1000.0, "tokens_per_s_ci95": (800.0, 900.0)}),
     )
     odd = analysis.model_copy(update={"jobs": [above, below]})
-    fig = report._chart_tokens_per_s(odd)
+    fig = report_charts._chart_tokens_per_s(odd)
     assert fig is not None
     (whiskers,) = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
     lows, highs = [], []
@@ -220,3 +229,60 @@ def test_the_report_says_what_the_numbers_were_measured_on(written: dict[str, An
     )
     assert "12.4 / 550.127.05" in section
     assert "<h2>Machines</h2>" in written["html"].read_text()
+
+
+def test_a_local_run_has_no_spot_bars_no_empty_phases_and_no_prices_it_did_not_use(analysis: RunAnalysis) -> None:
+    """Item 7: legends and price rows only where the run has data for them."""
+    from gpuscout.analysis.costs import TimeBreakdown
+
+    first = analysis.jobs[0]
+    local = first.model_copy(
+        update={"instance_type": "local", "usd_per_million_tokens_spot": None, "spot_usd_per_hour": None,
+                "time_breakdown": TimeBreakdown(startup=5.0, training=60.0, source="wall time")}
+    )  # fmt: skip
+    run = analysis.model_copy(update={"jobs": [local]})
+    cost = report_charts._chart_cost(run)
+    assert cost is not None and not cost.legends and "spot" not in cost.axes[0].get_title()
+    breakdown = report_charts._chart_time_breakdown(run)
+    assert breakdown is not None
+    (legend,) = breakdown.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["startup", "training"]
+    markdown = report.render_markdown(run, [])
+    prices = markdown.split("## Prices used (snapshot)", 1)[1].split("## Assumptions", 1)[0]
+    assert "ml." not in prices
+    # the fixture's own runs keep their spot bars and every type they measured
+    full = report_charts._chart_cost(analysis)
+    assert full is not None and [t.get_text() for t in full.legends[0].get_texts()][1].startswith("spot")
+    full_prices = report.render_markdown(analysis, []).split("## Prices used (snapshot)", 1)[1]
+    assert {j.instance_type for j in analysis.jobs} == {
+        t for t in analysis.price_snapshot.prices if f"| {t} |" in full_prices
+    }
+
+
+def test_the_settings_table_shows_what_differs_and_says_what_is_shared(analysis: RunAnalysis) -> None:
+    from gpuscout.analysis.settings_table import settings_table
+
+    def key(batch: int, hyper: dict[str, str]) -> str:
+        hps = {"per_device_train_batch_size": str(batch), "learning_rate": "0.001", "canary_layers": "0",
+               "ci_tolerance": "0.02", "stop_rule": "fixed", "job_name": "x", **hyper}  # fmt: skip
+        return json.dumps(["local", 1, False, "fp32", None, hps])
+
+    a, b, c = (analysis.jobs[i].model_copy(update={"variant_name": n}) for i, n in enumerate(("a", "b", "c")))
+    a = a.model_copy(update={"settings_key": key(4, {})})
+    b = b.model_copy(update={"settings_key": key(8, {"packing": "false"})})
+    c = c.model_copy(update={"settings_key": None})  # never ran: no settings known, no row
+    header, rows, common = settings_table([a, b, c])
+    assert header == ["instance / variant", "micro-batch", "packing"]
+    assert rows == [[a.label, "4", "–"], [b.label, "8", "false"]]
+    assert common == "instances 1; spot no; precision fp32; learning rate 0.001; stop rule fixed"  # no internals
+    # one variant: nothing differs, so no table, only the line
+    assert settings_table([a]) == ([], [], "instances 1; spot no; micro-batch 4; precision fp32; learning rate 0.001; "
+                                           "stop rule fixed")  # fmt: skip
+
+
+def test_money_is_never_written_in_scientific_notation() -> None:
+    from gpuscout.analysis.recommend import usd_text
+
+    assert [usd_text(v) for v in (2.171e-05, 0.0008501, 0.5, 1234.5, 0.0)] == [
+        "$0.00002171", "$0.0008501", "$0.5", "$1,234.50", "$0.00"
+    ]  # fmt: skip
