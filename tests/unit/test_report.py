@@ -131,9 +131,8 @@ def test_charts_label_axes_with_units(analysis: RunAnalysis) -> None:
         assert ax.get_xlabel(), name
         assert ax.get_title(), name
         # every x axis states its unit in brackets; y axes too where they carry numbers
-        assert re.search(r"\((non-padding tokens/s|USD|minutes|cost per|training cost|a step is|seconds|hours)", ax.get_xlabel()), (
-            name
-        )
+        units = r"\((non-padding tokens/s|USD|minutes|cost per|training cost|a step is|seconds|hours)"
+        assert re.search(units, ax.get_xlabel()), name
         if name.startswith("loss"):
             assert ax.get_ylabel() == "train loss (cross-entropy, nats/token)"
         if name == "pareto.png":
