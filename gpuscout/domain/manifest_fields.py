@@ -7,9 +7,10 @@ May import: gpuscout.domain.catalog, gpuscout.errors, pydantic."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.errors import Problem
@@ -22,8 +23,30 @@ Slug = Annotated[str, Field(pattern=SLUG_RE, description="1-40 lowercase letters
 Precision = Literal["bf16", "fp16", "fp32"]
 
 
+def _whole_number_field(annotation: Any) -> bool:
+    """An int field (``int``, ``int | None``, ``Annotated[int, ...]``) that takes no text."""
+    if get_origin(annotation) is Annotated:
+        return _whole_number_field(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = get_args(annotation)
+        return str not in members and any(_whole_number_field(m) for m in members)
+    return annotation is int
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_text(cls, value: Any, info: ValidationInfo) -> Any:
+        """A whole number written as text (``max_steps: "12"``) is refused rather than read as 12: quotes in YAML
+        mean text, and a manifest that says something else than it means is a mistake worth naming. (Decimal
+        fields stay lenient: YAML reads ``1e-3`` as text, and writing it so is common.)"""
+        if isinstance(value, str) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _whole_number_field(field.annotation):
+                raise ValueError(f"a whole number, not the text {value!r} (remove the quotes)")
+        return value
 
 
 class ManifestProblemsError(ValueError):

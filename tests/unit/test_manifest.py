@@ -198,3 +198,20 @@ def test_a_relative_dataset_source_resolves_against_the_manifest_folder(tmp_path
         load_manifest(project / "m.yaml")
     assert "dataset.source: data/missing.jsonl: no such file or folder" in str(err.value)
     assert f"resolved against the manifest's folder {project}" in str(err.value)
+
+
+def test_a_whole_number_written_as_text_is_refused_and_a_decimal_in_yaml_exponent_form_is_not():
+    # Given max_steps and a micro-batch quoted (text in YAML), and a learning rate YAML 1.1 reads as text (1e-3)
+    data = base()
+    data["training"]["max_steps"] = "12"
+    data["variants"][0]["per_device_batch_size"] = "4"
+    data["training"]["learning_rate"] = "1e-3"
+    found = problems(data)
+    # Then both whole numbers are named, with what to do, and nothing else is
+    assert found == {
+        "training.max_steps": "a whole number, not the text '12' (remove the quotes)",
+        "variants[0].per_device_batch_size": "a whole number, not the text '4' (remove the quotes)",
+    }
+    del data["training"]["max_steps"], data["variants"][0]["per_device_batch_size"]
+    data["training"]["max_steps"] = 12
+    assert parse_manifest(json.dumps(data), "m.json", CATALOG).training.learning_rate == pytest.approx(1e-3)
