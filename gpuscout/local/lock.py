@@ -1,4 +1,6 @@
-"""One ``gpuscout local`` at a time per runs folder: two benchmarks on one machine measure each other.
+"""One ``gpuscout local`` at a time per runs folder: two benchmarks on one machine measure each other. The lock is
+per runs folder, not per machine, and says so: a run with another ``--runs-dir`` is not refused; the contention
+monitor (contention.py) flags the measurements such a run disturbs.
 
 An advisory ``fcntl`` lock on ``<runs_dir>/.gpuscout-local.lock``; the file says who holds it (host, pid, run id,
 since when) so the refusal can name the holder. The kernel drops the lock when its process ends, however it ends,
@@ -40,8 +42,10 @@ class RunsFolderLock:
             holder = _holder(handle.read())
             handle.close()
             raise RunsFolderBusyError(
-                f"another gpuscout local is running in {self.path.parent} ({holder}); two benchmarks on one machine "
-                "measure each other: wait for it, or pass --allow-concurrent to run both anyway"
+                f"another gpuscout local is running with the runs folder {self.path.parent} ({holder}); two "
+                "benchmarks on one machine measure each other: wait for it, or pass --allow-concurrent to run both "
+                "anyway (this lock is per runs folder: a run with another --runs-dir is not refused, its "
+                "measurements are flagged as contended instead)"
             ) from None
         handle.seek(0)
         handle.truncate()

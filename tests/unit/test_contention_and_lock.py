@@ -93,6 +93,12 @@ def test_one_run_per_runs_folder_names_the_holder(tmp_path: Path) -> None:
             RunsFolderLock(tmp_path, run_id="run-b", host="box").__enter__()
         message = str(refused.value)
         assert "run run-a" in message and f"pid {holder.pid} on box" in message and "--allow-concurrent" in message
+        assert "this lock is per runs folder" in message  # not a promise that the machine has one benchmark at a time
+        # and a run with another runs folder is not refused (the contention monitor flags what it disturbs)
+        other = tmp_path / "other"
+        other.mkdir()
+        with RunsFolderLock(other, run_id="run-d", host="box"):
+            pass
     finally:
         holder.kill()
         holder.wait()
