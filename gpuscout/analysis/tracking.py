@@ -181,7 +181,9 @@ def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
     with ranked_csv.open("w", newline="", encoding="utf-8") as out:
         writer = csv.DictWriter(out, fieldnames=RANKED_COLUMNS)
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(
+            {k: ("true" if v else "false") if isinstance(v, bool) else v for k, v in row.items()} for row in rows
+        )
     full = folder / "analysis.json"
     full.write_text(json.dumps(analysis, indent=2, default=str) + "\n", encoding="utf-8")
     return [ranked_json, ranked_csv, full]

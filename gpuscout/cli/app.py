@@ -445,7 +445,8 @@ def results(
 
 
 def _write_csv(rows: list[dict[str, Any]], *, fields: list[str]) -> None:
-    """``rows`` as CSV on stdout, a header line first (lists and dicts as JSON, None as empty)."""
+    """``rows`` as CSV on stdout, a header line first (booleans, lists and dicts as JSON spells them, None as
+    empty)."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
@@ -455,6 +456,9 @@ def _write_csv(rows: list[dict[str, Any]], *, fields: list[str]) -> None:
 
 
 def _csv_value(value: object) -> object:
+    """A cell as ``--format json`` spells it: true/false (not Python's True/False), lists and dicts as JSON."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, list | tuple | dict):
         return json.dumps(value)
     return "" if value is None else value

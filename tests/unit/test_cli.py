@@ -339,6 +339,7 @@ def test_results_csv(db: Path) -> None:
     assert [r["variant"] for r in rows] == ["b8-a2", "b2-a8", "b8-a2-nopack"]
     assert float(rows[0]["tokens_per_s"]) == pytest.approx(9000.0)
     assert rows[2]["tokens_per_s"] == ""
+    assert {r["spot"] for r in rows} == {"false"}  # as --format json spells it, not Python's "False"
 
 
 def test_results_reprice_keeps_the_manifest_price(db: Path) -> None:
