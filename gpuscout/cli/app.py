@@ -190,7 +190,7 @@ def plan(
 
     catalog = load_catalog()
     manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
-    console.print(plan_table(the_plan))
+    console.print(plan_table(the_plan, for_run=False))
     if the_plan.search is not None:
         for line in describe_plan(the_plan.search):
             console.print(line, markup=False, soft_wrap=True)

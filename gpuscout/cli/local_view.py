@@ -27,10 +27,13 @@ def _fmt_duration(seconds: float | None) -> str:
     return "-" if seconds is None else seconds_text(seconds)
 
 
-def plan_table(the_plan: Any) -> Table:
-    """The job matrix of a plan with predicted throughput, time and cost, and the total."""
+def plan_table(the_plan: Any, *, for_run: bool = True) -> Table:
+    """The job matrix of a plan with predicted throughput, time and cost, and the total (a search's: at most
+    max_trials of its candidates run). ``for_run``: the plan of a run that starts now (its id in the title); else
+    ``gpuscout plan``'s preview, whose ids are drawn again by the run."""
     jobs: list[JobSpec] = list(the_plan.jobs)
-    table = Table(title=f"Plan for run {the_plan.run_id}", title_justify="left")
+    title = f"Plan for run {the_plan.run_id}" if for_run else "Plan (a run draws its own run id and job names)"
+    table = Table(title=title, title_justify="left")
     table.add_column("job", overflow="fold")
     table.add_column("instance", overflow="fold")
     table.add_column("variant", overflow="fold")
@@ -51,10 +54,15 @@ def plan_table(the_plan: Any) -> Table:
             _fmt_duration(p.training_seconds + p.overhead_seconds),
             f"{p.cost_usd:,.4f}",
         )
-    total_s = sum(s.prediction.training_seconds + s.prediction.overhead_seconds for s in jobs)
     table.add_section()
+    total_s = the_plan.predicted_sequential_seconds
+    if the_plan.search is None:
+        label, at_most = f"total ({len(jobs)} jobs)", ""
+    else:
+        trials = sum(min(t.max_trials, len(t.candidates)) for t in the_plan.search.targets)
+        label, at_most = f"total: at most {trials} of these {len(jobs)} candidates run", "≤ "
     table.add_row(
-        f"total ({len(jobs)} jobs)", "", "", "", "", _fmt_duration(total_s), f"{the_plan.predicted_cost_usd:,.4f}"
+        label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}"
     )
     return table
 

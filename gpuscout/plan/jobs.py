@@ -66,6 +66,20 @@ class Plan(BaseModel):
         return min(total, self.search.max_cost_usd + overshoot)
 
     @property
+    def predicted_sequential_seconds(self) -> float:
+        """The jobs run one after another (as ``gpuscout local`` runs them): every job's time; for a search, at
+        most each target's ``max_trials`` longest candidates (only that many trials are launched)."""
+        seconds = {id(j): j.prediction.training_seconds + j.prediction.overhead_seconds for j in self.jobs}
+        if self.search is None:
+            return sum(seconds.values())
+        total = 0.0
+        for target in self.search.targets:
+            of_target = sorted((seconds[id(j)] for j in self.jobs if j.target_index == target.target_index),
+                               reverse=True)  # fmt: skip
+            total += sum(of_target[: target.max_trials])
+        return total
+
+    @property
     def predicted_seconds(self) -> float:
         """Longest single job (jobs run in parallel in the cloud)."""
         return max((j.prediction.training_seconds + j.prediction.overhead_seconds for j in self.jobs), default=0.0)

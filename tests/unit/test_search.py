@@ -266,3 +266,24 @@ def test_parallel_trials_are_counted_in_the_budget_before_launch() -> None:
     assert one.predicted_cost_usd == pytest.approx(min(uncapped, 10.0))
     assert four.predicted_cost_usd == pytest.approx(min(uncapped, 10.0 + sum(sum(c[:3]) for c in costliest)))
     assert four.predicted_cost_usd > one.predicted_cost_usd
+
+
+def test_the_plan_table_totals_what_a_search_can_run_and_names_no_run_id() -> None:
+    from rich.console import Console
+
+    from gpuscout.cli.local_view import plan_table
+
+    # Given a search with more candidates than trials
+    the_plan = _plan(max_trials=3)
+    assert the_plan.search is not None and len(the_plan.jobs) == 8
+    seconds = sorted(
+        (j.prediction.training_seconds + j.prediction.overhead_seconds for j in the_plan.jobs), reverse=True
+    )
+    # Then the time it predicts is the 3 longest candidates', not all 8
+    assert the_plan.predicted_sequential_seconds == pytest.approx(sum(seconds[:3]))
+    console = Console(width=200, record=True)
+    console.print(plan_table(the_plan, for_run=False))
+    text = console.export_text()
+    assert "total: at most 3 of these 8 candidates run" in text and "≤ " in text
+    # and `gpuscout plan`'s preview names no run id (a run draws its own)
+    assert the_plan.run_id not in text and "a run draws its own run id" in text
