@@ -187,6 +187,9 @@ class RichRunObserver:
         )
 
     def job_finished(self, spec: JobSpec, outcome: JobOutcome) -> None:
+        task = self._tasks.get(spec.job_name)
+        if self._progress is not None and task is not None:
+            self._progress.stop_task(task)  # its clock stops with it (a pruned trial's bar stays short of the end)
         word = "[green]done[/]" if outcome.status is JobStatus.COMPLETED else f"[red]{outcome.status.value}[/]"
         reason = f": {escape(outcome.failure_reason.splitlines()[-1])}" if outcome.failure_reason else ""
         console = self._progress.console if self._progress is not None else self.console

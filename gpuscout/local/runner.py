@@ -221,13 +221,17 @@ def _run_planned(
             if canary and data_dir is not None and the_plan.search is None:  # a failing trial fails alone
                 refused |= run_canaries(specs, refused, run_dir, data_dir, store=store, observer=observer)
             with observer.jobs_running():
-                trials = 0
+                # a search's jobs are its trials: numbered against its trial budget, after a resumed one's earlier
+                trials, total = 0, len(specs)
+                if the_plan.search is not None:
+                    trials = sum(1 for j in store.list_jobs(run_id) if j.status in FINISHED_TRIAL_STATUSES)
+                    total = sum(min(t.max_trials, len(t.candidates)) for t in the_plan.search.targets)
 
                 def run_one(spec: JobSpec, should_stop: Callable[[JobProgress], str | None] | None) -> JobRecord:
                     nonlocal current, trials
                     current, trials = spec, trials + 1
                     max_steps = job_max_steps(spec)
-                    observer.job_started(trials if the_plan.search else specs.index(spec) + 1, len(specs), spec,
+                    observer.job_started(trials if the_plan.search else specs.index(spec) + 1, total, spec,
                                          max_steps)  # fmt: skip
                     store.put_job(job_record(spec, JobStatus.TRAINING))
                     folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
@@ -282,6 +286,11 @@ def _run_planned(
         )
     report_md = run_dir / "report" / "report.md"
     observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
+    if interrupted and the_plan.search is not None:  # the finished trials are kept: say how to go on
+        observer.message(
+            f"the search can go on where it stopped (finished trials kept, the rest run): gpuscout local "
+            f"{manifest_path} --resume {run_id}" + f" --runs-dir {run_dir.parent} (and the same --db)"
+        )
     return final
 
 

@@ -211,10 +211,15 @@ def _search_target(
 ) -> None:
     study = _study(target, plan, specs)
     distribution = optuna.distributions.CategoricalDistribution(list(target.candidates))
+    # trials finished before (a resumed search) are asked first and count against max_trials like any launched one
+    for name in target.candidates:
+        if name in specs and specs[name].job_name in done:
+            study.enqueue_trial({CANDIDATE_PARAM: name})
     launched = 0
     proposals = 0
     unit = objective_unit(plan.objective)
     tried: set[str] = set()
+    counted: set[str] = set()
     while (
         launched < target.max_trials
         and len(tried) < len(target.candidates)
@@ -227,6 +232,8 @@ def _search_target(
         tried.add(name)
         if spec.job_name in done:  # tried before (a resumed search, or the sampler proposing it again)
             _tell_prior(study, trial, done[spec.job_name], spec, plan.objective)
+            launched += name not in counted  # a trial of the earlier process, once
+            counted.add(name)
             continue
         predicted = spec.prediction.cost_usd
         if summary.spent_usd + predicted > plan.max_cost_usd:

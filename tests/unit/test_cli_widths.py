@@ -59,3 +59,26 @@ def test_results_keeps_rates_costs_and_statuses_whole(db: Path, width: int) -> N
     assert re.search(r"0\.00\d\d", out)  # $ per 1M tokens, four decimals, whole
     assert "…" not in out and "24,…" not in out
     assert "per_device_train_batch_size must be >= 1" in " ".join(out.split())  # the failed job's note, whole
+
+
+def test_a_pruned_trials_clock_stops_when_it_ends() -> None:
+    """A trial stopped short of its last step (pruned) keeps its short bar, but its elapsed time no longer runs."""
+    import io
+
+    from rich.console import Console
+
+    from gpuscout.cli.local_view import RichRunObserver
+    from gpuscout.domain.jobspec import JobSpec
+    from gpuscout.local.job_process import JobOutcome
+    from gpuscout.store.base import JobStatus
+
+    spec = JobSpec.model_construct(job_name="gs-t0v1", variant_name="b4")
+    observer = RichRunObserver(Console(file=io.StringIO(), width=80))
+    with observer.jobs_running():
+        observer.job_started(1, 6, spec, 20)
+        progress = observer._progress
+        assert progress is not None
+        task = progress.tasks[0]
+        observer.job_finished(spec, JobOutcome(JobStatus.PRUNED, None, "pruned after 4 timed steps", 1.0))
+        assert task.stop_time is not None and not task.finished  # stopped at its step, not drawn as complete
+        assert task.description.startswith("job 1/6 b4")

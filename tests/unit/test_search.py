@@ -17,6 +17,7 @@ from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.local import runner as local
 from gpuscout.local.job_process import JobFolders, JobOutcome
+from gpuscout.local.observer import SilentObserver
 from gpuscout.local.runner import run_local
 from gpuscout.local.search import StopCheck, objective_value, run_search
 from gpuscout.paths import MANIFESTS_DIR
@@ -208,15 +209,31 @@ def test_an_interrupted_search_resumes_from_the_store(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(local, "run_job", interrupted)
     store = SqliteStore(tmp_path / "g.db")
-    first = run_local(manifest, store=store, runs_dir=tmp_path / "runs")
+    seen: list[tuple[str, int, int]] = []
+
+    class Observer(SilentObserver):
+        def job_started(self, index: int, total: int, spec: JobSpec, max_steps: int | None) -> None:
+            seen.append((spec.variant_name, index, total))
+
+        def message(self, text: str, *, warning: bool = False) -> None:
+            seen.append((text, 0, 0))
+
+    first = run_local(manifest, store=store, runs_dir=tmp_path / "runs", observer=Observer())
     assert first.status is RunStatus.STOPPED and len(calls) == 3
     kept = calls[:2]
+    # each trial was numbered against the trial budget (8 candidates, max_trials 8 by default), and the end says how
+    # to go on
+    assert [(i, n) for name, i, n in seen if name in calls] == [(1, 8), (2, 8), (3, 8)]
+    hint = f"gpuscout local {manifest} --resume {first.run_id} --runs-dir {tmp_path / 'runs'}"
+    assert any(hint in text for text, _, _ in seen), seen
 
     # When it is resumed
     calls.clear()
     monkeypatch.setattr(local, "run_job", lambda spec, folders, **_: calls.append(spec.variant_name) or JobOutcome(
         JobStatus.COMPLETED, None, None, 1.0))  # fmt: skip
-    again = run_local(manifest, store=store, runs_dir=tmp_path / "runs", resume=first.run_id)
+    seen.clear()
+    again = run_local(manifest, store=store, runs_dir=tmp_path / "runs", resume=first.run_id, observer=Observer())
+    assert [i for name, i, _ in seen if name in calls][:1] == [3]  # numbered after the 2 finished before
 
     # Then only the trials not finished ran (the interrupted one again), under the same run id
     assert again.run_id == first.run_id
@@ -287,3 +304,20 @@ def test_the_plan_table_totals_what_a_search_can_run_and_names_no_run_id() -> No
     assert "total: at most 3 of these 8 candidates run" in text and "≤ " in text
     # and `gpuscout plan`'s preview names no run id (a run draws its own)
     assert the_plan.run_id not in text and "a run draws its own run id" in text
+
+
+def test_a_resumed_search_keeps_to_max_trials_counting_the_earlier_trials() -> None:
+    # Given a search of at most 3 trials whose earlier process finished 2 of them
+    the_plan = _plan(max_trials=3)
+    earlier = [j for j in the_plan.jobs if j.variant_name in ("b8-a1-w0", "b2-a4-w0")]
+    assert len(earlier) == 2
+    benchmark = {"throughput": {"tokens_per_s": 30_000.0, "tokens_per_s_ci95": [29_500.0, 30_500.0]}}
+    done = {
+        spec.job_name: JobRecord.from_spec(spec, JobStatus.COMPLETED, benchmark=benchmark, training_seconds=20)
+        for spec in earlier
+    }
+    run_trial, launched, _ = _fake_trials(RATES)
+    # When it resumes, Then one more trial runs: 3 in all, not 3 more
+    summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial, done=done)
+    assert len(launched) == 1 == summary.launched
+    assert launched[0] not in {"b8-a1-w0", "b2-a4-w0"}
