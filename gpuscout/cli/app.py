@@ -464,6 +464,17 @@ def _csv_value(value: object) -> object:
     return "" if value is None else value
 
 
+def _why_no_browser() -> str:
+    """Why Python's webbrowser found nothing to start: on Linux a graphical browser (Chromium, Firefox) needs a
+    display, and without one only text browsers or $BROWSER are tried."""
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return (
+            "no browser can be started here: there is no graphical display (DISPLAY and WAYLAND_DISPLAY are unset), "
+            "so an installed Chromium or Firefox cannot open a window (set BROWSER to a command that can)"
+        )
+    return "no browser was found to start (set BROWSER to one)"
+
+
 def _analysis_for(run: RunRecord, result: ResultRecord | None, *, reprice: bool) -> dict[str, Any] | None:
     if not reprice:
         return result.analysis if result else None
@@ -503,7 +514,7 @@ def report(
         if webbrowser.open(html.resolve().as_uri()):
             console.print(f"opened {html}")
         else:
-            console.print(f"no browser available here; open {html.resolve()}", soft_wrap=True)
+            console.print(f"{_why_no_browser()}; open {html.resolve()} where you have one", soft_wrap=True)
         return
     if not markdown.is_file():
         raise GpuscoutError(f"{markdown} does not exist (was the run folder moved or deleted?)")

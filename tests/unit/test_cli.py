@@ -359,6 +359,25 @@ def test_report_prints_the_markdown(db: Path) -> None:
     assert "# quickstart report" in out
 
 
+def test_report_open_without_a_display_says_why_no_browser_starts(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a Linux shell with Chromium installed but no display (as over ssh): Python's webbrowser finds nothing
+    _stored_run(db)
+    (db.parent / "report" / "report.html").write_text("<html></html>")
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    monkeypatch.setattr(cli.webbrowser, "open", lambda _uri: False)
+    code, out, _ = invoke("report", RUN_ID, "--open", "--db", str(db))
+    # Then it says the display is what is missing, and where the file is
+    assert code == 0
+    text = " ".join(out.split())
+    assert "there is no graphical display (DISPLAY and WAYLAND_DISPLAY are unset)" in text
+    assert "report.html where you have one" in text
+    monkeypatch.setenv("DISPLAY", ":0")
+    code, out, _ = invoke("report", RUN_ID, "--open", "--db", str(db))
+    assert "no browser was found to start (set BROWSER to one)" in " ".join(out.split())
+
+
 def test_unexpected_errors_are_one_line_with_a_debug_hint(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*_: object, **__: object) -> object:
         raise RuntimeError("disk on fire")
