@@ -290,6 +290,24 @@ def _resolve_job(manifest: Manifest, path: Path) -> Manifest:
     return manifest.model_copy(update={"job": job.model_copy(update={"source_dir": str(resolved)})})
 
 
+TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")  # what data preparation reads from a folder (format auto)
+
+
+def _unreadable_inside(root: Path, fmt: str) -> list[Path]:
+    """The files data preparation would read under ``root`` (training/data_sources.py's choice: not hidden, a known
+    suffix unless ``dataset.format`` is set) that this user cannot read, and the folders it cannot list."""
+    bad: list[Path] = []
+    for folder, subfolders, files in os.walk(root, onerror=lambda err: bad.append(Path(err.filename))):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        for name in files:
+            file = Path(folder) / name
+            if name.startswith(".") or (fmt == "auto" and file.suffix not in TEXT_SUFFIXES):
+                continue
+            if not os.access(file, os.R_OK):
+                bad.append(file)
+    return sorted(bad)
+
+
 def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
     """A local ``dataset.source`` is resolved against the manifest's folder (not the current directory) and must
     exist: a missing file fails ``validate`` and ``plan``, not a data preparation seconds into ``local``."""
@@ -308,5 +326,11 @@ def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
         )
     if resolved.is_file() and not os.access(resolved, os.R_OK):
         raise ManifestError(str(path), [Problem("dataset.source", f"{resolved}: not readable")])
+    if resolved.is_dir() and (unreadable := _unreadable_inside(resolved, manifest.dataset.format)):
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        names = ", ".join(str(p.relative_to(resolved)) for p in unreadable[:3])
+        raise ManifestError(
+            str(path), [Problem("dataset.source", f"{resolved}: not readable inside it: {names}{more}")]
+        )
     dataset = manifest.dataset.model_copy(update={"source": str(resolved)})
     return manifest.model_copy(update={"dataset": dataset})
