@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -690,3 +691,14 @@ def test_plan_with_a_stack_name_says_where_a_canary_too_large_for_the_canary_typ
     # Then each canary that would not fit is named with where it runs instead, and the canaries' cost is shown
     assert text.count("but ml.g5.8xlarge has 24 GB (90% usable): runs on one ml.p") == 5
     assert "5 canaries before the jobs, predicted $" in text
+
+
+def test_submit_over_budget_is_refused_before_anything_is_uploaded(deployed: Deployed, tmp_path: Path) -> None:
+    # Given a manifest whose plan costs more than its budget
+    text = re.sub(r"budget_usd: [0-9.]+", "budget_usd: 0.01", VALID_TEXT)
+    assert text != VALID_TEXT
+    code, out, err = invoke("submit", str(_manifest(tmp_path, text)), "--wait", "0")
+    # Then submit exits 3 with the budget named, and the bucket holds nothing (no run started)
+    assert code == 3, out + err
+    assert "budget" in err and "Traceback" not in out + err
+    assert _keys(deployed.s3) == []
