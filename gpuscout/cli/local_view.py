@@ -59,8 +59,7 @@ def plan_table(the_plan: Any, *, for_run: bool = True) -> Table:
     if the_plan.search is None:
         label, at_most = f"total ({len(jobs)} jobs)", ""
     else:
-        trials = sum(min(t.max_trials, len(t.candidates)) for t in the_plan.search.targets)
-        label, at_most = f"total: at most {trials} of these {len(jobs)} candidates run", "≤ "
+        label, at_most = f"total: at most {the_plan.search.trial_budget} of these {len(jobs)} candidates run", "≤ "
     table.add_row(
         label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}"
     )

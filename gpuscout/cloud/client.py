@@ -387,11 +387,7 @@ class CloudStack:
             bucket=outputs.data_bucket,
             key=key,
             etag=etag,
-            job_count=(
-                len(the_plan.jobs)
-                if the_plan.search is None
-                else sum(min(t.max_trials, len(t.candidates)) for t in the_plan.search.targets)
-            ),
+            job_count=len(the_plan.jobs) if the_plan.search is None else the_plan.search.trial_budget,
             search=the_plan.search is not None,
             execution_arn=execution_arn,
             console_url=console_url,

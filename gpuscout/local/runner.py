@@ -225,7 +225,7 @@ def _run_planned(
                 trials, total = 0, len(specs)
                 if the_plan.search is not None:
                     trials = sum(1 for j in store.list_jobs(run_id) if j.status in FINISHED_TRIAL_STATUSES)
-                    total = sum(min(t.max_trials, len(t.candidates)) for t in the_plan.search.targets)
+                    total = the_plan.search.trial_budget
 
                 def run_one(spec: JobSpec, should_stop: Callable[[JobProgress], str | None] | None) -> JobRecord:
                     nonlocal current, trials

@@ -19,7 +19,7 @@ from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant
 from gpuscout.errors import BudgetExceededError, PlanError
-from gpuscout.plan.search import SearchPlan
+from gpuscout.plan.search import SearchPlan, TargetSearch
 
 CLOUD_OVERHEAD_S = 360.0
 
@@ -57,9 +57,7 @@ class Plan(BaseModel):
         if self.search is None:
             return sum(j.prediction.cost_usd for j in self.jobs)
         total = overshoot = 0.0
-        for target in self.search.targets:
-            costs = sorted((j.prediction.cost_usd for j in self.jobs if j.target_index == target.target_index),
-                           reverse=True)  # fmt: skip
+        for target, costs in self._largest_first(lambda j: j.prediction.cost_usd):
             total += sum(costs[: target.max_trials])
             parallel = min(self.search.max_parallel_trials, target.max_trials)
             overshoot += sum(costs[: parallel - 1])
@@ -69,15 +67,21 @@ class Plan(BaseModel):
     def predicted_sequential_seconds(self) -> float:
         """The jobs run one after another (as ``gpuscout local`` runs them): every job's time; for a search, at
         most each target's ``max_trials`` longest candidates (only that many trials are launched)."""
-        seconds = {id(j): j.prediction.training_seconds + j.prediction.overhead_seconds for j in self.jobs}
+
+        def seconds(job: JobSpec) -> float:
+            return job.prediction.training_seconds + job.prediction.overhead_seconds
+
         if self.search is None:
-            return sum(seconds.values())
-        total = 0.0
-        for target in self.search.targets:
-            of_target = sorted((seconds[id(j)] for j in self.jobs if j.target_index == target.target_index),
-                               reverse=True)  # fmt: skip
-            total += sum(of_target[: target.max_trials])
-        return total
+            return sum(map(seconds, self.jobs))
+        return sum(sum(values[: target.max_trials]) for target, values in self._largest_first(seconds))
+
+    def _largest_first(self, value: Callable[[JobSpec], float]) -> list[tuple[TargetSearch, list[float]]]:
+        """Each searched target with its candidates' ``value``, largest first (a search's worst case)."""
+        assert self.search is not None
+        return [
+            (target, sorted((value(j) for j in self.jobs if j.target_index == target.target_index), reverse=True))
+            for target in self.search.targets
+        ]
 
     @property
     def predicted_seconds(self) -> float:

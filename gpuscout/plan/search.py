@@ -52,6 +52,11 @@ class SearchPlan(BaseModel):
     seed: int
     objective: str
 
+    @property
+    def trial_budget(self) -> int:
+        """How many trials the search launches at most: each target's max_trials, or its candidates if fewer."""
+        return sum(min(t.max_trials, len(t.candidates)) for t in self.targets)
+
 
 def target_space(manifest: Manifest, target: Target) -> SearchSpace:
     """The space searched on ``target``: ``search.space`` with the instance type's own ranges in place."""
