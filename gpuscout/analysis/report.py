@@ -106,18 +106,26 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]], froz
         ("note", lambda j: ("⚠ " if j.disturbed or j.contention_note or j.validation_note else "")
          + j.measurement_note, False, False),
     ]  # fmt: skip
-    cells = [[cell(job) for job in analysis.jobs] for _, cell, _, _ in columns]
-    kept = [i for i, (_, _, _, always) in enumerate(columns) if always or any(c not in EMPTY_CELLS for c in cells[i])]
-    header = [columns[i][0] for i in kept]
-    rows = [[cells[i][r] for i in kept] for r in range(len(analysis.jobs))]
+    rows = [[cell(job) for _, cell, _, _ in columns] for job in analysis.jobs]
+    always = {i for i, column in enumerate(columns) if column[3]}
+    header, rows, kept = _kept_columns([c[0] for c in columns], rows, always)
     return header, rows, frozenset(n for n, i in enumerate(kept) if columns[i][2])
+
+
+def _kept_columns(
+    header: Sequence[str], rows: Sequence[Sequence[str]], always: set[int]
+) -> tuple[list[str], list[list[str]], list[int]]:
+    """The table without the columns (other than ``always``) that no row has a value in, and the kept columns'
+    indices in the original."""
+    kept = [i for i in range(len(header)) if i in always or any(row[i] not in EMPTY_CELLS for row in rows)]
+    return [header[i] for i in kept], [[row[i] for i in kept] for row in rows], kept
 
 
 def _filled(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[list[str], list[list[str]]]:
     """The table without the columns (after the first) that no row has a value in (GPUs and CUDA on a CPU run, the
     time to a target loss without one)."""
-    kept = [i for i in range(len(header)) if i == 0 or any(row[i] not in EMPTY_CELLS for row in rows)]
-    return [header[i] for i in kept], [[row[i] for i in kept] for row in rows]
+    kept_header, kept_rows, _ = _kept_columns(header, rows, {0})
+    return kept_header, kept_rows
 
 
 # -- documents ----------------------------------------------------------------------------------------------------

@@ -45,6 +45,13 @@ def _bar_figure(count: int) -> tuple[Figure, Any]:
     return fig, ax
 
 
+def _bar_jobs(analysis: RunAnalysis, has: Callable[[JobAnalysis], bool]) -> tuple[list[JobAnalysis], int]:
+    """The jobs a bar chart draws (those that ``has`` its value, at most MAX_BARS, best at the top: matplotlib draws
+    the first bar at the bottom) and how many it leaves out."""
+    jobs = [j for j in analysis.jobs if has(j)]
+    return jobs[:MAX_BARS][::-1], max(0, len(jobs) - MAX_BARS)
+
+
 def _finish(fig: Figure, ax: Any, title: str, left_out: int) -> None:
     if left_out:
         title += f"\n(best {MAX_BARS} shown; {left_out} more in the table)"
@@ -53,11 +60,9 @@ def _finish(fig: Figure, ax: Any, title: str, left_out: int) -> None:
 
 
 def _chart_tokens_per_s(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.tokens_per_s is not None][:MAX_BARS]
+    jobs, left_out = _bar_jobs(analysis, lambda j: j.tokens_per_s is not None)
     if not jobs:
         return None
-    left_out = sum(1 for j in analysis.jobs if j.tokens_per_s is not None) - len(jobs)
-    jobs = jobs[::-1]  # best at the top
     fig, ax = _bar_figure(len(jobs))
     values = [j.tokens_per_s or 0.0 for j in jobs]
     # a point estimate outside its own interval draws no whisker on that side (matplotlib rejects negative xerr)
@@ -74,11 +79,9 @@ def _chart_tokens_per_s(analysis: RunAnalysis) -> Figure | None:
 
 
 def _chart_cost(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.usd_per_million_tokens is not None][:MAX_BARS]
+    jobs, left_out = _bar_jobs(analysis, lambda j: j.usd_per_million_tokens is not None)
     if not jobs:
         return None
-    left_out = sum(1 for j in analysis.jobs if j.usd_per_million_tokens is not None) - len(jobs)
-    jobs = jobs[::-1]
     fig, ax = _bar_figure(len(jobs))
     ys = list(range(len(jobs)))
     spot = any(j.usd_per_million_tokens_spot is not None for j in jobs)  # none on a local machine
@@ -252,11 +255,9 @@ def _chart_pareto(analysis: RunAnalysis) -> Figure | None:
 
 
 def _chart_time_breakdown(analysis: RunAnalysis) -> Figure | None:
-    jobs = [j for j in analysis.jobs if j.time_breakdown is not None][:MAX_BARS]
+    jobs, left_out = _bar_jobs(analysis, lambda j: j.time_breakdown is not None)
     if not jobs:
         return None
-    left_out = sum(1 for j in analysis.jobs if j.time_breakdown is not None) - len(jobs)
-    jobs = jobs[::-1]
     fig, ax = _bar_figure(len(jobs))
     lefts = [0.0] * len(jobs)
     per_unit, unit = _time_unit(max(sum(getattr(j.time_breakdown, p) for p in PHASE_COLOURS) for j in jobs))
