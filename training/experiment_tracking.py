@@ -42,6 +42,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.jobspec import compared_settings
 from gpuscout.domain.metric_lines import usd_per_million_tokens
 from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
@@ -58,13 +59,6 @@ from gpuscout.domain.tracking import (
 )
 
 SUMMARY_PREFIX = "benchmark/"
-# Hyperparameters that steer gpuscout's own machinery, not the training a user compares: never logged as params
-INTERNAL_PARAMS = frozenset(
-    {"canary_layers", "search_candidate", "price_per_hour_usd", "objective_min_timed_steps", "checkpoint_keep",
-     "host_allocator"}
-)  # fmt: skip
-# The steady-state stop rule's own settings: logged only when that rule is in force
-STEADY_STATE_PARAMS = ("ci_tolerance", "min_timed_steps", "min_timed_seconds")
 MLFLOW_BATCH_PARAMS = 100  # MLflow's limit of params per log_batch call
 WANDB_TAG_MAX_CHARS = 64
 
@@ -89,19 +83,6 @@ def _finite(values: Mapping[str, Any]) -> dict[str, float]:
             continue
         if math.isfinite(value):
             out[key] = float(value)
-    return out
-
-
-def loggable_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The params a tracker gets: the training settings a user compares, without gpuscout's internal fields
-    (INTERNAL_PARAMS), the steady-state rule's settings under another rule, and unset values (None, "")."""
-    out = {}
-    for key, value in params.items():
-        if key in INTERNAL_PARAMS or value is None or value == "":
-            continue
-        if key in STEADY_STATE_PARAMS and params.get("stop_rule") != "steady_state":
-            continue
-        out[key] = value
     return out
 
 
@@ -276,14 +257,14 @@ class JobTracker:
 
     def start(self, params: Mapping[str, Any], *, variant: str | None = None) -> None:
         """Open each tracker's run; ``params`` are the job's hyperparameters (with run_id and job_name) and facts
-        of the device, less gpuscout's internal fields (loggable_params), to which the job's variant, instance
-        count, spot flag and price are added. ``variant`` overrides the variable's where one variable serves several
-        jobs (a SageMaker tuning job's trials, each a search candidate of the same target)."""
+        of the device, less gpuscout's internal fields (gpuscout.domain.jobspec.compared_settings), to which the
+        job's variant, instance count, spot flag and price are added. ``variant`` overrides the variable's where one
+        variable serves several jobs (a SageMaker tuning job's trials, each a search candidate of the same target)."""
         config = self.config
         if not self.backends or config is None:
             return
         variant = variant or config.variant
-        everything = {**loggable_params(params), "variant": variant, "instance_count": config.instance_count,
+        everything = {**compared_settings(params), "variant": variant, "instance_count": config.instance_count,
                       "spot": config.spot, "usd_per_hour": config.usd_per_hour}  # fmt: skip
         run_id, job_name = str(params.get("run_id") or ""), str(params.get("job_name") or "")
         tags = {"gpuscout.instance_type": str(params.get("instance_type") or ""), "gpuscout.variant": variant}

@@ -44,6 +44,7 @@ from gpuscout.analysis.results import (
 from gpuscout.analysis.step_series import downsample
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import detect
+from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
@@ -202,17 +203,11 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
         return f"unreadable benchmark.json ({type(err).__name__}: {err})"
 
 
-# Hyperparameters that name a job rather than configure it: two variants that differ only in these run the same thing.
-_IDENTITY_HYPERPARAMETERS = frozenset({"run_id", "job_name", "variant_name", "variant"})
-
-
 def settings_key(job: JobRecord) -> str:
     """What the job actually runs (instance, count, spot, precision and every hyperparameter but its names): two
     variants with the same key are the same settings, so any difference between them is noise."""
     spec = job.spec
-    hyperparameters = {
-        k: v for k, v in (spec.get("hyperparameters") or {}).items() if k not in _IDENTITY_HYPERPARAMETERS
-    }
+    hyperparameters = {k: v for k, v in (spec.get("hyperparameters") or {}).items() if k not in NAME_HYPERPARAMETERS}
     return json.dumps(
         [
             job.instance_type,

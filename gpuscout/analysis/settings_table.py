@@ -3,7 +3,7 @@ shown variants, and one line for the settings they all share. Read from each job
 actually ran: instance count, spot, precision and its hyperparameters), without the names, gpuscout's internal
 fields, and the steady-state rule's settings under the fixed rule.
 
-May import: gpuscout.analysis.results."""
+May import: gpuscout.analysis.results and gpuscout.domain.jobspec."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import json
 from collections.abc import Sequence
 
 from gpuscout.analysis.results import JobAnalysis
+from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS, compared_settings
 
-# Hyperparameters that name a job or steer gpuscout's own machinery rather than the training a user compares
-HIDDEN = frozenset(
-    {"run_id", "job_name", "variant_name", "variant", "instance_type", "canary_layers", "search_candidate",
-     "price_per_hour_usd", "objective_min_timed_steps", "checkpoint_keep", "host_allocator"}
-)  # fmt: skip
-STEADY_STATE = ("ci_tolerance", "min_timed_steps", "min_timed_seconds")
+# A job's names and its instance type are in its row's label; compared_settings leaves out the internal ones
+NAMES = NAME_HYPERPARAMETERS | {"instance_type"}
 # The usual settings under the names docs/manifest.md uses, in the order a reader scans them; others follow by name
 LABELS = {
     "instances": "instances",
@@ -55,12 +52,7 @@ def job_settings(job: JobAnalysis) -> dict[str, str] | None:
     except (TypeError, ValueError):
         return None
     out = {"instances": str(count), "spot": "yes" if spot else "no", "precision": str(precision)}
-    for key, value in (hyperparameters or {}).items():
-        if key in HIDDEN or value in (None, ""):
-            continue
-        if key in STEADY_STATE and hyperparameters.get("stop_rule") != "steady_state":
-            continue
-        out[key] = str(value)
+    out |= {key: str(value) for key, value in compared_settings(hyperparameters or {}).items() if key not in NAMES}
     return out
 
 

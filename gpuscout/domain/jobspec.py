@@ -8,7 +8,8 @@ The same spec drives a SageMaker CreateTrainingJob in the cloud and a subprocess
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,6 +18,30 @@ from gpuscout.domain.manifest_search import TrackingSection
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker TrainingJobName rule
 
 Precision = Literal["bf16", "fp16", "fp32"]
+
+# Hyperparameters that name a job rather than configure it: two variants that differ only in these run the same thing
+NAME_HYPERPARAMETERS = frozenset({"run_id", "job_name", "variant_name", "variant"})
+# train.py hyperparameters that steer gpuscout's own machinery, not the training a user compares
+INTERNAL_HYPERPARAMETERS = frozenset(
+    {"canary_layers", "search_candidate", "price_per_hour_usd", "objective_min_timed_steps", "checkpoint_keep",
+     "host_allocator"}
+)  # fmt: skip
+# The steady-state stop rule's own settings: they mean something only under that rule
+STEADY_STATE_HYPERPARAMETERS = ("ci_tolerance", "min_timed_steps", "min_timed_seconds")
+
+
+def compared_settings(hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a user compares (what trackers log and the report's settings table shows): the hyperparameters
+    without gpuscout's internal ones, the steady-state rule's settings under another rule, and unset values (None,
+    "")."""
+    rule = hyperparameters.get("stop_rule")
+    return {
+        key: value
+        for key, value in hyperparameters.items()
+        if key not in INTERNAL_HYPERPARAMETERS
+        and value not in (None, "")
+        and (key not in STEADY_STATE_HYPERPARAMETERS or rule == "steady_state")
+    }
 
 
 Unit = Literal["tokens", "samples"]
