@@ -221,19 +221,6 @@ class RunExtras:
     output_log: Path | None = None
 
 
-def local_job_logs(run_dir: Path) -> dict[str, list[Path]]:
-    """A local run's job logs: ``jobs/<job>/train.log`` and a non-empty ``train.stderr.log``, per job folder."""
-    logs: dict[str, list[Path]] = {}
-    for folder in sorted((run_dir / "jobs").glob("*")):
-        found = [folder / "train.log"] if (folder / "train.log").is_file() else []
-        stderr = folder / "train.stderr.log"
-        if stderr.is_file() and stderr.stat().st_size:
-            found.append(stderr)
-        if found:
-            logs[folder.name] = found
-    return logs
-
-
 def log_run(
     run_id: str,
     analysis: Mapping[str, Any],

@@ -3,7 +3,7 @@ runner; or, when its runner died, found abandoned (its host's process is gone) a
 --close``; and a finished run logged to its experiment trackers again (``gpuscout track``).
 
 May import: gpuscout.domain, gpuscout.store, gpuscout.analysis (tracking, lazily) and gpuscout.local's results,
-observer and process_control."""
+observer, process_control and job_process (the job folder's log names)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.tracking import local_destinations
 from gpuscout.errors import GpuscoutError
+from gpuscout.local.job_process import STDERR_LOG, STDOUT_LOG
 from gpuscout.local.observer import RunObserver, SilentObserver
 from gpuscout.local.process_control import (
     process_alive,
@@ -112,9 +113,22 @@ def track_local_run(run: RunRecord, store: ResultStore) -> TrackingOutcome:
 def _extras(run: RunRecord, run_dir: Path) -> RunExtras:
     """A local run's settings (its manifest as written), its jobs' logs, and ``tracking.log`` in its folder for what
     the tracker libraries print themselves."""
-    from gpuscout.analysis.tracking import RunExtras, local_job_logs
+    from gpuscout.analysis.tracking import RunExtras
 
     return RunExtras(settings=run.manifest or {}, job_logs=local_job_logs(run_dir), output_log=run_dir / "tracking.log")
+
+
+def local_job_logs(run_dir: Path) -> dict[str, list[Path]]:
+    """A local run's job logs, per job folder: its stdout log and a non-empty stderr log (job_process's names)."""
+    logs: dict[str, list[Path]] = {}
+    for folder in sorted((run_dir / "jobs").glob("*")):
+        stdout, stderr = folder / STDOUT_LOG, folder / STDERR_LOG
+        found = [stdout] if stdout.is_file() else []
+        if stderr.is_file() and stderr.stat().st_size:
+            found.append(stderr)
+        if found:
+            logs[folder.name] = found
+    return logs
 
 
 def close_abandoned_run(

@@ -49,6 +49,8 @@ TIMED_OUT = "max_runtime_seconds"
 # a user's script that keeps training after the helper answered "stop" (or past its max_steps) is ended this long after
 STOP_GRACE_S = 15.0
 IGNORED_STOP = "ignored_stop"
+STDOUT_LOG = "train.log"  # a job's stdout (its metric lines), in its folder
+STDERR_LOG = "train.stderr.log"
 
 
 @dataclass
@@ -76,8 +78,8 @@ class JobFolders:
             output=opt_ml / "output",
             output_data=opt_ml / "output" / "data",
             checkpoints=opt_ml / "checkpoints",
-            stdout_log=root / "train.log",
-            stderr_log=root / "train.stderr.log",
+            stdout_log=root / STDOUT_LOG,
+            stderr_log=root / STDERR_LOG,
         )
         for folder in (folders.config, folders.train_channel.parent, folders.model, folders.output_data):
             folder.mkdir(parents=True, exist_ok=True)

@@ -296,7 +296,8 @@ def test_the_run_level_mlflow_run_has_the_settings_the_job_logs_and_why_a_trial_
 ) -> None:
     from mlflow import MlflowClient
 
-    from gpuscout.analysis.tracking import RunExtras, local_job_logs
+    from gpuscout.analysis.tracking import RunExtras
+    from gpuscout.local.closing import local_job_logs
 
     monkeypatch.delenv("WANDB_SILENT")  # as a user's shell has it: W&B's own progress lines are on
     # Given a local run folder: one job whose trial the search pruned, one whose log the run keeps, a fresh MLflow
