@@ -48,7 +48,6 @@ from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
-LOSS_CURVE_POINTS = 120  # loss points kept per target x variant for the report's charts
 MIN_TIMED_STEPS = 2  # fewer timed steps give no interval: a verdict cannot rest on them
 
 
@@ -390,7 +389,7 @@ def _measure_group(
         epoch_seconds=costs.epoch_seconds(dataset_tokens, tokens_rate) if dataset_tokens > 0 and tokens_rate else None,
         time_breakdown=breakdown,
         overhead_seconds=breakdown.overhead_seconds,
-        loss_curve=list(map(_LOSS_POINT, downsample(reps[0].curve_points, LOSS_CURVE_POINTS))),  # for the charts
+        loss_curve=list(map(_LOSS_POINT, downsample(reps[0].curve_points))),  # for the charts
         step_times=step_series.step_times(shown.steps),
         step_rates=step_series.step_rates(shown.steps, shown.unit),
         step_losses=step_series.step_losses(shown.curve_points),

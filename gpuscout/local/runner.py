@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -223,9 +223,10 @@ def _run_planned(
             with observer.jobs_running():
                 # a search's jobs are its trials: numbered against its trial budget, after a resumed one's earlier
                 trials, total = 0, len(specs)
+                finished: dict[str, JobRecord] = {}
                 if the_plan.search is not None:
-                    trials = sum(1 for j in store.list_jobs(run_id) if j.status in FINISHED_TRIAL_STATUSES)
-                    total = the_plan.search.trial_budget
+                    finished = {j.job_name: j for j in store.list_jobs(run_id) if j.status in FINISHED_TRIAL_STATUSES}
+                    trials, total = len(finished), the_plan.search.trial_budget
 
                 def run_one(spec: JobSpec, should_stop: Callable[[JobProgress], str | None] | None) -> JobRecord:
                     nonlocal current, trials
@@ -244,7 +245,7 @@ def _run_planned(
                     return record
 
                 if the_plan.search is not None:
-                    _run_search(the_plan, [s for s in specs if s.job_name not in refused], store=store,
+                    _run_search(the_plan, [s for s in specs if s.job_name not in refused], finished=finished,
                                 observer=observer, run_one=run_one)  # fmt: skip
                 else:
                     records = [run_one(spec, None) for spec in list(specs) if spec.job_name not in refused]
@@ -323,18 +324,17 @@ def _run_search(
     the_plan: Any,
     specs: Sequence[JobSpec],
     *,
-    store: ResultStore,
+    finished: Mapping[str, JobRecord],
     observer: RunObserver,
     run_one: Callable[[JobSpec, Callable[[JobProgress], str | None] | None], JobRecord],
 ) -> None:
     """A settings search (gpuscout.local.search): each trial is ``run_one`` with the search's pruner asked at every
-    poll; trials already finished in the store (a resumed run) are not run again."""
+    poll; ``finished``, the trials a resumed run's store holds as finished (by job name), are not run again."""
     from gpuscout.local.search import StopCheck, run_search
     from gpuscout.plan.search import describe_plan
 
     for line in describe_plan(the_plan.search):
         observer.message(line)
-    finished = {j.job_name: j for j in store.list_jobs(the_plan.run_id) if j.status in FINISHED_TRIAL_STATUSES}
 
     def run_trial(spec: JobSpec, check: StopCheck) -> JobRecord:
         seen = 0
