@@ -172,6 +172,16 @@ def library_output_to(log: Path | None) -> Iterator[None]:
             os.close(fd)
 
 
+def csv_cell(value: object) -> object:
+    """A CSV cell as JSON spells the value: true/false (not Python's True/False), lists and dicts as JSON, None
+    empty. Used by every CSV gpuscout writes (ranked_results.csv, ``--format csv``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(value)
+    return "" if value is None else value
+
+
 def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
     """ranked_results.json, ranked_results.csv and analysis.json in ``folder``."""
     rows = ranked_rows(analysis)
@@ -181,9 +191,7 @@ def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
     with ranked_csv.open("w", newline="", encoding="utf-8") as out:
         writer = csv.DictWriter(out, fieldnames=RANKED_COLUMNS)
         writer.writeheader()
-        writer.writerows(
-            {k: ("true" if v else "false") if isinstance(v, bool) else v for k, v in row.items()} for row in rows
-        )
+        writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
     full = folder / "analysis.json"
     full.write_text(json.dumps(analysis, indent=2, default=str) + "\n", encoding="utf-8")
     return [ranked_json, ranked_csv, full]

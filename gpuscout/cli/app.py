@@ -447,21 +447,14 @@ def results(
 def _write_csv(rows: list[dict[str, Any]], *, fields: list[str]) -> None:
     """``rows`` as CSV on stdout, a header line first (booleans, lists and dicts as JSON spells them, None as
     empty)."""
+    from gpuscout.analysis.tracking import csv_cell
+
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _csv_value(v) for k, v in row.items()})
+        writer.writerow({k: csv_cell(v) for k, v in row.items()})
     sys.stdout.write(buffer.getvalue())
-
-
-def _csv_value(value: object) -> object:
-    """A cell as ``--format json`` spells it: true/false (not Python's True/False), lists and dicts as JSON."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple | dict):
-        return json.dumps(value)
-    return "" if value is None else value
 
 
 def _why_no_browser() -> str:
