@@ -6,7 +6,11 @@ Chain the underlying cause with ``raise ... from err``.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class GpuscoutError(Exception):
@@ -93,3 +97,65 @@ class TrainingError(GpuscoutError):
 
 class PricingError(GpuscoutError):
     """No price could be found for an instance type."""
+
+
+# ENOSPC (the disk is full) and EDQUOT (the user's quota on it is), as errno numbers and as text: the C library's
+# words appear in Python's OSError, in Rust's io::Error (the tokenizers library: "No space left on device (os error
+# 28)") and in a child process's log; SQLite says "database or disk is full".
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_DISK_FULL_TEXTS = (*(os.strerror(n) for n in sorted(_DISK_FULL_ERRNOS)), "database or disk is full")
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """The exception and those it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether an exception, or one it was raised from, says that a disk (or the user's quota on it) is full."""
+    return any((isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS) or says_disk_full(str(e)) for e in _chain(err))
+
+
+def disk_full_file(err: BaseException) -> str | None:
+    """The file a full disk refused, as the OSError in the exception's chain names it (None when none does)."""
+    return next((str(e.filename) for e in _chain(err) if isinstance(e, OSError) and e.filename), None)
+
+
+def says_disk_full(text: str) -> bool:
+    """Whether a message (an exception's, a child process's log line) says that a disk or quota is full."""
+    return any(words in text for words in _DISK_FULL_TEXTS)
+
+
+def free_space_text(path: str | Path) -> str:
+    """``"12 KiB free"`` on the disk holding ``path`` (its nearest existing folder), or ``""`` when unknown."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = float(shutil.disk_usage(folder).free)
+    except OSError:
+        return ""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:,.0f} {unit} free" if unit == "bytes" else f"{free:,.1f} {unit} free"
+        free /= 1024
+    return ""  # pragma: no cover - the loop returns
+
+
+DISK_FULL = "no space left on the disk holding"  # how gpuscout's own messages begin, for those who read them back
+
+
+class DiskFullError(GpuscoutError):
+    """A disk (or the user's quota on it) filled up while gpuscout wrote ``path``."""
+
+    def __init__(
+        self, path: str | Path, doing: str, *, hint: str = "free space there or choose another folder"
+    ) -> None:
+        self.path = Path(path)
+        free = free_space_text(path)
+        super().__init__(f"{DISK_FULL} {path}{f' ({free})' if free else ''} while {doing}; {hint}")

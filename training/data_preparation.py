@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -32,7 +33,7 @@ import numpy as np
 from data_sources import FORMATS, read_documents
 
 from gpuscout.domain.dataset_checks import invalid_lines
-from gpuscout.errors import DataPreparationError
+from gpuscout.errors import DataPreparationError, is_disk_full
 
 SCRIPT_VERSION = "1.0.0"
 FORMAT = "gpuscout-packed-v1"
@@ -434,9 +435,12 @@ def _write_split(
     for index, start in enumerate(range(0, len(ids), blocks_per_shard)):
         stem = f"{name}-{index:05d}"
         for kind, array in (("input_ids", ids), ("segment_ids", seg)):
-            path = out / f"{stem}.{kind}.npy"
-            np.save(path, np.ascontiguousarray(array[start : start + blocks_per_shard]), allow_pickle=False)
-            digest.update(path.read_bytes())
+            # Saved in memory, then written by Python: a full disk raises OSError(ENOSPC) naming the file (numpy's
+            # own file writer says only "N requested and M written").
+            buffer = io.BytesIO()
+            np.save(buffer, np.ascontiguousarray(array[start : start + blocks_per_shard]), allow_pickle=False)
+            (out / f"{stem}.{kind}.npy").write_bytes(buffer.getvalue())
+            digest.update(buffer.getvalue())
         shards.append(
             {
                 "input_ids": f"{stem}.input_ids.npy",
@@ -622,6 +626,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepare(config)
     except DataPreparationError as err:
         print(f"data_preparation: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        where = getattr(err, "filename", None) or config.output
+        print(
+            f"data_preparation: error: no space left on the disk holding {where} ({err})", file=sys.stderr, flush=True
+        )
         return 2
     return 0
 

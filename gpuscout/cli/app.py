@@ -29,7 +29,14 @@ from typer.exceptions import TyperException
 from gpuscout import __version__
 from gpuscout.cli.cloud_commands import register as register_cloud_commands
 from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table, status_markup
-from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError
+from gpuscout.errors import (
+    BudgetExceededError,
+    DiskFullError,
+    GpuscoutError,
+    ManifestError,
+    disk_full_file,
+    is_disk_full,
+)
 from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -73,6 +80,10 @@ class _GuardedGroup(TyperGroup):
         except Exception as err:
             if _debug(ctx):
                 raise
+            if is_disk_full(err):  # wherever it struck: the disk, not a bug
+                where = disk_full_file(err)
+                print_error(DiskFullError(where, "writing it") if where else GpuscoutError(f"no space left: {err}"))
+                raise typer.Exit(1) from err
             err_console.print(
                 f"[bold red]unexpected error:[/] {type(err).__name__}: {escape(str(err))} "
                 "(run with --debug for the traceback)",

@@ -52,13 +52,13 @@ def close_run(
     """Bring a run to its final state: unfinished jobs STOPPED (with why), finished jobs analysed and reported,
     the run SUCCEEDED, STOPPED or FAILED. ``interrupted`` names what stopped it (Ctrl-C, SIGTERM, "abandoned ...").
     Used at the end of every ``run_local`` and by ``gpuscout analyze`` for a run whose process is gone."""
-    for job in store.list_jobs(run_id):
-        if job.status in UNFINISHED_JOB_STATUSES:
-            why = interrupted or "run ended"
-            reason = f"interrupted ({why})" if job.job_name == current_job else f"not finished: run interrupted ({why})"
-            if job.status is JobStatus.PLANNED:
-                reason = f"not started: run interrupted ({why})"
-            store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
+    why = interrupted or "run ended"
+    stop_unfinished_jobs(
+        store,
+        run_id,
+        f"run interrupted ({why})",
+        current=(current_job, f"interrupted ({why})") if current_job else None,
+    )
     jobs = store.list_jobs(run_id)
     completed = [j for j in jobs if j.status is JobStatus.COMPLETED]
     analysis: dict[str, Any] | None = None
@@ -86,6 +86,21 @@ def close_run(
     else:
         final = store.update_run(run_id, status=RunStatus.FAILED, error=f"all {len(jobs)} jobs failed")
     return final, analysis, jobs
+
+
+def stop_unfinished_jobs(store: ResultStore, run_id: str, why: str, *, current: tuple[str, str] | None = None) -> None:
+    """Every job of the run not yet finished is STOPPED, its reason saying whether it never started or did not finish
+    and ``why`` (``"run interrupted (Ctrl-C)"``, ``"the run failed: ..."``); ``current`` is the running job's name and
+    its own reason. No row keeps saying PLANNED or TRAINING after its run is over."""
+    for job in store.list_jobs(run_id):
+        if job.status in UNFINISHED_JOB_STATUSES:
+            if current is not None and job.job_name == current[0]:
+                reason = current[1]
+            elif job.status is JobStatus.PLANNED:
+                reason = f"not started: {why}"
+            else:
+                reason = f"not finished: {why}"
+            store.put_job(job.model_copy(update={"status": JobStatus.STOPPED, "failure_reason": reason}))
 
 
 def is_abandoned(run: RunRecord) -> bool:

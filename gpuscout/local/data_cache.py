@@ -20,7 +20,7 @@ from typing import Any
 from gpuscout import paths
 from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.errors import DataPreparationError
+from gpuscout.errors import DataPreparationError, DiskFullError, says_disk_full
 from gpuscout.local.job_process import (
     STDERR_TAIL_LINES,
     TERMINATE_GRACE_S,
@@ -186,9 +186,12 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
             raise
     if proc.returncode != 0 or not (staging / "dataset.json").is_file():
         shutil.rmtree(staging, ignore_errors=True)
-        raise DataPreparationError(
-            f"data preparation failed: {_preparation_error(log_path, proc.returncode)} (log: {log_path})"
-        )
+        reason = _preparation_error(log_path, proc.returncode)
+        if says_disk_full(reason):
+            raise DiskFullError(
+                cache_dir, "preparing the data", hint=f"free space there or choose another --runs-dir (log: {log_path})"
+            )
+        raise DataPreparationError(f"data preparation failed: {reason} (log: {log_path})")
     try:
         staging.rename(target)
     except OSError:

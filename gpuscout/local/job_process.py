@@ -7,6 +7,7 @@ May import: gpuscout.domain, gpuscout.store and gpuscout.local's process_control
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from gpuscout.domain.benchmark import BenchmarkResult, stopped_by_signal
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.metric_lines import parse_metric_line
 from gpuscout.domain.tracking import tracking_environment
+from gpuscout.errors import DISK_FULL, free_space_text, says_disk_full
 from gpuscout.local.contention import ContentionMonitor
 from gpuscout.local.process_control import (
     child_popen_kwargs,
@@ -140,6 +142,8 @@ class JobProgress:
     stop_seen_at: float | None = None
     # a settings search's pruner asked to stop it while other processes competed for the machine: not pruned
     prune_withheld: str | None = None
+    # why the job's stdout log could not be written (a full disk): its lines were still read, not kept
+    log_lost: str | None = None
 
     def update(self, line: str) -> None:
         self.lines += 1
@@ -205,11 +209,30 @@ def tail_lines(path: Path, count: int) -> str:
 
 
 def _pump(stream: IO[str], log_path: Path, progress: JobProgress) -> None:
-    with open(log_path, "w", encoding="utf-8") as log:
-        for line in stream:
-            log.write(line)
-            log.flush()
-            progress.update(line)
+    """Copy the job's stdout into its log and read its metric lines. A log that cannot be written (a full disk) is
+    given up, said in ``progress.log_lost``, and the pipe is still drained, so the job never blocks on it."""
+    log: IO[str] | None = None
+    try:
+        log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed below, or given up on a write error
+    except OSError as err:
+        progress.log_lost = f"{log_path}: {err}"
+    for line in stream:
+        if log is not None:
+            try:
+                log.write(line)
+                log.flush()
+            except OSError as err:
+                progress.log_lost = f"{log_path}: {err}"
+                _close_quietly(log)
+                log = None
+        progress.update(line)
+    if log is not None:
+        _close_quietly(log)
+
+
+def _close_quietly(log: IO[str]) -> None:
+    with contextlib.suppress(OSError):  # its buffer's last write may fail again on the same full disk
+        log.close()
 
 
 def _failure_from_stderr(stderr_log: Path, stdout_log: Path) -> str:
@@ -328,6 +351,10 @@ def run_job(
         tail = _failure_from_stderr(folders.stderr_log, folders.stdout_log)
         script = spec.job_code.entry_point if spec.job_code else "train.py"
         reason = f"{script} exited with code {proc.returncode}: {tail}"
+    if says_disk_full(reason) or says_disk_full(job_progress.log_lost or ""):
+        where = f"{DISK_FULL} {folders.root}"
+        free = free_space_text(folders.root)
+        reason = f"{where}{f' ({free})' if free else ''}: {reason}"
     return JobOutcome(_classify_failure(reason), benchmark, reason, wall, contention)
 
 

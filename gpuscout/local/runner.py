@@ -32,10 +32,18 @@ from typing import Any
 
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.errors import BudgetExceededError, GpuscoutError, ManifestError, Problem
-from gpuscout.local.closing import FINISHED_TRIAL_STATUSES, close_run, is_abandoned
+from gpuscout.errors import (
+    DISK_FULL,
+    BudgetExceededError,
+    DiskFullError,
+    GpuscoutError,
+    ManifestError,
+    Problem,
+    is_disk_full,
+)
+from gpuscout.local.closing import FINISHED_TRIAL_STATUSES, close_run, is_abandoned, stop_unfinished_jobs
 from gpuscout.local.data_cache import check_prepared_data, prepare_data
-from gpuscout.local.job_process import JobFolders, JobProgress, job_max_steps, job_record, run_job
+from gpuscout.local.job_process import JobFolders, JobOutcome, JobProgress, job_max_steps, job_record, run_job
 from gpuscout.local.lock import RunsFolderLock
 from gpuscout.local.observer import RunObserver, SilentObserver
 from gpuscout.local.planning import plan_manifest
@@ -189,11 +197,7 @@ def _run_planned(
     specs: list[JobSpec] = list(the_plan.jobs)
     run_id = run.run_id
     run_dir = Path(str(run.run_dir))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(manifest_path, run_dir / f"manifest{manifest_path.suffix or '.yaml'}")
-    (run_dir / "plan.json").write_text(
-        json.dumps([s.model_dump(mode="json") for s in specs], indent=2) + "\n", encoding="utf-8"
-    )
+    _write_run_folder(run_dir, manifest_path, specs)
     store.put_run(run)
     for spec in specs if the_plan.search is None else ():  # a search's rows appear as its trials start
         store.put_job(job_record(spec, JobStatus.PLANNED))
@@ -201,6 +205,7 @@ def _run_planned(
     current: JobSpec | None = None
     interrupted: str | None = None
     failure: Exception | None = None
+    disk_full: DiskFullError | None = None
     with SignalGuard() as guard:
         try:
             data_dir: Path | None = None
@@ -235,13 +240,15 @@ def _run_planned(
                     observer.job_started(trials if the_plan.search else specs.index(spec) + 1, total, spec,
                                          max_steps)  # fmt: skip
                     store.put_job(job_record(spec, JobStatus.TRAINING))
-                    folders = JobFolders.create(run_dir / "jobs" / spec.job_name, spec, data_dir)
+                    job_dir = run_dir / "jobs" / spec.job_name
                     progress = partial(observer.job_progress, spec, max_steps=max_steps)
-                    outcome = run_job(spec, folders, on_progress=progress, should_stop=should_stop)
+                    outcome = _run_job_in(job_dir, spec, data_dir, on_progress=progress, should_stop=should_stop)
                     record = job_record(spec, outcome.status, outcome)
                     store.put_job(record)
                     observer.job_finished(spec, outcome)
                     current = None
+                    if (outcome.failure_reason or "").startswith(DISK_FULL):  # the next job would fail the same way
+                        raise DiskFullError(job_dir, f"job {spec.job_name} ran")
                     return record
 
                 if the_plan.search is not None:
@@ -249,21 +256,14 @@ def _run_planned(
                                 observer=observer, run_one=run_one)  # fmt: skip
                 else:
                     records = [run_one(spec, None) for spec in list(specs) if spec.job_name not in refused]
-                    for record in [r for r in records if _disturbed(r)]:  # once each, after the others: interleaved
-                        again = remeasure_spec(record, specs)
-                        evidence = ((record.benchmark or {}).get("disturbance") or {}).get("evidence")
-                        observer.message(
-                            f"{record.job_name}: disturbed measurement ({evidence}); measuring it once more as "
-                            f"{again.job_name} before ranking",
-                            warning=True,
-                        )
-                        specs.append(again)
-                        store.put_job(job_record(again, JobStatus.PLANNED))
-                        run_one(again, None)
+                    _remeasure_disturbed(records, specs, store=store, observer=observer, run_one=run_one)
         except KeyboardInterrupt as err:
             guard.defer()
             interrupted = getattr(err, "signal_name", "Ctrl-C")
             observer.interrupted()
+        except DiskFullError as err:  # what was measured before the disk filled is analysed; the run ends STOPPED
+            guard.defer()
+            interrupted, disk_full = f"{DISK_FULL} {err.path}", err
         except Exception as err:  # data preparation failed, or the run folder could not be written
             guard.defer()
             failure = err
@@ -273,6 +273,7 @@ def _run_planned(
             guard.defer()
         if failure is not None:
             note = (str(failure).strip().splitlines() or [""])[0]  # the stored note is one line
+            stop_unfinished_jobs(store, run_id, f"the run failed ({type(failure).__name__})")
             store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(failure).__name__}: {note}")
             raise failure
         final, analysis, jobs = close_run(
@@ -292,7 +293,78 @@ def _run_planned(
             f"the search can go on where it stopped (finished trials kept, the rest run): gpuscout local "
             f"{manifest_path} --resume {run_id}" + f" --runs-dir {run_dir.parent} (and the same --db)"
         )
+    if disk_full is not None:  # the jobs that ran are stored and analysed; the error says why the rest did not run
+        raise disk_full
     return final
+
+
+def _write_run_folder(run_dir: Path, manifest_path: Path, specs: Sequence[JobSpec]) -> None:
+    """The run folder with the manifest as given and plan.json, each file whole or absent (written aside, then
+    renamed). A folder this call made is removed again when it cannot be written, a full disk included: nothing
+    half-written is left behind, and the error says which folder and how much space is left."""
+    made = not run_dir.exists()
+    plan = json.dumps([s.model_dump(mode="json") for s in specs], indent=2) + "\n"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name, write in (
+            (f"manifest{manifest_path.suffix or '.yaml'}", lambda aside: shutil.copyfile(manifest_path, aside)),
+            ("plan.json", lambda aside: aside.write_text(plan, encoding="utf-8")),
+        ):
+            aside = run_dir / f".{name}.tmp"
+            try:
+                write(aside)
+                aside.replace(run_dir / name)
+            finally:
+                aside.unlink(missing_ok=True)
+    except OSError as err:
+        if made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if is_disk_full(err):
+            raise DiskFullError(
+                run_dir, "writing the run folder", hint="free space there or choose another --runs-dir"
+            ) from err
+        raise GpuscoutError(f"cannot write the run folder {run_dir}: {err}") from err
+
+
+def _run_job_in(
+    job_dir: Path,
+    spec: JobSpec,
+    data_dir: Path | None,
+    *,
+    on_progress: Callable[[JobProgress], None],
+    should_stop: Callable[[JobProgress], str | None] | None,
+) -> JobOutcome:
+    """One job in its folder (run_job); a full disk while its folder or logs are written is a DiskFullError."""
+    try:
+        folders = JobFolders.create(job_dir, spec, data_dir)
+        return run_job(spec, folders, on_progress=on_progress, should_stop=should_stop)
+    except OSError as err:
+        if is_disk_full(err):
+            raise DiskFullError(job_dir, f"starting job {spec.job_name}") from err
+        raise
+
+
+def _remeasure_disturbed(
+    records: Sequence[JobRecord],
+    specs: list[JobSpec],
+    *,
+    store: ResultStore,
+    observer: RunObserver,
+    run_one: Callable[[JobSpec, None], JobRecord],
+) -> None:
+    """Each job whose measurement was disturbed runs once more, after all the others (so the two are interleaved with
+    the rest), under a name of its own; ``specs`` gains the new jobs."""
+    for record in [r for r in records if _disturbed(r)]:
+        again = remeasure_spec(record, specs)
+        evidence = ((record.benchmark or {}).get("disturbance") or {}).get("evidence")
+        observer.message(
+            f"{record.job_name}: disturbed measurement ({evidence}); measuring it once more as {again.job_name} "
+            "before ranking",
+            warning=True,
+        )
+        specs.append(again)
+        store.put_job(job_record(again, JobStatus.PLANNED))
+        run_one(again, None)
 
 
 def _disturbed(record: JobRecord) -> bool:

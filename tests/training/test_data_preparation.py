@@ -202,3 +202,21 @@ def test_the_qwen_vocabulary_the_planner_assumes_is_the_one_prepared() -> None:
     from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB
 
     assert dp.QWEN_BPE_RANKS + len(dp.QWEN_SPECIAL_TOKENS) == QWEN_TOKENIZER_VOCAB
+
+
+def test_a_full_disk_is_one_error_line_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a disk that fills up as the shards are written (numpy's own writer said only "N requested and M written")
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(28, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    # When data preparation runs as its command
+    code = dp.main(["--input", str(CORPUS), "--output", str(tmp_path / "out"), "--tokenizer", "bpe",
+                    "--vocab-size", "400", "--sequence-length", "64", "--workers", "1", "--quiet"])  # fmt: skip
+    # Then it exits 2 with one line the runner reads back: the disk, the file, the system's words
+    assert code == 2
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert line.startswith(f"data_preparation: error: no space left on the disk holding {tmp_path / 'out'}/train-00000")
+    assert "No space left on device" in line

@@ -231,6 +231,9 @@ def test_failed_data_preparation_fails_the_run(tmp_path: Path, monkeypatch: pyte
     assert run.status is RunStatus.FAILED
     assert run.error is not None
     assert "no documents left" in run.error
+    # and no job row keeps saying PLANNED: each says it did not start, and why
+    reasons = {(j.status, j.failure_reason) for j in store.list_jobs(run.run_id)}
+    assert reasons == {(JobStatus.STOPPED, "not started: the run failed (DataPreparationError)")}
 
 
 def test_a_failed_data_preparation_is_one_line_with_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
