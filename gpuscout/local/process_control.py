@@ -3,7 +3,8 @@
 - SIGTERM and SIGHUP (an ssh drop) behave like Ctrl-C while a run goes on: they raise KeyboardInterrupt in the main
   thread, so the same clean-up runs (``SignalGuard``).
 - The final bookkeeping (status, analysis of finished jobs, report) runs after ``SignalGuard.defer()``: a second
-  Ctrl-C, SIGTERM or SIGHUP is recorded, not raised, so it cannot leave a run ANALYZING with half a report.
+  Ctrl-C, SIGTERM or SIGHUP is recorded, not raised, so it cannot leave a run ANALYZING with half a report; the
+  guard says so at once (``on_deferred``), and one more Ctrl-C after that quits on purpose (``QuitNow``).
 - Children (train.py, data_preparation.py) start in their own process group and get SIGTERM when the parent dies
   (Linux ``PR_SET_PDEATHSIG``), so a SIGKILLed ``gpuscout local`` never leaves a training process holding a GPU;
   ``stop_process_group`` stops the child with everything it started (dataloader workers, torchrun ranks).
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -43,15 +45,27 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class QuitNow(Interrupted):
+    """A Ctrl-C pressed again after the guard said the run's final bookkeeping goes on first: the user wants out now."""
+
+
 class SignalGuard:
     """For a whole run: SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` until ``defer()``; after it they are only
     recorded in ``received``. Switching mode instead of swapping handlers leaves no moment with Python's default
-    handler in between, so the final bookkeeping cannot be cut short by a second signal."""
+    handler in between, so the final bookkeeping cannot be cut short by a second signal.
 
-    def __init__(self) -> None:
+    A deferred Ctrl-C or SIGTERM is not silent: ``on_deferred(name)`` is called (the runner says what it is finishing
+    and how to quit). One more Ctrl-C after that raises ``QuitNow``, once: a person at the terminal who presses it
+    twice means it. SIGTERM and SIGHUP never force (a scheduler's SIGKILL follows anyway; after an ssh drop there is
+    no terminal to tell)."""
+
+    def __init__(self, on_deferred: Callable[[str], None] | None = None) -> None:
         self.deferring = False
         self.received: list[str] = []
         self._previous: dict[int, Any] = {}
+        self._on_deferred = on_deferred
+        self._told = False
+        self._quit = False
 
     def defer(self) -> None:
         self.deferring = True
@@ -60,6 +74,13 @@ class SignalGuard:
         self.received.append(signal_name(signum))
         if not self.deferring:
             raise Interrupted(signum)
+        if signum == signal.SIGINT and self._told and not self._quit:
+            self._quit = True
+            raise QuitNow(signum)
+        if signum != getattr(signal, "SIGHUP", None) and not self._told and self._on_deferred is not None:
+            self._told = True
+            with contextlib.suppress(Exception):  # a terminal that cannot be written must not break the bookkeeping
+                self._on_deferred(signal_name(signum))
 
     def __enter__(self) -> SignalGuard:
         if _in_main_thread():

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
@@ -48,6 +48,7 @@ from gpuscout.local.lock import RunsFolderLock
 from gpuscout.local.observer import RunObserver, SilentObserver
 from gpuscout.local.planning import plan_manifest
 from gpuscout.local.process_control import (
+    QuitNow,
     SignalGuard,
     this_host,
 )
@@ -206,22 +207,12 @@ def _run_planned(
     interrupted: str | None = None
     failure: Exception | None = None
     disk_full: DiskFullError | None = None
-    with SignalGuard() as guard:
+    with SignalGuard(on_deferred=partial(_finishing_first, observer, run_id)) as guard:
         try:
-            data_dir: Path | None = None
-            refused: set[str] = set()
             # each tracking server asked once, now: one that is not there is off for the run (or refuses it)
             manifest, specs = checked_tracking(manifest, specs, on_message=lambda m: observer.message(m, warning=True))
-            if manifest.job is None:
-                store.update_run(run_id, status=RunStatus.PREPARING)
-                data_dir = prepare_data(manifest, data_cache_dir, observer.message)
-                refused = check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
-            elif manifest.job.requirements:
-                observer.message(
-                    f"job: {manifest.job.requirements} is not installed by `gpuscout local`; the job runs in this "
-                    f"environment ({sys.executable})",
-                    warning=True,
-                )
+            data_dir, refused = _prepare(manifest, specs, run_id, store=store, observer=observer,
+                                         data_cache_dir=data_cache_dir)  # fmt: skip
             store.update_run(run_id, status=RunStatus.RUNNING)
             if canary and data_dir is not None and the_plan.search is None:  # a failing trial fails alone
                 refused |= run_canaries(specs, refused, run_dir, data_dir, store=store, observer=observer)
@@ -271,31 +262,87 @@ def _run_planned(
             # From here on a second Ctrl-C, SIGTERM or SIGHUP is recorded, not raised: the run always ends in a
             # final state with what was measured analysed.
             guard.defer()
-        if failure is not None:
-            note = (str(failure).strip().splitlines() or [""])[0]  # the stored note is one line
-            stop_unfinished_jobs(store, run_id, f"the run failed ({type(failure).__name__})")
-            store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(failure).__name__}: {note}")
-            raise failure
-        final, analysis, jobs = close_run(
-            run_id,
-            store,
-            manifest,
-            catalog,
-            run_dir=run_dir,
-            observer=observer,
-            interrupted=interrupted,
-            current_job=current.job_name if current else None,
-        )
+        try:
+            if failure is not None:
+                _fail(store, run_id, failure)
+            final, analysis, jobs = close_run(
+                run_id,
+                store,
+                manifest,
+                catalog,
+                run_dir=run_dir,
+                observer=observer,
+                interrupted=interrupted,
+                current_job=current.job_name if current else None,
+            )
+        except QuitNow:  # Ctrl-C pressed again after the guard said the analysis goes on first
+            _quit_unanalysed(store, run_id, observer)
+            raise
     report_md = run_dir / "report" / "report.md"
     observer.finished(final, analysis, jobs, report_md if report_md.is_file() else None)
     if interrupted and the_plan.search is not None:  # the finished trials are kept: say how to go on
-        observer.message(
-            f"the search can go on where it stopped (finished trials kept, the rest run): gpuscout local "
-            f"{manifest_path} --resume {run_id}" + f" --runs-dir {run_dir.parent} (and the same --db)"
-        )
+        _say_how_to_resume(observer, manifest_path, run_id, run_dir)
     if disk_full is not None:  # the jobs that ran are stored and analysed; the error says why the rest did not run
         raise disk_full
     return final
+
+
+def _prepare(
+    manifest: Any,
+    specs: Sequence[JobSpec],
+    run_id: str,
+    *,
+    store: ResultStore,
+    observer: RunObserver,
+    data_cache_dir: Path,
+) -> tuple[Path | None, set[str]]:
+    """The built-in job's prepared data (cached) and the jobs its checks refuse; a user's own job prepares nothing
+    (its requirements are the user's to install here)."""
+    if manifest.job is None:
+        store.update_run(run_id, status=RunStatus.PREPARING)
+        data_dir = prepare_data(manifest, data_cache_dir, observer.message)
+        return data_dir, check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
+    if manifest.job.requirements:
+        observer.message(
+            f"job: {manifest.job.requirements} is not installed by `gpuscout local`; the job runs in this "
+            f"environment ({sys.executable})",
+            warning=True,
+        )
+    return None, set()
+
+
+def _say_how_to_resume(observer: RunObserver, manifest_path: Path, run_id: str, run_dir: Path) -> None:
+    observer.message(
+        f"the search can go on where it stopped (finished trials kept, the rest run): gpuscout local "
+        f"{manifest_path} --resume {run_id} --runs-dir {run_dir.parent} (and the same --db)"
+    )
+
+
+def _fail(store: ResultStore, run_id: str, failure: Exception) -> NoReturn:
+    """The run FAILED with the failure's first line as its note, its jobs that did not run STOPPED; re-raised."""
+    note = (str(failure).strip().splitlines() or [""])[0]  # the stored note is one line
+    stop_unfinished_jobs(store, run_id, f"the run failed ({type(failure).__name__})")
+    store.update_run(run_id, status=RunStatus.FAILED, error=f"{type(failure).__name__}: {note}")
+    raise failure
+
+
+def _finishing_first(observer: RunObserver, run_id: str, signal_name: str) -> None:
+    """What a Ctrl-C (or SIGTERM) during the run's final bookkeeping is told, at once: it was heard, what goes on
+    first, and how to quit anyway."""
+    observer.message(
+        f"{signal_name}: finishing the run's analysis and report of what was measured first; press Ctrl-C again to "
+        f"quit now (then `gpuscout analyze {run_id}` finishes them)",
+        warning=True,
+    )
+
+
+def _quit_unanalysed(store: ResultStore, run_id: str, observer: RunObserver) -> None:
+    """The user quit during the final bookkeeping: the run is STOPPED (its jobs that did not finish too), saying
+    that its analysis was not made and which command makes it."""
+    stop_unfinished_jobs(store, run_id, "run interrupted (Ctrl-C)")
+    how = f"`gpuscout analyze {run_id}` analyses what was measured and writes the report"
+    store.update_run(run_id, status=RunStatus.STOPPED, error=f"quit before its analysis (Ctrl-C twice); {how}")
+    observer.message(f"quit: run {run_id} STOPPED before its analysis; {how}", warning=True)
 
 
 def _write_run_folder(run_dir: Path, manifest_path: Path, specs: Sequence[JobSpec]) -> None:

@@ -27,7 +27,7 @@ from gpuscout.local import closing
 from gpuscout.local import runner as local
 from gpuscout.local.data_cache import remove_stale_staging
 from gpuscout.local.job_process import JobFolders, JobOutcome
-from gpuscout.local.process_control import SignalGuard, process_alive
+from gpuscout.local.process_control import QuitNow, SignalGuard, process_alive
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
@@ -186,6 +186,86 @@ def test_a_second_signal_cannot_cut_the_final_analysis_short(tmp_path: Path, mon
     # Then the analysis finished and the run is final
     assert analysed == [run.run_id]
     assert run.status is RunStatus.STOPPED and run.error == "interrupted (Ctrl-C)"
+
+
+def _run_with_signals_during_the_analysis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, presses: int
+) -> tuple[SqliteStore, str, list[str]]:
+    """A run whose jobs all complete, then ``presses`` Ctrl-Cs during its final analysis; (store, output, analysed)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset.json").write_text(json.dumps(DATASET_SUMMARY))
+    monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
+    monkeypatch.setattr(local, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.COMPLETED, None, None, 1.0))
+    analysed: list[str] = []
+
+    def slow_analysis(run, *_args: object, **_kw: object) -> dict[str, object]:
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        analysed.append(run.run_id)
+        return {}
+
+    monkeypatch.setattr(closing, "analyze_and_report", slow_analysis)
+    store = SqliteStore(tmp_path / "g.db")
+    out = io.StringIO()
+    observer = RichRunObserver(Console(file=out, width=200))
+    try:
+        run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", observer=observer, canary=False)
+    except KeyboardInterrupt:
+        assert presses > 1
+    return store, out.getvalue(), analysed
+
+
+def test_ctrl_c_during_the_final_analysis_is_answered_at_once_and_the_analysis_finishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run whose jobs all completed, When Ctrl-C is pressed once during its final analysis (before: ignored
+    # without a word)
+    store, out, analysed = _run_with_signals_during_the_analysis(tmp_path, monkeypatch, presses=1)
+    [run] = store.list_runs()
+    # Then the user is told at once what goes on first and how to quit, and the analysis finishes
+    assert (
+        "Ctrl-C: finishing the run's analysis and report of what was measured first; press Ctrl-C again to quit " in out
+    )
+    assert f"(then `gpuscout analyze {run.run_id}` finishes them)" in out
+    assert analysed == [run.run_id]
+    assert run.status is RunStatus.SUCCEEDED
+
+
+def test_ctrl_c_twice_during_the_final_analysis_quits_and_says_how_to_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, out, analysed = _run_with_signals_during_the_analysis(tmp_path, monkeypatch, presses=2)
+    [run] = store.list_runs()
+    # Then it quits (KeyboardInterrupt: the CLI's exit 130) before the analysis ended, the run is final and says
+    # which command makes its analysis
+    assert analysed == []
+    assert run.status is RunStatus.STOPPED
+    assert run.error == f"quit before its analysis (Ctrl-C twice); `gpuscout analyze {run.run_id}` analyses what " \
+                        "was measured and writes the report"  # fmt: skip
+    assert f"quit: run {run.run_id} STOPPED before its analysis" in out
+    assert {j.status for j in store.list_jobs(run.run_id)} == {JobStatus.COMPLETED}  # what was measured is kept
+
+
+def test_a_deferred_signal_is_told_once_and_only_a_second_ctrl_c_forces() -> None:
+    told: list[str] = []
+    with SignalGuard(on_deferred=told.append) as guard:
+        guard.defer()
+        os.kill(os.getpid(), signal.SIGHUP)  # after an ssh drop there is no terminal to tell
+        time.sleep(0.1)
+        assert told == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's signals never force
+        time.sleep(0.1)
+        assert told == ["SIGTERM"]
+        with pytest.raises(QuitNow):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGINT)  # once quitting, further presses are recorded only
+        time.sleep(0.1)
+    assert guard.received == ["SIGHUP", "SIGTERM", "SIGTERM", "Ctrl-C", "Ctrl-C"]
 
 
 def test_signal_guard_raises_then_records() -> None:
