@@ -163,7 +163,9 @@ def validate(file: ManifestArg) -> None:
     from gpuscout.domain.catalog import load_catalog
     from gpuscout.domain.manifest_loader import load_manifest
 
-    manifest = load_manifest(file, catalog=load_catalog())
+    catalog = load_catalog()
+    manifest = load_manifest(file, catalog=catalog)
+    _refused_on_this_machine(file, manifest, catalog)
     targets = len(manifest.targets)
     variants = len(manifest.variants)
     repetitions = manifest.repetitions
@@ -179,6 +181,26 @@ def validate(file: ManifestArg) -> None:
         f"repetition(s) = {targets * variants * repetitions} job(s)",
         soft_wrap=True,
     )
+
+
+def _refused_on_this_machine(file: Path, manifest: Any, catalog: Any) -> None:
+    """A ``local`` target is this machine: what it cannot run (a precision, flex attention or ZeRO on a CPU) is listed
+    now with its field path, exit 3, as `gpuscout plan` and `local` would refuse it, not after data preparation."""
+    if not any(catalog.get(t.instance_type).is_local for t in manifest.targets):
+        return
+    from gpuscout.domain.catalog import detect_local_hardware
+    from gpuscout.plan.planner import local_refusals
+
+    problems = local_refusals(manifest, catalog, detect_local_hardware())
+    if problems:
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(file))}: {len(problems)} problem(s) on this machine (a `local` target "
+            "runs here; `gpuscout plan` and `gpuscout local` refuse it)",
+            soft_wrap=True,
+        )
+        for problem in problems:
+            err_console.print(f"  [red]-[/] {escape(str(problem))}", soft_wrap=True)
+        raise typer.Exit(BUDGET_EXIT_CODE)
 
 
 @app.command()

@@ -34,8 +34,9 @@ from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant
 from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
-from gpuscout.errors import PlanError
+from gpuscout.errors import PlanError, Problem
 from gpuscout.plan import memory, search
+from gpuscout.plan.device_fit import device_refusal
 from gpuscout.plan.job_section import Calibration, plan_job_section
 from gpuscout.plan.jobs import (
     CLOUD_OVERHEAD_S,
@@ -221,6 +222,33 @@ def _cpu_precision_reason(hw: LocalHardware | None, precision: str) -> str:
     return why + "; use precision auto or fp32"
 
 
+def local_refusals(manifest: Manifest, catalog: Catalog, hw: LocalHardware) -> list[Problem]:
+    """What ``local`` on this machine (``hw``) refuses in the manifest, with field paths: a precision it does not run
+    and a variant's setting it cannot train with (the planner's own refusals, all at once; `gpuscout validate`)."""
+    problems: list[Problem] = []
+    for ti, target in enumerate(manifest.targets):
+        if not catalog.get(target.instance_type).is_local:
+            continue
+        machine = (hw.gpu_name or "a GPU") if hw.device == "cuda" else f"a CPU ({hw.cpu_model or 'model unknown'})"
+        precision = manifest.resolved_precision(target, catalog, hw)
+        if precision not in hw.precisions:
+            problems.append(Problem(
+                "training.precision",
+                f"{precision} is not supported by targets[{ti}] local, which is this machine: {machine}, training in "
+                f"{', '.join(hw.precisions)}" + _cpu_precision_reason(hw, precision).replace(":", ";", 1),
+            ))  # fmt: skip
+        if manifest.job is not None or manifest.search is not None:  # a search skips such candidates itself
+            continue
+        world = max(hw.gpu_count if hw.device == "cuda" else 0, 1) * target.instance_count
+        for vi, variant in enumerate(manifest.variants):
+            refusal = device_refusal(
+                deepspeed_stage=variant.deepspeed_stage, attention=variant.attention, device=hw.device, world=world
+            )
+            if refusal is not None:
+                problems.append(Problem(f"variants[{vi}]", f"{variant.name!r} on targets[{ti}] local: {refusal}"))
+    return problems
+
+
 def _predict_tokens_per_s(
     *,
     arch: Architecture,
@@ -355,10 +383,11 @@ def plan(
         for vi, variant in enumerate(variants):
             batch = variant.per_device_batch_size or (defaults.per_device_batch_size if defaults else 1)
             accum = variant.gradient_accumulation_steps or (defaults.gradient_accumulation_steps if defaults else 1)
-            if variant.deepspeed_stage and device == "cpu":
-                raise PlanError(f"{where} runs on CPU; variant {variant.name!r} needs deepspeed_stage 0")
-            if variant.deepspeed_stage and world < 2:
-                raise PlanError(f"{where} has one GPU; variant {variant.name!r} needs deepspeed_stage 0")
+            refusal = device_refusal(
+                deepspeed_stage=variant.deepspeed_stage, attention=variant.attention, device=device, world=world
+            )
+            if refusal is not None:
+                raise PlanError(f"{where}, variant {variant.name!r}: {refusal}")
             estimate = memory_estimate(
                 arch, seq=seq, batch=batch, precision=precision, stage=variant.deepspeed_stage, world=world,
                 variant=variant, device=device, accumulation=accum,

@@ -17,6 +17,7 @@ from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_search import SEARCH_DIMENSIONS, SearchSpace
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant
+from gpuscout.plan.device_fit import device_refusal
 
 
 class SkippedCandidate(BaseModel):
@@ -107,10 +108,11 @@ def expand(
             why = f"micro-batch {micro} does not divide search.sequences_per_step {per_step}"
             skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
             continue
-        if settings["deepspeed_stage"] and (device == "cpu" or world < 2):
-            where = "on CPU" if device == "cpu" else "with one GPU"
-            why = f"ZeRO stage {settings['deepspeed_stage']} shards across GPUs; not {where}"
-            skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
+        refusal = device_refusal(
+            deepspeed_stage=settings["deepspeed_stage"], attention=settings["attention"], device=device, world=world
+        )
+        if refusal is not None:
+            skipped.append(SkippedCandidate(name=name, settings=settings, reason=refusal))
             continue
         variant = base.model_copy(update={**settings, "name": name, "gradient_accumulation_steps": accumulation})
         if capacity_gb is not None:

@@ -415,3 +415,30 @@ def test_an_invalid_manifest_creates_no_database(tmp_path: Path) -> None:
     db = tmp_path / "g.db"
     code, _, err = invoke("local", str(bad), "--db", str(db))
     assert code == 2 and "variants" in err and not db.exists()
+
+
+def test_validate_lists_what_this_machine_refuses_for_a_local_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given this machine is a CPU, and a quickstart asking for bf16 with a variant on flex attention (both passed
+    # `validate` before; bf16 was refused only by `plan`, flex failed every job after data preparation)
+    from gpuscout.domain import catalog
+
+    cpu = catalog.LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
+    monkeypatch.setattr(catalog, "detect_local_hardware", lambda: cpu)
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["training"]["precision"] = "bf16"
+    data["variants"][1]["attention"] = "flex"
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    # When it is validated
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(cli.app, ["validate", str(path)])
+    # Then both are listed with their field paths, exit 3 as `plan` refuses
+    assert result.exit_code == 3, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"error: {path}: 2 problem(s) on this machine (a `local` target runs here; `gpuscout plan` " \
+                       "and `gpuscout local` refuse it)"  # fmt: skip
+    assert lines[1].startswith("  - training.precision: bf16 is not supported by targets[0] local")
+    assert lines[2].startswith("  - variants[1]: 'b4-a1' on targets[0] local: attention flex has no backward pass")
+    # and a manifest this machine can run still validates
+    assert CliRunner().invoke(cli.app, ["validate", str(QUICKSTART)]).exit_code == 0

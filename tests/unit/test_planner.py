@@ -9,8 +9,9 @@ from gpuscout.domain.jobspec import JOB_NAME_RE
 from gpuscout.domain.manifest_loader import load_manifest, validate_manifest_data
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.paths import MANIFESTS_DIR
+from gpuscout.plan.device_fit import FLEX_ON_CPU
 from gpuscout.plan.jobs import MAX_RUNTIME_S, MIN_RUNTIME_S, make_run_id
-from gpuscout.plan.planner import plan
+from gpuscout.plan.planner import local_refusals, plan
 
 CATALOG = load_catalog()
 CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
@@ -294,3 +295,30 @@ def test_the_planners_memory_counts_gradients_at_the_loss_only_when_they_exist()
     assert accumulating - alone == pytest.approx(4 * total_params(a) / 1e9)
     assert memory_per_gpu_gb(a, world=1, **args) == accumulating  # unknown accumulation: the larger estimate
     assert memory_per_gpu_gb(a, world=8, accumulation=1, **args) > accumulating  # DDP's buckets + NCCL
+
+
+def test_settings_a_cpu_cannot_train_with_are_refused_before_anything_runs():
+    # Given a local CPU target with a variant on flex attention (it failed every job with NotImplementedError)
+    flex = manifest(
+        model={"preset": "qwen2-tiny"}, sequence_length=256, training={"max_steps": 5, "precision": "auto"},
+        targets=[{"instance_type": "local", "price_per_hour_usd": 0.1}],
+        variants=[{"name": "plain"}, {"name": "flexed", "attention": "flex"}],
+    )  # fmt: skip
+    # Then the plan refuses it naming the variant and what to use instead; on a GPU it plans
+    with pytest.raises(PlanError, match=r"targets\[0\] local, variant 'flexed': attention flex has no backward pass"):
+        plan(flex, CATALOG, run_id="r", local_hardware=CPU)
+    assert plan(flex, CATALOG, run_id="r", local_hardware=H100).jobs
+    # and every such problem is listed at once with its field path (what `gpuscout validate` shows)
+    bf16 = manifest(
+        model={"preset": "qwen2-tiny"}, sequence_length=256, training={"max_steps": 5, "precision": "bf16"},
+        targets=[{"instance_type": "local", "price_per_hour_usd": 0.1}],
+        variants=[{"name": "plain"}, {"name": "flexed", "attention": "flex"}, {"name": "zero", "deepspeed_stage": 2}],
+    )  # fmt: skip
+    problems = [(p.path, p.message) for p in local_refusals(bf16, CATALOG, CPU)]
+    assert [path for path, _ in problems] == ["training.precision", "variants[1]", "variants[2]"]
+    assert problems[0][1].startswith(
+        "bf16 is not supported by targets[0] local, which is this machine: a CPU (test cpu)"
+    )
+    assert problems[1][1] == f"'flexed' on targets[0] local: {FLEX_ON_CPU}"
+    assert "ZeRO stage 2 shards across GPUs, not on a CPU; use deepspeed_stage 0" in problems[2][1]
+    assert [p.path for p in local_refusals(bf16, CATALOG, H100)] == ["variants[2]"]  # ZeRO: one GPU

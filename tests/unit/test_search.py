@@ -21,6 +21,7 @@ from gpuscout.local.observer import SilentObserver
 from gpuscout.local.runner import run_local
 from gpuscout.local.search import StopCheck, objective_value, run_search
 from gpuscout.paths import MANIFESTS_DIR
+from gpuscout.plan.device_fit import FLEX_ON_CPU
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
@@ -321,3 +322,14 @@ def test_a_resumed_search_keeps_to_max_trials_counting_the_earlier_trials() -> N
     summary = run_search(the_plan.search, the_plan.jobs, run_trial=run_trial, done=done)
     assert len(launched) == 1 == summary.launched
     assert launched[0] not in {"b8-a1-w0", "b2-a4-w0"}
+
+
+def test_a_search_on_a_cpu_skips_flex_attention_with_the_reason() -> None:
+    # Given a search over attention kernels on a CPU target (FlexAttention has no backward pass on a CPU)
+    data = _search_manifest()
+    data["search"]["space"] = {"attention": ["sdpa", "flex"]}
+    the_plan = plan(parse_manifest(yaml.safe_dump(data), "m.yaml"), load_catalog(), run_id="s-1", local_hardware=CPU)
+    [target] = the_plan.search.targets
+    # Then the flex candidate is skipped, saying why and what to use, and never launched
+    assert [s.reason for s in target.skipped] == [FLEX_ON_CPU]
+    assert all("flex" not in name for name in target.candidates)

@@ -1,0 +1,18 @@
+"""Settings a device cannot train with at all, whatever the memory: one rule for the planner's refusals, a settings
+search's skipped candidates and `gpuscout validate`'s check of a `local` target on this machine."""
+
+from __future__ import annotations
+
+# PyTorch's FlexAttention runs forward on a CPU but raises NotImplementedError ("FlexAttention does not support
+# backward on CPU") in the backward pass; tests/training/test_device_fit.py holds the installed torch to it.
+FLEX_ON_CPU = "attention flex has no backward pass on a CPU (PyTorch's FlexAttention); use attention sdpa or eager"
+
+
+def device_refusal(*, deepspeed_stage: int, attention: str, device: str, world: int) -> str | None:
+    """Why a variant with these settings cannot train on ``device`` with ``world`` GPUs in all, or None."""
+    if deepspeed_stage and (device == "cpu" or world < 2):
+        where = "on a CPU" if device == "cpu" else "with one GPU"
+        return f"ZeRO stage {deepspeed_stage} shards across GPUs, not {where}; use deepspeed_stage 0"
+    if attention == "flex" and device == "cpu":
+        return FLEX_ON_CPU
+    return None
