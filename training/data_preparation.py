@@ -262,12 +262,27 @@ def _qwen_fast_tokenizer() -> Any:
     )
 
 
+# GPT-2's pre-tokenizer pattern (the one ByteLevel applies by default) with combining marks (\p{M}) kept in words:
+# GPT-2's ` ?\p{L}+` cuts a word at every mark, so pointed Hebrew (vowel points, cantillation), Arabic harakat and
+# Devanagari vowel signs fall apart into single letters and marks, and merges never span a syllable. On the whole
+# Hebrew Bible a vocab_size 8,192 BPE then learned only 1,967 tokens (1.36 characters per token); with marks kept in
+# words it learns all 8,192 (3.70 characters per token), byte-for-byte reversible as before.
+BPE_PRE_TOKENIZER_PATTERN = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?[\p{L}\p{M}]+| ?\p{N}+| ?[^\s\p{L}\p{M}\p{N}]+|\s+(?!\S)|\s+"
+)
+
+
 def _train_bpe(documents: Sequence[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(BPE_PRE_TOKENIZER_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
