@@ -164,7 +164,8 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert "reusing prepared data" in again.getvalue()
     # A damaged cache entry (a shard changed after it was written) is detected by its sha256 and prepared again.
     shard = next(cached.glob("train-*.input_ids.npy"))
-    shard.write_bytes(shard.read_bytes()[:-8] + b"\x00" * 8)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))  # flipped: a padded row may end in zeros already
     damaged = io.StringIO()
     prepared = prepare_data(load_manifest(manifest_path), runs_dir / ".cache" / "data", Console(file=damaged).print)
     assert "is damaged (sha256 of the shards differs from dataset.json); preparing it again" in " ".join(
