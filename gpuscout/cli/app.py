@@ -216,14 +216,14 @@ def plan(
 ) -> None:
     """Expand a manifest into training jobs and predict their time and cost; refuse (exit 3) over budget; with
     --stack-name, refuse a target whose training quota is 0 there (the check `gpuscout submit` makes)."""
-    from gpuscout.cli.local_view import plan_table
+    from gpuscout.cli.local_view import print_plan
     from gpuscout.domain.catalog import load_catalog
     from gpuscout.local.planning import plan_manifest
     from gpuscout.plan.search import describe_plan
 
     catalog = load_catalog()
     manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
-    console.print(plan_table(the_plan, for_run=False))
+    print_plan(console, the_plan, for_run=False)
     if the_plan.search is not None:
         for line in describe_plan(the_plan.search):
             console.print(line, markup=False, soft_wrap=True)

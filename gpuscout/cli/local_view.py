@@ -13,7 +13,6 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from gpuscout.analysis.recommend import seconds_text
 from gpuscout.cli.console_style import Column, responsive_table
@@ -27,43 +26,47 @@ def _fmt_duration(seconds: float | None) -> str:
     return "-" if seconds is None else seconds_text(seconds)
 
 
-def plan_table(the_plan: Any, *, for_run: bool = True) -> Table:
+def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None:
     """The job matrix of a plan with predicted throughput, time and cost, and the total (a search's: at most
     max_trials of its candidates run). ``for_run``: the plan of a run that starts now (its id in the title); else
-    ``gpuscout plan``'s preview, whose ids are drawn again by the run."""
+    ``gpuscout plan``'s preview, whose ids are drawn again by the run. Job names, precisions and numbers are never cut
+    (console_style.responsive_table: a narrow terminal gets a block per job instead)."""
     jobs: list[JobSpec] = list(the_plan.jobs)
     title = f"Plan for run {the_plan.run_id}" if for_run else "Plan (a run draws its own run id and job names)"
-    table = Table(title=title, title_justify="left")
-    table.add_column("job", overflow="fold")
-    table.add_column("instance", overflow="fold")
-    table.add_column("variant", overflow="fold")
-    table.add_column("precision")
     units = {spec.prediction.unit for spec in jobs} or {"tokens"}
-    table.add_column(f"pred. {'/'.join(sorted(units))}/s", justify="right")
-    table.add_column("pred. time", justify="right")
-    table.add_column("pred. $", justify="right")
+    columns = [
+        Column("job", whole=True),
+        Column("instance"),
+        Column("variant"),
+        Column("precision", whole=True),
+        Column(f"pred. {'/'.join(sorted(units))}/s", justify="right", whole=True),
+        Column("pred. time", justify="right", whole=True),
+        Column("pred. $", justify="right", whole=True),
+    ]
+    cells = []
     for spec in jobs:
         p = spec.prediction
         count = f" x{spec.instance_count}" if spec.instance_count > 1 else ""
-        table.add_row(
-            spec.job_name,
-            f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}",
-            spec.variant_name,
-            spec.precision,
-            f"{p.rate:,.0f}",
-            _fmt_duration(p.training_seconds + p.overhead_seconds),
-            f"{p.cost_usd:,.4f}",
+        cells.append(
+            [
+                escape(spec.job_name),
+                escape(f"{spec.instance_type}{count}{' (spot)' if spec.spot else ''}"),
+                escape(spec.variant_name),
+                spec.precision,
+                f"{p.rate:,.0f}",
+                _fmt_duration(p.training_seconds + p.overhead_seconds),
+                f"{p.cost_usd:,.4f}",
+            ]
         )
-    table.add_section()
     total_s = the_plan.predicted_sequential_seconds
     if the_plan.search is None:
         label, at_most = f"total ({len(jobs)} jobs)", ""
     else:
         label, at_most = f"total: at most {the_plan.search.trial_budget} of these {len(jobs)} candidates run", "≤ "
-    table.add_row(
-        label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}"
+    cells.append(
+        [label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}"]
     )
-    return table
+    responsive_table(console, title, columns, cells, key=0)
 
 
 def _mfu_text(row: Mapping[str, Any]) -> str:
@@ -148,7 +151,7 @@ class RichRunObserver:
         self._labels: dict[str, str] = {}
 
     def planned(self, the_plan: Any) -> None:
-        self.console.print(plan_table(the_plan))
+        print_plan(self.console, the_plan)
 
     def message(self, text: str, *, warning: bool = False) -> None:
         prefix = "[yellow]warning:[/] " if warning else ""

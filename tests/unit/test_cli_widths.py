@@ -82,3 +82,15 @@ def test_a_pruned_trials_clock_stops_when_it_ends() -> None:
         observer.job_finished(spec, JobOutcome(JobStatus.PRUNED, None, "pruned after 4 timed steps", 1.0))
         assert task.stop_time is not None and not task.finished  # stopped at its step, not drawn as complete
         assert task.description.startswith("job 1/6 b4")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_plan_keeps_job_names_precisions_and_numbers_whole(width: int) -> None:
+    # the case seen at 80 columns: job names folded over four lines and the header cut to "precisi…"
+    from test_cli import QUICKSTART
+
+    out = _run(width, "plan", str(QUICKSTART))
+    assert len(re.findall(r"gs-[0-9a-f]{6}-t0v\dr0-local-b\d-a\d(?:-nopack)?\b", out)) == 3  # each job name whole
+    assert out.count("fp32") == 3 and "precision" in out
+    assert re.search(r"total \(3 jobs\)", out) and re.search(r"\b0\.000\d\b", out)
+    assert "…" not in out

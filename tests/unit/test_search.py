@@ -289,7 +289,7 @@ def test_parallel_trials_are_counted_in_the_budget_before_launch() -> None:
 def test_the_plan_table_totals_what_a_search_can_run_and_names_no_run_id() -> None:
     from rich.console import Console
 
-    from gpuscout.cli.local_view import plan_table
+    from gpuscout.cli.local_view import print_plan
 
     # Given a search with more candidates than trials
     the_plan = _plan(max_trials=3)
@@ -300,7 +300,7 @@ def test_the_plan_table_totals_what_a_search_can_run_and_names_no_run_id() -> No
     # Then the time it predicts is the 3 longest candidates', not all 8
     assert the_plan.predicted_sequential_seconds == pytest.approx(sum(seconds[:3]))
     console = Console(width=200, record=True)
-    console.print(plan_table(the_plan, for_run=False))
+    print_plan(console, the_plan, for_run=False)
     text = console.export_text()
     assert "total: at most 3 of these 8 candidates run" in text and "≤ " in text
     # and `gpuscout plan`'s preview names no run id (a run draws its own)
