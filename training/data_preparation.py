@@ -267,9 +267,7 @@ def _qwen_fast_tokenizer() -> Any:
 # Devanagari vowel signs fall apart into single letters and marks, and merges never span a syllable. On the whole
 # Hebrew Bible a vocab_size 8,192 BPE then learned only 1,967 tokens (1.36 characters per token); with marks kept in
 # words it learns all 8,192 (3.70 characters per token), byte-for-byte reversible as before.
-BPE_PRE_TOKENIZER_PATTERN = (
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?[\p{L}\p{M}]+| ?\p{N}+| ?[^\s\p{L}\p{M}\p{N}]+|\s+(?!\S)|\s+"
-)
+BPE_PRE_TOKENIZER_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?[\p{L}\p{M}]+| ?\p{N}+| ?[^\s\p{L}\p{M}\p{N}]+|\s+(?!\S)|\s+"
 
 
 def _train_bpe(documents: Sequence[str], vocab_size: int) -> Any:
