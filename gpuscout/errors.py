@@ -150,6 +150,12 @@ def free_space_text(path: str | Path) -> str:
 DISK_FULL = "no space left on the disk holding"  # how gpuscout's own messages begin, for those who read them back
 
 
+def disk_full_at(path: str | Path) -> str:
+    """``"no space left on the disk holding PATH (N free)"``: the head of every full-disk message gpuscout writes."""
+    free = free_space_text(path)
+    return f"{DISK_FULL} {path}{f' ({free})' if free else ''}"
+
+
 class DiskFullError(GpuscoutError):
     """A disk (or the user's quota on it) filled up while gpuscout wrote ``path``."""
 
@@ -157,5 +163,4 @@ class DiskFullError(GpuscoutError):
         self, path: str | Path, doing: str, *, hint: str = "free space there or choose another folder"
     ) -> None:
         self.path = Path(path)
-        free = free_space_text(path)
-        super().__init__(f"{DISK_FULL} {path}{f' ({free})' if free else ''} while {doing}; {hint}")
+        super().__init__(f"{disk_full_at(path)} while {doing}; {hint}")

@@ -33,7 +33,7 @@ import numpy as np
 from data_sources import FORMATS, read_documents
 
 from gpuscout.domain.dataset_checks import invalid_lines
-from gpuscout.errors import DataPreparationError, is_disk_full
+from gpuscout.errors import DISK_FULL, DataPreparationError, disk_full_file, is_disk_full
 
 SCRIPT_VERSION = "1.0.0"
 FORMAT = "gpuscout-packed-v1"
@@ -452,8 +452,9 @@ def _write_split(
             # own file writer says only "N requested and M written").
             buffer = io.BytesIO()
             np.save(buffer, np.ascontiguousarray(array[start : start + blocks_per_shard]), allow_pickle=False)
-            (out / f"{stem}.{kind}.npy").write_bytes(buffer.getvalue())
-            digest.update(buffer.getvalue())
+            data = buffer.getvalue()
+            (out / f"{stem}.{kind}.npy").write_bytes(data)
+            digest.update(data)
         shards.append(
             {
                 "input_ids": f"{stem}.input_ids.npy",
@@ -643,10 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         if not is_disk_full(err):
             raise
-        where = getattr(err, "filename", None) or config.output
-        print(
-            f"data_preparation: error: no space left on the disk holding {where} ({err})", file=sys.stderr, flush=True
-        )
+        where = disk_full_file(err) or config.output
+        print(f"data_preparation: error: {DISK_FULL} {where} ({err})", file=sys.stderr, flush=True)
         return 2
     return 0
 

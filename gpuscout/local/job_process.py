@@ -29,7 +29,7 @@ from gpuscout.domain.benchmark import BenchmarkResult, stopped_by_signal
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.metric_lines import parse_metric_line
 from gpuscout.domain.tracking import tracking_environment
-from gpuscout.errors import DISK_FULL, free_space_text, says_disk_full
+from gpuscout.errors import disk_full_at, says_disk_full
 from gpuscout.local.contention import ContentionMonitor
 from gpuscout.local.process_control import (
     child_popen_kwargs,
@@ -352,9 +352,7 @@ def run_job(
         script = spec.job_code.entry_point if spec.job_code else "train.py"
         reason = f"{script} exited with code {proc.returncode}: {tail}"
     if says_disk_full(reason) or says_disk_full(job_progress.log_lost or ""):
-        where = f"{DISK_FULL} {folders.root}"
-        free = free_space_text(folders.root)
-        reason = f"{where}{f' ({free})' if free else ''}: {reason}"
+        reason = f"{disk_full_at(folders.root)}: {reason}"
     return JobOutcome(_classify_failure(reason), benchmark, reason, wall, contention)
 
 

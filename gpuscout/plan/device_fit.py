@@ -3,8 +3,8 @@ search's skipped candidates and `gpuscout validate`'s check of a `local` target 
 
 from __future__ import annotations
 
-# PyTorch's FlexAttention runs forward on a CPU but raises NotImplementedError ("FlexAttention does not support
-# backward on CPU") in the backward pass; tests/training/test_device_fit.py holds the installed torch to it.
+# PyTorch's FlexAttention runs forward on a CPU, but with inputs that need gradients it refuses ("FlexAttention does
+# not support backward on CPU"); tests/training/test_device_fit.py holds the installed torch to that.
 FLEX_ON_CPU = "attention flex has no backward pass on a CPU (PyTorch's FlexAttention); use attention sdpa or eager"
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import sqlite3
 import textwrap
 from pathlib import Path
 
 import pytest
+from test_local import _fake_data
 from typer.testing import CliRunner
 
 from gpuscout import paths
@@ -28,16 +28,6 @@ from gpuscout.store.sqlite import SqliteStore
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 FULL = Path("/dev/full")
 BENCHMARK = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks" / "local-cpu-r0.json"
-DATASET_JSON = json.dumps(
-    {
-        "sequence_length": 256,
-        "validation_fraction": 0.05,
-        "documents_read": 120,
-        "dropped": {"invalid": 0},
-        "tokenizer": {"kind": "bpe", "vocab_size": 4096},
-        "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
-    }
-)
 
 
 def _enospc(filename: str | None = None) -> OSError:
@@ -106,10 +96,7 @@ def _stand_in_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         )
     )
     monkeypatch.setattr(paths, "TRAINING_DIR", training)
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "dataset.json").write_text(DATASET_JSON)
-    monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
+    _fake_data(tmp_path, monkeypatch)
 
 
 def test_a_job_that_fills_the_disk_fails_saying_so_and_names_its_folder(
@@ -202,10 +189,7 @@ def test_data_preparation_on_a_full_disk_names_the_cache_and_its_log(
 
 
 def test_a_job_folder_that_cannot_be_made_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "dataset.json").write_text(DATASET_JSON)
-    monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
+    _fake_data(tmp_path, monkeypatch)
     started: list[str] = []
 
     def create(root: Path, spec: object, data_dir: object) -> JobFolders:
