@@ -105,6 +105,10 @@ def run_step(step: Step, *, env: dict[str, str], cwd: Path = ROOT) -> StepOutcom
     return StepOutcome(step.name, status, seconds, code, step.command, reason, _tail(text))
 
 
+# a step is not started with less time than this left before the call's deadline (it could not finish)
+MIN_STEP_S = 10
+
+
 def run_steps(
     steps: list[Step], *, env: dict[str, str], gpu: bool, installed: bool | None = None, deadline: float | None = None
 ) -> list[StepOutcome]:
@@ -118,7 +122,7 @@ def run_steps(
             skip = "torch sees no CUDA GPU (--no-gpu-ok)"
         elif step.needs_install and installed is False:
             skip = "the install step failed"
-        elif deadline is not None and deadline - time.monotonic() < 10:
+        elif deadline is not None and deadline - time.monotonic() < MIN_STEP_S:
             skip = "no time left in this call's --budget-s"
         if skip:
             outcomes.append(StepOutcome(step.name, "skipped", 0.0, command=step.command, reason=skip))

@@ -97,7 +97,7 @@ def _step(name: str, code: str, timeout_s: int = 60, **kwargs: bool) -> gpu_chec
     return gpu_check.Step(name, [sys.executable, "-c", code], timeout_s, **kwargs)
 
 
-def test_every_step_runs_whatever_the_others_did() -> None:
+def test_every_step_runs_whatever_the_others_did(monkeypatch: pytest.MonkeyPatch) -> None:
     steps = [
         _step("fails", "import sys; print('boom'); sys.exit(3)"),
         _step("hangs", "import time; time.sleep(30)", timeout_s=1),
@@ -112,9 +112,13 @@ def test_every_step_runs_whatever_the_others_did() -> None:
     assert "1 s limit" in str(outcomes[1].reason) and "no CUDA GPU" in str(outcomes[2].reason)
     late = gpu_check.run_steps([_step("late", "print(1)")], env={}, gpu=True, deadline=time.monotonic() + 5)
     assert late[0].status == "skipped" and "no time left" in str(late[0].reason)
+    # a step's own limit is cut to the time left before the deadline (a 1 s minimum here instead of 10 s, so the
+    # capped step waits 3 s, not 12)
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1)
     capped = gpu_check.run_steps([_step("capped", "import time; time.sleep(30)", timeout_s=600)], env={}, gpu=True,
-                                 deadline=time.monotonic() + 12)  # fmt: skip
-    assert capped[0].status == "timed-out" and capped[0].seconds < 15
+                                 deadline=time.monotonic() + 3)  # fmt: skip
+    assert capped[0].status == "timed-out" and capped[0].seconds < 5
+    assert str(capped[0].reason) in ("stopped at its 2 s limit", "stopped at its 3 s limit")  # not its own 600 s
     after_failed_install = gpu_check.run_steps([_step("tests", "print(1)")], env={}, gpu=True, installed=False)
     assert after_failed_install[0].status == "skipped" and "install step failed" in str(after_failed_install[0].reason)
 
@@ -144,10 +148,21 @@ def test_without_a_gpu_and_without_the_flag_it_stops_before_installing(tmp_path:
 
 
 def test_a_step_stopped_at_its_limit_takes_its_children_with_it(tmp_path: Path) -> None:
-    marker = tmp_path / "child-still-running"
-    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').write('x')"
+    pid_file = tmp_path / "grandchild.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(30)"
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(30)"
-    (outcome,) = gpu_check.run_steps([_step("parent", parent, timeout_s=1)], env={"PATH": "/usr/bin:/bin"}, gpu=True)
+    (outcome,) = gpu_check.run_steps([_step("parent", parent, timeout_s=2)], env={"PATH": "/usr/bin:/bin"}, gpu=True)
     assert outcome.status == "timed-out"
-    time.sleep(4)
-    assert not marker.exists()  # the grandchild (train.py under hopper.py) was stopped too
+    pid = int(pid_file.read_text())  # the grandchild had started
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)  # the grandchild (train.py under hopper.py) was stopped too
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed orphan may stay a zombie until the machine's init reaps it: that is not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
