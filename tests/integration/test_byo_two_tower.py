@@ -13,12 +13,20 @@ from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
 
-@pytest.mark.slow(seconds=18)
-def test_two_tower_local_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+    """examples/two-tower/local.yaml run once through `gpuscout local`; the tests below read the same run."""
+    tmp_path = tmp_path_factory.mktemp("two-tower")
     store = SqliteStore(tmp_path / "results.db")
     started = time.monotonic()
     run = run_local(REPO_DIR / "examples" / "two-tower" / "local.yaml", store=store, runs_dir=tmp_path / "runs")
-    assert time.monotonic() - started < 60
+    return run, store, tmp_path, time.monotonic() - started
+
+
+@pytest.mark.slow(seconds=18)
+def test_two_tower_local_end_to_end(example_run):
+    run, store, tmp_path, seconds = example_run
+    assert seconds < 60
     assert run.status is RunStatus.SUCCEEDED
     jobs = store.list_jobs(run.run_id)
     assert {j.variant_name for j in jobs} == {"b128", "b512"}
@@ -141,9 +149,7 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
         plan(cloud, load_catalog(), run_id="r")
 
 
-@pytest.mark.slow(seconds=16)
-def test_the_report_names_the_users_estimate_as_the_prediction(tmp_path):
-    store = SqliteStore(tmp_path / "results.db")
-    run = run_local(REPO_DIR / "examples" / "two-tower" / "local.yaml", store=store, runs_dir=tmp_path / "runs")
+def test_the_report_names_the_users_estimate_as_the_prediction(example_run):
+    run, _, tmp_path, _ = example_run
     report = (tmp_path / "runs" / run.run_id / "report" / "report.md").read_text()
     assert "| 20,000 samples/s (user's estimate (job.estimate): 20,000 samples/s per device x 1 device; " in report

@@ -25,7 +25,7 @@ def _manifest(tmp_path: Path, *, pruning: bool) -> Path:
         "model": {"preset": "qwen2-tiny"},
         "tokenizer": {"kind": "bpe", "vocab_size": 1024},
         "dataset": {"source": "bundled:hebrew-bible", "max_documents": 120, "validation_fraction": 0.05},
-        "sequence_length": 256,
+        "sequence_length": 128,
         "training": {"max_steps": 40, "learning_rate": 1.0e-3, "validation_batches": 1},
         "targets": [{"instance_type": "local", "price_per_hour_usd": 0.096}],
         "variants": [{"name": "base", "dataloader_workers": 0}],
@@ -33,9 +33,11 @@ def _manifest(tmp_path: Path, *, pruning: bool) -> Path:
             # micro-batch 1 and 8 at 8 sequences per step (accumulation 8 and 1), with and without checkpointing: 4.
             # Each trial is a train.py process (~3 s of imports on a 2-core machine before its first step): 8 trials
             # per run made this file the suite's longest; 4 still give the pruner a finished yardstick (the cheapest
-            # prediction runs first) and clearly slower trials to stop. 40 steps (a step is ~70 ms, a start-up ~3 s):
-            # rungs at 4, 8, 16 and 32 timed steps, so a trial's interval narrows enough to be pruned even beside
-            # the suite's other worker (with 20 steps and 4 candidates, one make test pruned none)
+            # prediction runs first) and clearly slower trials to stop. 40 steps (a start-up ~4 s): rungs at 4, 8, 16
+            # and 32 timed steps, so a trial's interval narrows enough to be pruned even beside the suite's other
+            # worker (with 20 steps and 4 candidates, one make test pruned none). Blocks of 128 tokens, not 256: a
+            # trial's 40 steps took ~4 s at 256 and the file 64 s of make test; at 128 it passed 4 of 4 times beside
+            # a busy core in ~50 s (2-core Xeon, the suite's kernels)
             "space": {"per_device_batch_size": [1, 8], "gradient_checkpointing": [False, True]},
             "sequences_per_step": 8,
             "pruning": {"enabled": pruning, "min_timed_steps": 4, "reduction_factor": 2},
