@@ -166,6 +166,13 @@ def deepspeed_collectives_through_torch() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed's CPU accelerator counts its "devices" (ZeRO-3 reads it as the local world size on every gradient
+    # reduce) from LOCAL_SIZE, which DeepSpeed's own launcher sets to the local process count; without it, every call
+    # starts `numactl --hardware` and counts NUMA nodes. Under torchrun that was 1 device for 2 local ranks, and each
+    # subprocess start reset Python's warning registry, so a torch deprecation DeepSpeed triggers was printed on every
+    # call: 538 lines in a 12-step two-rank ZeRO-3 job's log (torch 2.13, DeepSpeed 0.19.8). torchrun's
+    # LOCAL_WORLD_SIZE is the value DeepSpeed's launcher would set.
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def deepspeed_config(hp: Hyperparameters, precision: str, world_size: int, hidden_size: int) -> dict[str, Any]:
