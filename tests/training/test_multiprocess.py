@@ -322,10 +322,11 @@ def test_two_ranks_validate_checkpoint_survive_a_kill_resume_identically_and_sto
     assert reference.status == "completed" and reference.hardware.world_size == 2
     assert reference.config.global_batch_size == 4
     assert reference.config.deepspeed_stage == int(variant.get("deepspeed_stage", "0"))
-    assert SHM_OP not in full.hosts[0].log.read_text()  # ZeRO's collectives are gloo's, as NCCL's on a GPU
+    full_log = full.hosts[0].log.read_text()
+    assert SHM_OP not in full_log  # ZeRO's collectives are gloo's, as NCCL's on a GPU
     # torch's deprecation of a collective ZeRO calls is printed at most once per rank and message, not on every call
     # (ZeRO-3 printed it 538 times before train_model set LOCAL_SIZE on a CPU)
-    assert full.hosts[0].log.read_text().count(" is deprecated") <= 2 * 2
+    assert full_log.count(" is deprecated") <= 2 * 2
     train_ref, val_ref = losses(reference)
     if not variant:
         one_host_losses["HPS"] = (train_ref, val_ref)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuscout.local.process_control import process_alive
 from gpuscout.paths import REPO_DIR
 
 sys.path.insert(0, str(REPO_DIR / "benchmarks"))
@@ -155,14 +156,6 @@ def test_a_step_stopped_at_its_limit_takes_its_children_with_it(tmp_path: Path) 
     assert outcome.status == "timed-out"
     pid = int(pid_file.read_text())  # the grandchild had started
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:  # a killed orphan may stay a zombie: that is gone
         time.sleep(0.05)
-    assert not _alive(pid)  # the grandchild (train.py under hopper.py) was stopped too
-
-
-def _alive(pid: int) -> bool:
-    """Running (a killed orphan may stay a zombie until the machine's init reaps it: that is not running)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not process_alive(pid)  # the grandchild (train.py under hopper.py) was stopped too
