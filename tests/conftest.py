@@ -41,9 +41,13 @@ def _share_botocore_model_files() -> None:
     moto's ``mock_aws()`` gives every test a fresh boto3 default session, and a fresh session's loader parses every
     model a client needs again: 6.7 s of test_cloud_handlers' 31 s (cProfile, 2-core Xeon) went to ``json.loads`` of
     the same files. The files do not change while the suite runs, and one session already hands the same parsed
-    model to every client it makes, so the tests still see exactly what botocore ships.
+    model to every client it makes, so the tests still see exactly what botocore ships. Without botocore (a GPU
+    machine's own Python running ``make gpu-check``'s CUDA tests) there is nothing to share.
     """
-    from botocore.loaders import JSONFileLoader
+    try:
+        from botocore.loaders import JSONFileLoader
+    except ImportError:
+        return
 
     load_file = JSONFileLoader.load_file
     parsed: dict[str, Any] = {}

@@ -152,6 +152,7 @@ def test_nvml_fills_utilization_and_power() -> None:
     assert sampler.available, "NVML is not available (pip install nvidia-ml-py)"
     assert sampler.driver_version()
     sampler.start()
+    sampler.timing(True)  # stop() averages the samples taken while timing is on (train.py's timed steps)
     a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     end = time.perf_counter() + 2.0
     while time.perf_counter() < end:

@@ -159,3 +159,12 @@ def test_a_step_stopped_at_its_limit_takes_its_children_with_it(tmp_path: Path) 
     while process_alive(pid) and time.monotonic() < deadline:  # a killed orphan may stay a zombie: that is gone
         time.sleep(0.05)
     assert not process_alive(pid)  # the grandchild (train.py under hopper.py) was stopped too
+
+
+def test_the_suites_conftest_loads_on_a_python_without_botocore() -> None:
+    """gpu-check's cuda-tests step runs pytest with the GPU machine's own Python, which has no botocore (H100,
+    2026-11-25: the conftest's botocore import stopped the whole step before any CUDA test ran)."""
+    code = "import runpy, sys; sys.modules['botocore'] = None; runpy.run_path('tests/conftest.py')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
