@@ -144,6 +144,14 @@ def make_inputs(
     return ModelInputs(input_ids, position_ids, mask, labels, segment_ids)
 
 
+def eager_validation() -> Any:
+    """A context in which a torch.compile'd model runs eagerly: train.py validates inside it. Compiling the
+    validation's forward costs new graphs (eval mode, no grad, and again for a short last batch), each a full-model
+    compile: on an H100 (2026-11-25) two of them took about 30 s for Qwen2.5-1.5B, far more than the few eager
+    forwards they would have sped up."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def _chunk_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -154,17 +162,22 @@ def chunked_cross_entropy(
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``head(hidden)`` against ``labels`` (shifted inside, like HF).
 
-    Only the target tokens are projected, ``chunk_tokens`` at a time, and each chunk's logits are recomputed in
-    the backward pass instead of being stored, so peak memory holds one [chunk, vocab] block instead of the
-    batch's [B, L, vocab] logits. Numerically the same loss as a cross-entropy over the full logits.
+    The prediction rows are projected ``chunk_tokens`` at a time, and each chunk's logits are recomputed in the
+    backward pass instead of being stored, so peak memory holds one [chunk, vocab] block instead of the batch's
+    [B, L, vocab] logits. Numerically the same loss as a cross-entropy over the full logits.
     ``head`` is called as a module so DeepSpeed ZeRO-3 gathers its weight.
+
+    Every row is projected, ignored ones too (they add 0 to the sum and get no gradient), so the chunks' shapes
+    depend on the batch's shape alone and torch.compile traces one graph for every micro-batch. Dropping the
+    ignored rows first (a boolean index) made the row count data-dependent: a graph break, and a recompile for
+    each new number of targets, i.e. per packed micro-batch (seen on an H100, 2026-11-25). The price is the head's
+    work on ignored rows: one per document piece and the padding, under 0.1 % of a packed batch's rows.
     """
-    h, t = _targets(hidden, labels)
-    count = t.numel()
-    if count == 0:
-        return hidden.sum() * 0.0
+    h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+    t = labels[:, 1:].reshape(-1)
+    count = (t != IGNORE_INDEX).sum()
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, count, chunk_tokens):
+    for start in range(0, t.shape[0], chunk_tokens):
         part = checkpoint(
             _chunk_loss_sum,
             h[start : start + chunk_tokens],
@@ -173,7 +186,7 @@ def chunked_cross_entropy(
             use_reentrant=False,
         )
         total = total + part
-    return total / count
+    return total / count.clamp(min=1)  # no targets: 0, and no gradient anywhere
 
 
 def plain_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

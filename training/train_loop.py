@@ -33,7 +33,7 @@ from benchmark_callback import (
 from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
-from packing import CausalLMWithLoss, make_inputs, unpack_blocks
+from packing import CausalLMWithLoss, eager_validation, make_inputs, unpack_blocks
 from stop_signal import StopSignal
 from train_args import Hyperparameters
 from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_starts
@@ -619,7 +619,7 @@ class Benchmark:
         b = hp.per_device_train_batch_size
         loss_sum, target_sum = 0.0, 0
         wrapped.eval()
-        with torch.no_grad():
+        with torch.no_grad(), eager_validation():
             # Every rank runs the same number of forwards (DDP broadcasts buffers and ZeRO-3 gathers parameters in
             # each forward: a rank that stops early leaves the others waiting for ever); a rank without a real
             # batch of its own runs the split's first blocks and counts nothing.

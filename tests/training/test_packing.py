@@ -9,6 +9,7 @@ from packing import (
     IGNORE_INDEX,
     CausalLMWithLoss,
     chunked_cross_entropy,
+    eager_validation,
     make_inputs,
     plain_cross_entropy,
     position_ids_from_segments,
@@ -68,6 +69,49 @@ def test_chunked_cross_entropy_equals_plain_loss_and_gradients() -> None:
     torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=1e-6)
     for a, b in zip(g_chunked, g_plain, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_cross_entropy_with_no_target_is_zero_and_backpropagates_zeros() -> None:
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    loss = chunked_cross_entropy(hidden, head, torch.full((2, 5), IGNORE_INDEX), chunk_tokens=3)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert hidden.grad is not None and not hidden.grad.any() and head.weight.grad is not None
+    assert not head.weight.grad.any()
+
+
+def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() -> None:
+    """train.py compiles CausalLMWithLoss; packed micro-batches differ in their number of targets (one ignored row
+    per document piece). The loss must not make that number part of the graph: on an H100 (2026-11-25) the chunked
+    loss's boolean row selection broke the graph and recompiled it per micro-batch. aot_eager traces as Inductor
+    would (dynamo, then AOT autograd's forward and backward) without generating kernels."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = CausalLMWithLoss(_model("sdpa").train(), loss="chunked")
+    model.compile(backend="aot_eager")
+    generator = torch.Generator().manual_seed(4)
+    counts = set()
+    for pieces in (2, 3, 5, 4):  # a different number of documents, so of targets, in each micro-batch
+        seg = torch.ones(2, 64, dtype=torch.long)
+        for number, cut in enumerate(sorted(torch.randperm(63, generator=generator)[: pieces - 1].tolist()), 2):
+            seg[:, cut + 1 :] = number
+        ids = torch.randint(0, 97, (2, 64), generator=generator)
+        inputs = make_inputs(ids, seg, packing=True, attention="sdpa", dtype=torch.float32)
+        counts.add(int((inputs.labels[:, 1:] != IGNORE_INDEX).sum()))
+        model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels).backward()
+    assert len(counts) == 4
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # validation (eval, no grad, a last batch of one block) compiles nothing more under eager_validation
+    model.eval()
+    with torch.no_grad(), eager_validation():
+        value = model(inputs.input_ids[:1], inputs.position_ids[:1], inputs.attention_mask[:1], inputs.labels[:1])
+    assert torch.isfinite(value)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
 
 
 def test_model_losses_agree_with_transformers() -> None:
