@@ -25,6 +25,8 @@ import time
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -372,8 +374,18 @@ def tokenize(
 
     if config.workers > 1 and len(batches) > 1:
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(config.workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
-            consume(pool.imap(_encode_batch, batches))
+        # an executor, not multiprocessing.Pool: a worker that dies (one that cannot import the caller's main module,
+        # say) breaks the executor with an error, where a Pool starts a new worker in its place for ever
+        try:
+            with ProcessPoolExecutor(config.workers, mp_context=ctx, initializer=_init_worker,
+                                     initargs=(str(tokenizer_dir),)) as pool:  # fmt: skip
+                consume(pool.map(_encode_batch, batches))
+        except BrokenProcessPool as err:
+            raise DataPreparationError(
+                f"{label}: a tokenizer worker process ended abruptly ({err}). Workers start by importing the "
+                'main module: a script that prepares data needs an `if __name__ == "__main__":` guard and must be '
+                "a file, not stdin; workers=1 tokenizes in this process."
+            ) from err
     else:
         _WORKER_TOKENIZER = tokenizer
         consume(map(_encode_batch, batches))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,21 @@ def test_identical_input_gives_identical_output(tmp_path: Path) -> None:
     assert (tmp_path / "one" / "dataset.json").read_bytes() == (tmp_path / "two" / "dataset.json").read_bytes()
     other_seed = dp.prepare(_config(tmp_path / "three", seed=1))
     assert other_seed.sha256 != one.sha256
+
+
+def test_workers_that_cannot_start_stop_the_preparation_with_the_reason(tmp_path: Path) -> None:
+    """A script on stdin (no main module a spawned worker can import) used to leave multiprocessing.Pool replacing
+    its dying workers until killed: ten minutes of an H100 call on 2026-11-25. Now it stops, saying why."""
+    script = (
+        "import data_preparation as dp\n"
+        f"dp.prepare(dp.PrepareConfig(input={str(CORPUS)!r}, output={str(tmp_path / 'out')!r}, tokenizer='bpe', "
+        "vocab_size=400, sequence_length=64, workers=2, quiet=True))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRAINING_DIR), str(REPO_DIR)])}
+    done = subprocess.run([sys.executable, "-"], input=script, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode != 0
+    assert "DataPreparationError" in done.stderr and "__main__" in done.stderr and "workers=1" in done.stderr
 
 
 def test_pack_keeps_document_boundaries() -> None:
