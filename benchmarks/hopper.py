@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +65,7 @@ class Setup:
     blocks_per_step: int | None
     rows: list[str] | None = None  # row names to run (None: every row); see row_names()
     piece: str | None = None  # names this piece's output files, for `hopper.py merge`
+    row_timeout_s: float | None = None  # a row still running after this is stopped and reported "timed out"
 
 
 @dataclass
@@ -204,6 +206,27 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> str | None:
+    """Run one row's process with its output in ``log`` (readable while it runs, kept after); None when it ended by
+    itself, else why it was stopped. At the limit its whole process group is killed (train.py's compile workers)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[hopper]   log: {log}", flush=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"stopped at the row's {timeout_s:.0f} s limit (--row-timeout-s)"
+    return None
+
+
+def _log_tail(log: Path, stopped: str | None) -> str:
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return "\n".join(p for p in (_tail(text), stopped) if p)
+
+
 # The two plain-Trainer rows. "as written": the planning documents' baseline (per-device batch 4 x accumulation 2,
 # documents padded to 4,096, default attention); it does not fit a 1.5B model in 80 GB and is kept as an
 # out-of-memory row. "ckpt": the set-up a user tries next, gradient checkpointing on at the same global batch. The
@@ -223,10 +246,11 @@ def run_baseline(setup: Setup, model: str, name: str = "hf-trainer-as-written") 
         "--steps", str(setup.steps), "--learning-rate", str(setup.learning_rate), "--seed", str(setup.seed),
         "--out", str(out), *(["--gradient-checkpointing"] if checkpointing else []),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, check=False)
+    log = setup.work_dir / model / f"{name}.log"
+    stopped = run_logged(cmd, _env({}), log, setup.row_timeout_s)
     if not out.is_file():
-        return Row(model, name, change, "failed", failure_reason=_tail(proc.stderr), micro_batch=4,
-                   gradient_accumulation=2)  # fmt: skip
+        return Row(model, name, change, "timed out" if stopped else "failed", failure_reason=_log_tail(log, stopped),
+                   micro_batch=4, gradient_accumulation=2)  # fmt: skip
     r = json.loads(out.read_text())
     if r["status"] != "completed":
         reason = str(r.get("failure_reason"))
@@ -287,14 +311,14 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
             "GPUSCOUT_CHECKPOINT_DIR": str(root / "checkpoints"),
         }
     )
-    proc = subprocess.run(
-        [sys.executable, str(TRAINING_DIR / "train.py"), *args], env=env, capture_output=True, text=True, check=False
-    )
+    log = root / "train.log"
+    stopped = run_logged([sys.executable, str(TRAINING_DIR / "train.py"), *args], env, log, setup.row_timeout_s)
     path = root / "output" / "benchmark.json"
     base = Row(model, variant.name, variant.change, "failed", micro_batch=micro,
                gradient_accumulation=int(variant.hyperparameters["gradient_accumulation_steps"]))  # fmt: skip
-    if not path.is_file():
-        base.failure_reason = _tail(proc.stderr)
+    if not path.is_file():  # stopped (or failed) before the measurement was written
+        base.status = "timed out" if stopped else "failed"
+        base.failure_reason = _log_tail(log, stopped)
         return base
     b = json.loads(path.read_text())
     if b["status"] != "completed":
@@ -321,6 +345,8 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
         "hardware": b["hardware"],
         "software": b["software"],
     }
+    if stopped:  # train.py writes the measurement before its final validation: the timed steps stand
+        base.details["stopped"] = f"{stopped}, during the final validation: no validation loss"
     return base
 
 
@@ -423,6 +449,9 @@ def parse_args(argv: Sequence[str] | None) -> Setup:
     parser.add_argument("--piece", default=None,
                         help="name of this piece: output files hopper-<gpu>-<date>-<piece>.json/.md, to merge with "
                              "`hopper.py merge`")  # fmt: skip
+    parser.add_argument("--row-timeout-s", type=float, default=None,
+                        help="stop a row still running after this many seconds; it is reported 'timed out' with its "
+                             "log's last lines, and the rows after it still run (default: no limit)")  # fmt: skip
     a = parser.parse_args(argv)
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     if a.quick:
@@ -449,6 +478,7 @@ def parse_args(argv: Sequence[str] | None) -> Setup:
         blocks_per_step=a.blocks_per_step,
         rows=[r.strip() for r in a.rows.split(",") if r.strip()] if a.rows else None,
         piece=re.sub(r"[^A-Za-z0-9_.-]+", "-", a.piece) if a.piece else None,
+        row_timeout_s=a.row_timeout_s,
     )
 
 
@@ -515,18 +545,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(row)
         print(f"[hopper]   {row.status}" + (f", {row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else ""),
               flush=True)  # fmt: skip
-    reference = apply_ratios(rows)
-    setup.out.mkdir(parents=True, exist_ok=True)
-    stem = f"hopper-{gpu_slug(env)}-{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}"
-    stem += f"-{setup.piece}" if setup.piece else ""
-    payload = _payload(setup, env, rows, blocks=blocks, sha=summary["sha256"], reference=reference)
-    (setup.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    text = markdown(setup, env, rows)
-    (setup.out / f"{stem}.md").write_text(text)
+        # after every row, so a run stopped from outside (a device call's limit) leaves the rows it finished
+        stem, text = write_results(setup, env, rows, blocks=blocks, sha=summary["sha256"])
     print(text, flush=True)
     print(f"[hopper] wrote {setup.out / stem}.json and .md in {time.perf_counter() - started:.0f} s", flush=True)
     required = [r for r in rows if r.variant in ("hf-trainer-ckpt", "optimized")]
     return 0 if all(r.status == "completed" for r in required) else 1
+
+
+def write_results(setup: Setup, env: dict[str, Any], rows: list[Row], *, blocks: int, sha: str) -> tuple[str, str]:
+    """The JSON and markdown of the rows so far (ratios recomputed); returns the files' stem and the table."""
+    reference = apply_ratios(rows)
+    setup.out.mkdir(parents=True, exist_ok=True)
+    stem = f"hopper-{gpu_slug(env)}-{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}"
+    stem += f"-{setup.piece}" if setup.piece else ""
+    payload = _payload(setup, env, rows, blocks=blocks, sha=sha, reference=reference)
+    (setup.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = markdown(setup, env, rows)
+    (setup.out / f"{stem}.md").write_text(text)
+    return stem, text
 
 
 def merge_main(argv: Sequence[str]) -> int:

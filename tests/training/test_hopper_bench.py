@@ -80,6 +80,19 @@ def test_quick_mode_runs_in_pieces_that_merge_into_one_table(tmp_path: Path) -> 
     assert "| qwen2-tiny | optimized |" in md and "torch 2" in md
 
 
+def test_a_row_past_its_limit_is_stopped_and_reported_with_its_log(tmp_path: Path) -> None:
+    """On the first H100 (2026-11-25) a row outlived its device call and left nothing: no table, no log. A row past
+    --row-timeout-s is now stopped, reported "timed out" with its log's last lines, and the table is written."""
+    done = _quick(tmp_path, "--rows", "optimized", "--piece", "t", "--row-timeout-s", "1")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads(next((tmp_path / "results").glob("hopper-cpu-*-t.json")).read_text())
+    (row,) = payload["rows"]
+    assert row["status"] == "timed out" and "1 s limit" in row["failure_reason"]
+    log = tmp_path / "work" / "qwen2-tiny" / "optimized" / "train.log"
+    assert log.is_file() and f"log: {log}" in done.stdout
+    assert "| qwen2-tiny | optimized | 1 x 7 | timed out: stopped at the row" in done.stdout
+
+
 def test_merge_refuses_pieces_of_different_data(tmp_path: Path) -> None:
     hopper = _load("hopper")
     piece = {"dataset_sha256": "a", "steps": 5, "blocks_per_step": 1, "sequence_length": 512, "kind": "smoke-test",
