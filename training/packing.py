@@ -11,6 +11,7 @@ HF Trainer set-up feeds documents; make_inputs then masks the padding only. The 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,11 +145,17 @@ def make_inputs(
     return ModelInputs(input_ids, position_ids, mask, labels, segment_ids)
 
 
-def eager_validation() -> Any:
-    """A context in which a torch.compile'd model runs eagerly: train.py validates inside it. Compiling the
-    validation's forward costs new graphs (eval mode, no grad, and again for a short last batch), each a full-model
-    compile: on an H100 (2026-11-25) two of them took about 30 s for Qwen2.5-1.5B, far more than the few eager
-    forwards they would have sped up."""
+def eager_validation(attention: str) -> Any:
+    """The context train.py validates in: a torch.compile'd model runs eagerly there, except with flex attention.
+
+    Compiling the validation's forward costs new full-model graphs (eval mode and no grad; train.py pads a short
+    last batch so there is no second shape): on an H100 (2026-11-25) two of them took about 30 s for Qwen2.5-1.5B,
+    more than the few eager forwards they speed up. Flex attention is the exception: eager flex_attention is an
+    unfused reference that materializes fp32 scores (about 7-8 GB alive per layer call at Qwen2.5-1.5B, 4,096
+    tokens, micro-batch 2, by a count of torch's math_attention; not measured), and "force_eager" would switch off
+    transformers' own compiled flex kernel too, so with flex the compiled model validates compiled (one graph)."""
+    if attention == "flex":
+        return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
 
 
@@ -171,7 +178,8 @@ def chunked_cross_entropy(
     depend on the batch's shape alone and torch.compile traces one graph for every micro-batch. Dropping the
     ignored rows first (a boolean index) made the row count data-dependent: a graph break, and a recompile for
     each new number of targets, i.e. per packed micro-batch (seen on an H100, 2026-11-25). The price is the head's
-    work on ignored rows: one per document piece and the padding, under 0.1 % of a packed batch's rows.
+    work on ignored rows: one per document piece and the padding, under 0.1 % of a packed batch's rows; without
+    packing it is every padding position (the layers below compute those positions too).
     """
     h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
     t = labels[:, 1:].reshape(-1)

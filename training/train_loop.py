@@ -33,10 +33,10 @@ from benchmark_callback import (
 from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
 from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
-from packing import CausalLMWithLoss, eager_validation, make_inputs, unpack_blocks
+from packing import IGNORE_INDEX, CausalLMWithLoss, eager_validation, make_inputs, unpack_blocks
 from stop_signal import StopSignal
 from train_args import Hyperparameters
-from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_starts
+from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_batches
 from train_distributed import Dist
 from train_facts import CPU_NOTE, hardware_info, process_age_s, resolve_precision, software_info
 from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config
@@ -619,20 +619,19 @@ class Benchmark:
         b = hp.per_device_train_batch_size
         loss_sum, target_sum = 0.0, 0
         wrapped.eval()
-        with torch.no_grad(), eager_validation():
+        with torch.no_grad(), eager_validation(hp.attention_implementation):
             # Every rank runs the same number of forwards (DDP broadcasts buffers and ZeRO-3 gathers parameters in
             # each forward: a rank that stops early leaves the others waiting for ever); a rank without a real
             # batch of its own runs the split's first blocks and counts nothing.
-            for start in validation_starts(len(ids), b, dist.world_size, dist.rank, hp.validation_batches):
-                real = start is not None
-                lo = start if start is not None else 0
-                ids_b = torch.from_numpy(ids[lo : lo + b])
-                seg_b = torch.from_numpy(seg[lo : lo + b])
-                _, targets = token_counts(seg_b, hp.packing)
+            batches = validation_batches(ids, seg, b, world=dist.world_size, rank=dist.rank,
+                                         max_batches=hp.validation_batches)  # fmt: skip
+            for real, ids_b, seg_b, counted in batches:
+                _, targets = token_counts(seg_b[:counted], hp.packing)
                 inputs = make_inputs(
                     ids_b.to(dist.device), seg_b.to(dist.device), packing=hp.packing,
                     attention=hp.attention_implementation, dtype=parts.compute_dtype,
                 )  # fmt: skip
+                inputs.labels[counted:] = IGNORE_INDEX  # the rows that fill up a short batch count for nothing
                 with parts.autocast:
                     loss = wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
                 if real and targets > 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -107,10 +109,12 @@ def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() 
     assert not counters["graph_break"], dict(counters["graph_break"])
     # validation (eval, no grad, a last batch of one block) compiles nothing more under eager_validation
     model.eval()
-    with torch.no_grad(), eager_validation():
+    with torch.no_grad(), eager_validation("sdpa"):
         value = model(inputs.input_ids[:1], inputs.position_ids[:1], inputs.attention_mask[:1], inputs.labels[:1])
     assert torch.isfinite(value)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # with flex the model validates compiled: eager flex_attention is an unfused reference (fp32 scores in memory)
+    assert isinstance(eager_validation("flex"), contextlib.nullcontext)
     torch._dynamo.reset()
 
 

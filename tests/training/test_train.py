@@ -12,6 +12,7 @@ from pathlib import Path
 
 import data_preparation as dp
 import jsonschema
+import numpy as np
 import pytest
 import train_args
 import train_data
@@ -238,6 +239,19 @@ def test_every_rank_runs_the_same_number_of_validation_forwards() -> None:
     assert counts == [1] * 8
     assert train_data.validation_starts(0, 2, 2, 0, 10) == []
     assert train_data.validation_starts(100, 2, 2, 1, 3) == [2, 6, 10]  # capped at validation_batches
+
+
+def test_every_validation_forward_has_the_full_batch_and_says_which_rows_count() -> None:
+    ids = np.arange(5 * 4, dtype=np.int32).reshape(5, 4)
+    seg = np.ones((5, 4), dtype=np.int32)
+    # rank 0 of 2, batch 2: blocks 0-1, then the short last batch (block 4) filled up with a copy of itself
+    got = list(train_data.validation_batches(ids, seg, 2, world=2, rank=0, max_batches=10))
+    assert [(real, counted, tuple(i.shape)) for real, i, _, counted in got] == [(True, 2, (2, 4)), (True, 1, (2, 4))]
+    assert got[1][1].tolist() == [ids[4].tolist(), ids[4].tolist()]
+    # rank 1: blocks 2-3, then a forward of its own-less round on the split's first blocks, counting nothing
+    got = list(train_data.validation_batches(ids, seg, 2, world=2, rank=1, max_batches=10))
+    assert [(real, counted) for real, _, _, counted in got] == [(True, 2), (False, 2)]
+    assert got[1][1].tolist() == ids[:2].tolist()
 
 
 @pytest.mark.slow(seconds=15)
