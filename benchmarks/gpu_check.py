@@ -27,6 +27,7 @@ the CUDA tests skip themselves and the GPU-only steps are recorded as skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -82,16 +83,16 @@ def run_step(step: Step, *, env: dict[str, str], cwd: Path = ROOT) -> StepOutcom
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         try:
-            # its own process group, so a step stopped at its limit takes its children (hopper.py's train.py, which
-            # holds the GPU) with it instead of leaving them to overlap the next step
+            # its own process group, stopped whole at the step's limit: SIGTERM first, so hopper.py stops its row
+            # (train.py, which holds the GPU, in a group of its own) before exiting, then SIGKILL for what is left;
+            # a row whose hopper.py died outright gets SIGTERM from the kernel (PR_SET_PDEATHSIG)
             proc = subprocess.Popen(step.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
             try:
                 code: int | None = proc.wait(timeout=step.timeout_s)
                 status = "passed" if code == 0 else "failed"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stop_group(proc)
                 status, code = "timed-out", None
         except OSError as err:
             status, code = "failed", None
@@ -103,6 +104,20 @@ def run_step(step: Step, *, env: dict[str, str], cwd: Path = ROOT) -> StepOutcom
     print(f"[gpu-check] {step.name}: {status} in {seconds} s", flush=True)
     reason = f"stopped at its {step.timeout_s} s limit" if status == "timed-out" else None
     return StepOutcome(step.name, status, seconds, code, step.command, reason, _tail(text))
+
+
+STOP_GRACE_S = 10  # between a stopped step's SIGTERM and SIGKILL (hopper.py's own grace for its row is 5 s)
+
+
+def stop_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM the step's process group, SIGKILL it after STOP_GRACE_S (or at once once the leader is gone)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # a step is not started with less time than this left before the call's deadline (it could not finish)

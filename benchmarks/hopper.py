@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuscout.domain.models import PRESETS
+from gpuscout.local.process_control import child_popen_kwargs, stop_process_group
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 
 BASELINE_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_baseline.py"
@@ -197,7 +199,7 @@ def variants(model: str, blocks: int, quick: bool) -> list[Variant]:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_DIR), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -206,19 +208,28 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+# a row stopped at its limit (or with hopper.py) gets SIGTERM first: train.py then ends after its current step
+ROW_STOP_GRACE_S = 5.0
+
+
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> str | None:
     """Run one row's process with its output in ``log`` (readable while it runs, kept after); None when it ended by
-    itself, else why it was stopped. At the limit its whole process group is killed (train.py's compile workers)."""
+    itself, else why it was stopped. The row runs in its own process group, stopped whole (train.py's compile and
+    data-loader workers) at the limit or when hopper.py itself ends (an exception, SIGTERM: see main); it also gets
+    SIGTERM if hopper.py is killed outright (PR_SET_PDEATHSIG), so no row outlives hopper.py on the GPU."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[hopper]   log: {log}", flush=True)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, **child_popen_kwargs())
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_process_group(proc, ROW_STOP_GRACE_S)
             return f"stopped at the row's {timeout_s:.0f} s limit (--row-timeout-s)"
+        except BaseException:
+            stop_process_group(proc, ROW_STOP_GRACE_S)
+            raise
+    stop_process_group(proc, 0)  # anything the row left running in its group
     return None
 
 
@@ -246,6 +257,7 @@ def run_baseline(setup: Setup, model: str, name: str = "hf-trainer-as-written") 
         "--steps", str(setup.steps), "--learning-rate", str(setup.learning_rate), "--seed", str(setup.seed),
         "--out", str(out), *(["--gradient-checkpointing"] if checkpointing else []),
     ]  # fmt: skip
+    out.unlink(missing_ok=True)  # a reused --work-dir: no earlier result of this row
     log = setup.work_dir / model / f"{name}.log"
     stopped = run_logged(cmd, _env({}), log, setup.row_timeout_s)
     if not out.is_file():
@@ -311,6 +323,7 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
             "GPUSCOUT_CHECKPOINT_DIR": str(root / "checkpoints"),
         }
     )
+    shutil.rmtree(root, ignore_errors=True)  # a reused --work-dir: no earlier result or checkpoint of this row
     log = root / "train.log"
     stopped = run_logged([sys.executable, str(TRAINING_DIR / "train.py"), *args], env, log, setup.row_timeout_s)
     path = root / "output" / "benchmark.json"
@@ -346,7 +359,7 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
         "software": b["software"],
     }
     if stopped:  # train.py writes the measurement before its final validation: the timed steps stand
-        base.details["stopped"] = f"{stopped}, during the final validation: no validation loss"
+        base.details["stopped"] = f"{stopped}, after train.py had written its measurement"
     return base
 
 
@@ -399,8 +412,9 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} "
                          f"| {r.status}: {reason} | | | {peak} | | | | | {r.change} |")  # fmt: skip
             continue
+        variant = f"{r.variant} (stopped at its limit after its measurement)" if r.details.get("stopped") else r.variant
         lines.append(
-            f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} | {_fmt(r.tokens_per_s, ',.0f')} "
+            f"| {r.model} | {variant} | {r.micro_batch} x {r.gradient_accumulation} | {_fmt(r.tokens_per_s, ',.0f')} "
             f"| {_fmt(r.mfu and 100 * r.mfu, '.1f')}{'' if r.mfu is None else ' %'} "
             f"| {_fmt(r.hfu and 100 * r.hfu, '.1f')}{'' if r.hfu is None else ' %'} "
             f"| {_fmt(r.peak_memory_gb, '.1f')} | {_fmt(r.ratio_to_baseline, '.2f')} "
@@ -501,6 +515,11 @@ def _payload(
     }
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM as an exception in the main thread, so the running row is stopped (run_logged) before exiting."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
@@ -532,6 +551,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[hopper] unknown row(s) {', '.join(unknown)} for {model}; known: {', '.join(known)}", flush=True)
             return 2
         plan += [(model, name) for name in known if name in wanted]
+    if not plan:
+        print("[hopper] no rows to run (--models and --rows name none)", file=sys.stderr, flush=True)
+        return 2
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # `timeout`, a device call's end: stop the row first
     rows: list[Row] = []
     started = time.perf_counter()
     for index, (model, name) in enumerate(plan, start=1):

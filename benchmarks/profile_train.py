@@ -26,8 +26,10 @@ train.py resumes from the newest checkpoint there, /opt/ml/checkpoints by defaul
    and ``<out>/profile-<time>.json`` (the top ``--rows`` entries and the totals).
 
 train.py needs at least wait + 1 + active optimizer steps (``--max_steps``); a run that ends before the window is
-complete writes nothing and exits non-zero saying so. Otherwise the exit status is train.py's. One process only (not
-under torchrun); under DeepSpeed the engine steps its own optimizer and the hook may never fire.
+complete writes nothing and exits non-zero saying so. With fp16, a step that the gradient scaler skips calls no
+``optimizer.step()``, so the hook does not fire and two steps count as one (bf16 and fp32 are not affected).
+Otherwise the exit status is train.py's. One process only (not under torchrun); under DeepSpeed the engine steps its
+own optimizer and the hook may never fire.
 """
 
 from __future__ import annotations

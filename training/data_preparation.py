@@ -382,9 +382,10 @@ def tokenize(
                 consume(pool.map(_encode_batch, batches))
         except BrokenProcessPool as err:
             raise DataPreparationError(
-                f"{label}: a tokenizer worker process ended abruptly ({err}). Workers start by importing the "
-                'main module: a script that prepares data needs an `if __name__ == "__main__":` guard and must be '
-                "a file, not stdin; workers=1 tokenizes in this process."
+                f"{label}: a tokenizer worker process ended abruptly ({err}); its own error, if it printed one, is "
+                "above. The usual cause: workers start by importing the main module, so a script that prepares data "
+                'needs an `if __name__ == "__main__":` guard and must be a file, not stdin. A worker killed for '
+                "memory ends the same way. workers=1 tokenizes in this process."
             ) from err
     else:
         _WORKER_TOKENIZER = tokenizer

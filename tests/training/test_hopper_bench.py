@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpuscout.local.process_control import process_alive
 from gpuscout.paths import REPO_DIR
 
 BENCH = REPO_DIR / "benchmarks"
@@ -91,6 +93,42 @@ def test_a_row_past_its_limit_is_stopped_and_reported_with_its_log(tmp_path: Pat
     log = tmp_path / "work" / "qwen2-tiny" / "optimized" / "train.log"
     assert log.is_file() and f"log: {log}" in done.stdout
     assert "| qwen2-tiny | optimized | 1 x 7 | timed out: stopped at the row" in done.stdout
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids whose environment holds ``marker`` (a test's own folder: train.py gets it in SM_OUTPUT_DATA_DIR)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes() and process_alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="reads /proc")
+def test_a_row_does_not_outlive_hopper_when_hopper_is_stopped(tmp_path: Path) -> None:
+    """gpu-check and `timeout` stop hopper.py with SIGTERM: its row (train.py, in a process group of its own, holding
+    the GPU) must stop with it, not run on beside the next step."""
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "hopper.py"), "--quick", "--steps", "200", "--rows", "optimized",
+         "--out", str(tmp_path / "results"), "--data-dir", str(tmp_path / "data"), "--work-dir", str(work)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not _processes_with(str(work)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(str(work)), "the row's train.py never started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _processes_with(str(work)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_with(str(work))
 
 
 def test_merge_refuses_pieces_of_different_data(tmp_path: Path) -> None:
