@@ -95,6 +95,11 @@ class Row:
     micro_batch: int | None = None
     gradient_accumulation: int | None = None
     failure_reason: str | None = None
+    # the planner's prediction for the row's configuration on the GPU it ran on, and its error against the row
+    predicted_tokens_per_s: float | None = None
+    tokens_per_s_error_pct: float | None = None  # (predicted - measured) / measured
+    predicted_peak_gb: float | None = None  # torch's peak allocated, as the planner models it
+    peak_error_pct: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -358,9 +363,59 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
         "hardware": b["hardware"],
         "software": b["software"],
     }
+    apply_prediction(base, planner_prediction(model, b, tokenizer_vocab=int(summary["tokenizer"]["vocab_size"])))
     if stopped:  # train.py writes the measurement before its final validation: the timed steps stand
         base.details["stopped"] = f"{stopped}, after train.py had written its measurement"
     return base
+
+
+# ---------------------------------------------------------------- the planner beside the measurement
+
+
+def planner_prediction(model: str, benchmark: dict[str, Any], *, tokenizer_vocab: int | None) -> dict[str, Any]:
+    """What gpuscout's planner predicts for a train.py row's configuration (from its benchmark.json: micro-batch,
+    accumulation, precision, attention, checkpointing, loss, packing) on the hardware it ran on: tokens/s (assumed
+    utilization of the detected SKU's dense peak, or a measured matmul rate on a CPU or unknown GPU) and torch's peak
+    allocated memory (gpuscout.plan.memory, without the CUDA context, as max_memory_allocated counts it)."""
+    from gpuscout.domain.manifest_training import Variant
+    from gpuscout.domain.models import training_vocab
+    from gpuscout.plan.planner import memory_estimate, predict_tokens_per_s
+
+    config, hardware = benchmark["config"], benchmark["hardware"]
+    arch = PRESETS[model]
+    arch = arch.with_vocab(training_vocab(model, arch.vocab_size, tokenizer_vocab))
+    loss = next((o.removesuffix("_cross_entropy") for o in config["optimizations"] if o.endswith("_cross_entropy")),
+                None)  # fmt: skip
+    variant = Variant(
+        name="row", per_device_batch_size=config["per_device_batch_size"],
+        gradient_accumulation_steps=config["gradient_accumulation_steps"], deepspeed_stage=config["deepspeed_stage"],
+        torch_compile=config["torch_compile"], gradient_checkpointing=config["gradient_checkpointing"],
+        packing=config["packing"], attention=config["attention"], fused_cross_entropy=loss is not None,
+        cross_entropy_kernel=loss or "auto",
+    )  # fmt: skip
+    seq, precision = int(config["sequence_length"]), str(config["precision"])
+    tokens_per_s, _, method = predict_tokens_per_s(
+        arch=arch, seq=seq, precision=precision, gpus_total=int(hardware["world_size"]),
+        sku_name=hardware.get("gpu_sku"), peak_tflops=hardware.get("peak_tflops_per_gpu"), variant=variant,
+        instance_count=int(hardware["nodes"]), device=str(hardware["device"]),
+    )  # fmt: skip
+    estimate = memory_estimate(arch, seq=seq, batch=variant.per_device_batch_size or 1, precision=precision,
+                               stage=variant.deepspeed_stage, world=int(hardware["world_size"]), variant=variant,
+                               device=str(hardware["device"]))  # fmt: skip
+    return {"tokens_per_s": tokens_per_s, "method": method, "peak_gb": estimate.allocated / 1e9,
+            "peak_uncertainty_gb": estimate.allocated_uncertainty / 1e9}  # fmt: skip
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    return 100.0 * (predicted - measured) / measured if predicted is not None and measured else None
+
+
+def apply_prediction(row: Row, prediction: dict[str, Any]) -> None:
+    row.predicted_tokens_per_s = prediction["tokens_per_s"]
+    row.tokens_per_s_error_pct = _error_pct(row.predicted_tokens_per_s, row.tokens_per_s)
+    row.predicted_peak_gb = prediction["peak_gb"]
+    row.peak_error_pct = _error_pct(row.predicted_peak_gb, row.peak_memory_gb)
+    row.details["planner"] = {"method": prediction["method"], "peak_uncertainty_gb": prediction["peak_uncertainty_gb"]}
 
 
 # ---------------------------------------------------------------- report
@@ -399,10 +454,17 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _predicted(value: float | None, error_pct: float | None, spec: str) -> str:
+    if value is None:
+        return "—"
+    return format(value, spec) + ("" if error_pct is None else f" ({error_pct:+.1f} %)")
+
+
 def table(rows: list[Row]) -> str:
     head = (
-        "| model | variant | micro x accum | tokens/s | MFU | HFU | peak GB | x baseline | train loss | val loss "
-        "| tokens | change |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "| model | variant | micro x accum | tokens/s | MFU | HFU | peak GB | planner tokens/s (error) "
+        "| planner peak GB (error) | x baseline | train loss | val loss | tokens | change |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     lines = [head]
     for r in rows:
@@ -410,14 +472,16 @@ def table(rows: list[Row]) -> str:
             reason = (r.failure_reason or "failed").strip().splitlines()[-1][:120].replace("|", "/")
             peak = f"{r.peak_memory_gb:.1f} at failure" if r.peak_memory_gb is not None else ""
             lines.append(f"| {r.model} | {r.variant} | {r.micro_batch} x {r.gradient_accumulation} "
-                         f"| {r.status}: {reason} | | | {peak} | | | | | {r.change} |")  # fmt: skip
+                         f"| {r.status}: {reason} | | | {peak} | | | | | | | {r.change} |")  # fmt: skip
             continue
         variant = f"{r.variant} (stopped at its limit after its measurement)" if r.details.get("stopped") else r.variant
         lines.append(
             f"| {r.model} | {variant} | {r.micro_batch} x {r.gradient_accumulation} | {_fmt(r.tokens_per_s, ',.0f')} "
             f"| {_fmt(r.mfu and 100 * r.mfu, '.1f')}{'' if r.mfu is None else ' %'} "
             f"| {_fmt(r.hfu and 100 * r.hfu, '.1f')}{'' if r.hfu is None else ' %'} "
-            f"| {_fmt(r.peak_memory_gb, '.1f')} | {_fmt(r.ratio_to_baseline, '.2f')} "
+            f"| {_fmt(r.peak_memory_gb, '.1f')} "
+            f"| {_predicted(r.predicted_tokens_per_s, r.tokens_per_s_error_pct, ',.0f')} "
+            f"| {_predicted(r.predicted_peak_gb, r.peak_error_pct, '.1f')} | {_fmt(r.ratio_to_baseline, '.2f')} "
             f"| {_fmt(r.final_train_loss, '.4f')} | {_fmt(r.final_validation_loss, '.4f')} "
             f"| {r.tokens_total if r.tokens_total is not None else '—'} | {r.change} |"
         )
@@ -436,7 +500,8 @@ def markdown(setup: Setup, env: dict[str, Any], rows: list[Row]) -> str:
         f"blocks of {setup.sequence_length}; {setup.steps} optimizer steps per row, first max(3, 10 %) untimed; "
         "tokens/s = non-padding tokens / synchronized step time; MFU/HFU: PaLM convention (docs/metrics.md), "
         "dense bf16 peak of the detected SKU; train loss = mean of the last 10 % of steps; val loss = token-weighted "
-        "mean over the whole validation split (same targets in every row).\n\n" + table(rows) + "\n"
+        "mean over the whole validation split (same targets in every row); planner: gpuscout's prediction for the "
+        "row's configuration on this hardware, error = (predicted - measured) / measured.\n\n" + table(rows) + "\n"
     )
 
 

@@ -249,7 +249,7 @@ def local_refusals(manifest: Manifest, catalog: Catalog, hw: LocalHardware) -> l
     return problems
 
 
-def _predict_tokens_per_s(
+def predict_tokens_per_s(
     *,
     arch: Architecture,
     seq: int,
@@ -407,7 +407,7 @@ def plan(
                 )
             tokens_per_step = batch * accum * world * seq
             max_steps = training.max_steps or math.ceil((training.max_tokens or 0) / tokens_per_step)
-            tokens_per_s, mfu_assumed, method = _predict_tokens_per_s(
+            tokens_per_s, mfu_assumed, method = predict_tokens_per_s(
                 arch=arch,
                 seq=seq,
                 precision=precision,

@@ -70,6 +70,9 @@ def test_quick_mode_runs_in_pieces_that_merge_into_one_table(tmp_path: Path) -> 
     for row in rows.values():
         assert row["status"] == "completed", row
         assert row["tokens_per_s"] > 0 and row["steps"] == 5 and row["mfu"] is None
+    for name in ("optimized", "no-fused-ce"):  # train.py's rows carry the planner's CPU prediction beside them
+        assert rows[name]["predicted_tokens_per_s"] > 0 and rows[name]["predicted_peak_gb"] > 0
+        assert "matmul on this cpu" in rows[name]["details"]["planner"]["method"]
         assert row["ratio_to_baseline"] == pytest.approx(
             row["tokens_per_s"] / rows["hf-trainer-as-written"]["tokens_per_s"]
         )
@@ -151,6 +154,36 @@ def test_ratios_fall_back_to_the_checkpointed_baseline_when_the_as_written_one_r
     assert hopper.apply_ratios(rows) == "hf-trainer-ckpt"
     assert [r.ratio_to_baseline for r in rows] == [None, 1.0, pytest.approx(2.05)]
     assert "| out of memory: " in hopper.table(rows) and "79.1 at failure" in hopper.table(rows)
+
+
+def test_each_train_py_row_shows_the_planners_prediction_and_its_error() -> None:
+    from gpuscout.domain.flops import hardware_flops_per_token
+    from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
+    from gpuscout.plan.planner import ASSUMED_MFU
+
+    hopper = _load("hopper")
+    # the optimized 1.5B row as train.py would record it on an H100 (micro-batch 2 x 2, flex, chunked loss)
+    benchmark = {
+        "config": {"per_device_batch_size": 2, "gradient_accumulation_steps": 2, "deepspeed_stage": 0,
+                   "torch_compile": True, "gradient_checkpointing": False, "packing": True, "attention": "flex",
+                   "optimizations": ["fused_adamw", "chunked_cross_entropy", "torch_compile"],
+                   "sequence_length": 4096, "precision": "bf16"},
+        "hardware": {"device": "cuda", "gpu_sku": "H100-SXM5-80GB", "peak_tflops_per_gpu": 989.0, "world_size": 1,
+                     "nodes": 1},
+    }  # fmt: skip
+    prediction = hopper.planner_prediction("qwen2.5-1.5b", benchmark, tokenizer_vocab=QWEN_TOKENIZER_VOCAB)
+    arch = PRESETS["qwen2.5-1.5b"]
+    arch = arch.with_vocab(training_vocab("qwen2.5-1.5b", arch.vocab_size, QWEN_TOKENIZER_VOCAB))
+    expected = ASSUMED_MFU["H100-SXM5-80GB"] * 989e12 / hardware_flops_per_token(arch, 4096.0, activation_recompute=False)
+    assert prediction["tokens_per_s"] == pytest.approx(expected)
+    assert "H100-SXM5-80GB assumed utilization" in prediction["method"]
+    assert 20 < prediction["peak_gb"] < 80  # micro-batch 2 of 4,096 tokens without checkpointing, chunked loss
+    row = hopper.Row("qwen2.5-1.5b", "optimized", "all on", "completed", tokens_per_s=expected / 1.25,
+                     peak_memory_gb=prediction["peak_gb"] * 1.1)  # fmt: skip
+    hopper.apply_prediction(row, prediction)
+    assert row.tokens_per_s_error_pct == pytest.approx(25.0)
+    assert row.peak_error_pct == pytest.approx(100 * (1 / 1.1 - 1))
+    assert f"{expected:,.0f} (+25.0 %)" in hopper.table([row])
 
 
 def test_documents_are_the_pieces_of_the_blocks() -> None:
