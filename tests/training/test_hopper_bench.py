@@ -174,7 +174,8 @@ def test_each_train_py_row_shows_the_planners_prediction_and_its_error() -> None
     prediction = hopper.planner_prediction("qwen2.5-1.5b", benchmark, tokenizer_vocab=QWEN_TOKENIZER_VOCAB)
     arch = PRESETS["qwen2.5-1.5b"]
     arch = arch.with_vocab(training_vocab("qwen2.5-1.5b", arch.vocab_size, QWEN_TOKENIZER_VOCAB))
-    expected = ASSUMED_MFU["H100-SXM5-80GB"] * 989e12 / hardware_flops_per_token(arch, 4096.0, activation_recompute=False)
+    flops = hardware_flops_per_token(arch, 4096.0, activation_recompute=False)
+    expected = ASSUMED_MFU["H100-SXM5-80GB"] * 989e12 / flops
     assert prediction["tokens_per_s"] == pytest.approx(expected)
     assert "H100-SXM5-80GB assumed utilization" in prediction["method"]
     assert 20 < prediction["peak_gb"] < 80  # micro-batch 2 of 4,096 tokens without checkpointing, chunked loss
