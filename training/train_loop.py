@@ -97,6 +97,7 @@ class Benchmark:
         self.sequence_length = hp.sequence_length
         self.t_eff = 0.0
         self.validation_error: str | None = None
+        self.trained_memory: Memory | None = None  # read before the final validation (_final_validation)
 
     def log(self, message: str) -> None:
         if self.dist.is_main:
@@ -559,7 +560,7 @@ class Benchmark:
                 tokens_timed=int(s["tokens_timed"]),
             ),
             efficiency=efficiency,
-            memory=self.memory(),
+            memory=self.trained_memory or self.memory(),
             loss=Loss(
                 train=progress.train_loss,
                 validation=progress.validation_loss,
@@ -596,10 +597,10 @@ class Benchmark:
     # ------------------------------------------------------------ validation and checkpoints
 
     def _final_validation(self, parts: Parts, data: Splits, stats: StepStats, startup_s: float, reason: str) -> None:
-        """Validate after the timed steps. The measurement is written first; on one process a failure here (a
-        recompile for a short last batch, memory) is a note in the result, not a failed job. With several ranks it
-        still fails the job: one rank's failure would leave the others waiting in a collective (a hang), and the
-        launcher stops them all instead; the measurement written before stays on disk."""
+        """Validate after the timed steps. The measurement (its memory peaks the steps', not validation's) is written
+        first; on one process a failure here is a note in the result. With several ranks it fails the job (a rank left
+        waiting in a collective would hang), and the launcher stops them all; the measurement stays on disk."""
+        self.trained_memory = self.memory()
         self.write(self._result(stats, parts.warmup, startup_s, reason, provisional=True))
         try:
             self._validate(parts, data)
