@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -215,22 +216,28 @@ def _tail(text: str, lines: int = 15) -> str:
 
 # a row stopped at its limit (or with hopper.py) gets SIGTERM first: train.py then ends after its current step
 ROW_STOP_GRACE_S = 5.0
+TERMINATED = threading.Event()  # hopper.py received SIGTERM during a row: report that row, write, exit
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> str | None:
     """Run one row's process with its output in ``log`` (readable while it runs, kept after); None when it ended by
     itself, else why it was stopped. The row runs in its own process group, stopped whole (train.py's compile and
-    data-loader workers) at the limit or when hopper.py itself ends (an exception, SIGTERM: see main); it also gets
-    SIGTERM if hopper.py is killed outright (PR_SET_PDEATHSIG), so no row outlives hopper.py on the GPU."""
+    data-loader workers) at the limit or when hopper.py itself ends (an exception, SIGTERM: see main); it gets
+    SIGKILL if hopper.py is killed outright (PR_SET_PDEATHSIG), so no row outlives hopper.py on the GPU."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[hopper]   log: {log}", flush=True)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, **child_popen_kwargs())
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                **child_popen_kwargs(signal.SIGKILL))  # fmt: skip
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             stop_process_group(proc, ROW_STOP_GRACE_S)
             return f"stopped at the row's {timeout_s:.0f} s limit (--row-timeout-s)"
+        except SystemExit:  # SIGTERM to hopper.py (_exit_on_sigterm): the row is stopped and reported, then main exits
+            stop_process_group(proc, ROW_STOP_GRACE_S)
+            TERMINATED.set()
+            return "stopped: hopper.py received SIGTERM"
         except BaseException:
             stop_process_group(proc, ROW_STOP_GRACE_S)
             raise
@@ -340,7 +347,13 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
         return base
     b = json.loads(path.read_text())
     if b["status"] != "completed":
-        base.failure_reason = b.get("failure_reason")
+        base.status = "timed out" if stopped else "failed"
+        base.failure_reason = "\n".join(p for p in (b.get("failure_reason"), stopped) if p)
+        return base
+    if stopped and int(b["stop"]["steps"]) < setup.steps:  # train.py stops after its step on SIGTERM: cut short
+        base.status = "timed out"
+        done = f"{b['stop']['steps']} of {setup.steps} steps"
+        base.failure_reason = f"{stopped} after {done}: not a measurement of the row (the partial run: {path})"
         return base
     train_losses = [p["loss"] for p in b["loss"]["train"]]
     tail = train_losses[-max(1, math.ceil(0.1 * len(train_losses))) :]
@@ -363,7 +376,10 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
         "hardware": b["hardware"],
         "software": b["software"],
     }
-    apply_prediction(base, planner_prediction(model, b, tokenizer_vocab=int(summary["tokenizer"]["vocab_size"])))
+    try:
+        apply_prediction(base, planner_prediction(model, b, tokenizer_vocab=int(summary["tokenizer"]["vocab_size"])))
+    except Exception as err:  # the measurement stands without the planner's view of it
+        base.details["planner"] = {"error": f"{type(err).__name__}: {err}"}
     if stopped:  # train.py writes the measurement before its final validation: the timed steps stand
         base.details["stopped"] = f"{stopped}, after train.py had written its measurement"
     return base
@@ -581,7 +597,9 @@ def _payload(
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM as an exception in the main thread, so the running row is stopped (run_logged) before exiting."""
+    """SIGTERM as an exception in the main thread, so the running row is stopped and reported (run_logged) before
+    exiting; a second SIGTERM (`timeout` signals the child, then its group) is ignored, not a second exception."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -635,6 +653,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)  # fmt: skip
         # after every row, so a run stopped from outside (a device call's limit) leaves the rows it finished
         stem, text = write_results(setup, env, rows, blocks=blocks, sha=summary["sha256"])
+        if TERMINATED.is_set():
+            print(f"{text}\n[hopper] SIGTERM: stopped after row {index}; wrote {setup.out / stem}.json", flush=True)
+            return 128 + signal.SIGTERM
     print(text, flush=True)
     print(f"[hopper] wrote {setup.out / stem}.json and .md in {time.perf_counter() - started:.0f} s", flush=True)
     required = [r for r in rows if r.variant in ("hf-trainer-ckpt", "optimized")]
@@ -648,9 +669,12 @@ def write_results(setup: Setup, env: dict[str, Any], rows: list[Row], *, blocks:
     stem = f"hopper-{gpu_slug(env)}-{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}"
     stem += f"-{setup.piece}" if setup.piece else ""
     payload = _payload(setup, env, rows, blocks=blocks, sha=sha, reference=reference)
-    (setup.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     text = markdown(setup, env, rows)
-    (setup.out / f"{stem}.md").write_text(text)
+    for suffix, content in ((".json", json.dumps(payload, indent=2, default=str) + "\n"), (".md", text)):
+        final = setup.out / f"{stem}{suffix}"
+        partial = final.with_name(final.name + ".partial")
+        partial.write_text(content)
+        os.replace(partial, final)  # a stop while writing leaves the last complete file, never half of one
     return stem, text
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import socket
@@ -94,22 +95,31 @@ class SignalGuard:
             signal.signal(s, old)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+@functools.cache
+def _prctl() -> Any:
+    """libc's prctl, looked up in the parent: between fork and exec the child may only call it (a lookup there runs
+    ``ldconfig``, unsafe in a child of a process with threads)."""
     libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    return ctypes.CDLL(libc_name, use_errno=True).prctl if libc_name else None
 
 
-def child_popen_kwargs() -> dict[str, Any]:
+def _die_with_parent(prctl: Any, death_signal: int) -> Callable[[], None]:
+    def in_child() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), death_signal)
+
+    return in_child
+
+
+def child_popen_kwargs(death_signal: int = signal.SIGTERM) -> dict[str, Any]:
     """Popen arguments for a child of ``gpuscout local``: its own process group (signals from the terminal reach
-    the runner, which stops the child on purpose) and, on Linux, death with the parent."""
+    the runner, which stops the child on purpose) and, on Linux, ``death_signal`` when the parent dies (SIGTERM: a
+    training job stops after its step; a benchmark row that must not hold the GPU a moment longer, SIGKILL)."""
     kwargs: dict[str, Any] = {"start_new_session": True}
-    if sys.platform.startswith("linux"):
-        kwargs["preexec_fn"] = _die_with_parent
+    prctl = _prctl() if sys.platform.startswith("linux") else None
+    if prctl is not None:
+        kwargs["preexec_fn"] = _die_with_parent(prctl, death_signal)
     return kwargs
 
 

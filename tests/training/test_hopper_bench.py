@@ -70,12 +70,12 @@ def test_quick_mode_runs_in_pieces_that_merge_into_one_table(tmp_path: Path) -> 
     for row in rows.values():
         assert row["status"] == "completed", row
         assert row["tokens_per_s"] > 0 and row["steps"] == 5 and row["mfu"] is None
-    for name in ("optimized", "no-fused-ce"):  # train.py's rows carry the planner's CPU prediction beside them
-        assert rows[name]["predicted_tokens_per_s"] > 0 and rows[name]["predicted_peak_gb"] > 0
-        assert "matmul on this cpu" in rows[name]["details"]["planner"]["method"]
         assert row["ratio_to_baseline"] == pytest.approx(
             row["tokens_per_s"] / rows["hf-trainer-as-written"]["tokens_per_s"]
         )
+    for name in ("optimized", "no-fused-ce"):  # train.py's rows carry the planner's CPU prediction beside them
+        assert rows[name]["predicted_tokens_per_s"] > 0 and rows[name]["predicted_peak_gb"] > 0
+        assert "matmul on this cpu" in rows[name]["details"]["planner"]["method"]
     # same initial weights, same validation targets: the losses compare; chunked CE equals full logits
     base_val = rows["hf-trainer-as-written"]["final_validation_loss"]
     assert abs(rows["optimized"]["final_validation_loss"] - base_val) < 0.5
@@ -132,6 +132,30 @@ def test_a_row_does_not_outlive_hopper_when_hopper_is_stopped(tmp_path: Path) ->
     while _processes_with(str(work)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _processes_with(str(work))
+    # and the stopped row is in the table, saying why, not lost with hopper.py
+    (row,) = json.loads(next((tmp_path / "results").glob("hopper-cpu-*.json")).read_text())["rows"]
+    assert row["status"] == "timed out" and "hopper.py received SIGTERM" in row["failure_reason"]
+
+
+def test_a_row_cut_short_by_its_limit_is_not_reported_as_a_measurement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.py stops after its current step on SIGTERM and writes a completed result of fewer steps: at a row's
+    limit that is a partial run, kept out of the table's figures, ratios and planner error."""
+    hopper = _load("hopper")
+    setup = hopper.parse_args(["--quick", "--steps", "30", "--work-dir", str(tmp_path)])
+    variant = hopper.variants("qwen2-tiny", 4, quick=True)[0]
+
+    def cut_short(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> str:
+        out = Path(env["SM_OUTPUT_DATA_DIR"]) / "benchmark.json"
+        out.parent.mkdir(parents=True)
+        out.write_text(json.dumps({"status": "completed", "stop": {"steps": 7}}))
+        return "stopped at the row's 60 s limit (--row-timeout-s)"
+
+    monkeypatch.setattr(hopper, "run_logged", cut_short)
+    row = hopper.run_variant(setup, "qwen2-tiny", variant, {"splits": {}, "tokenizer": {"vocab_size": 512}})
+    assert row.status == "timed out" and row.tokens_per_s is None
+    assert "after 7 of 30 steps: not a measurement of the row" in row.failure_reason
 
 
 def test_merge_refuses_pieces_of_different_data(tmp_path: Path) -> None:

@@ -118,6 +118,22 @@ def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() 
     torch._dynamo.reset()
 
 
+def test_rows_that_fill_up_a_validation_batch_do_not_change_its_loss() -> None:
+    """train.py fills a short last validation batch with copies of its rows, their labels ignored."""
+    model = _model()
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(5))
+    seg = torch.tensor([[1] * 10 + [2] * 14])
+    for loss in ("plain", "chunked"):
+        wrapper = CausalLMWithLoss(model, loss=loss)
+        one = make_inputs(ids, seg, packing=True, attention="sdpa", dtype=torch.float32)
+        two = make_inputs(ids.repeat(2, 1), seg.repeat(2, 1), packing=True, attention="sdpa", dtype=torch.float32)
+        two.labels[1:] = IGNORE_INDEX
+        with torch.no_grad():
+            alone = wrapper(one.input_ids, one.position_ids, one.attention_mask, one.labels)
+            padded = wrapper(two.input_ids, two.position_ids, two.attention_mask, two.labels)
+        torch.testing.assert_close(padded, alone, rtol=1e-6, atol=1e-6)
+
+
 def test_model_losses_agree_with_transformers() -> None:
     model = _model()
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
