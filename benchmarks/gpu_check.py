@@ -85,7 +85,7 @@ def run_step(step: Step, *, env: dict[str, str], cwd: Path = ROOT) -> StepOutcom
         try:
             # its own process group, stopped whole at the step's limit: SIGTERM first, so hopper.py stops its row
             # (train.py, which holds the GPU, in a group of its own) before exiting, then SIGKILL for what is left;
-            # a row whose hopper.py died outright gets SIGTERM from the kernel (PR_SET_PDEATHSIG)
+            # a row whose hopper.py died outright gets SIGKILL from the kernel (PR_SET_PDEATHSIG)
             proc = subprocess.Popen(step.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
             try:
@@ -110,7 +110,9 @@ STOP_GRACE_S = 10  # between a stopped step's SIGTERM and SIGKILL (hopper.py's o
 
 
 def stop_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM the step's process group, SIGKILL it after STOP_GRACE_S (or at once once the leader is gone)."""
+    """SIGTERM the step's process group, SIGKILL it after STOP_GRACE_S (or at once once the leader is gone).
+    gpuscout.local.process_control.stop_process_group does the same; this script runs on the GPU machine's bare
+    Python before gpu-check's install, so it imports nothing of gpuscout."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):

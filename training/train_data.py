@@ -93,23 +93,18 @@ def validation_starts(blocks: int, batch: int, world: int, rank: int, max_batche
     return starts
 
 
-def validation_batch(
-    ids: np.ndarray, seg: np.ndarray, start: int | None, batch: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Validation rows ``start``.. as exactly ``batch`` rows (a rank with no batch of its own runs the first), and
-    how many of them count. A short last batch is filled up with copies of its own rows, whose targets the caller
-    ignores: every validation forward on every rank has one shape, so a compiled model compiles one validation graph
-    (not one more for the short batch), and under ZeRO-3 every rank gathers the parameters the same number of times
-    (the chunked loss calls the head once per chunk of rows)."""
-    lo = start if start is not None else 0
-    rows = np.arange(lo, min(lo + batch, len(ids)))
-    take = np.resize(rows, batch)
-    return torch.from_numpy(ids[take]), torch.from_numpy(seg[take]), len(rows)
-
-
 def validation_batches(
     ids: np.ndarray, seg: np.ndarray, batch: int, *, world: int, rank: int, max_batches: int
 ) -> Iterator[tuple[bool, torch.Tensor, torch.Tensor, int]]:
-    """This rank's validation forwards: (a batch of its own?, ids, segment ids, rows that count) each."""
+    """This rank's validation forwards: (a batch of its own?, ids, segment ids, rows that count) each.
+
+    Every forward has exactly ``batch`` rows (a rank with no batch of its own runs the split's first). A short last
+    batch is filled up with copies of its own rows, whose targets the caller ignores: every validation forward on
+    every rank has one shape, so a compiled model compiles one validation graph (not one more for the short batch),
+    and under ZeRO-3 every rank gathers the parameters the same number of times (the chunked loss calls the head once
+    per chunk of rows)."""
     for start in validation_starts(len(ids), batch, world, rank, max_batches):
-        yield (start is not None, *validation_batch(ids, seg, start, batch))
+        lo = start if start is not None else 0
+        rows = np.arange(lo, min(lo + batch, len(ids)))
+        take = np.resize(rows, batch)
+        yield start is not None, torch.from_numpy(ids[take]), torch.from_numpy(seg[take]), len(rows)
