@@ -46,3 +46,41 @@ def test_the_venvs_bytecode_is_written_when_first_imported():
     makefile = (REPO_DIR / "Makefile").read_text()
     assert re.search(r"^unexport PYTHONDONTWRITEBYTECODE$", makefile, re.M)
     assert "--no-compile -r requirements-dev.txt" in makefile
+
+
+def module_file(name: str) -> Path | None:
+    """Where ``import name`` would load ``name`` from, found without importing it (or its parents)."""
+    import importlib.util
+
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return None
+    if not rest:
+        return Path(spec.origin) if spec.origin else Path(next(iter(spec.submodule_search_locations or [])))
+    folders = [Path(p) for p in spec.submodule_search_locations or []]
+    for part in rest[:-1]:
+        folders = [folder / part for folder in folders if (folder / part / "__init__.py").is_file()]
+    for folder in folders:
+        for candidate in (folder / f"{rest[-1]}.py", folder / rest[-1] / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def test_the_install_compiles_the_heavy_libraries_once_and_each_name_it_imports_exists():
+    """make install ends with warm-bytecode: the libraries' modules are compiled by two processes, not by every
+    process that starts first in the suite. A name that no longer exists (a library moved a module) would stop the
+    install, so each must be importable here."""
+    makefile = (REPO_DIR / "Makefile").read_text()
+    install = makefile.split("$(VENV)/.stamp-install:", 1)[1].split("\n\n", 1)[0]
+    assert "$(MAKE) --no-print-directory warm-bytecode" in install
+    names = [
+        name
+        for variable in ("WARM_TRAINING", "WARM_CLOUD")
+        for name in re.search(rf"^{variable} := (.+)$", makefile, re.M).group(1).split()  # type: ignore[union-attr]
+    ]
+    assert {"torch._dynamo", "deepspeed", "moto"} <= set(names)
+    missing = [name for name in names if module_file(name) is None]
+    assert not missing, f"Makefile warm-bytecode imports modules this venv does not have: {missing}"
+    assert module_file("no_such_library.anywhere") is None and module_file("torch.no_such_module") is None
