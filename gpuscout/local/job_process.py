@@ -170,11 +170,12 @@ class JobProgress:
     def describe(self, max_steps: int | None) -> str:
         parts = [f"step {self.step if self.step is not None else '-'}{f'/{max_steps}' if max_steps else ''}"]
         parts.append(f"loss {self.loss:.4f}" if self.loss is not None else "loss -")
-        # the built-in job prints both rates and is measured in tokens; a user's samples job may print only samples
+        # the built-in job prints both rates and is measured in tokens; a user's samples job may print only samples.
+        # The live rate is the latest step's alone (warm-up steps included), not the mean the results table shows
         if self.tokens_per_s is not None:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s last step")
         elif self.samples_per_s is not None:
-            parts.append(f"{self.samples_per_s:,.0f} samples/s")
+            parts.append(f"{self.samples_per_s:,.0f} samples/s last step")
         else:
             parts.append("tok/s -")
         return "  ".join(parts)

@@ -161,7 +161,7 @@ def test_progress_follows_metric_lines() -> None:
         progress.update(line)
     assert (progress.step, progress.loss, progress.tokens_per_s) == (4, 5.25, 1500.5)
     assert progress.summary["final_loss"] == 5.0
-    assert progress.describe(20) == "step 4/20  loss 5.2500  1,500 tok/s"
+    assert progress.describe(20) == "step 4/20  loss 5.2500  1,500 tok/s last step"
 
 
 def test_over_budget_is_refused_and_recorded(tmp_path: Path) -> None:
@@ -337,10 +337,10 @@ def test_ctrl_c_during_a_canary_stops_the_run_before_anything_is_timed(
 def test_progress_shows_tokens_for_the_built_in_job_and_samples_for_a_samples_job() -> None:
     builtin = JobProgress()
     builtin.update("gpuscout_metric step=3 loss=5.1 tokens_per_s=20000 samples_per_s=78.1")
-    assert builtin.describe(20) == "step 3/20  loss 5.1000  20,000 tok/s"
+    assert builtin.describe(20) == "step 3/20  loss 5.1000  20,000 tok/s last step"
     own = JobProgress()
     own.update("gpuscout_metric step=4 loss=0.7 samples_per_s=5100")
-    assert own.describe(12) == "step 4/12  loss 0.7000  5,100 samples/s"
+    assert own.describe(12) == "step 4/12  loss 0.7000  5,100 samples/s last step"
 
 
 def test_the_progress_of_a_users_own_job_knows_its_step_budget() -> None:
