@@ -118,6 +118,35 @@ def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() 
     torch._dynamo.reset()
 
 
+def test_flex_attentions_block_mask_built_per_micro_batch_does_not_recompile_the_model() -> None:
+    """The optimized rows run flex attention under torch.compile, with a BlockMask (and its mask_mod closure over the
+    micro-batch's segment ids) built afresh for every micro-batch. Were the mask or its closure guarded by identity,
+    each micro-batch would compile the model again, as the chunked loss's row selection did on the H100. Forward
+    only: flex attention has no backward on a CPU; the backward graph is AOT autograd's from the same trace."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = CausalLMWithLoss(_model("flex_attention").train(), loss="chunked")
+    model.compile(backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    layouts = set()
+    for pieces in (2, 3, 5, 4):
+        seg = torch.ones(2, 128, dtype=torch.long)
+        for number, cut in enumerate(sorted(torch.randperm(127, generator=generator)[: pieces - 1].tolist()), 2):
+            seg[:, cut + 1 :] = number
+        ids = torch.randint(0, 97, (2, 128), generator=generator)
+        inputs = make_inputs(ids, seg, packing=True, attention="flex", dtype=torch.float32)
+        layouts.add(tuple(seg[0].tolist()))
+        with torch.no_grad():
+            value = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+        assert torch.isfinite(value)
+    assert len(layouts) == 4
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 def test_rows_that_fill_up_a_validation_batch_do_not_change_its_loss() -> None:
     """train.py fills a short last validation batch with copies of its rows, their labels ignored."""
     model = _model()
