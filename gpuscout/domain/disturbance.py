@@ -13,6 +13,9 @@ behind a mean and a single hiccup does not condemn a run:
 - a step is slow when it took more than ``SLOW_FACTOR`` times the reference; the job is disturbed when at least
   ``MIN_SLOW_STEPS`` steps were slow and their time above the reference is at least ``MIN_EXCESS_FRACTION`` of the
   timed time (a lone hiccup, or two slow steps among hundreds, change the figure by less than that);
+- or when a single slow step's time above the reference is at least ``LONE_STEP_EXCESS_FRACTION`` of the timed time:
+  one stall (a recompile under torch.compile, a swap-in, a checkpoint written inside a step) that alone moved the
+  figure by a quarter or more;
 - or the steps split into two phases (each at least ``MIN_PHASE_STEPS`` long, at the change point that least
   absolute deviations from the phases' medians find) whose medians differ by ``PHASE_FACTOR`` or more, and the slower
   phase's time above the faster phase's median is at least ``MIN_EXCESS_FRACTION`` of the timed time: a level shift,
@@ -39,6 +42,7 @@ from typing import Any
 SLOW_FACTOR = 1.8
 MIN_SLOW_STEPS = 2
 MIN_EXCESS_FRACTION = 0.10
+LONE_STEP_EXCESS_FRACTION = 0.25
 PHASE_FACTOR = 1.5
 MIN_PHASE_STEPS = 3
 MAX_SPLITS = 64  # split points tried by the two-phase test (evenly spaced): linear in the steps, not quadratic
@@ -127,9 +131,11 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     reasons: list[str] = []
     odd: list[Mapping[str, Any]] = []  # the steps the accounting compares with the others
-    if len(slow) >= MIN_SLOW_STEPS and excess >= MIN_EXCESS_FRACTION * total:
+    scattered = len(slow) >= MIN_SLOW_STEPS and excess >= MIN_EXCESS_FRACTION * total
+    if scattered or (len(slow) == 1 and excess >= LONE_STEP_EXCESS_FRACTION * total):
+        which = f"{len(slow)} of {len(timed)} timed steps" if scattered else f"step {slow[0].get('step', '?')} alone"
         reasons.append(
-            f"{len(slow)} of {len(timed)} timed steps {out['slow_median_ratio']:.1f}x the fastest quarter's median "
+            f"{which} {out['slow_median_ratio']:.1f}x the fastest quarter's median "
             f"({1000 * reference:.0f} ms), {100 * excess / total:.0f} % of the timed time"
         )
         odd = slow

@@ -65,6 +65,18 @@ def test_jitter_and_one_hiccup_are_not_a_disturbance():
     assert not detect(steps(millis))["disturbed"]
 
 
+def test_one_stall_that_moved_the_figure_by_a_quarter_is_flagged():
+    # 20 steady steps and one that compiled a graph again (torch.compile) or waited on swap: 1.9 s above the
+    # reference of 4.0 s timed. The job's tokens/s is half its settings' rate; before this rule nothing said so
+    millis = [100.0] * 21
+    millis[12] = 2000
+    d = detect(steps(millis))
+    assert d["disturbed"] and d["slow_steps"] == 1
+    assert d["evidence"] == "step 16 alone 20.0x the fastest quarter's median (100 ms), 48 % of the timed time"
+    # the same stall in a long enough run is under a quarter of the time, and under 10 % it is a hiccup
+    assert not detect(steps([100.0] * 60 + [2000.0]))["disturbed"]  # 1.9 s of 8.0 s: 24 %
+
+
 def test_scattered_slow_steps_that_cost_a_tenth_of_the_time_are_flagged():
     millis = [25.0] * 30
     for i in (3, 9, 15, 21):
