@@ -35,6 +35,7 @@ import torch
 
 from gpuscout.analysis.intervals import ratio_ci95
 from gpuscout.domain import flops
+from gpuscout.domain.disturbance import detect
 from gpuscout.domain.hardware import detect_sku
 from gpuscout.domain.models import PRESETS, Architecture
 from gpuscout.paths import TRAINING_DIR
@@ -245,6 +246,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sku = detect_sku(props.name, props.total_memory / 1e9)
         peak = sku.peak_for("bf16" if bf16 else "fp16") if sku else None
     _, low, high = ratio_ci95([float(t) for _, t, _ in timed], [s for s, _, _ in timed])
+    # the same judgment as train.py's: timed steps that did not run at one speed make tokens/s describe the disturbance
+    steps = [{"step": i + 1, "seconds": sec, "tokens": tok, "timed": i >= warmup} for i, (sec, tok, _) in
+             enumerate(timer.steps)]  # fmt: skip
     losses = [timer.loss[k] for k in sorted(timer.loss)]
     tail = losses[-max(1, math.ceil(0.1 * len(losses))) :]
     return {
@@ -266,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_ci95": [low, high],
         "step_time_p50_s": percentile([s for s, _, _ in timed], 50),
+        "disturbance": detect(steps),
         "padding_fraction_of_rows": 1 - mean_len / length,
         "t_eff": t_eff,
         "flops_per_token": model_flops,

@@ -101,6 +101,9 @@ class Row:
     tokens_per_s_error_pct: float | None = None  # (predicted - measured) / measured
     predicted_peak_gb: float | None = None  # torch's peak allocated, as the planner models it
     peak_error_pct: float | None = None
+    # the disturbance detector's evidence when the row's timed steps did not run at one speed (docs/metrics.md):
+    # its tokens/s, and any ratio to or from it, describe the disturbance as much as the settings
+    disturbed: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -290,7 +293,15 @@ def run_baseline(setup: Setup, model: str, name: str = "hf-trainer-as-written") 
         tokens_total=r["tokens_total"], steps=r["steps"], micro_batch=4, gradient_accumulation=2,
         details={k: r[k] for k in ("device", "torch", "transformers", "t_eff", "padding_fraction_of_rows",
                                    "tokens_per_s_ci95", "step_time_p50_s", "warmup_steps", "timed_steps")},
+        disturbed=disturbed_evidence(r.get("disturbance")),
     )  # fmt: skip
+
+
+def disturbed_evidence(disturbance: dict[str, Any] | None) -> str | None:
+    """The detector's evidence line of a disturbed measurement (None when it was not disturbed)."""
+    if not disturbance or not disturbance.get("disturbed"):
+        return None
+    return str(disturbance.get("evidence") or "disturbed")
 
 
 def apply_ratios(rows: list[Row]) -> str | None:
@@ -365,6 +376,7 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
     base.final_validation_loss = b["loss"]["final_validation_loss"]
     base.tokens_total = b["loss"]["train"][-1]["tokens"] if b["loss"]["train"] else None
     base.steps = b["stop"]["steps"]
+    base.disturbed = disturbed_evidence(b.get("disturbance"))
     base.details = {
         "optimizations": b["config"]["optimizations"],
         "attention": b["config"]["attention"],
@@ -491,16 +503,32 @@ def table(rows: list[Row]) -> str:
                          f"| {r.status}: {reason} | | | {peak} | | | | | | | {r.change} |")  # fmt: skip
             continue
         variant = f"{r.variant} (stopped at its limit after its measurement)" if r.details.get("stopped") else r.variant
+        mark = " (disturbed)" if r.disturbed else ""
+        reference = next(
+            (o for o in rows if o.model == r.model and o.variant == r.details.get("ratio_reference")), None
+        )
+        ratio_mark = (
+            " (disturbed)"
+            if r.ratio_to_baseline is not None and (r.disturbed or (reference and reference.disturbed))
+            else ""
+        )
+        rate, ratio = _fmt(r.tokens_per_s, ",.0f") + mark, _fmt(r.ratio_to_baseline, ".2f") + ratio_mark
         lines.append(
-            f"| {r.model} | {variant} | {r.micro_batch} x {r.gradient_accumulation} | {_fmt(r.tokens_per_s, ',.0f')} "
+            f"| {r.model} | {variant} | {r.micro_batch} x {r.gradient_accumulation} | {rate} "
             f"| {_fmt(r.mfu and 100 * r.mfu, '.1f')}{'' if r.mfu is None else ' %'} "
             f"| {_fmt(r.hfu and 100 * r.hfu, '.1f')}{'' if r.hfu is None else ' %'} "
             f"| {_fmt(r.peak_memory_gb, '.1f')} "
             f"| {_predicted(r.predicted_tokens_per_s, r.tokens_per_s_error_pct, ',.0f')} "
-            f"| {_predicted(r.predicted_peak_gb, r.peak_error_pct, '.1f')} | {_fmt(r.ratio_to_baseline, '.2f')} "
+            f"| {_predicted(r.predicted_peak_gb, r.peak_error_pct, '.1f')} | {ratio} "
             f"| {_fmt(r.final_train_loss, '.4f')} | {_fmt(r.final_validation_loss, '.4f')} "
             f"| {r.tokens_total if r.tokens_total is not None else '—'} | {r.change} |"
         )
+    notes = [
+        f"- {r.model} {r.variant}: disturbed, {r.disturbed}" for r in rows if r.status == "completed" and r.disturbed
+    ]
+    if notes:
+        lines += ["", "Disturbed rows (their timed steps did not run at one speed; docs/metrics.md): run them again "
+                  "before quoting their tokens/s or a ratio to them.", *notes]  # fmt: skip
     return "\n".join(lines)
 
 

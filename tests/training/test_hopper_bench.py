@@ -83,6 +83,10 @@ def test_quick_mode_runs_in_pieces_that_merge_into_one_table(tmp_path: Path) -> 
         rows["no-fused-ce"]["final_validation_loss"], abs=1e-3
     )
     assert "| qwen2-tiny | optimized |" in md and "torch 2" in md
+    # the HF Trainer baseline's steps are judged as train.py's are (5 steps: too few timed ones to judge)
+    raw = json.loads((tmp_path / "work" / "qwen2-tiny" / "hf-trainer-as-written.json").read_text())
+    assert raw["disturbance"]["timed_steps"] == raw["timed_steps"] and raw["disturbance"]["disturbed"] is False
+    assert all(row["disturbed"] is None for row in rows.values())
 
 
 def test_a_row_past_its_limit_is_stopped_and_reported_with_its_log(tmp_path: Path) -> None:
@@ -178,6 +182,28 @@ def test_ratios_fall_back_to_the_checkpointed_baseline_when_the_as_written_one_r
     assert hopper.apply_ratios(rows) == "hf-trainer-ckpt"
     assert [r.ratio_to_baseline for r in rows] == [None, 1.0, pytest.approx(2.05)]
     assert "| out of memory: " in hopper.table(rows) and "79.1 at failure" in hopper.table(rows)
+
+
+def test_a_disturbed_row_and_every_ratio_to_it_are_marked_with_the_evidence() -> None:
+    hopper = _load("hopper")
+    stall = {"disturbed": True, "evidence": "step 9 alone 20.0x the fastest quarter's median (310 ms), 45 % of the"}
+    rows = [
+        hopper.Row("qwen2.5-1.5b", "hf-trainer-ckpt", "", "completed", tokens_per_s=20_000.0,
+                   disturbed=hopper.disturbed_evidence(stall)),
+        hopper.Row("qwen2.5-1.5b", "optimized", "", "completed", tokens_per_s=41_000.0,
+                   disturbed=hopper.disturbed_evidence({"disturbed": False, "evidence": None})),
+    ]  # fmt: skip
+    assert hopper.apply_ratios(rows) == "hf-trainer-ckpt"
+    text = hopper.table(rows)
+    baseline_line, optimized_line = (line for line in text.splitlines() if line.startswith("| qwen2.5-1.5b"))
+    assert "| 20,000 (disturbed) |" in baseline_line and "| 1.00 (disturbed) |" in baseline_line
+    # the optimized row ran at one speed, but its ratio divides by a disturbed baseline
+    assert "| 41,000 |" in optimized_line and "| 2.05 (disturbed) |" in optimized_line
+    assert f"- qwen2.5-1.5b hf-trainer-ckpt: disturbed, {stall['evidence']}" in text
+    assert "qwen2.5-1.5b optimized: disturbed" not in text
+    # a clean table says nothing of disturbances
+    rows[0].disturbed = None
+    assert "disturbed" not in hopper.table(rows)
 
 
 def test_each_train_py_row_shows_the_planners_prediction_and_its_error() -> None:
