@@ -19,6 +19,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 from gpuscout.domain.benchmark import signal_stop_reason
 
@@ -33,13 +34,22 @@ class StopSignal:
     def __init__(self) -> None:
         self.received: str | None = None  # the signal's name once one arrived
         self.in_loop = False  # True while the step loop runs: the signal is only recorded
+        self._previous: Any = None  # SIGTERM's handler before install(), restored by uninstall()
+        self._installed = False
 
     def install(self) -> bool:
         """Handle SIGTERM from now on; False where a handler cannot be set (not the main thread)."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        signal.signal(signal.SIGTERM, self._handle)
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
         return True
+
+    def uninstall(self) -> None:
+        """SIGTERM's handler as it was before install() (nothing if install() did not set one)."""
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

@@ -49,35 +49,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = {**dataclasses.asdict(hp), "device": dist.device.type, "world_size": dist.world_size}
     tracker.start(params, variant=hp.search_candidate or None)  # a tuning trial is its candidate
     stop = StopSignal()
-    bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
-    try:
-        if dist.world_size == 1:  # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
-            stop.install()
-        result = bench.run()
-    except (Exception, StoppedBeforeStartError) as err:  # every failure becomes a failed benchmark.json
-        reason = (
-            str(err) if isinstance(err, TrainingError | StoppedBeforeStartError) else f"{type(err).__name__}: {err}"
-        )
-        if isinstance(err, torch.OutOfMemoryError):
-            reason = f"CUDA out of memory: {err}"
-        print(f"train: error: {reason}", file=sys.stderr, flush=True)
-        failed = bench.failed(reason)
+    try:  # train.main may run in a process that goes on (tests, profile_train): it leaves SIGTERM as it was
+        bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
         try:
-            bench.write(failed)
-            if dist.is_main:
-                failure = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")).parent / "failure"
-                failure.write_text(reason[:1000])
-        except OSError:
-            pass
-        bench.tracker.finish(failed, bench.output_dir / "benchmark.json")
-        if not isinstance(err, TrainingError | StoppedBeforeStartError):
-            raise
-        return 1
-    bench.write(result)
-    bench.tracker.finish(result, bench.output_dir / "benchmark.json")
-    if dist.world_size > 1:
-        leave_together()
-    return 0
+            if (
+                dist.world_size == 1
+            ):  # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
+                stop.install()
+            result = bench.run()
+        except (Exception, StoppedBeforeStartError) as err:  # every failure becomes a failed benchmark.json
+            reason = (
+                str(err) if isinstance(err, TrainingError | StoppedBeforeStartError) else f"{type(err).__name__}: {err}"
+            )
+            if isinstance(err, torch.OutOfMemoryError):
+                reason = f"CUDA out of memory: {err}"
+            print(f"train: error: {reason}", file=sys.stderr, flush=True)
+            failed = bench.failed(reason)
+            try:
+                bench.write(failed)
+                if dist.is_main:
+                    failure = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")).parent / "failure"
+                    failure.write_text(reason[:1000])
+            except OSError:
+                pass
+            bench.tracker.finish(failed, bench.output_dir / "benchmark.json")
+            if not isinstance(err, TrainingError | StoppedBeforeStartError):
+                raise
+            return 1
+        bench.write(result)
+        bench.tracker.finish(result, bench.output_dir / "benchmark.json")
+        if dist.world_size > 1:
+            leave_together()
+        return 0
+    finally:
+        stop.uninstall()
 
 
 if __name__ == "__main__":
