@@ -49,23 +49,21 @@ def test_the_venvs_bytecode_is_written_when_first_imported():
 
 
 def module_file(name: str) -> Path | None:
-    """Where ``import name`` would load ``name`` from, found without importing it (or its parents)."""
+    """Where ``import name`` would load ``name`` from, found as the import system finds it (a .py file, a package, an
+    extension module, a namespace package) without importing it or its parents."""
+    import importlib.machinery
     import importlib.util
 
     top, *rest = name.split(".")
     spec = importlib.util.find_spec(top)
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        # str(): an imported package's locations may be Paths (transformers sets them so), which PathFinder skips
+        spec = importlib.machinery.PathFinder.find_spec(part, [str(p) for p in spec.submodule_search_locations])
     if spec is None:
         return None
-    if not rest:
-        return Path(spec.origin) if spec.origin else Path(next(iter(spec.submodule_search_locations or [])))
-    folders = [Path(p) for p in spec.submodule_search_locations or []]
-    for part in rest[:-1]:
-        folders = [folder / part for folder in folders if (folder / part / "__init__.py").is_file()]
-    for folder in folders:
-        for candidate in (folder / f"{rest[-1]}.py", folder / rest[-1] / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
+    return Path(spec.origin) if spec.origin else Path(next(iter(spec.submodule_search_locations or [])))
 
 
 def test_the_install_compiles_the_heavy_libraries_once_and_each_name_it_imports_exists():
@@ -84,3 +82,4 @@ def test_the_install_compiles_the_heavy_libraries_once_and_each_name_it_imports_
     missing = [name for name in names if module_file(name) is None]
     assert not missing, f"Makefile warm-bytecode imports modules this venv does not have: {missing}"
     assert module_file("no_such_library.anywhere") is None and module_file("torch.no_such_module") is None
+    assert module_file("torch._C") is not None  # an extension module
