@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import resource
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class StepRecord:
     involuntary_switches: int | None = None  # the scheduler took the CPU away (another task wanted it)
     sm_clock_mhz: float | None = None  # GPU 0 of this rank's SM clock at the step's end (NVML)
     throttle_reasons: int | None = None  # NVML clock-event (throttle) reason bits at the step's end, 0 = none
+    compiled_graphs: int | None = None  # graphs torch.compile (dynamo) compiled during the step: seconds each
 
 
 USAGE_FIELDS = (
@@ -64,6 +66,7 @@ USAGE_FIELDS = (
     "involuntary_switches",
     "sm_clock_mhz",
     "throttle_reasons",
+    "compiled_graphs",
 )
 
 
@@ -94,6 +97,17 @@ class StepUsage:
     major_faults: int
     voluntary_switches: int
     involuntary_switches: int
+    compiled_graphs: int | None = None  # dynamo's count so far; None while torch.compile was never loaded
+
+
+def compiled_graphs() -> int | None:
+    """How many graphs torch.compile (dynamo) has compiled in this process so far: a recompile inside a timed step
+    costs seconds, which the step's time alone cannot tell from a stall. None when dynamo was never imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return None
+    return int(counters["stats"]["unique_graphs"])
 
 
 class ResourceMeter:
@@ -114,6 +128,7 @@ class ResourceMeter:
             major_faults=r.ru_majflt,
             voluntary_switches=r.ru_nvcsw,
             involuntary_switches=r.ru_nivcsw,
+            compiled_graphs=compiled_graphs(),
         )
 
     def since(self, before: StepUsage) -> dict[str, Any]:
@@ -127,6 +142,8 @@ class ResourceMeter:
             "voluntary_switches": now.voluntary_switches - before.voluntary_switches,
             "involuntary_switches": now.involuntary_switches - before.involuntary_switches,
         }
+        if now.compiled_graphs is not None:  # dynamo loaded by now: a graph count from before it loaded was 0
+            fields["compiled_graphs"] = now.compiled_graphs - (before.compiled_graphs or 0)
         if self._sampler is not None:
             clock, reasons = self._sampler.clocks()
             fields["sm_clock_mhz"], fields["throttle_reasons"] = clock, reasons

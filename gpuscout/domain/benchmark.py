@@ -11,8 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.3"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+SCHEMA_VERSION = "1.4"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
 # 1.2: steps[], disturbance, timing.import_time_s; 1.3: software.nvidia_driver, cuda_driver, cuda_runtime
+# 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed
 # 1.2: steps (each step's time and the process's resource use), disturbance, timing.import_time_s
 
 
@@ -179,6 +180,7 @@ class StepAccount(_Strict):
     involuntary_switches: int | None = None
     sm_clock_mhz: float | None = None
     throttle_reasons: int | None = None  # NVML clock-event reason bits at the step's end
+    compiled_graphs: int | None = None  # graphs torch.compile compiled during the step (None: dynamo not loaded)
 
 
 class Disturbance(_Strict):
@@ -198,6 +200,7 @@ class Disturbance(_Strict):
     throttled_steps: int = 0  # timed steps whose GPU reported a thermal or hardware slowdown
     system_share: float | None = None  # kernel CPU time / step time over all timed steps (not a disturbance itself)
     minor_faults_per_s: float | None = None  # over all timed steps
+    compiled_graphs_timed: int | None = None  # graphs torch.compile compiled during the timed steps (a recompile)
 
 
 class JobInfo(_Strict):

@@ -13,9 +13,10 @@ behind a mean and a single hiccup does not condemn a run:
 - a step is slow when it took more than ``SLOW_FACTOR`` times the reference; the job is disturbed when at least
   ``MIN_SLOW_STEPS`` steps were slow and their time above the reference is at least ``MIN_EXCESS_FRACTION`` of the
   timed time (a lone hiccup, or two slow steps among hundreds, change the figure by less than that);
-- or when a single slow step's time above the reference is at least ``LONE_STEP_EXCESS_FRACTION`` of the timed time:
-  one stall (a recompile under torch.compile, a swap-in, a checkpoint written inside a step) that alone moved the
-  figure by a quarter or more;
+- or when a single slow step's time above the reference is at least ``LONE_STEP_EXCESS_FRACTION`` of the timed time
+  and at least ``LONE_STEP_MIN_EXCESS_S``: one stall (a recompile under torch.compile, a swap-in, a checkpoint
+  written inside a step) that alone moved the figure by a quarter or more. The floor in seconds keeps a scheduling
+  delay of tens of milliseconds in a short job of millisecond steps a hiccup;
 - or the steps split into two phases (each at least ``MIN_PHASE_STEPS`` long, at the change point that least
   absolute deviations from the phases' medians find) whose medians differ by ``PHASE_FACTOR`` or more, and the slower
   phase's time above the faster phase's median is at least ``MIN_EXCESS_FRACTION`` of the timed time: a level shift,
@@ -43,6 +44,7 @@ SLOW_FACTOR = 1.8
 MIN_SLOW_STEPS = 2
 MIN_EXCESS_FRACTION = 0.10
 LONE_STEP_EXCESS_FRACTION = 0.25
+LONE_STEP_MIN_EXCESS_S = 0.5
 PHASE_FACTOR = 1.5
 MIN_PHASE_STEPS = 3
 MAX_SPLITS = 64  # split points tried by the two-phase test (evenly spaced): linear in the steps, not quadratic
@@ -127,12 +129,14 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         throttled_steps=len(throttled),
         system_share=_share(timed, "system_s"),  # the whole timed time's, not a disturbance by itself
         minor_faults_per_s=_share(timed, "minor_faults"),
+        compiled_graphs_timed=_graphs(timed),
     )
 
     reasons: list[str] = []
     odd: list[Mapping[str, Any]] = []  # the steps the accounting compares with the others
     scattered = len(slow) >= MIN_SLOW_STEPS and excess >= MIN_EXCESS_FRACTION * total
-    if scattered or (len(slow) == 1 and excess >= LONE_STEP_EXCESS_FRACTION * total):
+    lone = len(slow) == 1 and excess >= max(LONE_STEP_EXCESS_FRACTION * total, LONE_STEP_MIN_EXCESS_S)
+    if scattered or lone:
         which = f"{len(slow)} of {len(timed)} timed steps" if scattered else f"step {slow[0].get('step', '?')} alone"
         reasons.append(
             f"{which} {out['slow_median_ratio']:.1f}x the fastest quarter's median "
@@ -183,5 +187,15 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 f"minor faults/s, {100 * fast_sys:.0f} % at {_rate(fast_faults)}/s in the others): the time went "
                 "outside it (the CPU taken by another process, I/O or a wait)"
             )
+    graphs = _graphs(odd)
+    if graphs:
+        where = "that step" if len(odd) == 1 else "those steps"
+        evidence += f"; torch.compile compiled {graphs} graph{'s' if graphs > 1 else ''} in {where}"
     out.update(disturbed=True, evidence=evidence)
     return out
+
+
+def _graphs(steps: Sequence[Mapping[str, Any]]) -> int | None:
+    """Graphs torch.compile compiled during the steps (None where no step counted them)."""
+    counts = [s.get("compiled_graphs") for s in steps]
+    return sum(int(c) for c in counts if c is not None) if any(c is not None for c in counts) else None

@@ -118,13 +118,39 @@ def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() 
     torch._dynamo.reset()
 
 
-def test_flex_attentions_block_mask_built_per_micro_batch_does_not_recompile_the_model() -> None:
+def test_flex_attentions_block_mask_built_per_micro_batch_does_not_recompile_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The optimized rows run flex attention under torch.compile, with a BlockMask (and its mask_mod closure over the
     micro-batch's segment ids) built afresh for every micro-batch. Were the mask or its closure guarded by identity,
-    each micro-batch would compile the model again, as the chunked loss's row selection did on the H100. Forward
-    only: flex attention has no backward on a CPU; the backward graph is AOT autograd's from the same trace."""
+    each micro-batch would compile the model again, as the chunked loss's row selection did on the H100. Training
+    mode, forward and backward: torch refuses flex attention's backward on a CPU only in a front-end device check,
+    which is lifted here (aot_eager runs flex's reference implementation, whose backward works on a CPU). Blocks of
+    512 tokens are four of flex's 128-token mask blocks, so the block layout differs between micro-batches."""
+    import torch.nn.attention.flex_attention as flex
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(flex, "_validate_device", lambda query, key, value: None)
+    torch._dynamo.reset()
+    counters.clear()
+    model = CausalLMWithLoss(_model("flex_attention").train(), loss="chunked")
+    model.compile(backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    layouts = set()
+    for pieces in (2, 3, 5, 4):
+        seg = torch.ones(1, 512, dtype=torch.long)
+        for number, cut in enumerate(sorted(torch.randperm(511, generator=generator)[: pieces - 1].tolist()), 2):
+            seg[:, cut + 1 :] = number
+        ids = torch.randint(0, 97, (1, 512), generator=generator)
+        inputs = make_inputs(ids, seg, packing=True, attention="flex", dtype=torch.float32)
+        layouts.add(tuple(seg[0].tolist()))
+        model.zero_grad()
+        model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels).backward()
+        assert all(p.grad is not None for p in model.parameters())
+        assert any(bool(p.grad.abs().sum() > 0) for p in model.parameters() if p.grad is not None)
+    assert len(layouts) == 4
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
     counters.clear()
     model = CausalLMWithLoss(_model("flex_attention").train(), loss="chunked")

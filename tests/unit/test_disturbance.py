@@ -73,8 +73,32 @@ def test_one_stall_that_moved_the_figure_by_a_quarter_is_flagged():
     d = detect(steps(millis))
     assert d["disturbed"] and d["slow_steps"] == 1
     assert d["evidence"] == "step 16 alone 20.0x the fastest quarter's median (100 ms), 48 % of the timed time"
-    # the same stall in a long enough run is under a quarter of the time, and under 10 % it is a hiccup
+    # the same stall in a long enough run is under a quarter of the time: a hiccup
     assert not detect(steps([100.0] * 60 + [2000.0]))["disturbed"]  # 1.9 s of 8.0 s: 24 %
+    # a scheduling delay in a short job of millisecond steps is a hiccup too, though it is 30 % of the timed time
+    assert not detect(steps([12.0] * 13 + [68.0]))["disturbed"]  # 56 ms: under the 0.5 s floor
+
+
+def test_a_stall_that_compiled_a_graph_says_so():
+    rows = steps([100.0] * 21, compiled_graphs=0)
+    rows[12].update(seconds=2.0, compiled_graphs=1)  # torch.compile compiled a graph again inside a timed step
+    d = detect(rows)
+    assert d["disturbed"] and d["compiled_graphs_timed"] == 1
+    assert d["evidence"].endswith("48 % of the timed time; torch.compile compiled 1 graph in that step")
+    # steps that never counted graphs (no torch.compile in the process) say nothing of it
+    assert detect(steps([100.0] * 21))["compiled_graphs_timed"] is None
+
+
+def test_the_meter_counts_the_graphs_torch_compile_compiles_during_a_step():
+    import torch
+
+    meter = ResourceMeter()
+    before = meter.read()
+    compiled = torch.compile(lambda x: torch.sin(x) * 2, backend="eager")
+    compiled(torch.ones(3))
+    compiled(torch.ones(3))  # the same shapes: no second graph
+    assert meter.since(before)["compiled_graphs"] == 1
+    assert meter.since(meter.read())["compiled_graphs"] == 0
 
 
 def test_scattered_slow_steps_that_cost_a_tenth_of_the_time_are_flagged():
