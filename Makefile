@@ -24,16 +24,16 @@ $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
 
 ## The heavy stacks' modules compiled once, at install, one process per core. Left to the first imports, processes
 ## that start together (the two test workers, torchrun's ranks, a search's trials) each compiled the same modules:
-## fresh-clone tests took 406 s with cold bytecode and 353 s after this step, which took 10 s (2-core Xeon, the
-## suite's kernels, 2026-11-26). The modules are imported, not compiled wholesale, so only what runs is compiled.
+## fresh-clone tests took 406 s with cold bytecode and 384 s with this step, which took 10-14 s (2-core Xeon, the
+## suite's kernels, 2026-11-26; README). The modules are imported, not compiled wholesale: only what runs is compiled.
 ## aws_cdk stays out: importing it starts Node.js (jsii), which `make demo` does not need. MLflow's telemetry is off
 ## here (it would write an install id). tests/unit/test_suite_environment.py checks that each name here exists.
 WARM_TRAINING := torch._dynamo transformers.models.qwen2.modeling_qwen2 transformers.trainer deepspeed
 WARM_CLOUD := moto cfnlint.api mlflow wandb optuna boto3 matplotlib.pyplot
+IMPORT_EACH := $(VENV_PY) -c 'import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]'
 warm-bytecode:
 	@export MLFLOW_DISABLE_TELEMETRY=true; log=$(VENV)/warm-bytecode.log; start=$$SECONDS; \
-	( $(VENV_PY) -c 'import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]' $(WARM_TRAINING) & \
-	  pid=$$!; $(VENV_PY) -c 'import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]' $(WARM_CLOUD); \
+	( $(IMPORT_EACH) $(WARM_TRAINING) & pid=$$!; $(IMPORT_EACH) $(WARM_CLOUD); \
 	  cloud=$$?; wait $$pid && exit $$cloud ) > $$log 2>&1 \
 	  || { cat $$log; echo "warm-bytecode: importing the libraries failed (above); the install is broken" >&2; exit 1; }; \
 	echo "compiled the libraries' bytecode in $$((SECONDS - start)) s"

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field
 SCHEMA_VERSION = "1.4"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
 # 1.2: steps[], disturbance, timing.import_time_s; 1.3: software.nvidia_driver, cuda_driver, cuda_runtime
 # 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed
-# 1.2: steps (each step's time and the process's resource use), disturbance, timing.import_time_s
 
 
 class _Strict(BaseModel):
