@@ -43,7 +43,7 @@ from gpuscout.analysis.results import (
 )
 from gpuscout.analysis.step_series import downsample
 from gpuscout.domain.catalog import LOCAL
-from gpuscout.domain.disturbance import detect
+from gpuscout.domain.disturbance import detect, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -371,6 +371,7 @@ def _measure_group(
         contention_note=contention_note([job for job, _ in completed]),
         disturbance_note=disturbance_note(measured, reps),
         disturbed=any(disturbed(rep) for rep in reps),
+        recompiled=any(recompiled(rep.disturbance) for rep in reps),
         undisturbed_factor=undisturbed_factor(reps),
         kernel_note=kernel_note(reps),
         host_allocator=reps[0].host_allocator,

@@ -163,7 +163,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
         return Recommendation(
             **base,
             summary=f"Cannot tell: {_disturbed_text([best])}. {best.label}: {facts}, {other}; it is the only target x "
-            "variant left.",
+            f"variant left. To measure it, {_disturbed_advice([best])}.",
             clear_winner=False,
             verdict="cannot_tell",
         )
@@ -187,7 +187,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
     if below and verdict in ("clear", "provisional"):  # a disturbed measurement may hide a faster setting
         why = (why + " " if verdict == "provisional" else "") + (
             f"a disturbed measurement ranks lower and may be faster than measured ({_disturbed_text(below)}). "
-            "To make it firm, run it again and compare."
+            f"To make it firm, {_disturbed_advice(below)} and compare."
         )
         verdict = "provisional"
     lead = f"{best.label} leads on the mean: {facts}, {other}; {comparison}."
@@ -220,6 +220,26 @@ def _could_lead(job: JobAnalysis, best: JobAnalysis, objective: str) -> bool:
 
 def _disturbed_text(jobs: Sequence[JobAnalysis]) -> str:
     return "; ".join(f"{j.label}: {j.disturbance_note}" for j in jobs)
+
+
+def _disturbed_advice(jobs: Sequence[JobAnalysis]) -> str:
+    """What would give the disturbed jobs a measurement to compare: a quiet machine, unless torch.compile compiled
+    graphs in the steps that were slow. That cause is in the job (shapes or guards that change between steps), so the
+    same settings run again repeat it on any machine."""
+    recompiled = [j for j in jobs if j.recompiled]
+    others = [j for j in jobs if not j.recompiled]
+    parts = []
+    if recompiled:
+        parts.append(
+            " and ".join(j.label for j in recompiled) + " compiled torch.compile graphs in its slow steps, which the "
+            "same settings repeat on any machine: keep the shapes fixed from step to step (every batch padded or "
+            "packed to one length, or the changing dimension marked dynamic) or raise training.warmup_steps past "
+            "the last compile, then run it again"
+        )
+    if others:
+        parts.append(("run it again" if not recompiled else "run " + " and ".join(j.label for j in others) + " again")
+                     + " on a quiet machine")  # fmt: skip
+    return "; ".join(parts)
 
 
 def _separate_advice(best: JobAnalysis, runner: JobAnalysis, *, search: bool) -> str:
@@ -257,7 +277,7 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: boo
         )
     disturbed = [j for j in (best, runner) if j.disturbed]
     if disturbed:
-        return "cannot_tell", _disturbed_text(disturbed) + "; run it again on a quiet machine"
+        return "cannot_tell", _disturbed_text(disturbed) + "; " + _disturbed_advice(disturbed)
     mine, theirs = _interval(best, objective), _interval(runner, objective)
     unusable = [j for j, ci in ((best, mine), (runner, theirs)) if ci is None or ci[1] - ci[0] <= 0 or ci[0] <= 0]
     if unusable:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = "1.4"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
 # 1.2: steps[], disturbance, timing.import_time_s; 1.3: software.nvidia_driver, cuda_driver, cuda_runtime
-# 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed
+# 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed and compiled_graphs_slow
 
 
 class _Strict(BaseModel):
@@ -200,6 +200,7 @@ class Disturbance(_Strict):
     system_share: float | None = None  # kernel CPU time / step time over all timed steps (not a disturbance itself)
     minor_faults_per_s: float | None = None  # over all timed steps
     compiled_graphs_timed: int | None = None  # graphs torch.compile compiled during the timed steps (a recompile)
+    compiled_graphs_slow: int | None = None  # of those, the ones compiled in the steps that made it disturbed
 
 
 class JobInfo(_Strict):

@@ -191,8 +191,14 @@ def detect(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if graphs:
         where = "that step" if len(odd) == 1 else "those steps"
         evidence += f"; torch.compile compiled {graphs} graph{'s' if graphs > 1 else ''} in {where}"
-    out.update(disturbed=True, evidence=evidence)
+    out.update(disturbed=True, evidence=evidence, compiled_graphs_slow=graphs)
     return out
+
+
+def recompiled(disturbance: Mapping[str, Any] | None) -> bool:
+    """A disturbed measurement whose flagged steps compiled torch.compile graphs: its cause is in the job (shapes or
+    guards that change between steps), so a second run of the same job on a quiet machine repeats it."""
+    return bool(disturbance and disturbance.get("disturbed") and (disturbance.get("compiled_graphs_slow") or 0) > 0)
 
 
 def _graphs(steps: Sequence[Mapping[str, Any]]) -> int | None:

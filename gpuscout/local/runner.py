@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.disturbance import recompiled
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import (
     DISK_FULL,
@@ -402,8 +403,16 @@ def _remeasure_disturbed(
     """Each job whose measurement was disturbed runs once more, after all the others (so the two are interleaved with
     the rest), under a name of its own; ``specs`` gains the new jobs."""
     for record in [r for r in records if _disturbed(r)]:
+        disturbance = (record.benchmark or {}).get("disturbance") or {}
+        evidence = disturbance.get("evidence")
+        if recompiled(disturbance):
+            observer.message(
+                f"{record.job_name}: disturbed measurement ({evidence}); not measured again: torch.compile compiled "
+                "graphs in its slow steps, and the same settings compile them again in a second run",
+                warning=True,
+            )
+            continue
         again = remeasure_spec(record, specs)
-        evidence = ((record.benchmark or {}).get("disturbance") or {}).get("evidence")
         observer.message(
             f"{record.job_name}: disturbed measurement ({evidence}); measuring it once more as {again.job_name} "
             "before ranking",

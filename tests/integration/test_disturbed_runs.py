@@ -126,3 +126,89 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     assert "left out of the figures: " in report and (report_dir / "step_rates.png").is_file()
     assert "⚠ 2 of 2 repetitions: disturbed measurement" in (report_dir / "report.html").read_text()
     assert json.loads((report_dir / "report.json").read_text())["jobs"][0]["disturbed"] is True
+
+
+# A job whose input changes shape at one timed step (a last short batch, a validation shape): torch.compile compiles
+# a second graph there, and that step stalls for the compile. aot_eager traces the 400 operations in about 1.5 s on a
+# 2-core Xeon without a C++ compiler or a compile cache, so the stall is the same in every run.
+RECOMPILING_SCRIPT = """
+import argparse
+import time
+
+import torch
+
+import gpuscout_report as gs
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch_size", type=int)
+parser.add_argument("--reshape_at", type=int, default=0)
+args = parser.parse_args()
+
+
+@torch.compile(backend="aot_eager", dynamic=False)
+def work(x):
+    for _ in range(400):
+        x = x.sin() * 1.01
+    return x.sum()
+
+
+step = 0
+while True:
+    step += 1
+    width = 16 if args.reshape_at and step >= args.reshape_at else 8
+    work(torch.ones(width))
+    time.sleep(0.012)
+    if gs.step(samples=args.batch_size, loss=1.0 / step):
+        break
+gs.done()
+"""
+
+
+@pytest.mark.slow(seconds=15)
+def test_a_stall_that_recompiled_is_not_measured_again_and_the_verdict_says_what_to_change(tmp_path):
+    (tmp_path / "job.py").write_text(RECOMPILING_SCRIPT)
+    manifest = {
+        "name": "recompiled",
+        "job": {"source_dir": str(tmp_path), "entry_point": "job.py", "unit": "samples",
+                "estimate": {"units_per_s": 2000, "units_per_step": "batch_size"}},
+        "training": {"max_steps": 14, "warmup_steps": 2},
+        "targets": [{"instance_type": "local", "price_per_hour_usd": 0.096}],
+        "variants": [
+            {"name": "fixed", "hyperparameters": {"batch_size": 8}},
+            {"name": "reshaped", "hyperparameters": {"batch_size": 16, "reshape_at": 9}},
+        ],
+        "constraints": {"budget_usd": 1.0},
+        "objective": "cheapest_per_token",
+    }  # fmt: skip
+    path = tmp_path / "recompiled.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    store = SqliteStore(tmp_path / "results.db")
+    messages: list[str] = []
+
+    class Observer(SilentObserver):
+        def message(self, text, *, warning=False):
+            messages.append(str(text))
+
+    # When the two variants run through gpuscout local, the second recompiling at step 9
+    run = run_local(path, store=store, runs_dir=tmp_path / "runs", observer=Observer())
+    assert run.status is RunStatus.SUCCEEDED
+    jobs = {j.variant_name: j for j in store.list_jobs(run.run_id)}
+    # Then the recompiling step is the disturbance, and its evidence names the compile
+    disturbance = jobs["reshaped"].benchmark["disturbance"]
+    assert disturbance["disturbed"] and disturbance["compiled_graphs_slow"] == 1, disturbance
+    assert "step 9 alone" in disturbance["evidence"] and disturbance["evidence"].endswith(
+        "torch.compile compiled 1 graph in that step"
+    )
+    assert not jobs["fixed"].benchmark["disturbance"]["disturbed"]
+    # and it is not measured again: the same settings would compile again (no "-m2" job), and the runner says why
+    assert len(jobs) == 2 and not any(j.job_name.endswith("-m2") for j in jobs.values())
+    (said,) = [m for m in messages if "disturbed measurement" in m]
+    assert said.startswith(jobs["reshaped"].job_name) and "not measured again: torch.compile compiled" in said
+    # and the verdict tells the user what to change, not to find a quieter machine
+    analysis = store.get_result(run.run_id).analysis
+    assert {a["variant_name"]: a["recompiled"] for a in analysis["jobs"]} == {"fixed": False, "reshaped": True}
+    recommendation = analysis["recommendation"]
+    assert recommendation["verdict"] == "cannot_tell", recommendation["summary"]
+    assert "local / reshaped compiled torch.compile graphs in its slow steps" in recommendation["summary"]
+    assert "raise training.warmup_steps past the last compile" in recommendation["summary"]
+    assert "quiet machine" not in recommendation["summary"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpuscout.domain.disturbance import MIN_STEPS, detect
+from gpuscout.domain.disturbance import MIN_STEPS, detect, recompiled
 from gpuscout.paths import TRAINING_DIR
 
 sys.path.insert(0, str(TRAINING_DIR))
@@ -85,8 +85,19 @@ def test_a_stall_that_compiled_a_graph_says_so():
     d = detect(rows)
     assert d["disturbed"] and d["compiled_graphs_timed"] == 1
     assert d["evidence"].endswith("48 % of the timed time; torch.compile compiled 1 graph in that step")
+    assert d["compiled_graphs_slow"] == 1 and recompiled(d)  # the job's own cause: a re-run repeats it
     # steps that never counted graphs (no torch.compile in the process) say nothing of it
     assert detect(steps([100.0] * 21))["compiled_graphs_timed"] is None
+
+
+def test_a_stall_elsewhere_than_the_compile_is_not_blamed_on_it():
+    rows = steps([100.0] * 21, compiled_graphs=0)
+    rows[3].update(compiled_graphs=1)  # a quick compile in an ordinary step
+    rows[12].update(seconds=2.0)  # and a stall that compiled nothing
+    d = detect(rows)
+    assert d["disturbed"] and d["compiled_graphs_timed"] == 1 and d["compiled_graphs_slow"] == 0
+    assert "torch.compile" not in d["evidence"] and not recompiled(d)
+    assert not recompiled(detect(steps([100.0] * 21, compiled_graphs=1)))  # compiled every step, never disturbed
 
 
 def test_the_meter_counts_the_graphs_torch_compile_compiles_during_a_step():

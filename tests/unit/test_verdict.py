@@ -291,3 +291,44 @@ def test_a_kernel_busy_with_page_faults_earns_a_note_but_does_not_change_the_ver
     )
     assert slow_job.kernel_note in slow_job.measurement_note
     assert next(j for j in analysis.jobs if j.variant_name == "fast").kernel_note is None
+
+
+def _recompiled(bench: dict[str, Any]) -> dict[str, Any]:
+    """Steady 30 ms steps, but step 12 took 2 s compiling a new torch.compile graph (a shape that changed)."""
+    steps = [
+        {"step": i + 1, "seconds": 2.0 if i == 11 else 0.03, "timed": i >= 3, "compiled_graphs": int(i in (0, 11))}
+        for i in range(22)
+    ]
+    return {**bench, "steps": steps}
+
+
+def test_a_recompile_is_answered_with_what_to_change_and_other_disturbances_with_a_quiet_machine() -> None:
+    fast = [24_000, 24_400, 23_800]
+    slow = [12_100, 11_900, 12_300]
+    # Given a leader whose stall compiled a graph, and a runner-up with a slow phase that compiled nothing
+    jobs = [_job("fast", r, _recompiled(_bench(v, (v * 0.97, v * 1.03)))) for r, v in enumerate(fast)]
+    jobs += [_job("slow", r, _disturbed(_bench(v, (v * 0.97, v * 1.03))), workers=2) for r, v in enumerate(slow)]
+    analysis = _verdict(jobs)
+    # Then neither can win, and each gets the advice that fits its cause
+    rec = analysis.recommendation
+    assert rec.verdict == "cannot_tell"
+    assert {j.variant_name: j.recompiled for j in analysis.jobs} == {"fast": True, "slow": False}
+    assert "torch.compile compiled 1 graph in that step" in rec.summary
+    assert (
+        "local / fast compiled torch.compile graphs in its slow steps, which the same settings repeat on any "
+        "machine: keep the shapes fixed from step to step" in rec.summary
+    )
+    assert "; run local / slow again on a quiet machine" in rec.summary
+    # A lone candidate that recompiled is told the same
+    only = _verdict([_job("only", 0, _recompiled(_bench(20_000, (19_000, 21_000))))]).recommendation
+    assert only.verdict == "cannot_tell" and "To measure it, local / only compiled torch.compile graphs" in only.summary
+    assert "quiet machine" not in only.summary
+    # and so is a recompiled variant ranked lower that could have led: the leader stays provisional until it is fixed
+    clean = [_job("fast", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate(fast)]
+    clean += [
+        _job("slow", r, _bench(v, (v * 0.97, v * 1.03)), workers=2) for r, v in enumerate([20_100, 19_900, 20_300])
+    ]
+    third = [_job("third", r, _recompiled(_bench(9_000, (8_700, 9_300))), workers=4) for r in range(3)]
+    rec = _verdict(clean + third).recommendation
+    assert rec.verdict == "provisional", rec.summary
+    assert "To make it firm, local / third compiled torch.compile graphs in its slow steps" in rec.summary
