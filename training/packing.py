@@ -12,6 +12,7 @@ HF Trainer set-up feeds documents; make_inputs then masks the padding only. The 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,16 @@ def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None, :, :]
 
 
+@functools.cache
+def compiled_create_block_mask() -> Any:
+    """``torch.compile(create_block_mask)``, made once per process. torch deprecates create_block_mask's ``_compile``
+    flag (a DeprecationWarning on every call since 2.11, "will be removed in the future") in favour of compiling the
+    function; the flag itself wrapped it in a new ``torch.compile`` on every call."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def _flex_block_mask(segment_ids: torch.Tensor) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -87,9 +98,8 @@ def _flex_block_mask(segment_ids: torch.Tensor) -> Any:
     b, length = seg.shape
     # On CUDA the mask is built by a compiled kernel block by block; eager creation materializes the full
     # [B, L, L] mask (and its int64 intermediates, about 1 GB at B=8, L=4096) for every micro-batch.
-    return create_block_mask(
-        mask_mod, B=b, H=None, Q_LEN=length, KV_LEN=length, device=str(seg.device), _compile=seg.is_cuda
-    )
+    build = compiled_create_block_mask() if seg.is_cuda else create_block_mask
+    return build(mask_mod, B=b, H=None, Q_LEN=length, KV_LEN=length, device=str(seg.device))
 
 
 def install_flex_autocast_cast() -> None:

@@ -79,6 +79,30 @@ def test_flex_matches_sdpa_with_the_4d_mask_under_bf16_autocast(real_blocks: Any
     assert loss_flex == pytest.approx(loss_sdpa, rel=1e-2)
 
 
+def test_the_block_mask_is_built_by_one_compiled_function_without_the_deprecated_flag(real_blocks: Any) -> None:
+    # torch 2.11 on the first H100 warned on every micro-batch that create_block_mask's _compile flag "will be
+    # removed in the future"; packing now compiles create_block_mask once per process instead
+    import warnings
+
+    from packing import _flex_block_mask, compiled_create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, seg, _ = real_blocks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        masks = [_flex_block_mask(seg), _flex_block_mask(seg.flip(0))]  # two micro-batches, one compiled function
+    assert not [w for w in caught if "_compile flag" in str(w.message)]
+    assert compiled_create_block_mask() is compiled_create_block_mask()
+    for mask, segments in zip(masks, (seg, seg.flip(0)), strict=True):  # the same mask as eager creation builds
+
+        def mask_mod(b: Any, h: Any, q: Any, kv: Any, segments: Any = segments) -> Any:
+            return (segments[b, q] == segments[b, kv]) & (kv <= q)
+
+        length = segments.shape[1]
+        eager = create_block_mask(mask_mod, B=segments.shape[0], H=None, Q_LEN=length, KV_LEN=length, device="cuda")
+        assert torch.equal(mask.to_dense(), eager.to_dense())
+
+
 def test_liger_matches_the_chunked_loss_and_gradients(real_blocks: Any, record: Any) -> None:
     from packing import liger_available
 
