@@ -41,7 +41,7 @@ from nvidia_versions import nvidia_versions
 from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import PREFIX, format_metric_line
 
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 LOG_LINE_RE = re.compile(rf"^{PREFIX}\b(?P<rest>.*)$")  # docs/byo.md: the regexes the runner applies
 LOG_VALUE_RE = re.compile(r" (?P<key>[a-z_]+)=(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
 

@@ -80,8 +80,9 @@ def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def compiled_create_block_mask() -> Any:
     """``torch.compile(create_block_mask)``, made once per process. torch deprecates create_block_mask's ``_compile``
-    flag (a DeprecationWarning on every call since 2.11, "will be removed in the future") in favour of compiling the
-    function; the flag itself wrapped it in a new ``torch.compile`` on every call."""
+    flag ("will be removed in the future": a DeprecationWarning on every call in torch 2.11 and 2.13, which Python
+    shows under pytest, as on the first H100's CUDA tests) in favour of compiling the function; the flag itself
+    wrapped it in a new ``torch.compile`` on every call."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     return torch.compile(create_block_mask)

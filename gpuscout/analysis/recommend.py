@@ -163,7 +163,7 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
         return Recommendation(
             **base,
             summary=f"Cannot tell: {_disturbed_text([best])}. {best.label}: {facts}, {other}; it is the only target x "
-            f"variant left. To measure it, {_disturbed_advice([best])}.",
+            f"variant left. {_capitalized(_disturbed_advice([best]))}.",
             clear_winner=False,
             verdict="cannot_tell",
         )
@@ -222,23 +222,29 @@ def _disturbed_text(jobs: Sequence[JobAnalysis]) -> str:
     return "; ".join(f"{j.label}: {j.disturbance_note}" for j in jobs)
 
 
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _disturbed_advice(jobs: Sequence[JobAnalysis]) -> str:
-    """What would give the disturbed jobs a measurement to compare: a quiet machine, unless torch.compile compiled
-    graphs in the steps that were slow. That cause is in the job (shapes or guards that change between steps), so the
-    same settings run again repeat it on any machine."""
+    """What would give the disturbed jobs a measurement to compare, as an instruction: run it again on a quiet
+    machine, unless torch.compile's compiles explain the flag. That cause is in the job (a shape or a guard that
+    changes between steps), so the same settings run again repeat it on any machine."""
     recompiled = [j for j in jobs if j.recompiled]
     others = [j for j in jobs if not j.recompiled]
     parts = []
     if recompiled:
+        names = " and ".join(j.label for j in recompiled)
+        its, it = ("its", "it") if len(recompiled) == 1 else ("their", "them")
         parts.append(
-            " and ".join(j.label for j in recompiled) + " compiled torch.compile graphs in its slow steps, which the "
-            "same settings repeat on any machine: keep the shapes fixed from step to step (every batch padded or "
-            "packed to one length, or the changing dimension marked dynamic) or raise training.warmup_steps past "
-            "the last compile, then run it again"
+            f"for {names} (torch.compile compiled graphs in {its} slow steps, which the same settings do again on "
+            "any machine), keep the input shapes fixed from step to step (every batch padded or packed to one "
+            "length) or raise training.warmup_steps past the last compile (and max_steps with it), then run "
+            f"{it} again"
         )
     if others:
-        parts.append(("run it again" if not recompiled else "run " + " and ".join(j.label for j in others) + " again")
-                     + " on a quiet machine")  # fmt: skip
+        it = "it" if len(others) == 1 else "them"
+        parts.append(f"run {' and '.join(j.label for j in others) if recompiled else it} again on a quiet machine")
     return "; ".join(parts)
 
 

@@ -11,9 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.4"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+SCHEMA_VERSION = "1.5"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
 # 1.2: steps[], disturbance, timing.import_time_s; 1.3: software.nvidia_driver, cuda_driver, cuda_runtime
-# 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed and compiled_graphs_slow
+# 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed; 1.5: disturbance.compiled_graphs_slow,
+# compile_explains
 
 
 class _Strict(BaseModel):
@@ -201,6 +202,8 @@ class Disturbance(_Strict):
     minor_faults_per_s: float | None = None  # over all timed steps
     compiled_graphs_timed: int | None = None  # graphs torch.compile compiled during the timed steps (a recompile)
     compiled_graphs_slow: int | None = None  # of those, the ones compiled in the steps that made it disturbed
+    # disturbed, and with its compiling steps at the reference step's time it would not be: the compile is the cause
+    compile_explains: bool | None = None
 
 
 class JobInfo(_Strict):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpuscout.domain.catalog import Catalog, load_catalog
-from gpuscout.domain.disturbance import recompiled
+from gpuscout.domain.disturbance import detect, recompiled
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import (
     DISK_FULL,
@@ -403,7 +403,7 @@ def _remeasure_disturbed(
     """Each job whose measurement was disturbed runs once more, after all the others (so the two are interleaved with
     the rest), under a name of its own; ``specs`` gains the new jobs."""
     for record in [r for r in records if _disturbed(r)]:
-        disturbance = (record.benchmark or {}).get("disturbance") or {}
+        disturbance = _disturbance(record)
         evidence = disturbance.get("evidence")
         if recompiled(disturbance):
             observer.message(
@@ -423,10 +423,16 @@ def _remeasure_disturbed(
         run_one(again, None)
 
 
-def _disturbed(record: JobRecord) -> bool:
-    """A completed job whose steps the disturbance detector flagged (benchmark.json's ``disturbance``)."""
+def _disturbance(record: JobRecord) -> Mapping[str, Any]:
+    """The disturbance detector's verdict on a job, judged from its steps as the analysis judges them (this release's
+    detector), else what benchmark.json says."""
     benchmark = record.benchmark or {}
-    return record.status is JobStatus.COMPLETED and bool((benchmark.get("disturbance") or {}).get("disturbed"))
+    return detect(benchmark["steps"]) if benchmark.get("steps") else (benchmark.get("disturbance") or {})
+
+
+def _disturbed(record: JobRecord) -> bool:
+    """A completed job whose steps the disturbance detector flagged."""
+    return record.status is JobStatus.COMPLETED and bool(_disturbance(record).get("disturbed"))
 
 
 def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:

@@ -80,18 +80,22 @@ def test_flex_matches_sdpa_with_the_4d_mask_under_bf16_autocast(real_blocks: Any
 
 
 def test_the_block_mask_is_built_by_one_compiled_function_without_the_deprecated_flag(real_blocks: Any) -> None:
-    # torch 2.11 on the first H100 warned on every micro-batch that create_block_mask's _compile flag "will be
-    # removed in the future"; packing now compiles create_block_mask once per process instead
+    # the first H100's CUDA tests (torch 2.11) showed the DeprecationWarning that create_block_mask's _compile flag
+    # "will be removed in the future"; packing now compiles create_block_mask once per process instead
     import warnings
 
     from packing import _flex_block_mask, compiled_create_block_mask
+    from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask
 
     _, seg, _ = real_blocks
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        masks = [_flex_block_mask(seg), _flex_block_mask(seg.flip(0))]  # two micro-batches, one compiled function
+        masks = [_flex_block_mask(seg)]
+        graphs = counters["stats"]["unique_graphs"]
+        masks.append(_flex_block_mask(seg.flip(0)))  # the next micro-batch: a new closure, the same shapes
     assert not [w for w in caught if "_compile flag" in str(w.message)]
+    assert counters["stats"]["unique_graphs"] == graphs  # built by the graphs compiled for the first: no recompile
     assert compiled_create_block_mask() is compiled_create_block_mask()
     for mask, segments in zip(masks, (seg, seg.flip(0)), strict=True):  # the same mask as eager creation builds
 

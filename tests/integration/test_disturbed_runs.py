@@ -128,9 +128,9 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     assert json.loads((report_dir / "report.json").read_text())["jobs"][0]["disturbed"] is True
 
 
-# A job whose input changes shape at one timed step (a last short batch, a validation shape): torch.compile compiles
-# a second graph there, and that step stalls for the compile. aot_eager traces the 400 operations in about 1.5 s on a
-# 2-core Xeon without a C++ compiler or a compile cache, so the stall is the same in every run.
+# A job whose input changes shape at one timed step (a last short batch): torch.compile compiles a second graph there,
+# and that step stalls for the compile. The backend is a real torch.compile backend that takes one second per graph
+# (as Inductor takes seconds to minutes for a real model), so the stall is the same on any CPU and under any load.
 RECOMPILING_SCRIPT = """
 import argparse
 import time
@@ -145,11 +145,14 @@ parser.add_argument("--reshape_at", type=int, default=0)
 args = parser.parse_args()
 
 
-@torch.compile(backend="aot_eager", dynamic=False)
+def compile_in_a_second(graph_module, example_inputs):
+    time.sleep(1.0)
+    return graph_module.forward
+
+
+@torch.compile(backend=compile_in_a_second, dynamic=False)
 def work(x):
-    for _ in range(400):
-        x = x.sin() * 1.01
-    return x.sum()
+    return (x * 2).sin().sum()
 
 
 step = 0
@@ -157,7 +160,7 @@ while True:
     step += 1
     width = 16 if args.reshape_at and step >= args.reshape_at else 8
     work(torch.ones(width))
-    time.sleep(0.012)
+    time.sleep(0.030)
     if gs.step(samples=args.batch_size, loss=1.0 / step):
         break
 gs.done()
@@ -196,9 +199,9 @@ def test_a_stall_that_recompiled_is_not_measured_again_and_the_verdict_says_what
     # Then the recompiling step is the disturbance, and its evidence names the compile
     disturbance = jobs["reshaped"].benchmark["disturbance"]
     assert disturbance["disturbed"] and disturbance["compiled_graphs_slow"] == 1, disturbance
-    assert "step 9 alone" in disturbance["evidence"] and disturbance["evidence"].endswith(
-        "torch.compile compiled 1 graph in that step"
-    )
+    assert disturbance["compile_explains"] is True, disturbance
+    # (a loaded machine may slow a 30 ms step or two as well: "step 9 alone" on a quiet one)
+    assert "torch.compile compiled 1 graph in th" in disturbance["evidence"]
     assert not jobs["fixed"].benchmark["disturbance"]["disturbed"]
     # and it is not measured again: the same settings would compile again (no "-m2" job), and the runner says why
     assert len(jobs) == 2 and not any(j.job_name.endswith("-m2") for j in jobs.values())
@@ -209,6 +212,6 @@ def test_a_stall_that_recompiled_is_not_measured_again_and_the_verdict_says_what
     assert {a["variant_name"]: a["recompiled"] for a in analysis["jobs"]} == {"fixed": False, "reshaped": True}
     recommendation = analysis["recommendation"]
     assert recommendation["verdict"] == "cannot_tell", recommendation["summary"]
-    assert "local / reshaped compiled torch.compile graphs in its slow steps" in recommendation["summary"]
+    assert "for local / reshaped (torch.compile compiled graphs in its slow steps" in recommendation["summary"]
     assert "raise training.warmup_steps past the last compile" in recommendation["summary"]
     assert "quiet machine" not in recommendation["summary"]

@@ -85,7 +85,7 @@ def test_a_stall_that_compiled_a_graph_says_so():
     d = detect(rows)
     assert d["disturbed"] and d["compiled_graphs_timed"] == 1
     assert d["evidence"].endswith("48 % of the timed time; torch.compile compiled 1 graph in that step")
-    assert d["compiled_graphs_slow"] == 1 and recompiled(d)  # the job's own cause: a re-run repeats it
+    assert d["compiled_graphs_slow"] == 1 and d["compile_explains"] and recompiled(d)  # a re-run repeats it
     # steps that never counted graphs (no torch.compile in the process) say nothing of it
     assert detect(steps([100.0] * 21))["compiled_graphs_timed"] is None
 
@@ -98,6 +98,18 @@ def test_a_stall_elsewhere_than_the_compile_is_not_blamed_on_it():
     assert d["disturbed"] and d["compiled_graphs_timed"] == 1 and d["compiled_graphs_slow"] == 0
     assert "torch.compile" not in d["evidence"] and not recompiled(d)
     assert not recompiled(detect(steps([100.0] * 21, compiled_graphs=1)))  # compiled every step, never disturbed
+
+
+def test_a_compile_inside_a_slow_phase_does_not_take_the_blame_for_it():
+    rows = steps(SLOW_PHASE, compiled_graphs=0)
+    rows[6].update(compiled_graphs=1)  # a quick compile in one step of the slow phase
+    d = detect(rows)
+    assert d["disturbed"] and d["compiled_graphs_slow"] == 1
+    # without that step's compile (at the reference time) the phase is still there: the compile does not explain it
+    assert d["compile_explains"] is False and not recompiled(d)
+    assert d["evidence"].endswith(
+        "torch.compile compiled 1 graph in those steps, which alone does not explain the flag"
+    )
 
 
 def test_the_meter_counts_the_graphs_torch_compile_compiles_during_a_step():

@@ -315,13 +315,13 @@ def test_a_recompile_is_answered_with_what_to_change_and_other_disturbances_with
     assert {j.variant_name: j.recompiled for j in analysis.jobs} == {"fast": True, "slow": False}
     assert "torch.compile compiled 1 graph in that step" in rec.summary
     assert (
-        "local / fast compiled torch.compile graphs in its slow steps, which the same settings repeat on any "
-        "machine: keep the shapes fixed from step to step" in rec.summary
+        "; for local / fast (torch.compile compiled graphs in its slow steps, which the same settings do again on "
+        "any machine), keep the input shapes fixed from step to step" in rec.summary
     )
-    assert "; run local / slow again on a quiet machine" in rec.summary
+    assert "then run it again; run local / slow again on a quiet machine" in rec.summary
     # A lone candidate that recompiled is told the same
     only = _verdict([_job("only", 0, _recompiled(_bench(20_000, (19_000, 21_000))))]).recommendation
-    assert only.verdict == "cannot_tell" and "To measure it, local / only compiled torch.compile graphs" in only.summary
+    assert only.verdict == "cannot_tell" and "left. For local / only (torch.compile compiled graphs" in only.summary
     assert "quiet machine" not in only.summary
     # and so is a recompiled variant ranked lower that could have led: the leader stays provisional until it is fixed
     clean = [_job("fast", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate(fast)]
@@ -331,4 +331,4 @@ def test_a_recompile_is_answered_with_what_to_change_and_other_disturbances_with
     third = [_job("third", r, _recompiled(_bench(9_000, (8_700, 9_300))), workers=4) for r in range(3)]
     rec = _verdict(clean + third).recommendation
     assert rec.verdict == "provisional", rec.summary
-    assert "To make it firm, local / third compiled torch.compile graphs in its slow steps" in rec.summary
+    assert "To make it firm, for local / third (torch.compile compiled graphs in its slow steps" in rec.summary
