@@ -60,7 +60,7 @@ class JobAnalysis(BaseModel):
     # the figures include a disturbed measurement (domain/disturbance.py): never a firm or provisional winner
     disturbed: bool = False
     disturbance_note: str | None = None  # what the detector found, also when a clean re-measurement replaced it
-    # disturbed, and torch.compile compiled graphs in the slow steps: the job's own cause, which a re-run repeats
+    # disturbed, and torch.compile's compiles in the slow steps explain it: the job's own cause, which a re-run repeats
     recompiled: bool = False
     # disturbed: how much faster it would have been with every timed step at its reference step's speed (an upper
     # bound the verdict uses to tell whether a disturbed job lower down could have led); None = cannot tell

@@ -401,9 +401,12 @@ def _remeasure_disturbed(
     run_one: Callable[[JobSpec, None], JobRecord],
 ) -> None:
     """Each job whose measurement was disturbed runs once more, after all the others (so the two are interleaved with
-    the rest), under a name of its own; ``specs`` gains the new jobs."""
-    for record in [r for r in records if _disturbed(r)]:
-        disturbance = _disturbance(record)
+    the rest), under a name of its own; ``specs`` gains the new jobs. Not a job whose torch.compile compiles explain
+    the disturbance: the same settings would compile again."""
+    for record in records:
+        disturbance = _disturbance(record) if record.status is JobStatus.COMPLETED else {}
+        if not disturbance.get("disturbed"):
+            continue
         evidence = disturbance.get("evidence")
         if recompiled(disturbance):
             observer.message(
@@ -428,11 +431,6 @@ def _disturbance(record: JobRecord) -> Mapping[str, Any]:
     detector), else what benchmark.json says."""
     benchmark = record.benchmark or {}
     return detect(benchmark["steps"]) if benchmark.get("steps") else (benchmark.get("disturbance") or {})
-
-
-def _disturbed(record: JobRecord) -> bool:
-    """A completed job whose steps the disturbance detector flagged."""
-    return record.status is JobStatus.COMPLETED and bool(_disturbance(record).get("disturbed"))
 
 
 def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:

@@ -93,6 +93,19 @@ def _packed_batch(
     return seg, torch.randint(0, 97, (rows, length), generator=generator)
 
 
+def _compiled_fresh(attention: str) -> CausalLMWithLoss:
+    """The tiny model in training mode with the chunked loss, compiled with aot_eager (dynamo, then AOT autograd's
+    forward and backward, as Inductor traces, without generating kernels), after dynamo's caches and counters are
+    reset so the test counts only its own graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = CausalLMWithLoss(_model(attention).train(), loss="chunked")
+    model.compile(backend="aot_eager")
+    return model
+
+
 def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() -> None:
     """train.py compiles CausalLMWithLoss; packed micro-batches differ in their number of targets (one ignored row
     per document piece). The loss must not make that number part of the graph: on an H100 (2026-11-25) the chunked
@@ -100,10 +113,7 @@ def test_one_compiled_graph_serves_micro_batches_with_different_target_counts() 
     would (dynamo, then AOT autograd's forward and backward) without generating kernels."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = CausalLMWithLoss(_model("sdpa").train(), loss="chunked")
-    model.compile(backend="aot_eager")
+    model = _compiled_fresh("sdpa")
     generator = torch.Generator().manual_seed(4)
     counts = set()
     for pieces in (2, 3, 5, 4):  # a different number of documents, so of targets, in each micro-batch
@@ -138,10 +148,7 @@ def test_flex_attentions_block_mask_built_per_micro_batch_does_not_recompile_the
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(flex, "_validate_device", lambda query, key, value: None)
-    torch._dynamo.reset()
-    counters.clear()
-    model = CausalLMWithLoss(_model("flex_attention").train(), loss="chunked")
-    model.compile(backend="aot_eager")
+    model = _compiled_fresh("flex_attention")
     generator = torch.Generator().manual_seed(5)
     layouts = set()
     for pieces in (2, 3, 5, 4):
