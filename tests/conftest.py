@@ -9,6 +9,7 @@ finished (12 min 40 s against about 10 min, measured on a 2-core AMD EPYC). The 
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         weight[item.path] += slow_seconds(item)
         first_seen.setdefault(item.path, len(first_seen))
     items.sort(key=lambda item: (-weight[item.path], first_seen[item.path]))
+
+
+# What the suite's times depend on, printed after the slowest tests (and so in CI's log)
+KERNEL_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+
+
+def machine_lines() -> list[str]:
+    """The machine a run's times were measured on: the CPU model, its cores and memory, the kernel variables make
+    test sets, and whether bf16 matmuls run natively. The pool mixes Xeons with native bf16 and AVX2-only AMD EPYCs
+    that run the same suite at different speeds; a time read from a log says which it was."""
+    from gpuscout.domain.cpu import cpuinfo_field, detect_cpu_precisions
+
+    model = cpuinfo_field("model name") or "CPU model unknown (no /proc/cpuinfo)"
+    memory = cpuinfo_field("memtotal", cpuinfo=Path("/proc/meminfo"))  # "24683660 kB"
+    size = f", {int(memory.split()[0]) / 2**20:.0f} GiB" if memory and memory.split()[0].isdigit() else ""
+    kernels = " ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in KERNEL_VARIABLES)
+    bf16 = detect_cpu_precisions()
+    verdict = "native" if bf16.bf16_native else "on the reference path (~1 % of fp32)"
+    return [
+        f"machine: {model}, {os.cpu_count()} cores{size}",
+        f"kernels: {kernels}; bf16 matmuls {verdict}: {bf16.reason}",
+    ]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """After the slowest tests (make test's --durations=15), even under -q."""
+    terminalreporter.section("the machine these times were measured on")
+    for line in machine_lines():
+        terminalreporter.write_line(line)
 
 
 def _share_botocore_model_files() -> None:

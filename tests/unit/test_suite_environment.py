@@ -36,6 +36,19 @@ def test_make_test_sets_them():
     assert Path(REPO_DIR / ".ci" / "run").read_text().strip().endswith("make test")
 
 
+def test_the_run_names_its_machine_and_kernels_beside_its_times():
+    """Every make test log ends with the CPU it ran on and the kernels it ran, so its times can be compared."""
+    from gpuscout.domain.cpu import cpuinfo_field, detect_cpu_precisions
+    from tests.conftest import machine_lines
+
+    machine, kernels = machine_lines()
+    assert machine.startswith(f"machine: {cpuinfo_field('model name')}, {os.cpu_count()} cores")
+    for name, value in SLOWEST_KIND.items():
+        assert f"{name}={value}" in kernels
+    assert kernels.endswith(detect_cpu_precisions().reason)
+    assert ("bf16 matmuls native" in kernels) is detect_cpu_precisions().bf16_native
+
+
 def test_the_venvs_bytecode_is_written_when_first_imported():
     """make install leaves bytecode to Python (pip --no-compile): every module is compiled on its first import and
     kept. With PYTHONDONTWRITEBYTECODE set (these machines' environment sets it) nothing would be kept, and every
