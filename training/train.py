@@ -52,9 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # train.main may run in a process that goes on (tests, profile_train): it leaves SIGTERM as it was
         bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
         try:
-            if (
-                dist.world_size == 1
-            ):  # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
+            # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
+            if dist.world_size == 1:
                 stop.install()
             result = bench.run()
         except (Exception, StoppedBeforeStartError) as err:  # every failure becomes a failed benchmark.json

@@ -43,7 +43,7 @@ from gpuscout.analysis.results import (
 )
 from gpuscout.analysis.step_series import downsample
 from gpuscout.domain.catalog import LOCAL
-from gpuscout.domain.disturbance import detect, recompiled
+from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -193,8 +193,7 @@ def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
             timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,
             stop_rule=(bench.get("stop") or {}).get("rule"),
             stop_reason=(bench.get("stop") or {}).get("reason"),
-            # judged again from the steps (this release's detector), else what the job wrote
-            disturbance=detect(bench["steps"]) if bench.get("steps") else bench.get("disturbance"),
+            disturbance=judged(bench),
             steps=bench.get("steps") or [],
             host_allocator=(bench.get("software") or {}).get("host_allocator"),
         )

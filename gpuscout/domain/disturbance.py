@@ -211,6 +211,13 @@ def _disturbed_without_compiles(steps: Sequence[Mapping[str, Any]], reference: f
     return bool(detect(rest)["disturbed"])
 
 
+def judged(benchmark: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A benchmark.json's disturbance as this release's detector judges it: from its steps where it has them (so a
+    job written by an older release is judged as a new one), else what the job wrote (None: nothing)."""
+    steps = benchmark.get("steps")
+    return detect(steps) if steps else benchmark.get("disturbance")
+
+
 def recompiled(disturbance: Mapping[str, Any] | None) -> bool:
     """A disturbed measurement that torch.compile's compiles explain (``compile_explains``): the cause is in the job
     (shapes or guards that change between steps), so a second run of the same settings, on any machine, repeats it."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpuscout.domain.catalog import Catalog, load_catalog
-from gpuscout.domain.disturbance import detect, recompiled
+from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import (
     DISK_FULL,
@@ -404,7 +404,8 @@ def _remeasure_disturbed(
     the rest), under a name of its own; ``specs`` gains the new jobs. Not a job whose torch.compile compiles explain
     the disturbance: the same settings would compile again."""
     for record in records:
-        disturbance = _disturbance(record) if record.status is JobStatus.COMPLETED else {}
+        # judged as the analysis judges it (this release's detector), not only as the job's own release did
+        disturbance = (judged(record.benchmark or {}) or {}) if record.status is JobStatus.COMPLETED else {}
         if not disturbance.get("disturbed"):
             continue
         evidence = disturbance.get("evidence")
@@ -424,13 +425,6 @@ def _remeasure_disturbed(
         specs.append(again)
         store.put_job(job_record(again, JobStatus.PLANNED))
         run_one(again, None)
-
-
-def _disturbance(record: JobRecord) -> Mapping[str, Any]:
-    """The disturbance detector's verdict on a job, judged from its steps as the analysis judges them (this release's
-    detector), else what benchmark.json says."""
-    benchmark = record.benchmark or {}
-    return detect(benchmark["steps"]) if benchmark.get("steps") else (benchmark.get("disturbance") or {})
 
 
 def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:
