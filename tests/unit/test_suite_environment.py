@@ -96,3 +96,18 @@ def test_the_install_compiles_the_heavy_libraries_once_and_each_name_it_imports_
     assert not missing, f"Makefile warm-bytecode imports modules this venv does not have: {missing}"
     assert module_file("no_such_library.anywhere") is None and module_file("torch.no_such_module") is None
     assert module_file("torch._C") is not None  # an extension module
+
+
+def test_the_editable_install_builds_with_a_pinned_setuptools():
+    """make install's `pip install -e .` builds gpuscout in an isolated environment with the build requirements of
+    pyproject.toml. An unpinned requirement takes the index's newest setuptools on the day of each fresh clone, and
+    setuptools announced that the table form of ``project.license`` (``{ text = ... }``) stops building on
+    2027-02-18: every fresh clone's install would fail that day, with no change of ours. The build requirements are
+    exact pins, and the license is an SPDX expression (PEP 639), which the pinned setuptools builds without the
+    deprecation warning."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO_DIR / "pyproject.toml").read_text())
+    requires = pyproject["build-system"]["requires"]
+    assert requires and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", r) for r in requires), requires
+    assert isinstance(pyproject["project"]["license"], str)
