@@ -14,9 +14,11 @@ export MPLBACKEND := Agg
 ## a 2-core Xeon, 2026-11-25; compileall on both cores still took 29 s). Python compiles a module the first time it is
 ## imported and keeps it in __pycache__, so only what runs is compiled, once. That needs bytecode writing on: these
 ## machines' environment sets PYTHONDONTWRITEBYTECODE=1, so make passes it to no recipe (unexport above).
+## Everything the install runs is pinned, pip and the editable build's setuptools (pyproject.toml) included: the
+## index's newest of the day would make two fresh clones of one commit install differently.
 $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install --quiet --no-compile --upgrade pip
+	$(VENV_PY) -m pip install --quiet --no-compile pip==26.3
 	$(VENV_PY) -m pip install --quiet --no-compile -r requirements-dev.txt
 	$(VENV_PY) -m pip install --quiet --no-compile --no-deps -e .
 	$(MAKE) --no-print-directory warm-bytecode

@@ -111,3 +111,6 @@ def test_the_editable_install_builds_with_a_pinned_setuptools():
     requires = pyproject["build-system"]["requires"]
     assert requires and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", r) for r in requires), requires
     assert isinstance(pyproject["project"]["license"], str)
+    # and pip itself, which the install upgrades first, is pinned too
+    makefile = (REPO_DIR / "Makefile").read_text()
+    assert re.search(r"-m pip install --quiet --no-compile pip==[0-9.]+$", makefile, re.M)
