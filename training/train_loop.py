@@ -39,7 +39,7 @@ from train_args import Hyperparameters
 from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_batches
 from train_distributed import Dist
 from train_facts import CPU_NOTE, hardware_info, process_age_s, resolve_precision, software_info
-from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config
+from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config, import_deepspeed
 from train_state import Parts, Progress, Splits, StepWork
 
 from gpuscout.domain import flops
@@ -299,8 +299,7 @@ class Benchmark:
         """DeepSpeed's engine (it owns optimizer and scheduler), DDP across ranks, or the model itself."""
         hp, dist = self.hp, self.dist
         if hp.deepspeed_stage:
-            import deepspeed
-
+            deepspeed = import_deepspeed()
             if dist.device.type == "cpu":
                 deepspeed_collectives_through_torch()
             assert self.arch is not None

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -152,6 +154,30 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
     return model, architecture_from_config(hp.model_name_or_path, model.config), hp.model_name_or_path
 
 
+def import_deepspeed() -> ModuleType:
+    """``deepspeed``, imported without MLflow.
+
+    ``import deepspeed`` imports its autotuner (deepspeed.runtime.config -> deepspeed.autotuning.autotuner), which
+    imports mlflow whenever it is installed, to log autotuning trials. Training never runs the autotuner (that is the
+    ``deepspeed --autotuning`` launcher's mode), but the training image installs MLflow for experiment tracking, so
+    every DeepSpeed rank imported MLflow with its SQL parser, FastAPI and OpenTelemetry modules: about 1.1 s of a
+    1.4 s ``import deepspeed`` (2-core Xeon, DeepSpeed 0.19.8, mlflow-skinny 3.17.2), in every rank of every
+    ZeRO job, tracked or not. Unless MLflow is imported already (a job tracked with it), DeepSpeed is imported with
+    mlflow marked absent, so the autotuner notes it has none; the mark is removed at once, and the job's own tracker
+    imports mlflow later as usual."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
+    try:
+        import deepspeed
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def deepspeed_collectives_through_torch() -> None:
     """On a CPU, DeepSpeed's collectives go through torch.distributed (gloo), as they do (NCCL) on the GPUs it is
     benchmarked on.
@@ -163,6 +189,7 @@ def deepspeed_collectives_through_torch() -> None:
     project's stand-in for the GPU path (the planner refuses ZeRO on a CPU target), and a stand-in should run the
     same collectives: no compiler at run time. ``build_shm_op`` builds nothing for an op that
     ``deepspeed.ops.__compatible_ops__`` (DeepSpeed's own table of which ops may be built here) marks incompatible."""
+    import_deepspeed()
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -202,9 +202,12 @@ if {fixed}:
     train_distributed.init_distributed()
     train_model.deepspeed_collectives_through_torch()  # as train.py does before DeepSpeed starts on a CPU
 import deepspeed
+print("mlflow loaded with deepspeed:", "mlflow" in sys.modules, flush=True)
 deepspeed.init_distributed(dist_backend="gloo")
 import torch.distributed as dist
 print("world", dist.get_world_size(), "rank", dist.get_rank())
+import mlflow  # as a job tracked with MLflow imports it after DeepSpeed started
+print("mlflow afterwards:", mlflow.MlflowClient.__name__)
 """
 
 
@@ -225,9 +228,14 @@ def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tm
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "world 1 rank 0" in proc.stdout
         assert "deepspeed_shm_comm" not in proc.stdout  # no shared-memory op compiled or loaded on a CPU
+        # and DeepSpeed came without MLflow (train_model.import_deepspeed), which the job can still import itself
+        assert "mlflow loaded with deepspeed: False" in proc.stdout
+        assert "mlflow afterwards: MlflowClient" in proc.stdout
     else:
         # (without it, DeepSpeed's SageMaker discovery fails before step 1: the bug this guards against)
         assert proc.returncode != 0 and "OMPI_COMM_WORLD_RANK" in proc.stderr
+        # and a plain `import deepspeed` imports MLflow (its autotuner's optional logger) when it is installed
+        assert "mlflow loaded with deepspeed: True" in proc.stdout
 
 
 def test_every_rank_runs_the_same_number_of_validation_forwards() -> None:
