@@ -207,7 +207,7 @@ deepspeed.init_distributed(dist_backend="gloo")
 import torch.distributed as dist
 print("world", dist.get_world_size(), "rank", dist.get_rank())
 import mlflow  # as a job tracked with MLflow imports it after DeepSpeed started
-print("mlflow afterwards:", mlflow.MlflowClient.__name__)
+print("mlflow afterwards:", mlflow.__name__)
 """
 
 
@@ -230,7 +230,7 @@ def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tm
         assert "deepspeed_shm_comm" not in proc.stdout  # no shared-memory op compiled or loaded on a CPU
         # and DeepSpeed came without MLflow (train_model.import_deepspeed), which the job can still import itself
         assert "mlflow loaded with deepspeed: False" in proc.stdout
-        assert "mlflow afterwards: MlflowClient" in proc.stdout
+        assert "mlflow afterwards: mlflow" in proc.stdout
     else:
         # (without it, DeepSpeed's SageMaker discovery fails before step 1: the bug this guards against)
         assert proc.returncode != 0 and "OMPI_COMM_WORLD_RANK" in proc.stderr
