@@ -27,7 +27,7 @@ $(VENV)/.stamp-install: requirements.txt requirements-dev.txt pyproject.toml
 ## The heavy stacks' modules compiled once, at install, one process per core. Left to the first imports, processes
 ## that start together (the two test workers, torchrun's ranks, a search's trials) each compiled the same modules:
 ## fresh-clone tests took 406 s with cold bytecode and 384 s with this step, which took 10-14 s (2-core Xeon, the
-## suite's kernels, 2026-11-26; README). The modules are imported, not compiled wholesale: only what runs is compiled.
+## suite's kernels, 2026-11-26; docs/testing.md). The modules are imported, not compiled wholesale: only what runs is compiled.
 ## aws_cdk stays out: importing it starts Node.js (jsii), which `make demo` does not need. MLflow's telemetry is off
 ## here (it would write an install id). tests/unit/test_suite_environment.py checks that each name here exists.
 WARM_TRAINING := torch._dynamo transformers.models.qwen2.modeling_qwen2 transformers.trainer deepspeed
