@@ -114,3 +114,36 @@ def test_the_editable_install_builds_with_a_pinned_setuptools():
     # and pip itself, which the install upgrades first, is pinned too
     makefile = (REPO_DIR / "Makefile").read_text()
     assert re.search(r"-m pip install --quiet --no-compile pip==[0-9.]+$", makefile, re.M)
+
+
+def _pinned(path: Path) -> dict[str, str]:
+    """name -> version of a requirements or constraints file's exact pins (extras and comments dropped)."""
+    pins = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]+\])?==([^\s;]+)", line)
+            assert match, f"{path.name}: {line!r} is not an exact pin"
+            pins[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = match.group(3)
+    return pins
+
+
+def test_the_install_is_locked_and_this_environment_is_the_lock():
+    """make install installs requirements-dev.txt with constraints.txt (make lock): every package, the requirements'
+    dependencies included, at one version, so two fresh clones of a commit get the same packages whatever the index
+    has released since (a new release of a dependency no requirement pins could otherwise break every fresh clone
+    from one day on). The lock agrees with every direct pin, and the packages installed here are the lock's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    makefile = (REPO_DIR / "Makefile").read_text()
+    assert re.search(r"-m pip install --quiet --no-compile -r requirements-dev.txt -c constraints.txt$", makefile, re.M)
+    lock = _pinned(REPO_DIR / "constraints.txt")
+    direct = _pinned(REPO_DIR / "requirements.txt") | _pinned(REPO_DIR / "requirements-dev.txt")
+    assert {n: v for n, v in direct.items() if lock.get(n) != v} == {}, "run make lock after changing requirements"
+    installed = {}
+    for name in lock:
+        try:
+            installed[name] = version(name).split("+", 1)[0]  # torch 2.13.0+cpu is torch==2.13.0
+        except PackageNotFoundError:
+            installed[name] = None
+    assert {n: (v, installed[n]) for n, v in lock.items() if installed[n] != v} == {}, "run make install"
