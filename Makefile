@@ -14,14 +14,17 @@ export MPLBACKEND := Agg
 ## a 2-core Xeon, 2026-11-25; compileall on both cores still took 29 s). Python compiles a module the first time it is
 ## imported and keeps it in __pycache__, so only what runs is compiled, once. That needs bytecode writing on: these
 ## machines' environment sets PYTHONDONTWRITEBYTECODE=1, so make passes it to no recipe (unexport above).
-## Everything the install runs is pinned, pip and the editable build's setuptools (pyproject.toml) included, and
-## constraints.txt (make lock) holds every package the requirements bring, their dependencies' too: without it, the
-## index's newest of the day would make two fresh clones of one commit install differently.
-$(VENV)/.stamp-install: requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+## Everything the install runs is pinned: pip; constraints.txt (make lock) holds every package the requirements
+## bring, their dependencies' too; build-constraints.txt the setuptools that builds from source (the editable gpuscout
+## and DeepSpeed's source release). Without them, the index's newest of the day would make two fresh clones of one
+## commit install differently (where /opt/wheels has no torch CPU wheel, torch==2.13.0 is PyPI's CUDA build, whose
+## CUDA packages the lock does not hold).
+PIP_PINNED := --quiet --no-compile -c constraints.txt --build-constraint build-constraints.txt
+$(VENV)/.stamp-install: requirements.txt requirements-dev.txt constraints.txt build-constraints.txt pyproject.toml
 	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV_PY) -m pip install --quiet --no-compile pip==26.3
-	$(VENV_PY) -m pip install --quiet --no-compile -r requirements-dev.txt -c constraints.txt
-	$(VENV_PY) -m pip install --quiet --no-compile --no-deps -e .
+	$(VENV_PY) -m pip install $(PIP_PINNED) -r requirements-dev.txt
+	$(VENV_PY) -m pip install $(PIP_PINNED) --no-deps -e .
 	$(MAKE) --no-print-directory warm-bytecode
 	touch $@
 
@@ -47,20 +50,23 @@ node_modules/.stamp-install: package.json package-lock.json
 
 install: $(VENV)/.stamp-install node_modules/.stamp-install
 
-## constraints.txt: the versions a fresh install of requirements-dev.txt resolves today, dependencies included (local
-## version labels such as torch's +cpu dropped: requirements.txt pins torch==2.13.0). Run after changing a
-## requirements file; it installs into a throwaway venv (about a minute) and leaves .venv alone.
-LOCK_VENV := /tmp/gpuscout-lock-venv
+## constraints.txt: the versions a fresh install of requirements-dev.txt resolves today, dependencies included
+## (setuptools too, which torch requires at run time; local version labels such as torch's +cpu dropped:
+## requirements.txt pins torch==2.13.0). Run after changing a requirements file: it installs into a throwaway venv
+## (about a minute), leaves .venv alone and replaces constraints.txt only when the freeze succeeded.
 lock:
-	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/python -m pip install --quiet --no-compile pip==26.3
-	$(LOCK_VENV)/bin/python -m pip install --quiet --no-compile -r requirements-dev.txt
+	set -euo pipefail; venv=$$(mktemp -d /tmp/gpuscout-lock.XXXXXX); trap 'rm -rf "$$venv"' EXIT; \
+	$(PYTHON) -m venv "$$venv"; \
+	"$$venv/bin/python" -m pip install --quiet --no-compile pip==26.3; \
+	"$$venv/bin/python" -m pip install --quiet --no-compile --build-constraint build-constraints.txt \
+	  -r requirements-dev.txt; \
 	{ echo "# Every package make install brings, at the versions of a fresh install (make lock writes this file)."; \
 	  echo "# make install installs requirements-dev.txt with it as constraints (-c)."; \
-	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/^([^=]+==[^+]+)\+.*$$/\1/'; \
-	} > constraints.txt
-	rm -rf $(LOCK_VENV)
-	@echo "constraints.txt: $$(grep -vc '^#' constraints.txt) packages"
+	  "$$venv/bin/python" -m pip freeze --all --exclude-editable | grep -v '^pip==' \
+	    | sed -E 's/^([^=]+==[^+]+)\+.*$$/\1/'; \
+	} > constraints.txt.new; \
+	mv constraints.txt.new constraints.txt; \
+	echo "constraints.txt: $$(grep -vc '^#' constraints.txt) packages"
 
 ## The main job: a local benchmark end to end on the embedded default manifest.
 demo: $(VENV)/.stamp-install

@@ -58,7 +58,8 @@ def test_the_venvs_bytecode_is_written_when_first_imported():
     assert not sys.flags.dont_write_bytecode, "run the suite with `make test` (it unexports PYTHONDONTWRITEBYTECODE)"
     makefile = (REPO_DIR / "Makefile").read_text()
     assert re.search(r"^unexport PYTHONDONTWRITEBYTECODE$", makefile, re.M)
-    assert "--no-compile -r requirements-dev.txt" in makefile
+    assert re.search(r"^PIP_PINNED := --quiet --no-compile ", makefile, re.M)
+    assert re.search(r"-m pip install \$\(PIP_PINNED\) -r requirements-dev.txt$", makefile, re.M)
 
 
 def module_file(name: str) -> Path | None:
@@ -98,21 +99,26 @@ def test_the_install_compiles_the_heavy_libraries_once_and_each_name_it_imports_
     assert module_file("torch._C") is not None  # an extension module
 
 
-def test_the_editable_install_builds_with_a_pinned_setuptools():
-    """make install's `pip install -e .` builds gpuscout in an isolated environment with the build requirements of
-    pyproject.toml. An unpinned requirement takes the index's newest setuptools on the day of each fresh clone, and
-    setuptools announced that the table form of ``project.license`` (``{ text = ... }``) stops building on
-    2027-02-18: every fresh clone's install would fail that day, with no change of ours. The build requirements are
-    exact pins, and the license is an SPDX expression (PEP 639), which the pinned setuptools builds without the
-    deprecation warning."""
+def test_builds_from_source_use_one_pinned_setuptools():
+    """pip builds two things from source in isolated environments: the editable gpuscout (pyproject.toml's
+    build-system requires) and DeepSpeed (its release is a source archive, built with pip's default
+    ``setuptools>=40.8.0``). Unpinned, each fresh clone builds them with the index's newest setuptools of that day,
+    and pip's ``-c`` constraints do not reach isolated builds: only ``--build-constraint`` does. Both are pinned to
+    one version. (The pin guards against new releases; setuptools also turns its announced deprecations into errors
+    on their due date in any version, so the license is an SPDX string, PEP 639, not the table form
+    ``{ text = ... }`` that stops building on 2027-02-18.)"""
     import tomllib
 
     pyproject = tomllib.loads((REPO_DIR / "pyproject.toml").read_text())
     requires = pyproject["build-system"]["requires"]
     assert requires and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", r) for r in requires), requires
     assert isinstance(pyproject["project"]["license"], str)
-    # and pip itself, which the install upgrades first, is pinned too
+    build = _pinned(REPO_DIR / "build-constraints.txt")
+    assert {f"{name}=={version}" for name, version in build.items()} == set(requires)
+    assert _pinned(REPO_DIR / "constraints.txt")["setuptools"] == build["setuptools"]  # torch needs it at run time
     makefile = (REPO_DIR / "Makefile").read_text()
+    assert re.search(r"^PIP_PINNED := .*--build-constraint build-constraints.txt", makefile, re.M)
+    # and pip itself, which the install upgrades first, is pinned too
     assert re.search(r"-m pip install --quiet --no-compile pip==[0-9.]+$", makefile, re.M)
 
 
@@ -133,10 +139,11 @@ def test_the_install_is_locked_and_this_environment_is_the_lock():
     dependencies included, at one version, so two fresh clones of a commit get the same packages whatever the index
     has released since (a new release of a dependency no requirement pins could otherwise break every fresh clone
     from one day on). The lock agrees with every direct pin, and the packages installed here are the lock's."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, distributions, version
 
     makefile = (REPO_DIR / "Makefile").read_text()
-    assert re.search(r"-m pip install --quiet --no-compile -r requirements-dev.txt -c constraints.txt$", makefile, re.M)
+    assert re.search(r"^PIP_PINNED := .*-c constraints.txt", makefile, re.M)
+    assert re.search(r"-m pip install \$\(PIP_PINNED\) -r requirements-dev.txt$", makefile, re.M)
     lock = _pinned(REPO_DIR / "constraints.txt")
     direct = _pinned(REPO_DIR / "requirements.txt") | _pinned(REPO_DIR / "requirements-dev.txt")
     assert {n: v for n, v in direct.items() if lock.get(n) != v} == {}, "run make lock after changing requirements"
@@ -147,3 +154,6 @@ def test_the_install_is_locked_and_this_environment_is_the_lock():
         except PackageNotFoundError:
             installed[name] = None
     assert {n: (v, installed[n]) for n, v in lock.items() if installed[n] != v} == {}, "run make install"
+    # and nothing the install brought is missing from the lock (pip and gpuscout itself aside)
+    here = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in distributions()}
+    assert here - set(lock) - {"pip", "gpuscout"} == set(), "make lock leaves these out"
