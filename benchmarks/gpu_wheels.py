@@ -5,7 +5,9 @@ What goes in: the full dependency closure of benchmarks/gpu-check-requirements.t
 Linux, except torch, triton and numpy and whatever only they need (CUDA wheels, sympy, ...): the machine's own
 torch is the one measured, and is never replaced. pip resolves the closure once here (``pip install --dry-run --report``
 for the target Python and platform: metadata only, no wheel downloaded), the torch branch is pruned from the
-dependency graph, and each remaining distribution is downloaded as a binary wheel at its resolved version.
+dependency graph, and each remaining distribution is downloaded as a binary wheel at its resolved version. The
+resolve is constrained by constraints.txt (make lock), so what the GPU machine adds runs at the versions the tests
+run here (huggingface-hub, regex, typer, ... as well as the pinned roots).
 .whl/manifest.json records the Python, the wheels and what was left out, and `make gpu-check`
 (benchmarks/gpu_check.py) installs from exactly that set with pip's resolver (--no-index), so a missing dependency
 fails there, loudly. pip's own wheel goes along for a machine whose Python has none.
@@ -26,6 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "benchmarks" / "gpu-check-requirements.txt"
+LOCK = ROOT / "constraints.txt"
 # The GPU machine's own: torch and triton (measured as they are, never replaced) and numpy (every torch machine has
 # it; 15 MiB would not fit the carry beside the rest), with everything reachable only through them.
 PROVIDED_BY_THE_MACHINE = frozenset({"torch", "triton", "numpy"})
@@ -107,13 +110,31 @@ def _pip_platform_args(python_version: str) -> list[str]:
     return args
 
 
-def resolve(requirements: Path, python_version: str) -> dict[str, Any]:
-    """pip's installation report for ``requirements`` on CPython ``python_version``, x86-64 Linux (dry run)."""
+def machine_free_constraints(constraints: Path, out: Path) -> Path:
+    """``constraints`` without the GPU machine's own packages, written to ``out``. The lock is this machine's (torch's
+    CPU build); constraining torch would make pip resolve that torch's CUDA dependencies for the target, which the
+    index need not have for it (nvidia-nccl-cu13==2.29.7 for CPython 3.12: none, 2026-11-26), and the torch branch
+    is left to the machine anyway."""
+    from packaging.requirements import Requirement
+
+    kept = []
+    for raw in constraints.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line and canonical(Requirement(line).name) not in PROVIDED_BY_THE_MACHINE:
+            kept.append(line)
+    out.write_text("\n".join(kept) + "\n")
+    return out
+
+
+def resolve(requirements: Path, python_version: str, constraints: Path = LOCK) -> dict[str, Any]:
+    """pip's installation report for ``requirements`` under ``constraints`` (the machine's own packages aside) on
+    CPython ``python_version``, x86-64 Linux (dry run)."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.json"
+        pinned = machine_free_constraints(constraints, Path(scratch) / "constraints.txt")
         command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                    "--report", str(report), "--target", str(Path(scratch) / "target"),
-                   *_pip_platform_args(python_version), "-r", str(requirements)]  # fmt: skip
+                   *_pip_platform_args(python_version), "-r", str(requirements), "-c", str(pinned)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"gpu-wheels: pip could not resolve {requirements.name} for Python {python_version}:\n"
@@ -148,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-version", required=True, help="the GPU machine's Python, e.g. 3.12")
     parser.add_argument("--out", type=Path, default=ROOT / ".whl")
     parser.add_argument("--requirements", type=Path, default=REQUIREMENTS)
+    parser.add_argument("--constraints", type=Path, default=LOCK, help="the versions to resolve to (make lock)")
     args = parser.parse_args(argv)
     print(f"gpu-wheels: resolving {args.requirements.name} for CPython {args.python_version} (x86-64 Linux)")
-    report = resolve(args.requirements, args.python_version)
+    report = resolve(args.requirements, args.python_version, args.constraints)
     keep, left_out = closure(report, root_names(args.requirements), args.python_version)
     wheels = download(keep, args.python_version, args.out)
     size = sum((args.out / w).stat().st_size for w in wheels)
     manifest = {
         "python_version": args.python_version,
         "requirements": args.requirements.name,
+        "constraints": args.constraints.name,
         "wheels": wheels,
         "distributions": [{"name": d["name"], "version": d["version"]} for d in keep],
         "tools": [pip_pin()],

@@ -3,6 +3,8 @@ branch (benchmarks/gpu_wheels.py), computed from pip's installation report."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,3 +76,31 @@ def test_make_gpu_wheels_passes_the_python_version_and_keeps_the_venvs_interpret
     assert f"gpu_wheels.py --python-version {version} --out .whl" in done.stdout
     assert ".venv/bin/python -m pip install" in done.stdout  # the venv recipe still uses the venv's python
     assert f"\n{version} -m pip" not in done.stdout
+
+
+def _pins(path: Path) -> dict[str, str]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in (line.split("==") for line in lines if line)}
+
+
+def test_the_gpu_machine_gets_the_versions_the_tests_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The closure is resolved under constraints.txt: without it, what gpu-check adds (huggingface-hub, regex, typer,
+    ...) was the index's newest of the day, not what the suite runs here (regex 2026.11.19 against 2026.11.15, typer
+    0.29.2 against 0.29.1 in the .whl/ of 2026-11-25)."""
+    constrained: list[dict[str, str]] = []
+
+    def run(command: list[str], **_: Any) -> Any:
+        constrained.append(_pins(Path(command[command.index("-c") + 1])))
+        Path(command[command.index("--report") + 1]).write_text(json.dumps(REPORT))
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(gpu_wheels.subprocess, "run", run)
+    assert gpu_wheels.resolve(gpu_wheels.REQUIREMENTS, "3.12") == REPORT
+    # Then pip resolves under the lock, but for the machine's own torch, triton and numpy (the lock holds the CPU
+    # torch; constraining it made pip look for that torch's CUDA wheels for the target, which the index lacked)
+    lock = _pins(ROOT / "constraints.txt")
+    assert constrained == [{n: v for n, v in lock.items() if n not in ("torch", "triton", "numpy")}]
+    assert "regex" in constrained[0] and "huggingface-hub" in constrained[0]
+    # and the lock agrees with gpu-check's own pins wherever both name a package (else pip could not resolve)
+    roots = _pins(gpu_wheels.REQUIREMENTS)
+    assert {n: (v, lock[n]) for n, v in roots.items() if n in lock and lock[n] != v} == {}
