@@ -4,7 +4,6 @@ branch (benchmarks/gpu_wheels.py), computed from pip's installation report."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_wheels  # noqa: E402
+
+from tests.pins import pins  # noqa: E402
 
 
 def _item(name: str, version: str, *requires: str) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def test_markers_are_evaluated_for_the_target_python() -> None:
     assert gpu_wheels.needs(["tomli; python_version < '3.11'"], gpu_wheels.marker_environment("3.10")) == ["tomli"]
 
 
-def test_the_requirements_roots_are_gpu_checks_pins() -> None:
+def test_the_requirements_roots_are_gpu_checkspins() -> None:
     roots = gpu_wheels.root_names(gpu_wheels.REQUIREMENTS)
     assert "transformers" in roots and "liger-kernel" in roots and "torch" not in roots
 
@@ -78,11 +79,6 @@ def test_make_gpu_wheels_passes_the_python_version_and_keeps_the_venvs_interpret
     assert f"\n{version} -m pip" not in done.stdout
 
 
-def _pins(path: Path) -> dict[str, str]:
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in (line.split("==") for line in lines if line)}
-
-
 def test_the_gpu_machine_gets_the_versions_the_tests_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The closure is resolved under constraints.txt: without it, what gpu-check adds (huggingface-hub, regex, typer,
     ...) was the index's newest of the day, not what the suite runs here (regex 2026.11.19 against 2026.11.15, typer
@@ -90,7 +86,7 @@ def test_the_gpu_machine_gets_the_versions_the_tests_run(monkeypatch: pytest.Mon
     constrained: list[dict[str, str]] = []
 
     def run(command: list[str], **_: Any) -> Any:
-        constrained.append(_pins(Path(command[command.index("-c") + 1])))
+        constrained.append(pins(Path(command[command.index("-c") + 1])))
         Path(command[command.index("--report") + 1]).write_text(json.dumps(REPORT))
         return type("Done", (), {"returncode": 0, "stderr": ""})()
 
@@ -98,9 +94,9 @@ def test_the_gpu_machine_gets_the_versions_the_tests_run(monkeypatch: pytest.Mon
     assert gpu_wheels.resolve(gpu_wheels.REQUIREMENTS, "3.12") == REPORT
     # Then pip resolves under the lock, but for the machine's own torch, triton and numpy (the lock holds the CPU
     # torch; constraining it made pip look for that torch's CUDA wheels for the target, which the index lacked)
-    lock = _pins(ROOT / "constraints.txt")
+    lock = pins(ROOT / "constraints.txt")
     assert constrained == [{n: v for n, v in lock.items() if n not in ("torch", "triton", "numpy")}]
     assert "regex" in constrained[0] and "huggingface-hub" in constrained[0]
     # and the lock agrees with gpu-check's own pins wherever both name a package (else pip could not resolve)
-    roots = _pins(gpu_wheels.REQUIREMENTS)
+    roots = pins(gpu_wheels.REQUIREMENTS)
     assert {n: (v, lock[n]) for n, v in roots.items() if n in lock and lock[n] != v} == {}

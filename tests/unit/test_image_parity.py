@@ -9,25 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.pins import pins
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "training"))
 
 
-def _pins(path: Path) -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]+\])?==([^\s;]+)", line)
-        assert match, f"{path.name}: {line!r} is not an exact pin (name==version)"
-        pins[match.group(1).lower()] = match.group(3)
-    return pins
-
-
-RUNTIME = _pins(ROOT / "requirements.txt")
-IMAGE = _pins(ROOT / "training" / "requirements.txt")
-GPU_CHECK = _pins(ROOT / "benchmarks" / "gpu-check-requirements.txt")
+RUNTIME = pins(ROOT / "requirements.txt")
+IMAGE = pins(ROOT / "training" / "requirements.txt")
+GPU_CHECK = pins(ROOT / "benchmarks" / "gpu-check-requirements.txt")
 # In the image only: CUDA-only packages, pinned for `make gpu-check` in benchmarks/gpu-check-requirements.txt.
 IMAGE_ONLY = {"nvidia-ml-py", "liger-kernel"}
 

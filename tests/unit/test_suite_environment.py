@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from gpuscout.paths import REPO_DIR
+from tests.pins import pins
 
 SLOWEST_KIND = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
@@ -113,25 +114,13 @@ def test_builds_from_source_use_one_pinned_setuptools():
     requires = pyproject["build-system"]["requires"]
     assert requires and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", r) for r in requires), requires
     assert isinstance(pyproject["project"]["license"], str)
-    build = _pinned(REPO_DIR / "build-constraints.txt")
+    build = pins(REPO_DIR / "build-constraints.txt")
     assert {f"{name}=={version}" for name, version in build.items()} == set(requires)
-    assert _pinned(REPO_DIR / "constraints.txt")["setuptools"] == build["setuptools"]  # torch needs it at run time
+    assert pins(REPO_DIR / "constraints.txt")["setuptools"] == build["setuptools"]  # torch needs it at run time
     makefile = (REPO_DIR / "Makefile").read_text()
     assert re.search(r"^PIP_PINNED := .*--build-constraint build-constraints.txt", makefile, re.M)
     # and pip itself, which the install upgrades first, is pinned too
     assert re.search(r"-m pip install --quiet --no-compile pip==[0-9.]+$", makefile, re.M)
-
-
-def _pinned(path: Path) -> dict[str, str]:
-    """name -> version of a requirements or constraints file's exact pins (extras and comments dropped)."""
-    pins = {}
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line and not line.startswith("-"):
-            match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]+\])?==([^\s;]+)", line)
-            assert match, f"{path.name}: {line!r} is not an exact pin"
-            pins[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = match.group(3)
-    return pins
 
 
 def test_the_install_is_locked_and_this_environment_is_the_lock():
@@ -144,8 +133,8 @@ def test_the_install_is_locked_and_this_environment_is_the_lock():
     makefile = (REPO_DIR / "Makefile").read_text()
     assert re.search(r"^PIP_PINNED := .*-c constraints.txt", makefile, re.M)
     assert re.search(r"-m pip install \$\(PIP_PINNED\) -r requirements-dev.txt$", makefile, re.M)
-    lock = _pinned(REPO_DIR / "constraints.txt")
-    direct = _pinned(REPO_DIR / "requirements.txt") | _pinned(REPO_DIR / "requirements-dev.txt")
+    lock = pins(REPO_DIR / "constraints.txt")
+    direct = pins(REPO_DIR / "requirements.txt") | pins(REPO_DIR / "requirements-dev.txt")
     assert {n: v for n, v in direct.items() if lock.get(n) != v} == {}, "run make lock after changing requirements"
     installed = {}
     for name in lock:
