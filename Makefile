@@ -19,10 +19,11 @@ export MPLBACKEND := Agg
 ## and DeepSpeed's source release). Without them, the index's newest of the day would make two fresh clones of one
 ## commit install differently (where /opt/wheels has no torch CPU wheel, torch==2.13.0 is PyPI's CUDA build, whose
 ## CUDA packages the lock does not hold).
+PIP_PIN := pip==26.3
 PIP_PINNED := --quiet --no-compile -c constraints.txt --build-constraint build-constraints.txt
 $(VENV)/.stamp-install: requirements.txt requirements-dev.txt constraints.txt build-constraints.txt pyproject.toml
 	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install --quiet --no-compile pip==26.3
+	$(VENV_PY) -m pip install --quiet --no-compile $(PIP_PIN)
 	$(VENV_PY) -m pip install $(PIP_PINNED) -r requirements-dev.txt
 	$(VENV_PY) -m pip install $(PIP_PINNED) --no-deps -e .
 	$(MAKE) --no-print-directory warm-bytecode
@@ -57,7 +58,7 @@ install: $(VENV)/.stamp-install node_modules/.stamp-install
 lock:
 	set -euo pipefail; venv=$$(mktemp -d /tmp/gpuscout-lock.XXXXXX); trap 'rm -rf "$$venv"' EXIT; \
 	$(PYTHON) -m venv "$$venv"; \
-	"$$venv/bin/python" -m pip install --quiet --no-compile pip==26.3; \
+	"$$venv/bin/python" -m pip install --quiet --no-compile $(PIP_PIN); \
 	"$$venv/bin/python" -m pip install --quiet --no-compile --build-constraint build-constraints.txt \
 	  -r requirements-dev.txt; \
 	{ echo "# Every package make install brings, at the versions of a fresh install (make lock writes this file)."; \

@@ -120,7 +120,10 @@ def test_builds_from_source_use_one_pinned_setuptools():
     makefile = (REPO_DIR / "Makefile").read_text()
     assert re.search(r"^PIP_PINNED := .*--build-constraint build-constraints.txt", makefile, re.M)
     # and pip itself, which the install upgrades first, is pinned too
-    assert re.search(r"-m pip install --quiet --no-compile pip==[0-9.]+$", makefile, re.M)
+    assert re.search(r"^PIP_PIN := pip==[0-9.]+$", makefile, re.M)
+    assert (
+        len(re.findall(r"-m pip install --quiet --no-compile \$\(PIP_PIN\)", makefile)) == 2
+    )  # make install, make lock
 
 
 def test_the_install_is_locked_and_this_environment_is_the_lock():
