@@ -16,6 +16,12 @@ DeepSpeed), train_data (dataset, sampler, splits), train_facts (hardware and sof
 
 from __future__ import annotations
 
+import startup_gc
+
+if __name__ == "__main__":  # a job's own process: no cyclic collection while it loads and sets up (startup_gc.py)
+    startup_gc.pause()
+
+# The imports below load torch and the rest after the pause (pyproject.toml allows E402 in this file for it)
 import dataclasses
 import os
 import sys

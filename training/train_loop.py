@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import host_allocator
+import startup_gc
 import torch
 from benchmark_callback import (
     GpuSampler,
@@ -197,6 +198,7 @@ class Benchmark:
             f"{self.sequence_length}; T_eff {self.t_eff:.1f}; warmup {parts.warmup} steps; "
             f"steps {first_step}..{self.hp.max_steps}"
         )
+        startup_gc.resume()  # set-up is done: start-up's objects frozen, collection on for the steps (startup_gc.py)
         startup_s = time.perf_counter() - self.started
         self.sampler.start()
         self.stop.in_loop = True
@@ -311,8 +313,7 @@ class Benchmark:
             return Parts(model, engine, optimizer, scheduler, warmup, engine=engine)
         wrapped: Any = model
         if dist.world_size > 1:
-            # gradients as views of DDP's communication buckets: no second gradient copy (4 B/param), as the
-            # planner's memory model (gpuscout/plan/memory.py state_bytes) assumes
+            # gradients as views of DDP's buckets: no second copy (4 B/param), as plan/memory.py state_bytes assumes
             devices = [dist.local_rank] if dist.device.type == "cuda" else None
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=devices, gradient_as_bucket_view=True)
         scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None

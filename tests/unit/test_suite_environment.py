@@ -50,6 +50,18 @@ def test_the_run_names_its_machine_and_kernels_beside_its_times():
     assert ("bf16 matmuls native" in kernels) is detect_cpu_precisions().bf16_native
 
 
+def test_tests_run_with_what_collection_loaded_frozen_and_fewer_full_collections():
+    """tests/conftest.py: the test files are imported with automatic collection off, what they loaded is frozen,
+    and the tests run with the collector on and full collections a tenth as often as Python's default."""
+    import gc
+
+    from tests.conftest import WORKER_FULL_COLLECTION_EVERY
+
+    assert gc.isenabled()
+    assert gc.get_freeze_count() > 100_000  # torch, transformers, moto, the CDK app and the tests' own modules
+    assert gc.get_threshold()[2] == WORKER_FULL_COLLECTION_EVERY == 100
+
+
 def test_the_venvs_bytecode_is_written_when_first_imported():
     """make install leaves bytecode to Python (pip --no-compile): every module is compiled on its first import and
     kept. With PYTHONDONTWRITEBYTECODE set (these machines' environment sets it) nothing would be kept, and every
