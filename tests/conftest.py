@@ -29,8 +29,8 @@ def slow_seconds(item: pytest.Item) -> float:
     return float(mark.kwargs.get("seconds", DEFAULT_SLOW_SECONDS))
 
 
-# A full collection in a test worker walks every object it holds (torch, transformers, moto, the CDK app, ...:
-# 0.25-0.5 s each); during the tests it runs after this many younger collections (Python's default is 10)
+# A full collection in a test worker walks every object it holds (torch, transformers, moto, the CDK app, ...: 0.25 to
+# 0.5 s each in the runs below); during the tests it runs after this many younger collections (Python's default: 10)
 WORKER_FULL_COLLECTION_EVERY = 100
 
 

@@ -2,30 +2,30 @@
 
 A training process loads torch, transformers (which loads torch._dynamo) and, for ZeRO, DeepSpeed: with Qwen2's
 modeling imported, about 360,000 objects the collector tracks, nearly all of them alive until the process ends. A full
-collection walks them all (about 190 ms on a 2-core Xeon), and Python sets one off every ~70,000 net allocations
-while they load, then again during the steps and while the interpreter shuts down.
+collection walks them all (about 190 ms on a 2-core Xeon). Python runs automatic collections as objects are
+allocated (a tiny job's process ran 940, 6 of them full) and collects again while the interpreter shuts down.
 
-``pause`` (train.py, before its imports) turns automatic collection off; ``resume`` (the benchmark loop, when the
-data, model, optimizer and engine are set up) collects once, which frees whatever cycles start-up left, then
-``gc.freeze()`` moves the survivors to the permanent generation and collection is on again for the steps. A full
-collection during the timed steps then walks only what the steps allocate, not the libraries and the model, so a
-step that happens to collect is not stretched by 0.1-0.2 s of start-up's objects (on several ranks, the others wait
-for it at the next collective); forked DataLoader workers keep sharing the frozen pages; and the shutdown's
-collections skip the frozen objects too.
+``pause`` (train.py as ``__main__``, before its imports) turns automatic collection off; ``resume`` (the benchmark
+loop, once the data, model, optimizer and engine are set up) collects once, which frees whatever cycles start-up
+left, then ``gc.freeze()`` moves the survivors to the permanent generation and collection is on again for the steps.
+Frozen objects are not walked again: not by a full collection during the steps, and not by the shutdown's. ``end``
+turns collection on again (no collection, no freeze) when a job ends before ``resume``.
 
 Measured on a 2-core Xeon with the test suite's kernels (2026-11-26), a 20-step tiny job (qwen2-tiny, checkpoints
 every 5 steps, as tests/training/test_train.py runs it) as a whole process started from Python: 940 automatic
-collections (6 full, 0.55-0.9 s) became 11 and one full collection at ``resume`` (0.36-0.6 s); the process used
-about 1.5 CPU-seconds after its last exit handler without this, 0.2 s with it; and the whole process, its launching
-script included, took a median 4.3-5.5 CPU-seconds against 5.7-7.4 (three series of 6-8 alternating runs, ratios
-0.74-0.76). Peak memory: +2 MiB (385 MiB). A rank of a multi-rank job leaves with ``os._exit``
-(train_distributed.leave_together), which skips the shutdown's collections either way, and the collection at
-``resume`` costs about what the paused ones would have: test_multiprocess's ZeRO-3 kill-and-resume case, 2 ranks,
-took 1.04 times its CPU without the pause (0.94-1.13, four alternating pairs). There the gain is the frozen start-up
-during the steps, not CPU.
+collections (0.55-0.9 s) became 11 and the one at ``resume`` (0.36-0.6 s); the process used about 1.5 CPU-seconds
+after its last exit handler without this, 0.2 s with it; and the whole process, its launching script included, took
+a median 4.3-5.5 CPU-seconds against 5.7-7.4 (three series of 6-8 alternating runs, ratios 0.74-0.76): the gain is
+mostly the shutdown's. Peak memory of that job: +2 MiB (385 MiB); a large model's set-up (from_pretrained, DeepSpeed's
+engine, a resumed checkpoint), whose cyclic garbage now waits for ``resume``, was not measured. A rank of a multi-rank
+job leaves with ``os._exit`` (train_distributed.leave_together), which skips the shutdown's collections either way:
+test_multiprocess's ZeRO-3 kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause (0.94-1.13, four
+alternating pairs), no gain. How often a full collection would have hit a timed step without the freeze was not
+counted (Python skips a full collection until the objects new since the last one are a quarter of the old ones).
 
-Only a job's own process pauses: train.py calls ``pause`` when it runs as ``__main__``. A process that imports train.py
-(tests, profile_train.py) keeps its collector as it was, and ``resume`` changes nothing there.
+Only a job's own process pauses: train.py calls ``pause`` when it runs as ``__main__`` (``python train.py``, torchrun's
+ranks, and profile_train.py, which runs it as ``__main__`` in its own process after importing torch). A process that
+imports train.py (the tests) keeps its collector as it was, and ``resume`` changes nothing there.
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def resume() -> None:
     gc.freeze()
     gc.enable()
     _state.paused = False
+
+
+def end() -> None:
+    """Automatic collection on again, without a collection or a freeze, if ``pause`` turned it off and ``resume``
+    never ran (a job that failed or stopped before its steps, in a process that may go on)."""
+    if _state.paused:
+        gc.enable()
+        _state.paused = False
 
 
 def is_paused() -> bool:

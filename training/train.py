@@ -91,4 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:  # a job that ended before its steps: collection on again (profile_train.py goes on in this process)
+        startup_gc.end()
+    sys.exit(code)

@@ -26,7 +26,10 @@ def example_run(tmp_path_factory):
 @pytest.mark.slow(seconds=18)
 def test_two_tower_local_end_to_end(example_run):
     run, store, tmp_path, seconds = example_run
-    assert seconds < 60
+    # the example stays a quick try: within the suite's 120 s a test. 60 s was the bound: the run took 16 s on a
+    # 2-core Xeon and 59.5 s and 60.9 s beside the other worker on one core's worth of it (2026-11-26, fresh clones
+    # in a cgroup; jobs the disturbance detector flags under that load are measured again), failing once.
+    assert seconds < 120
     assert run.status is RunStatus.SUCCEEDED
     jobs = store.list_jobs(run.run_id)
     assert {j.variant_name for j in jobs} == {"b128", "b512"}

@@ -21,6 +21,8 @@ import train_loop
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from tests.sagemaker_job import job_environment
 
+TRAINING_PATH = f"{REPO_DIR}{os.pathsep}{TRAINING_DIR}"  # as the image's /opt/ml/code:/opt/ml/code/training
+
 # train.py run as __main__ (runpy, as `python train.py` runs it) with a meta-path finder that notes whether automatic
 # collection was on when torch and transformers were first imported, and the collector's state when the job is done
 _PROBE = """
@@ -45,7 +47,7 @@ print(json.dumps(seen))
 def test_a_jobs_own_process_loads_its_libraries_with_collection_paused(dataset: Path, tmp_path: Path) -> None:
     hps = {"job_name": "gs-gc", "model_preset": "qwen2-tiny", "per_device_train_batch_size": "4", "max_steps": "4",
            "checkpoint_interval": "0", "validation_batches": "1"}  # fmt: skip
-    env = job_environment(tmp_path, dataset, hps, PYTHONPATH=f"{REPO_DIR}{os.pathsep}{TRAINING_DIR}")
+    env = job_environment(tmp_path, dataset, hps, PYTHONPATH=TRAINING_PATH)
     probe = _PROBE.replace("TRAIN", repr(str(TRAINING_DIR / "train.py")))
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=240,
                           check=False)  # fmt: skip
@@ -58,18 +60,37 @@ def test_a_jobs_own_process_loads_its_libraries_with_collection_paused(dataset: 
 
 
 def test_a_process_that_imports_train_keeps_its_collector() -> None:
-    """Tests and profile_train.py import train.py: nothing pauses their collector (the probe above shows the
-    pause is train.py's as __main__ only)."""
-    import train  # noqa: F401  (imported at module level by other tests of this worker too)
+    """A process that imports train.py (the tests do) is not a job's process: nothing pauses its collector. In a fresh
+    process, as this worker imported train during collection, when the suite's conftest had collection off."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import gc, startup_gc, train; print(gc.isenabled(), startup_gc.is_paused())"],
+        env={**os.environ, "PYTHONPATH": TRAINING_PATH},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False"]
 
-    assert gc.isenabled() and not startup_gc.is_paused()
+
+def test_a_job_that_ends_before_its_steps_turns_collection_on_again() -> None:
+    """train.py as __main__ with an unknown hyperparameter ends (exit 2) before any set-up: its collector is on again
+    afterwards, unfrozen (profile_train.py runs train.py so, and goes on in the same process)."""
+    probe = (
+        "import gc, runpy, sys\n"
+        f"sys.argv = [{str(TRAINING_DIR / 'train.py')!r}, '--no_such_hyperparameter', '1']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as done:\n    print(done.code, gc.isenabled(), gc.get_freeze_count())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": TRAINING_PATH},
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["2", "True", "0"], done.stderr[-2000:]
 
 
 @pytest.fixture
 def collector_restored() -> Iterator[None]:
-    """Whatever a test does to the collector, the worker collects automatically afterwards."""
+    """Whatever a test does to the collector, the worker collects automatically afterwards (nothing more frozen)."""
     yield
-    startup_gc.resume()
+    startup_gc.end()
     gc.enable()
 
 

@@ -58,7 +58,7 @@ def test_tests_run_with_what_collection_loaded_frozen_and_fewer_full_collections
     from tests.conftest import WORKER_FULL_COLLECTION_EVERY
 
     assert gc.isenabled()
-    assert gc.get_freeze_count() > 100_000  # torch, transformers, moto, the CDK app and the tests' own modules
+    assert gc.get_freeze_count() > 0  # what collection loaded (a few hundred thousand objects in a whole run)
     assert gc.get_threshold()[2] == WORKER_FULL_COLLECTION_EVERY == 100
 
 
