@@ -96,11 +96,16 @@ def closure(
     return sorted(keep.values(), key=lambda d: canonical(d["name"])), left_out
 
 
+def requirement_lines(path: Path) -> list[str]:
+    """The requirement lines of a requirements or constraints file, comments and blank lines dropped."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
 def root_names(requirements: Path) -> list[str]:
     from packaging.requirements import Requirement
 
-    lines = (line.split("#", 1)[0].strip() for line in requirements.read_text().splitlines())
-    return [Requirement(line).name for line in lines if line]
+    return [Requirement(line).name for line in requirement_lines(requirements)]
 
 
 def _pip_platform_args(python_version: str) -> list[str]:
@@ -117,11 +122,8 @@ def machine_free_constraints(constraints: Path, out: Path) -> Path:
     is left to the machine anyway."""
     from packaging.requirements import Requirement
 
-    kept = []
-    for raw in constraints.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line and canonical(Requirement(line).name) not in PROVIDED_BY_THE_MACHINE:
-            kept.append(line)
+    lines = requirement_lines(constraints)
+    kept = [line for line in lines if canonical(Requirement(line).name) not in PROVIDED_BY_THE_MACHINE]
     out.write_text("\n".join(kept) + "\n")
     return out
 

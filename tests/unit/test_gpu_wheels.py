@@ -58,7 +58,7 @@ def test_markers_are_evaluated_for_the_target_python() -> None:
     assert gpu_wheels.needs(["tomli; python_version < '3.11'"], gpu_wheels.marker_environment("3.10")) == ["tomli"]
 
 
-def test_the_requirements_roots_are_gpu_checkspins() -> None:
+def test_the_requirements_roots_are_gpu_checks_pins() -> None:
     roots = gpu_wheels.root_names(gpu_wheels.REQUIREMENTS)
     assert "transformers" in roots and "liger-kernel" in roots and "torch" not in roots
 
