@@ -1,144 +1,33 @@
-"""Shared moto world for the cloud integration tests: the stack's table and buckets, Lambda environment, helpers.
+"""Fixtures of the cloud integration tests: a moto world with the stack's table and buckets, the Lambdas' environment.
 
 Handlers are called directly (moto's Lambda cannot run Python without Docker); every AWS call they make goes to
-moto. ``services()`` and ``get_settings()`` are per-cold-start caches, cleared around each test.
+moto. ``services()`` and ``get_settings()`` are per-cold-start caches, cleared around each test. Names, manifests,
+events and helpers are in ``tests/integration/cloud_world.py``.
 """
 
 from __future__ import annotations
 
-import copy
-import io
-import json
-import sys
-import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import boto3
 import pytest
 from moto import mock_aws
 
-from gpuscout.cloud.control_plane import Services, services
-from gpuscout.cloud.plan_items import read_plan_items
+from gpuscout.cloud.control_plane import services
 from gpuscout.cloud.quotas import QuotaBook
 from gpuscout.cloud.settings import get_settings
 from gpuscout.store.dynamodb import table_definition
 from tests.account_quotas import account_quotas
-
-REPO_DIR = Path(__file__).resolve().parents[2]
-if str(REPO_DIR) not in sys.path:  # the Lambda handlers are imported as lambdas.<name>.handler, like in the bundle
-    sys.path.insert(0, str(REPO_DIR))
-FIXTURES = REPO_DIR / "tests" / "fixtures"
-REGION = "us-east-1"
-TABLE = "gpuscout-results"
-DATA_BUCKET = "gpuscout-data-123456789012"
-ARTIFACTS_BUCKET = "gpuscout-artifacts-123456789012"
-ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-sagemaker"
-IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout-training:3f2c1a"
-
-ENVIRONMENT = {
-    "AWS_DEFAULT_REGION": REGION,
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "TABLE_NAME": TABLE,
-    "DATA_BUCKET": DATA_BUCKET,
-    "ARTIFACTS_BUCKET": ARTIFACTS_BUCKET,
-    "SAGEMAKER_ROLE_ARN": ROLE_ARN,
-    "TRAINING_IMAGE_URI": IMAGE_URI,
-    "PROCESSING_INSTANCE_TYPE": "ml.m5.xlarge",
-    "ALLOWED_INSTANCE_TYPES": "ml.g5.8xlarge,ml.g5.12xlarge,ml.p4d.24xlarge,ml.p5.48xlarge",
-    "DEFAULT_BUDGET_USD": "100",
-    "POWERTOOLS_SERVICE_NAME": "gpuscout",
-    "POWERTOOLS_TRACE_DISABLED": "true",
-    "POWERTOOLS_METRICS_NAMESPACE": "gpuscout",
-}
-
-CLOUD_MANIFEST = """\
-name: cloud-smoke
-model:
-  preset: qwen2-tiny
-tokenizer:
-  kind: bpe
-  vocab_size: 4096
-dataset:
-  source: bundled:hebrew-bible
-  max_documents: 400
-sequence_length: 256
-training:
-  max_steps: 30
-targets:
-  - instance_type: ml.g5.8xlarge
-  - instance_type: ml.p4d.24xlarge
-    spot: true
-variants:
-  - name: b4
-    per_device_batch_size: 4
-  - name: b8
-    per_device_batch_size: 8
-constraints:
-  budget_usd: {budget}
-"""
-
-
-def cloud_manifest(budget: float = 50.0, name: str = "cloud-smoke") -> str:
-    return CLOUD_MANIFEST.format(budget=budget).replace("name: cloud-smoke", f"name: {name}")
-
-
-def wide_manifest(variants: int, repetitions: int = 1) -> str:
-    """4 targets x ``variants`` (8 batch sizes, so at most 32 configurations) x ``repetitions``, a large budget."""
-    targets = "\n".join(f"  - instance_type: {t}" for t in ("ml.g5.8xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge",
-                                                                "ml.p5.48xlarge"))  # fmt: skip
-    names = "\n".join(
-        f"  - name: b{i % 8 + 1}-a{i:02d}-ckpt-compiled-flex-attention-x\n    per_device_batch_size: {i % 8 + 1}"
-        for i in range(variants)
-    )
-    head = cloud_manifest(budget=100000).split("targets:")[0]
-    tail = f"repetitions: {repetitions}\nconstraints:\n  budget_usd: 100000\n"
-    return f"{head}targets:\n{targets}\nvariants:\n{names}\n{tail}"
-
-
-@dataclass
-class LambdaContext:
-    function_name: str = "gpuscout-test"
-    memory_limit_in_mb: int = 512
-    invoked_function_arn: str = "arn:aws:lambda:us-east-1:123456789012:function:gpuscout-test"
-    aws_request_id: str = "00000000-0000-4000-8000-000000000000"
-
-
-@dataclass
-class Cloud:
-    services: Services
-    s3: Any
-    sagemaker: Any
-    context: LambdaContext
-
-    def submit(self, text: str, name: str = "cloud-smoke") -> dict[str, str]:
-        """Upload a manifest like `gpuscout submit` does; returns the state machine's execution input."""
-        key = f"manifests/{name}.yaml"
-        response = self.s3.put_object(Bucket=DATA_BUCKET, Key=key, Body=text.encode())
-        return {"bucket": DATA_BUCKET, "key": key, "etag": response["ETag"].strip('"')}
-
-    def items(self, planned: dict[str, Any], kind: str = "jobs") -> list[dict[str, Any]]:
-        """The request list ``kind`` (canaries, jobs, tunings) plan_jobs wrote to S3 for the Distributed Maps."""
-        return read_plan_items(self.s3, planned, kind)
-
-    def upload_benchmark(self, run_id: str, job_name: str, benchmark: dict[str, Any]) -> None:
-        """What SageMaker does at the end of a job: tar SM_OUTPUT_DATA_DIR into output.tar.gz."""
-        payload = json.dumps(benchmark).encode()
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-            info = tarfile.TarInfo("benchmark.json")
-            info.size = len(payload)
-            archive.addfile(info, io.BytesIO(payload))
-        self.s3.put_object(
-            Bucket=ARTIFACTS_BUCKET, Key=f"output/{run_id}/{job_name}/output/output.tar.gz", Body=buffer.getvalue()
-        )
-
-
-QUOTAS: dict[str, float] = {}  # the account's quotas a test changes (quota name -> instances)
+from tests.integration.cloud_world import (
+    ARTIFACTS_BUCKET,
+    DATA_BUCKET,
+    ENVIRONMENT,
+    QUOTAS,
+    REGION,
+    TABLE,
+    Cloud,
+    LambdaContext,
+)
 
 
 @pytest.fixture
@@ -167,38 +56,10 @@ def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
     services.cache_clear()
 
 
-def load_event(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / "events" / f"{name}.json").read_text())
-    return data
-
-
-def job_event(name: str, *, run_id: str, job_name: str, instance_type: str | None = None) -> dict[str, Any]:
-    """A fixture event re-addressed to one of our planned jobs."""
-    event = copy.deepcopy(load_event(name))
-    detail = event["detail"]
-    arn = f"arn:aws:sagemaker:{REGION}:123456789012:training-job/{job_name}"
-    detail["TrainingJobName"] = job_name
-    detail["TrainingJobArn"] = arn
-    detail["Tags"]["gpuscout:run-id"] = run_id
-    if instance_type:
-        detail["ResourceConfig"]["InstanceType"] = instance_type
-    event["resources"] = [arn]
-    return event
-
-
 @pytest.fixture
 def with_canary(cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> Cloud:
     """The stack's default: a canary instance type (CANARY_INSTANCE_TYPE) for the Lambdas."""
-    from gpuscout.cloud.control_plane import services
-    from gpuscout.cloud.settings import get_settings
-
     monkeypatch.setenv("CANARY_INSTANCE_TYPE", "ml.g5.8xlarge")
     get_settings.cache_clear()
     services.cache_clear()
     return cloud
-
-
-def benchmark_for(job_name: str, run_id: str, instance_type: str, fixture: str = "p4d-bs8-r0") -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / "benchmarks" / f"{fixture}.json").read_text())
-    data.update(job_name=job_name, run_id=run_id, instance_type=instance_type)
-    return data

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import test_state_machine as sm
-from conftest import DATA_BUCKET, Cloud
 
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix
 from gpuscout.paths import REPO_DIR, TRAINING_DIR
 from gpuscout.store.base import JobStatus, RunStatus
 from tests.infra.conftest import Synthesized, synthesized  # noqa: F401 - fixture
+from tests.integration.cloud_world import DATA_BUCKET, Cloud
 
 TWO_TOWER = REPO_DIR / "examples" / "two-tower"
 # The two-tower job on one 4 x A10G instance, on-demand and spot, two batch sizes; sized for a CPU (arguments), with

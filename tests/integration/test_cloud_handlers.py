@@ -8,19 +8,6 @@ from typing import Any
 import boto3
 import pytest
 from botocore.stub import Stubber
-from conftest import (
-    ARTIFACTS_BUCKET,
-    DATA_BUCKET,
-    IMAGE_URI,
-    QUOTAS,
-    ROLE_ARN,
-    Cloud,
-    benchmark_for,
-    cloud_manifest,
-    job_event,
-    load_event,
-    wide_manifest,
-)
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
 from gpuscout.cloud import control_plane, plan_step
@@ -33,6 +20,19 @@ from lambdas.mark_run_failed import handler as mark_failed_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
+from tests.integration.cloud_world import (
+    ARTIFACTS_BUCKET,
+    DATA_BUCKET,
+    IMAGE_URI,
+    QUOTAS,
+    ROLE_ARN,
+    Cloud,
+    benchmark_for,
+    cloud_manifest,
+    job_event,
+    load_event,
+    wide_manifest,
+)
 from tests.unit.test_pricing import _expected_params, _product
 
 BAD_MANIFEST = """\

@@ -11,7 +11,6 @@ import logging
 import re
 
 import pytest
-from conftest import Cloud, benchmark_for, cloud_manifest, job_event
 
 from gpuscout.cloud.step_errors import ManifestRejected, raise_refusal
 from lambdas.analyze_run import handler as analyze_handler
@@ -19,6 +18,7 @@ from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
+from tests.integration.cloud_world import Cloud, benchmark_for, cloud_manifest, job_event
 
 SECRET_KEY = "gpuscoutFAKEsecretKEY0123456789abcdefWXYZ"
 SESSION_TOKEN = "gpuscoutFAKEsessionTOKEN/abc+def=="

@@ -22,7 +22,6 @@ from typing import Any, cast
 
 import pytest
 import test_state_machine as sm
-from conftest import ARTIFACTS_BUCKET, REGION, Cloud, benchmark_for, load_event
 from moto.core.responses import ActionResult
 from moto.sagemaker.exceptions import ResourceNotFound, ValidationError
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
@@ -38,6 +37,7 @@ from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.validate_manifest import handler as validate_handler
 from tests.infra.conftest import Synthesized, synthesized  # noqa: F401 - fixture
+from tests.integration.cloud_world import ARTIFACTS_BUCKET, REGION, Cloud, benchmark_for, load_event
 
 ACCOUNT = "123456789012"
 # Two targets, 2 x 2 candidates each, 3 trials per tuning job; the search may spend $5 of the $50 budget.

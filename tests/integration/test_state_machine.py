@@ -68,18 +68,6 @@ from typing import Any
 
 import boto3
 import pytest
-from conftest import (
-    ARTIFACTS_BUCKET,
-    DATA_BUCKET,
-    IMAGE_URI,
-    REGION,
-    ROLE_ARN,
-    TABLE,
-    Cloud,
-    benchmark_for,
-    cloud_manifest,
-    wide_manifest,
-)
 from moto import mock_aws
 from moto.sagemaker.exceptions import ValidationError
 from moto.sagemaker.models import SageMakerModelBackend
@@ -117,6 +105,18 @@ from lambdas.analyze_run import handler as analyze_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.validate_manifest import handler as validate_handler
 from tests.infra.conftest import Synthesized, state_machine_definition, synthesized  # noqa: F401 - fixture
+from tests.integration.cloud_world import (
+    ARTIFACTS_BUCKET,
+    DATA_BUCKET,
+    IMAGE_URI,
+    REGION,
+    ROLE_ARN,
+    TABLE,
+    Cloud,
+    benchmark_for,
+    cloud_manifest,
+    wide_manifest,
+)
 
 SFN_ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-state-machine"
 # Pass states accept these fields of a Task; the rest (Resource, Retry, Catch, timeouts) exist only on Tasks.

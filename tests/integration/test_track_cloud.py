@@ -19,7 +19,6 @@ from typing import Any
 
 import boto3
 import pytest
-from conftest import ARTIFACTS_BUCKET, DATA_BUCKET, REGION, TABLE, Cloud, benchmark_for, cloud_manifest, job_event
 from typer.testing import CliRunner
 
 from gpuscout.cli import app as cli
@@ -33,6 +32,16 @@ from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
 from tests import wandb_offline_reader as wb
+from tests.integration.cloud_world import (
+    ARTIFACTS_BUCKET,
+    DATA_BUCKET,
+    REGION,
+    TABLE,
+    Cloud,
+    benchmark_for,
+    cloud_manifest,
+    job_event,
+)
 from tests.mlflow_http_server import mlflow_server
 
 if str(TRAINING_DIR) not in sys.path:  # train.py's modules are top-level, as in the container's /opt/ml/code

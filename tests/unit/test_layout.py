@@ -205,3 +205,17 @@ def test_no_file_is_longer_than_a_newcomer_can_read_in_one_sitting() -> None:
             if lines > LONGEST_FILE_LINES and "one piece" not in (ast.get_docstring(ast.parse(text)) or ""):
                 long.append(f"{path.relative_to(REPO)}: {lines} lines")
     assert not long, long
+
+
+def test_no_test_file_imports_a_conftest_by_its_bare_name() -> None:
+    """With files from several test folders on one command line pytest loads each folder's conftest.py as the module
+    ``conftest`` and the last one wins, so ``from conftest import X`` in a test file breaks such a run (it did for
+    tests/integration with tests/training). Shared names live in a named module (tests/integration/cloud_world.py)."""
+    bare = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if "conftest" in names:
+                bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bare, bare
