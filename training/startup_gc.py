@@ -16,8 +16,13 @@ every 5 steps, as tests/training/test_train.py runs it) as a whole process start
 collections (0.55-0.9 s) became 11 and the one at ``resume`` (0.36-0.6 s); the process used about 1.5 CPU-seconds
 after its last exit handler without this, 0.2 s with it; and the whole process, its launching script included, took
 a median 4.3-5.5 CPU-seconds against 5.7-7.4 (three series of 6-8 alternating runs, ratios 0.74-0.76): the gain is
-mostly the shutdown's. Peak memory of that job: +2 MiB (385 MiB); a large model's set-up (from_pretrained, DeepSpeed's
-engine, a resumed checkpoint), whose cyclic garbage now waits for ``resume``, was not measured. A rank of a multi-rank
+mostly the shutdown's. Peak memory of that job: +2 MiB (385 MiB). A large model's set-up, whose cyclic garbage now
+waits for ``resume``: a 494M-parameter Qwen2.5-0.5B-shaped job (3 steps, micro-batch 1, 64 tokens, fp32, AdamW) on a
+2-core AMD EPYC (Zen 4, the suite's kernels, 2026-11-26), alternating against the same job started by a process that
+imports train.py and calls main() (Python's default collector), peak RSS paused vs default: random init, 4 pairs, a
+median 9,768 vs 9,858 MiB (9,145-9,916 vs 9,650-10,186); from_pretrained of a local safetensors copy, 6 pairs, 9,661
+vs 9,677 MiB (9,640-10,179 vs 9,140-10,500): no increase beyond a run-to-run spread of about half a GiB either way.
+DeepSpeed's engine and a resumed checkpoint were not measured. A rank of a multi-rank
 job leaves with ``os._exit`` (train_distributed.leave_together), which skips the shutdown's collections either way:
 test_multiprocess's ZeRO-3 kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause (0.94-1.13, four
 alternating pairs), no gain. How often a full collection would have hit a timed step without the freeze was not
