@@ -21,8 +21,10 @@ waits for ``resume``: a 494M-parameter Qwen2.5-0.5B-shaped job (3 steps, micro-b
 2-core AMD EPYC (Zen 4, the suite's kernels, 2026-11-26), alternating against the same job started by a process that
 imports train.py and calls main() (Python's default collector), peak RSS paused vs default: random init, 4 pairs, a
 median 9,768 vs 9,858 MiB (9,145-9,916 vs 9,650-10,186); from_pretrained of a local safetensors copy, 6 pairs, 9,661
-vs 9,677 MiB (9,640-10,179 vs 9,140-10,500): no increase beyond a run-to-run spread of about half a GiB either way.
-DeepSpeed's engine and a resumed checkpoint were not measured. A rank of a multi-rank
+vs 9,677 MiB (9,640-10,179 vs 9,140-10,500); under DeepSpeed ZeRO-3 in one process (its engine built at set-up), 3
+pairs, 19,958 vs 19,934 MiB (19,658-20,727 vs 19,927-20,014: one paused run 0.8 GiB over its pair, the other two equal
+or lower). No systematic increase beyond a run-to-run spread of about half a GiB; a resumed checkpoint was not
+measured. A rank of a multi-rank
 job leaves with ``os._exit`` (train_distributed.leave_together), which skips the shutdown's collections either way:
 test_multiprocess's ZeRO-3 kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause (0.94-1.13, four
 alternating pairs), no gain. How often a full collection would have hit a timed step without the freeze was not
