@@ -4,6 +4,7 @@ moves backwards (issue 6). Runs against every ResultStore (SQLite, DynamoDB via 
 from __future__ import annotations
 
 import os
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -76,12 +77,41 @@ def _check(store: ResultStore, job_name: str, history: tuple[list[tuple[JobStatu
 
 # The SQLite file lives in RAM where the machine has /dev/shm: a sequence commits ~15 times and each commit syncs the
 # file to disk (200 sequences: 1.74 s in /tmp, 0.79 s in /dev/shm, idle 2-core Xeon). What is tested is the SQL.
+# A hard-killed worker cannot remove its folder, and /dev/shm is memory: folders are named after the process that made
+# them, and a run first removes those whose process is gone.
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+SCRATCH_PREFIX = "gpuscout-events-"
+
+
+def _remove_orphaned_scratch(scratch: Path) -> list[Path]:
+    """Remove ``scratch``'s folders of this test whose creating process has ended; the folders removed."""
+    removed = []
+    for folder in scratch.glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = folder.name.removeprefix(SCRATCH_PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def test_a_killed_runs_scratch_folder_is_removed_by_the_next(tmp_path: Path) -> None:
+    # Given a folder left by a process that has ended (a pid above the kernel's maximum) and one of this process
+    gone = tmp_path / f"{SCRATCH_PREFIX}{2**31}-abc"
+    mine = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "someone-elses"
+    for folder in (gone, mine, other):
+        folder.mkdir()
+    # When a run cleans up, Then only the dead process's folder goes
+    assert _remove_orphaned_scratch(tmp_path) == [gone]
+    assert mine.is_dir() and other.is_dir() and not gone.exists()
 
 
 def _property_run(store_name: str, examples: int) -> None:
     counter = iter(range(10**9))
-    with TemporaryDirectory(dir=SCRATCH) as tmp, STORE_FACTORIES[store_name](Path(tmp)) as store:
+    if SCRATCH:
+        _remove_orphaned_scratch(Path(SCRATCH))
+    prefix = f"{SCRATCH_PREFIX}{os.getpid()}-"
+    with TemporaryDirectory(dir=SCRATCH, prefix=prefix) as tmp, STORE_FACTORIES[store_name](Path(tmp)) as store:
         store.put_run(RunRecord(run_id="run-p", name="p", status="RUNNING", manifest_source="s3://b/k"))
 
         @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
