@@ -11,24 +11,25 @@ left, then ``gc.freeze()`` moves the survivors to the permanent generation and c
 Frozen objects are not walked again: not by a full collection during the steps, and not by the shutdown's. ``end``
 turns collection on again (no collection, no freeze) when a job ends before ``resume``.
 
-Measured on a 2-core Xeon with the test suite's kernels (2026-11-26), a 20-step tiny job (qwen2-tiny, checkpoints
-every 5 steps, as tests/training/test_train.py runs it) as a whole process started from Python: 940 automatic
-collections (0.55-0.9 s) became 11 and the one at ``resume`` (0.36-0.6 s); the process used about 1.5 CPU-seconds
-after its last exit handler without this, 0.2 s with it; and the whole process, its launching script included, took
-a median 4.3-5.5 CPU-seconds against 5.7-7.4 (three series of 6-8 alternating runs, ratios 0.74-0.76): the gain is
-mostly the shutdown's. Peak memory of that job: +2 MiB (385 MiB). A large model's set-up, whose cyclic garbage now
-waits for ``resume``: a 494M-parameter Qwen2.5-0.5B-shaped job (3 steps, micro-batch 1, 64 tokens, fp32, AdamW) on a
-2-core AMD EPYC (Zen 4, the suite's kernels, 2026-11-26), alternating against the same job started by a process that
-imports train.py and calls main() (Python's default collector), peak RSS paused vs default: random init, 4 pairs, a
-median 9,768 vs 9,858 MiB (9,145-9,916 vs 9,650-10,186); from_pretrained of a local safetensors copy, 6 pairs, 9,661
-vs 9,677 MiB (9,640-10,179 vs 9,140-10,500); under DeepSpeed ZeRO-3 in one process (its engine built at set-up), 3
-pairs, 19,958 vs 19,934 MiB (19,658-20,727 vs 19,927-20,014: one paused run 0.8 GiB over its pair, the other two equal
-or lower). No systematic increase beyond a run-to-run spread of about half a GiB; a resumed checkpoint was not
-measured. A rank of a multi-rank
-job leaves with ``os._exit`` (train_distributed.leave_together), which skips the shutdown's collections either way:
-test_multiprocess's ZeRO-3 kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause (0.94-1.13, four
-alternating pairs), no gain. How often a full collection would have hit a timed step without the freeze was not
-counted (Python skips a full collection until the objects new since the last one are a quarter of the old ones).
+Measured on a 2-core Xeon with the test suite's kernels (2026-11-26), a 20-step tiny job (qwen2-tiny, checkpoints every
+5 steps, as tests/training/test_train.py runs it) as a whole process started from Python: 940 automatic collections
+(0.55-0.9 s) became 11 and the one at ``resume`` (0.36-0.6 s); the process used about 1.5 CPU-seconds after its last
+exit handler without this, 0.2 s with it; and the whole process, its launching script included, took a median 4.3-5.5
+CPU-seconds against 5.7-7.4 (three series of 6-8 alternating runs, ratios 0.74-0.76): the gain is mostly the shutdown's.
+Peak memory of that job: +2 MiB (385 MiB). A large model's set-up, whose cyclic garbage now waits for ``resume``: a
+494M-parameter Qwen2.5-0.5B-shaped job (3 steps, micro-batch 1, 64 tokens, fp32, AdamW) on a 2-core AMD EPYC (Zen 4, the
+suite's kernels, 2026-11-26), alternating against the same job started by a process that imports train.py and calls
+main() (Python's default collector), peak RSS paused vs default: random init, 4 pairs, a median 9,768 vs 9,858 MiB
+(9,145-9,916 vs 9,650-10,186); from_pretrained of a local safetensors copy, 6 pairs, 9,661 vs 9,677 MiB (9,640-10,179 vs
+9,140-10,500); under DeepSpeed ZeRO-3 in one process (its engine built at set-up), 3 pairs, 19,958 vs 19,934 MiB
+(19,658-20,727 vs 19,927-20,014: one paused run 0.8 GiB over its pair, the other two equal or lower); resuming from a
+step-2 checkpoint (model and AdamW state, 4 pairs), 10,491 vs 10,441 MiB (9,913-10,532 vs 10,374-10,507: three pairs
+25-91 MiB higher paused, one 528 MiB lower; a trial pair before them, +274 MiB). No increase beyond a run-to-run spread
+of about half a GiB; on resume perhaps tens of MiB (under 1 %). A rank of a multi-rank job leaves with ``os._exit``
+(train_distributed.leave_together), which skips the shutdown's collections either way: test_multiprocess's ZeRO-3
+kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause (0.94-1.13, four alternating pairs), no gain.
+How often a full collection would have hit a timed step without the freeze was not counted (Python skips a full
+collection until the objects new since the last one are a quarter of the old ones).
 
 Only a job's own process pauses: train.py calls ``pause`` when it runs as ``__main__`` (``python train.py``, torchrun's
 ranks, and profile_train.py, which runs it as ``__main__`` in its own process after importing torch). A process that
