@@ -24,12 +24,13 @@ main() (Python's default collector), peak RSS paused vs default: random init, 4 
 9,140-10,500); under DeepSpeed ZeRO-3 in one process (its engine built at set-up), 3 pairs, 19,958 vs 19,934 MiB
 (19,658-20,727 vs 19,927-20,014: one paused run 0.8 GiB over its pair, the other two equal or lower); resuming from a
 step-2 checkpoint (model and AdamW state, 4 pairs), 10,491 vs 10,441 MiB (9,913-10,532 vs 10,374-10,507: three pairs
-25-91 MiB higher paused, one 528 MiB lower; a trial pair before them, +274 MiB). No increase beyond a run-to-run spread
-of about half a GiB; on resume perhaps tens of MiB (under 1 %). A rank of a multi-rank job leaves with ``os._exit``
-(train_distributed.leave_together), which skips the shutdown's collections either way: test_multiprocess's ZeRO-3
-kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause (0.94-1.13, four alternating pairs), no gain.
-How often a full collection would have hit a timed step without the freeze was not counted (Python skips a full
-collection until the objects new since the last one are a quarter of the old ones).
+25-91 MiB higher paused, one 528 MiB lower; a trial pair before them, +274 MiB). The medians are within 0.1 GiB in every
+case, single runs of one kind vary by up to 1.4 GiB (ZeRO-3: one paused run 0.8 GiB over its pair, while its default
+runs varied by 87 MiB): no increase beyond the run-to-run spread; on resume perhaps tens of MiB (under 1 %). A rank of a
+multi-rank job leaves with ``os._exit`` (train_distributed.leave_together), which skips the shutdown's collections
+either way: test_multiprocess's ZeRO-3 kill-and-resume case, 2 ranks, took 1.04 times its CPU without the pause
+(0.94-1.13, four alternating pairs), no gain. How often a full collection would have hit a timed step without the freeze
+was not counted (Python skips a full collection until the objects new since the last one are a quarter of the old ones).
 
 Only a job's own process pauses: train.py calls ``pause`` when it runs as ``__main__`` (``python train.py``, torchrun's
 ranks, and profile_train.py, which runs it as ``__main__`` in its own process after importing torch). A process that

@@ -77,33 +77,61 @@ def _check(store: ResultStore, job_name: str, history: tuple[list[tuple[JobStatu
 
 # The SQLite file lives in RAM where the machine has /dev/shm: a sequence commits ~15 times and each commit syncs the
 # file to disk (200 sequences: 1.74 s in /tmp, 0.79 s in /dev/shm, idle 2-core Xeon). What is tested is the SQL.
-# A hard-killed worker cannot remove its folder, and /dev/shm is memory: folders are named after the process that made
-# them, and a run first removes those whose process is gone.
+# A hard-killed worker cannot remove its folder, and /dev/shm is memory. A run holds an exclusive flock on a file in its
+# folder while it runs (the kernel drops it when the process ends, however it ends); a run first removes the folders
+# whose lock it can take. A lock, not a pid: pids are reused, and a /dev/shm shared between containers holds folders of
+# processes this one's /proc does not show.
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 SCRATCH_PREFIX = "gpuscout-events-"
+SCRATCH_LOCK = "in-use.lock"
+
+
+def _hold_scratch(folder: Path) -> int:
+    """Mark ``folder`` in use until the returned descriptor is closed or this process ends."""
+    import fcntl
+
+    fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 def _remove_orphaned_scratch(scratch: Path) -> list[Path]:
-    """Remove ``scratch``'s folders of this test whose creating process has ended; the folders removed."""
+    """Remove ``scratch``'s folders of this test that no live run holds; the folders removed. A folder without its lock
+    file (one being made this instant) is left alone."""
+    import fcntl
+
     removed = []
-    for folder in scratch.glob(f"{SCRATCH_PREFIX}*-*"):
-        pid = folder.name.removeprefix(SCRATCH_PREFIX).split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
+    for folder in scratch.glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live run holds it
+            os.close(fd)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)
+        if not folder.exists():
             removed.append(folder)
     return removed
 
 
 def test_a_killed_runs_scratch_folder_is_removed_by_the_next(tmp_path: Path) -> None:
-    # Given a folder left by a process that has ended (a pid above the kernel's maximum) and one of this process
-    gone = tmp_path / f"{SCRATCH_PREFIX}{2**31}-abc"
-    mine = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-def"
+    # Given a folder whose run ended without removing it, one a live run holds, one being made, and someone else's
+    ended, live, new = (tmp_path / f"{SCRATCH_PREFIX}{name}" for name in ("ended", "live", "new"))
     other = tmp_path / "someone-elses"
-    for folder in (gone, mine, other):
+    for folder in (ended, live, new, other):
         folder.mkdir()
-    # When a run cleans up, Then only the dead process's folder goes
-    assert _remove_orphaned_scratch(tmp_path) == [gone]
-    assert mine.is_dir() and other.is_dir() and not gone.exists()
+    os.close(_hold_scratch(ended))  # its process is gone: the lock went with it
+    held = _hold_scratch(live)
+    try:
+        # When a run cleans up, Then only the ended run's folder goes
+        assert _remove_orphaned_scratch(tmp_path) == [ended]
+        assert live.is_dir() and new.is_dir() and other.is_dir() and not ended.exists()
+    finally:
+        os.close(held)
 
 
 def _property_run(store_name: str, examples: int) -> None:
@@ -111,15 +139,23 @@ def _property_run(store_name: str, examples: int) -> None:
     if SCRATCH:
         _remove_orphaned_scratch(Path(SCRATCH))
     prefix = f"{SCRATCH_PREFIX}{os.getpid()}-"
-    with TemporaryDirectory(dir=SCRATCH, prefix=prefix) as tmp, STORE_FACTORIES[store_name](Path(tmp)) as store:
-        store.put_run(RunRecord(run_id="run-p", name="p", status="RUNNING", manifest_source="s3://b/k"))
+    with TemporaryDirectory(dir=SCRATCH, prefix=prefix) as tmp:
+        held = _hold_scratch(Path(tmp)) if SCRATCH else None
+        try:
+            with STORE_FACTORIES[store_name](Path(tmp)) as store:
+                store.put_run(RunRecord(run_id="run-p", name="p", status="RUNNING", manifest_source="s3://b/k"))
 
-        @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
-        @given(history=histories())
-        def run(history: tuple[list[tuple[JobStatus, datetime, int]], list[int]]) -> None:
-            _check(store, f"gs-prop-{next(counter)}", history)
+                @settings(
+                    max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+                )
+                @given(history=histories())
+                def run(history: tuple[list[tuple[JobStatus, datetime, int]], list[int]]) -> None:
+                    _check(store, f"gs-prop-{next(counter)}", history)
 
-        run()
+                run()
+        finally:
+            if held is not None:
+                os.close(held)
 
 
 # Sequences per store in the default suite. SQLite is cheap (10-20 ms a sequence); every moto DynamoDB call goes

@@ -2,7 +2,7 @@
 no import cycles between modules, and the Lambdas that must stay light do not load the analysis' heavy libraries.
 
 Every ``import``/``from ... import`` of a gpuscout module counts, lazy ones inside functions included: a lazy import
-still couples the two modules.
+still couples the two modules. Test files import shared test modules by their package path, never a conftest.
 """
 
 from __future__ import annotations
@@ -207,15 +207,22 @@ def test_no_file_is_longer_than_a_newcomer_can_read_in_one_sitting() -> None:
     assert not long, long
 
 
+# Modules imported by a bare name that break or split: every folder's conftest.py loads as the module ``conftest`` (the
+# last one wins), and ``cloud_world`` as a bare name would be a second copy beside tests.integration.cloud_world, with
+# its own QUOTAS that the fixture never clears.
+BARE_TEST_MODULES = {"conftest", "cloud_world"}
+
+
 def test_no_test_file_imports_a_conftest_by_its_bare_name() -> None:
     """With files from several test folders on one command line pytest loads each folder's conftest.py as the module
     ``conftest`` and the last one wins, so ``from conftest import X`` in a test file breaks such a run (it did for
-    tests/integration with tests/training). Shared names live in a named module (tests/integration/cloud_world.py)."""
+    tests/integration with tests/training). Shared names live in a named module (tests/integration/cloud_world.py),
+    imported by its package path."""
     bare = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [node.module] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            if "conftest" in names:
+            if BARE_TEST_MODULES & set(names):
                 bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not bare, bare
