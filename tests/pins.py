@@ -5,15 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-
-def canonical(name: str) -> str:
-    """A distribution's name as PEP 503 compares it: lower case, runs of ``-_.`` as ``-``."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+from packaging.utils import canonicalize_name
 
 
 def pins(path: Path) -> dict[str, str]:
-    """Canonical name (``canonical``) -> version of each ``name[extras]==version`` line of ``path``; comments and
-    option lines (``-r ...``) skipped, and any other line fails the calling test."""
+    """Canonical name (PEP 503, ``packaging.utils.canonicalize_name``) -> version of each ``name[extras]==version``
+    line of ``path``; comments and option lines (``-r ...``) skipped, and any other line fails the calling test."""
     found: dict[str, str] = {}
     for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
@@ -21,5 +18,5 @@ def pins(path: Path) -> dict[str, str]:
             continue
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]+\])?==([^\s;]+)", line)
         assert match, f"{path.name}: {line!r} is not an exact pin (name==version)"
-        found[canonical(match.group(1))] = match.group(3)
+        found[canonicalize_name(match.group(1))] = match.group(3)
     return found

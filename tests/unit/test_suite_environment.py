@@ -13,8 +13,10 @@ import os
 import re
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 from gpuscout.paths import REPO_DIR
-from tests.pins import canonical, pins
+from tests.pins import pins
 
 SLOWEST_KIND = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
@@ -159,5 +161,5 @@ def test_the_install_is_locked_and_this_environment_is_the_lock():
             installed[name] = None
     assert {n: (v, installed[n]) for n, v in lock.items() if installed[n] != v} == {}, "run make install"
     # and nothing the install brought is missing from the lock (pip and gpuscout itself aside)
-    here = {canonical(d.metadata["Name"]) for d in distributions()}
+    here = {canonicalize_name(d.metadata["Name"]) for d in distributions()}
     assert here - set(lock) - {"pip", "gpuscout"} == set(), "make lock leaves these out"
