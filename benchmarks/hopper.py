@@ -405,6 +405,7 @@ def planner_prediction(model: str, benchmark: dict[str, Any], *, tokenizer_vocab
     accumulation, precision, attention, checkpointing, loss, packing) on the hardware it ran on: tokens/s (assumed
     utilization of the detected SKU's dense peak, or a measured matmul rate on a CPU or unknown GPU) and torch's peak
     allocated memory (gpuscout.plan.memory, without the CUDA context, as max_memory_allocated counts it)."""
+    from gpuscout.domain.hardware import load_skus
     from gpuscout.domain.manifest_training import Variant
     from gpuscout.domain.models import training_vocab
     from gpuscout.plan.planner import memory_estimate, predict_tokens_per_s
@@ -424,7 +425,7 @@ def planner_prediction(model: str, benchmark: dict[str, Any], *, tokenizer_vocab
     seq, precision = int(config["sequence_length"]), str(config["precision"])
     tokens_per_s, _, method = predict_tokens_per_s(
         arch=arch, seq=seq, precision=precision, gpus_total=int(hardware["world_size"]),
-        sku_name=hardware.get("gpu_sku"), peak_tflops=hardware.get("peak_tflops_per_gpu"), variant=variant,
+        sku=load_skus().get(str(hardware.get("gpu_sku"))), variant=variant,
         instance_count=int(hardware["nodes"]), device=str(hardware["device"]),
     )  # fmt: skip
     estimate = memory_estimate(arch, seq=seq, batch=variant.per_device_batch_size or 1, precision=precision,

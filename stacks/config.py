@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gpuscout.domain.catalog import load_catalog
+
 CONTEXT_KEYS = (
     "allowed_instance_types",
     "map_max_concurrency",
@@ -32,7 +34,7 @@ CONTEXT_KEYS = (
 QUOTA_RETRY_MINUTES = 5  # how often the workflow retries a launch that hit a quota (stacks/workflow.quota_retry)
 HISTORY_EVENT_BUDGET = 20_000  # of the 25,000 events an execution's history holds; the rest is the run itself
 NULL_MEANS_OFF = frozenset({"canary_instance_type"})
-_INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+\.[a-z0-9]+$")
+_INSTANCE_TYPE_RE = re.compile(r"^ml\.[a-z0-9]+(-[a-z0-9]+)*\.[a-z0-9]+$")  # ml.p5.48xlarge, ml.p6-b200.48xlarge
 # The training image's base (training/Dockerfile ARG BASE_IMAGE): a public registry, so `cdk deploy` needs no
 # `docker login`; the default is the Dockerfile's own.
 _PUBLIC_IMAGE_RE = re.compile(r"^public\.ecr\.aws/[a-z0-9._/-]+(:[A-Za-z0-9._-]+|@sha256:[0-9a-f]{64})$")
@@ -111,12 +113,21 @@ class VpcSettings(BaseModel):
         return v
 
 
+def catalog_training_types() -> tuple[str, ...]:
+    """Every instance type of the catalog (configs/instances/) with role "training": the default allowed list."""
+    return tuple(instance.instance_type for instance in load_catalog() if instance.role == "training")
+
+
 class StackConfig(BaseModel):
-    """Everything the stack reads from context. Defaults live here; cdk.json states them explicitly too."""
+    """Everything the stack reads from context. Defaults live here; cdk.json states them explicitly too. Its
+    ``allowed_instance_types`` is null: absent or null means every training type of the catalog, so a type added to
+    configs/instances/ is allowed without a second list to edit; a list narrows it (each must be catalogued)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    allowed_instance_types: tuple[str, ...] = Field(min_length=1)
+    allowed_instance_types: tuple[str, ...] = Field(
+        default_factory=catalog_training_types, min_length=1, validate_default=True
+    )
     map_max_concurrency: int = Field(default=4, ge=1, le=40)
     default_budget_usd: float = Field(default=100.0, gt=0, le=1_000_000)
     notification_email: str | None = None
@@ -255,12 +266,9 @@ def load_config(context: Mapping[str, Any]) -> StackConfig:
             for k in unknown
         ]
         raise ConfigError("unknown keys in cdk.json context (or -c overrides):\n" + "\n".join(hints))
-    # null means "the default" for every key but those whose null means "off"
-    raw = {
-        key: _decode(context[key])
-        for key in CONTEXT_KEYS
-        if key in context and (context[key] is not None or key in NULL_MEANS_OFF)
-    }
+    # null (in cdk.json, or `-c key=null`) means "the default" for every key but those whose null means "off"
+    decoded = {key: _decode(context[key]) for key in CONTEXT_KEYS if key in context}
+    raw = {key: value for key, value in decoded.items() if value is not None or key in NULL_MEANS_OFF}
     if raw.get("canary_instance_type") == "":  # `-c canary_instance_type=` (null arrives decoded already)
         raw["canary_instance_type"] = None
     if isinstance(raw.get("allowed_instance_types"), str):

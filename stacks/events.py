@@ -15,8 +15,7 @@ from aws_cdk import aws_sqs as sqs
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from stacks.roles import JOB_NAME_PREFIX
-from stacks.storage import MANIFESTS_PREFIX
+from gpuscout.domain.names import JOB_NAME_PREFIX, MANIFESTS_PREFIX
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")  # what the Validate step parses
 TRAINING_STATE_CHANGE = "SageMaker Training Job State Change"
@@ -83,7 +82,7 @@ class EventRules(Construct):
         self.job_state_changed = events.Rule(
             self,
             "JobStateChanged",
-            description="State changes of gpuscout's SageMaker training jobs (names start with gs-)",
+            description=f"State changes of gpuscout's SageMaker training jobs (names start with {JOB_NAME_PREFIX})",
             event_pattern=events.EventPattern(
                 source=["aws.sagemaker"],
                 detail_type=[TRAINING_STATE_CHANGE],

@@ -14,6 +14,17 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct, IConstruct
 
+from gpuscout.domain.names import (
+    JOB_NAME_PREFIX,
+    MANIFESTS_PREFIX,
+    OUTPUT_PREFIX,
+    PLANS_PREFIX,
+    PROCESSED_PREFIX,
+    RAW_PREFIX,
+    REJECTED_PREFIX,
+    REPORTS_PREFIX,
+    SEARCH_PREFIX,
+)
 from stacks.config import LOG_RETENTION_DAYS, RemovalMode, StackConfig
 from stacks.events import EventRules
 from stacks.functions import FUNCTION_NAMES, Functions
@@ -21,23 +32,14 @@ from stacks.monitoring import Monitoring
 from stacks.notifications import Notifications
 from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
 from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, TUNING_JOBS_ARN, Roles
-from stacks.storage import (
-    MANIFESTS_PREFIX,
-    PLANS_PREFIX,
-    PROCESSED_PREFIX,
-    RAW_PREFIX,
-    REJECTED_PREFIX,
-    REPORTS_PREFIX,
-    Storage,
-)
+from stacks.storage import Storage
 from stacks.training_image import TrainingImage
 from stacks.workflow import BenchmarkWorkflow
 
 # The functions that record a finished training job (same code path, same grants).
 JOB_RECORDERS = ("job_events", "record_job_result")
-# Where plan_jobs writes a settings search's candidates, per tuning job (gpuscout.cloud.tuning_requests), and the
-# functions that read them to give a tuning job's trials (or its failure) their rows.
-SEARCH_PREFIX = "search/"
+# The functions that read a settings search's candidates, which plan_jobs writes per tuning job under SEARCH_PREFIX
+# (gpuscout.cloud.tuning_requests), to give a tuning job's trials (or its failure) their rows.
 SEARCH_READERS = (*JOB_RECORDERS, "record_job_failure")
 # The functions the state machine invokes (everything but the EventBridge targets).
 WORKFLOW_FUNCTIONS = (
@@ -256,7 +258,9 @@ class GpuscoutStack(Stack):
         for name in JOB_RECORDERS:
             lambdas[name].add_to_policy(
                 iam.PolicyStatement(
-                    sid="ReadJobOutput", actions=["s3:GetObject"], resources=[artifacts.arn_for_objects("output/*")]
+                    sid="ReadJobOutput",
+                    actions=["s3:GetObject"],
+                    resources=[artifacts.arn_for_objects(f"{OUTPUT_PREFIX}*")],
                 )
             )
             lambdas[name].add_to_policy(
@@ -314,11 +318,13 @@ class GpuscoutStack(Stack):
         data_ref = f"<{self.get_logical_id(_cfn(data))}.Arn>"
         artifacts_ref = f"<{self.get_logical_id(_cfn(artifacts))}.Arn>"
         account_arn = "arn:<AWS::Partition>:{service}:<AWS::Region>:<AWS::AccountId>"
-        training_jobs = account_arn.format(service="sagemaker") + ":training-job/gs-*"
-        processing_jobs = account_arn.format(service="sagemaker") + ":processing-job/gs-*"
-        tuning_jobs = account_arn.format(service="sagemaker") + ":hyper-parameter-tuning-job/gs-*"
+        training_jobs = account_arn.format(service="sagemaker") + f":training-job/{JOB_NAME_PREFIX}*"
+        processing_jobs = account_arn.format(service="sagemaker") + f":processing-job/{JOB_NAME_PREFIX}*"
+        tuning_jobs = account_arn.format(service="sagemaker") + f":hyper-parameter-tuning-job/{JOB_NAME_PREFIX}*"
         xray = "X-Ray trace and sampling APIs (Put*/GetSampling*) support no resource-level permissions (tracing is on)"
-        job_names = "SageMaker job names are generated per run; gs-* limits the grant to gpuscout's own jobs"
+        job_names = (
+            f"SageMaker job names are generated per run; {JOB_NAME_PREFIX}* limits the grant to gpuscout's own jobs"
+        )
 
         acknowledge(
             self.storage.access_logs,
@@ -338,11 +344,11 @@ class GpuscoutStack(Stack):
             )
 
         sagemaker_policy = self.roles.sagemaker_policy
-        for prefix in ("raw", "processed"):
+        for prefix in (RAW_PREFIX, PROCESSED_PREFIX):
             acknowledge(
                 sagemaker_policy,
-                f"AwsSolutions-IAM5[Resource::{data_ref}/{prefix}/*]",
-                f"Jobs read dataset objects under {prefix}/ of the data bucket; object keys are content hashes "
+                f"AwsSolutions-IAM5[Resource::{data_ref}/{prefix}*]",
+                f"Jobs read dataset objects under {prefix} of the data bucket; object keys are content hashes "
                 "known only at run time, so the grant is scoped to the prefix.",
             )
         acknowledge(
@@ -401,19 +407,19 @@ class GpuscoutStack(Stack):
             acknowledge(role, "AwsSolutions-IAM5[Resource::*]", xray + extra + ".")
         acknowledge(
             lambdas["validate_manifest"],
-            f"AwsSolutions-IAM5[Resource::{data_ref}/manifests/*]",
-            "Reads the manifest that triggered the run; any key under manifests/ may start one.",
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{MANIFESTS_PREFIX}*]",
+            f"Reads the manifest that triggered the run; any key under {MANIFESTS_PREFIX} may start one.",
         )
         acknowledge(
             lambdas["validate_manifest"],
-            f"AwsSolutions-IAM5[Resource::{data_ref}/rejected/*]",
-            "Writes rejected/<manifest name>.error.json for whichever manifest was rejected.",
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{REJECTED_PREFIX}*]",
+            f"Writes {REJECTED_PREFIX}<manifest name>.error.json for whichever manifest was rejected.",
         )
         acknowledge(
             lambdas["validate_manifest"],
-            f"AwsSolutions-IAM5[Resource::{data_ref}/raw/*]",
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{RAW_PREFIX}*]",
             "Checks that a job section's entry point exists in its code folder, which the manifest names anywhere "
-            "under raw/ (the only prefix the SageMaker role reads); read only, never listed.",
+            f"under {RAW_PREFIX} (the only prefix the SageMaker role reads); read only, never listed.",
         )
         acknowledge(
             lambdas["validate_manifest"],
@@ -423,15 +429,16 @@ class GpuscoutStack(Stack):
         )
         acknowledge(
             lambdas["plan_jobs"],
-            f"AwsSolutions-IAM5[Resource::{data_ref}/processed/*]",
-            "Checks whether processed/<content hash>/dataset.json exists to skip data preparation; the hash is "
-            "computed at run time.",
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{PROCESSED_PREFIX}*]",
+            f"Checks whether {PROCESSED_PREFIX}<content hash>/dataset.json exists to skip data preparation; the "
+            "hash is computed at run time.",
         )
         for name in JOB_RECORDERS:
             acknowledge(
                 lambdas[name],
-                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/output/*]",
-                "Reads output/<run_id>/<job_name>/output/output.tar.gz (benchmark.json) of jobs named at run time.",
+                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{OUTPUT_PREFIX}*]",
+                f"Reads {OUTPUT_PREFIX}<run_id>/<job_name>/output/output.tar.gz (benchmark.json) of jobs named at "
+                "run time.",
             )
         for name in JOB_RECORDERS:
             acknowledge(
@@ -453,21 +460,21 @@ class GpuscoutStack(Stack):
         )
         acknowledge(
             lambdas["plan_jobs"],
-            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/search/*]",
-            "Writes search/<run_id>/<tuning job>.json, the candidates of a settings search's tuning job, for a run "
-            "and tuning job named at run time.",
+            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{SEARCH_PREFIX}*]",
+            f"Writes {SEARCH_PREFIX}<run_id>/<tuning job>.json, the candidates of a settings search's tuning job, "
+            "for a run and tuning job named at run time.",
         )
         for name in SEARCH_READERS:
             acknowledge(
                 lambdas[name],
-                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/search/*]",
-                "Reads search/<run_id>/<tuning job>.json to give a tuning job's trials (or its failure) their rows; "
-                "run and tuning job are named at run time.",
+                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{SEARCH_PREFIX}*]",
+                f"Reads {SEARCH_PREFIX}<run_id>/<tuning job>.json to give a tuning job's trials (or its failure) "
+                "their rows; run and tuning job are named at run time.",
             )
         acknowledge(
             lambdas["analyze_run"],
-            f"AwsSolutions-IAM5[Resource::{data_ref}/reports/*]",
-            "Writes reports/<run_id>/ (report.md, .html, .json, charts) for a run_id generated at run time.",
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{REPORTS_PREFIX}*]",
+            f"Writes {REPORTS_PREFIX}<run_id>/ (report.md, .html, .json, charts) for a run_id generated at run time.",
         )
         for name in RUN_SUMMARY_PUBLISHERS:
             acknowledge(

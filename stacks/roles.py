@@ -1,10 +1,10 @@
 """IAM roles: the SageMaker execution role, one role per Lambda function and the state machine's role.
 
 Each role gets only what its principal calls, scoped to this stack's resources and to job names starting with
-``gs-``. Data-plane grants to the Lambda roles (table, bucket prefixes) are made by the stack, which sees every
-resource; this file defines the roles and the statements that follow from the SageMaker/Step Functions contracts.
-Every wildcard that remains is acknowledged in gpuscout_stack.py with the reason, and listed in
-docs/architecture.md.
+``gs-`` (gpuscout.domain.names.JOB_NAME_PREFIX). Data-plane grants to the Lambda roles (table, bucket prefixes) are
+made by the stack, which sees every resource; this file defines the roles and the statements that follow from the
+SageMaker/Step Functions contracts. Every wildcard that remains is acknowledged in gpuscout_stack.py with the
+reason, and listed in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from stacks.storage import PROCESSED_PREFIX, RAW_PREFIX
+from gpuscout.domain.names import JOB_NAME_PREFIX, PROCESSED_PREFIX, RAW_PREFIX
 
-JOB_NAME_PREFIX = "gs-"
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
 # Namespaces the SageMaker role may write metrics to: SageMaker's own (MetricDefinitions) and gpuscout's.

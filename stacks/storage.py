@@ -13,17 +13,9 @@ from aws_cdk import Duration, RemovalPolicy
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-# Key prefixes of the data bucket (docs/internals.md, DESIGN.md "Data flow").
-MANIFESTS_PREFIX = "manifests/"
-RAW_PREFIX = "raw/"
-PROCESSED_PREFIX = "processed/"
-REPORTS_PREFIX = "reports/"
-REJECTED_PREFIX = "rejected/"
-DATA_PREFIXES = (MANIFESTS_PREFIX, RAW_PREFIX, PROCESSED_PREFIX, REPORTS_PREFIX, REJECTED_PREFIX)
-# Key prefixes of the artifacts bucket (gpuscout/cloud/sagemaker_requests.py).
-OUTPUT_PREFIX = "output/"
-CHECKPOINTS_PREFIX = "checkpoints/"
-PLANS_PREFIX = "plans/"  # a run's request lists, read by the state machine's Distributed Maps (cloud/plan_items.py)
+# The buckets' key prefixes are gpuscout.domain.names's, shared with the code that writes the keys.
+from gpuscout.domain.names import CHECKPOINTS_PREFIX, PLANS_PREFIX
+
 REDRIVE_WINDOW_DAYS = 14  # Step Functions redrives an execution up to 14 days after it ended
 
 

@@ -24,8 +24,8 @@ from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
+from gpuscout.domain.names import PLANS_PREFIX
 from stacks.config import QUOTA_RETRY_MINUTES, VpcSettings
-from stacks.storage import PLANS_PREFIX
 
 TRAINING_REQUEST_FIELDS = (
     "TrainingJobName",

@@ -55,15 +55,12 @@ SINGLE_HOST_MASTER = "127.0.0.1"  # torchrun's own default, which SageMaker's to
 PROCESSES_PER_HOST_HP = "sagemaker_mpi_num_of_processes_per_host"  # the toolkit's name (params.py)
 
 # The EFA/NCCL environment SageMaker's own PyTorch launcher sets before torchrun, from aws/sagemaker-training-toolkit
-# (commit 3383937, 2025-09-19): src/sagemaker_training/torch_distributed.py, TorchDistributedRunner._setup, with the
-# instance lists of src/sagemaker_training/__init__.py (SM_EFA_NCCL_INSTANCES, SM_EFA_RDMA_INSTANCES). The toolkit's
-# list predates P5e/P5en; they have EFA (configs/instances: "efa": true), so they get FI_PROVIDER=efa too. Without
-# these, NCCL may fall back to TCP sockets and a multi-node benchmark measures the network, not the GPUs.
-EFA_NCCL_INSTANCES = frozenset(
-    {"ml.g4dn.8xlarge", "ml.g4dn.12xlarge", "ml.g5.48xlarge", "ml.p3dn.24xlarge", "ml.p4d.24xlarge",
-     "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.trn1.32xlarge", "ml.p6e-gb200.36xlarge",
-     "ml.p5e.48xlarge", "ml.p5en.48xlarge"}  # the last two: gpuscout's addition (EFA instances)
-)  # fmt: skip
+# (commit 3383937, 2025-09-19): src/sagemaker_training/torch_distributed.py, TorchDistributedRunner._setup. Without
+# it, NCCL may fall back to TCP sockets and a multi-node benchmark measures the network, not the GPUs.
+# FI_PROVIDER=efa: on every instance type whose catalog entry says "efa": true (configs/instances/<type>.json, which
+# the image carries; uses_efa), not on a hand-kept copy of the toolkit's SM_EFA_NCCL_INSTANCES.
+# FI_EFA_USE_DEVICE_RDMA=1, RDMAV_FORK_SAFE=1: on the toolkit's SM_EFA_RDMA_INSTANCES (src/sagemaker_training/
+# __init__.py), kept as its list: the catalog says whether a type has EFA, not whether its EFA does device RDMA.
 EFA_RDMA_INSTANCES = frozenset({"ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.trn1.32xlarge", "ml.p6e-gb200.36xlarge"})
 
 
@@ -150,10 +147,42 @@ def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
     )
 
 
+def uses_efa(instance_type: str | None) -> bool:
+    """Whether the instance type has EFA, as its catalog entry says (configs/instances/<type>.json ``efa``).
+
+    A type the catalog does not know (or a catalog that cannot be read) counts as no EFA, with a line in the job's
+    log, instead of failing the job: gpuscout itself launches catalogued types only (a manifest's targets are checked
+    against the catalog before anything runs), so this is the image run by hand on another type. Left unset,
+    FI_PROVIDER only stops forcing libfabric's EFA provider: the job runs, at worst over a slower transport, and the
+    log says why. The toolkit's own list is not kept as a fallback: it is the hand-kept copy this replaces, and it
+    had already gone stale (it predates P5e/P5en).
+    """
+    if instance_type is None:  # outside SageMaker (no resourceconfig.json current_instance_type)
+        return False
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.errors import CatalogError
+
+    try:
+        catalog = load_catalog()
+    except CatalogError as err:
+        print(
+            f"[launcher] no EFA settings for {instance_type}: the instance catalog cannot be read ({err})", flush=True
+        )
+        return False
+    if instance_type not in catalog:
+        print(
+            f"[launcher] {instance_type} is not in the instance catalog ({catalog.source}): treated as having no EFA "
+            "(FI_PROVIDER left unset)",
+            flush=True,
+        )
+        return False
+    return catalog.get(instance_type).efa
+
+
 def distributed_environment(topology: Topology) -> dict[str, str]:
-    """The variables SageMaker's PyTorch launcher sets for a torchrun job (see EFA_NCCL_INSTANCES)."""
+    """The variables SageMaker's PyTorch launcher sets for a torchrun job (see EFA_RDMA_INSTANCES)."""
     env = {"NCCL_SOCKET_IFNAME": topology.network_interface, "NCCL_PROTO": "simple"}
-    if topology.instance_type in EFA_NCCL_INSTANCES:
+    if uses_efa(topology.instance_type):
         env["FI_PROVIDER"] = "efa"
     if topology.instance_type in EFA_RDMA_INSTANCES:
         env["FI_EFA_USE_DEVICE_RDMA"] = "1"

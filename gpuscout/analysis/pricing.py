@@ -4,7 +4,10 @@ Order of precedence for one instance type (highest first):
 
 1. a manifest target's ``price_per_hour_usd`` / ``spot_price_per_hour_usd``;
 2. the AWS Price List API (``refresh_from_aws``; cloud only, falls back to 2. with a logged reason on any error);
-3. the catalog table (``configs/instances/*.json``: on_demand_usd_per_hour, price_region, price_date, price_source).
+3. the catalog's price snapshot (``configs/pricing/sagemaker.json``, :mod:`gpuscout.domain.prices`), which
+   ``gpuscout catalog --refresh`` rewrites from the Price List API (:func:`refresh_snapshot`).
+
+Every price has a kind: ``snapshot``, ``live`` (the Price List API at analysis time) or ``manifest``.
 
 Spot prices are not in the Price List API for SageMaker, so unless a target overrides them they are an
 *assumption*: on-demand x (1 - discount) with the discount from ``configs/pricing/spot.json``. Every price keeps
@@ -19,11 +22,12 @@ import logging
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuscout import paths
+from gpuscout.domain.prices import Component, ListedPrice, PriceFile, PriceKind
 from gpuscout.errors import PricingError
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,15 @@ def load_spot_assumption(path: Path | None = None) -> SpotAssumption:
         raise PricingError(f"cannot read the spot price assumption {path}: {err}") from err
 
 
+def kind_of(on_demand_source: str) -> PriceKind:
+    """The kind a price's source implies (prices stored before kinds were recorded)."""
+    if on_demand_source == "aws-price-list":
+        return "live"
+    if on_demand_source in ("manifest override", "job spec"):
+        return "manifest"
+    return "snapshot"
+
+
 class InstancePrice(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,11 +81,20 @@ class InstancePrice(BaseModel):
     spot_usd_per_hour: float = Field(ge=0)
     on_demand_source: str  # "catalog: <source>", "aws-price-list", "manifest override", "job spec"
     spot_source: str  # "assumed 60 % discount (<source>)" or "manifest override"
-    date: str  # price date (catalog price_date, Price List effectiveDate, or the override's run date)
+    date: str  # the day the catalog's rate was read, the Price List's effectiveDate, or "" for an override
     region: str
+    kind: PriceKind | None = None  # None in results stored before kinds: read from on_demand_source
 
     def for_spot(self, spot: bool) -> float:
         return self.spot_usd_per_hour if spot else self.on_demand_usd_per_hour
+
+    @property
+    def price_kind(self) -> PriceKind:
+        return self.kind or kind_of(self.on_demand_source)
+
+    def label(self) -> str:
+        """'snapshot 2026-09-27, us-east-1' / 'live 2025-06-01, us-east-1' / 'manifest': kind, date and region."""
+        return ", ".join(part for part in (f"{self.price_kind} {self.date}".strip(), self.region) if part)
 
 
 class PriceSnapshot(BaseModel):
@@ -84,13 +106,6 @@ class PriceSnapshot(BaseModel):
     spot_assumption: str
     taken_at: datetime
     notes: list[str] = Field(default_factory=list)  # e.g. why the Price List refresh fell back to the table
-
-
-class _CatalogEntry(Protocol):
-    on_demand_usd_per_hour: float
-    price_region: str
-    price_date: Any
-    price_source: str
 
 
 def _field(obj: Any, name: str, default: Any = None) -> Any:
@@ -126,8 +141,16 @@ class PriceBook:
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_catalog(cls, catalog: Any, *, spot: SpotAssumption | None = None) -> PriceBook:
+        """The catalog's prices: a Catalog's snapshot prices, or (tests) a mapping of type -> price fields."""
         book = cls(spot=spot)
         for instance_type, entry in _catalog_entries(catalog):
+            listed = getattr(entry, "price", None)
+            if listed is not None:
+                book._prices[instance_type] = book._derived(
+                    instance_type, listed.usd_per_hour, on_demand_source=f"catalog: {listed.source}",
+                    date=listed.date, region=listed.region, kind=listed.kind,
+                )  # fmt: skip
+                continue
             on_demand = _field(entry, "on_demand_usd_per_hour")
             if on_demand is None:
                 continue
@@ -137,6 +160,7 @@ class PriceBook:
                 on_demand_source=f"catalog: {_field(entry, 'price_source', 'unknown source')}",
                 date=str(_field(entry, "price_date", "")),
                 region=str(_field(entry, "price_region", "")),
+                kind="snapshot",
             )
         return book
 
@@ -148,10 +172,12 @@ class PriceBook:
         return book
 
     def _derived(
-        self, instance_type: str, on_demand: float, *, on_demand_source: str, date: str, region: str
-    ) -> InstancePrice:
+        self, instance_type: str, on_demand: float, *, on_demand_source: str, date: str, region: str,
+        kind: PriceKind | None = None,
+    ) -> InstancePrice:  # fmt: skip
         discount = self.spot.discount_for(instance_type)
         return InstancePrice(
+            kind=kind or kind_of(on_demand_source),
             instance_type=instance_type,
             on_demand_usd_per_hour=on_demand,
             spot_usd_per_hour=on_demand * (1.0 - discount),
@@ -263,25 +289,72 @@ class PriceBook:
         self.notes.append(message)
 
 
-def fetch_sagemaker_training_price(client: Any, instance_type: str, region: str) -> tuple[float, str]:
-    """On-demand USD per hour and effective date of SageMaker Training on ``instance_type`` in ``region``."""
+def fetch_sagemaker_training_price(
+    client: Any, instance_type: str, region: str, component: str = "Training"
+) -> tuple[float, str]:
+    """On-demand USD per hour and effective date of SageMaker ``component`` (Training, Processing) on
+    ``instance_type`` in ``region``."""
     response = client.get_products(
         ServiceCode=SAGEMAKER_SERVICE_CODE,
         Filters=[
             {"Type": "TERM_MATCH", "Field": "instanceName", "Value": instance_type},
             {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
-            {"Type": "TERM_MATCH", "Field": "component", "Value": "Training"},
+            {"Type": "TERM_MATCH", "Field": "component", "Value": component},
         ],
         FormatVersion="aws_v1",
         MaxResults=10,
     )
-    return parse_price_list(response.get("PriceList", []), instance_type)
+    return parse_price_list(response.get("PriceList", []), instance_type, component)
 
 
-def parse_price_list(price_list: list[str], instance_type: str) -> tuple[float, str]:
+def refresh_snapshot(catalog: Any, *, region: str, client: Any, today: str) -> PriceFile:
+    """A new price snapshot: the Price List API's on-demand rate for every cloud type in ``catalog`` (Training for
+    training types, Processing for processing types). A type the API has no single rate for is listed under
+    ``unpriced`` with the reason. PricingError when not one rate came back (credentials, permission, region): the old
+    snapshot is then kept rather than replaced by an empty one."""
+    prices: dict[str, ListedPrice] = {}
+    unpriced: dict[str, str] = {}
+    errors: list[str] = []
+    for inst in catalog:
+        if inst.is_local:
+            continue
+        component: Component = "Processing" if inst.role == "processing" else "Training"
+        try:
+            usd, effective = fetch_sagemaker_training_price(client, inst.instance_type, region, component)
+        except PricingError as err:  # the API answered, but with no single on-demand rate
+            unpriced[inst.instance_type] = f"Price List API, {today}: {err}"
+            continue
+        except Exception as err:  # botocore's errors (credentials, AccessDenied, throttling) and network failures
+            errors.append(f"{inst.instance_type}: {err}")
+            unpriced[inst.instance_type] = f"Price List API lookup failed on {today}: {err}"
+            continue
+        prices[inst.instance_type] = ListedPrice(
+            usd_per_hour=usd,
+            component=component,
+            date=today,
+            effective_date=effective or None,
+            source=(
+                f"AWS Price List API (pricing:GetProducts, service {SAGEMAKER_SERVICE_CODE}, component {component}, "
+                f"{region}), effective {effective or 'date not given'}"
+            ),
+        )
+    if not prices:
+        first = errors[0] if errors else next(iter(unpriced.values()), "the catalog has no cloud types")
+        raise PricingError(f"the AWS Price List API returned no rate for any type ({first}); snapshot not changed")
+    return PriceFile(
+        region=region,
+        written=today,
+        method=f"AWS Price List API refresh (`gpuscout catalog --refresh`, {len(prices)} types priced)",
+        prices=dict(sorted(prices.items())),
+        unpriced=dict(sorted(unpriced.items())),
+    )
+
+
+def parse_price_list(price_list: list[str], instance_type: str, component: str = "Training") -> tuple[float, str]:
     """Parse get_products' PriceList (JSON strings) into (USD per hour, effective date).
 
-    Only on-demand terms in USD per hour ("Hrs") for the requested instance and the Training component count.
+    Only on-demand terms in USD per hour ("Hrs") for the requested instance and ``component`` count (the product's
+    ``component`` attribute, or its usage type, e.g. ``USE1-Train:ml.p5.48xlarge``, where the attribute is absent).
     Several matching products with different prices are ambiguous and rejected.
     """
     found: set[tuple[float, str]] = set()
@@ -291,7 +364,9 @@ def parse_price_list(price_list: list[str], instance_type: str) -> tuple[float, 
         except (TypeError, json.JSONDecodeError) as err:
             raise PricingError(f"unparsable Price List entry for {instance_type}: {err}") from err
         attributes = item.get("product", {}).get("attributes", {})
-        if attributes.get("instanceName") != instance_type or attributes.get("component", "Training") != "Training":
+        if attributes.get("instanceName", attributes.get("instanceType")) != instance_type:
+            continue
+        if not _is_component(attributes, component, instance_type):
             continue
         for term in item.get("terms", {}).get("OnDemand", {}).values():
             date = str(term.get("effectiveDate", ""))[:10]
@@ -305,8 +380,18 @@ def parse_price_list(price_list: list[str], instance_type: str) -> tuple[float, 
                 if value > 0:
                     found.add((value, date))
     if not found:
-        raise PricingError(f"the Price List API has no on-demand Training price for {instance_type}")
+        raise PricingError(f"the Price List API has no on-demand {component} price for {instance_type}")
     prices = {usd for usd, _ in found}
     if len(prices) > 1:
         raise PricingError(f"ambiguous Price List answer for {instance_type}: {sorted(prices)} USD/h")
     return max(found, key=lambda p: p[1])
+
+
+USAGE_COMPONENTS = {"Training": "Train", "Processing": "Processing"}  # the usage type's word for each component
+
+
+def _is_component(attributes: Mapping[str, Any], component: str, instance_type: str) -> bool:
+    if "component" in attributes:
+        return bool(attributes["component"] == component)
+    usage = str(attributes.get("usagetype", ""))
+    return usage.endswith(f"-{USAGE_COMPONENTS.get(component, component)}:{instance_type}")

@@ -29,11 +29,13 @@ from typer.exceptions import TyperException
 from gpuscout import __version__
 from gpuscout.cli.cloud_commands import register as register_cloud_commands
 from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table, status_markup
+from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS, CatalogPrice
 from gpuscout.errors import (
     BudgetExceededError,
     DiskFullError,
     GpuscoutError,
     ManifestError,
+    PricingError,
     disk_full_file,
     is_disk_full,
 )
@@ -254,42 +256,113 @@ def plan(
 
 
 @app.command("catalog")
-def catalog_cmd() -> None:
-    """List the instance types gpuscout knows: GPUs, memory, peak TFLOPS and on-demand price."""
+def catalog_cmd(
+    refresh: Annotated[
+        bool,
+        typer.Option(
+            "--refresh",
+            help="Read every type's SageMaker on-demand rate from the AWS Price List API (needs AWS credentials with "
+            "pricing:GetProducts) and rewrite the price snapshot, configs/pricing/sagemaker.json.",
+        ),
+    ] = False,
+    region: Annotated[
+        str, typer.Option("--region", help="The region whose rates --refresh reads.", metavar="REGION")
+    ] = "us-east-1",
+) -> None:
+    """List the instance types gpuscout knows: GPUs, memory, peak TFLOPS, how each is sold, and its on-demand price
+    with the price's kind, date and source."""
     from gpuscout.domain.catalog import load_catalog
 
+    catalog = load_catalog()
+    if refresh:
+        catalog = _refresh_prices(catalog, region)
     table = Table(title="Instance catalog", title_justify="left")
     for col, justify in (
         ("instance type", "left"),
-        ("role", "left"),
         ("GPUs", "right"),
         ("GPU", "left"),
         ("GPU mem GB", "right"),
         ("bf16 TFLOPS/GPU", "right"),
         ("vCPU", "right"),
         ("RAM GiB", "right"),
-        ("EFA", "left"),
+        ("links", "left"),
+        ("sold as", "left"),
         ("$/h on-demand", "right"),
         ("price", "left"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for inst in load_catalog():
+    stale = 0
+    for inst in catalog:
         sku = inst.sku
         peak = sku.peak_for("bf16") if sku else None
+        price = inst.price
+        stale += bool(price and price.stale())
+        links = "EFA" if inst.efa else ""
+        if inst.interconnect:
+            links = f"{inst.interconnect.replace('nvlink', 'NVLink').replace('pcie', 'PCIe')} {links}".strip()
         table.add_row(
             inst.instance_type,
-            inst.role,
             str(inst.gpu_count),
             sku.model if sku else "-",
             _num(inst.gpu_memory_gb, "{:.0f}"),
             _num(peak, "{:.0f}") if sku else "-",
             _num(inst.vcpus, "{}"),
             _num(inst.memory_gib, "{:.0f}"),
-            "yes" if inst.efa else "no",
-            _num(inst.on_demand_usd_per_hour, "{:.3f}") if inst.on_demand_usd_per_hour else "manifest",
-            f"{inst.price_region or ''} {inst.price_date or ''}".strip() or "-",
+            links or "-",
+            "this machine" if inst.is_local else ", ".join(o.replace("_", " ") for o in inst.purchase_options),
+            _num(price.usd_per_hour, "{:.3f}") if price else "-",
+            _price_label(price, inst.is_local),
         )
     console.print(table)
+    if catalog.prices is not None:
+        console.print(f"Prices: {escape(catalog.prices.method)}", soft_wrap=True)
+        for instance_type, why in catalog.prices.unpriced.items():
+            console.print(
+                f"  {instance_type}: no price ({escape(why)}); a manifest targeting it states price_per_hour_usd",
+                soft_wrap=True,
+            )
+    if stale:
+        console.print(
+            f"[yellow]{stale} STALE price(s), read more than {STALE_AFTER_DAYS} days ago: refresh with "
+            f"`{REFRESH_COMMAND}`[/]",
+            soft_wrap=True,
+        )
+
+
+def _price_label(price: CatalogPrice | None, local: bool) -> str:
+    if local:
+        return "the manifest states it"
+    if price is None:
+        return "unknown (below)"
+    text = price.label()
+    return f"[yellow]{escape(text)}[/]" if price.stale() else escape(text)
+
+
+def _refresh_prices(catalog: Any, region: str) -> Any:
+    """Rewrite the snapshot from the Price List API; the old file stays when no rate could be read."""
+    from datetime import UTC, datetime
+
+    import boto3
+    import botocore.exceptions
+
+    from gpuscout.analysis.pricing import PRICE_LIST_REGION, refresh_snapshot
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.domain.prices import write_price_file
+
+    try:
+        client = boto3.client("pricing", region_name=PRICE_LIST_REGION)
+    except botocore.exceptions.BotoCoreError as err:
+        raise PricingError(f"cannot reach the AWS Price List API: {err}") from err
+    today = datetime.now(UTC).date().isoformat()
+    with console.status(f"reading {len(catalog) - 1} rates from the AWS Price List API ({region})"):
+        snapshot = refresh_snapshot(catalog, region=region, client=client, today=today)
+    path = write_price_file(snapshot)
+    console.print(
+        f"wrote {path}: {len(snapshot.prices)} rates, {len(snapshot.unpriced)} types without one", soft_wrap=True
+    )
+    for instance_type, why in snapshot.unpriced.items():
+        console.print(f"  [yellow]{instance_type}[/]: {escape(why)}", soft_wrap=True)
+    return load_catalog()
 
 
 def _num(value: float | int | None, fmt: str) -> str:

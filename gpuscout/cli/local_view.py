@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from gpuscout.analysis.recommend import seconds_text
 from gpuscout.cli.console_style import Column, responsive_table
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.prices import REFRESH_COMMAND
 from gpuscout.local.job_process import JobOutcome, JobProgress
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -67,6 +68,33 @@ def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None
         [label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}"]
     )
     responsive_table(console, title, columns, cells, key=0)
+    for line in price_lines(jobs):
+        console.print(line)  # wrapped at the terminal's width
+
+
+def price_lines(jobs: list[JobSpec]) -> list[str]:
+    """One line per instance type: the price the plan used, its kind (snapshot / manifest), date and region; a stale
+    snapshot price in yellow with the command that refreshes it."""
+    lines, seen = [], set()
+    for spec in jobs:
+        if spec.instance_type in seen:
+            continue
+        seen.add(spec.instance_type)
+        price = spec.price
+        basis = price.label() if price is not None else "price kind not recorded"
+        if price is not None and price.kind == "manifest":
+            basis = "manifest: the target's price_per_hour_usd"
+        elif price is not None and price.stale():
+            basis += f"; refresh: {REFRESH_COMMAND}"
+        text = f"priced: {spec.instance_type} ${spec.price_per_hour_usd:,.3f}/h on-demand ({basis})"
+        if spec.spot_price_per_hour_usd is not None:
+            text += f", spot ${spec.spot_price_per_hour_usd:,.3f}/h (manifest)"
+        elif spec.spot:
+            text += ", spot planned at the on-demand price"
+        if spec.training_plan_arn:
+            text += ", on training plan " + spec.training_plan_arn.rsplit("/", 1)[-1]
+        lines.append(f"[yellow]{escape(text)}[/]" if price is not None and price.stale() else escape(text))
+    return lines
 
 
 def _mfu_text(row: Mapping[str, Any]) -> str:

@@ -56,6 +56,7 @@ from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest
+from gpuscout.domain.names import MANIFESTS_PREFIX, OUTPUT_PREFIX
 from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.plan.canary import cloud_canaries, predicted_canary_cost_usd
 from gpuscout.plan.jobs import make_run_id
@@ -64,8 +65,6 @@ from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
 from gpuscout.store.dynamodb import DynamoDbStore
 
 DEFAULT_STACK_NAME = "Gpuscout"
-MANIFESTS_PREFIX = "manifests/"
-REPORTS_PREFIX = "reports/"
 OUTPUT_DATA_BUCKET = "DataBucketName"
 OUTPUT_ARTIFACTS_BUCKET = "ArtifactsBucketName"
 OUTPUT_TABLE = "ResultsTableName"
@@ -516,7 +515,7 @@ class CloudStack:
 
     def jobs_with_output(self, run_id: str) -> set[str]:
         """The names of the run's jobs that left an output.tar.gz (one listing of ``output/<run_id>/``)."""
-        prefix = f"output/{run_id}/"
+        prefix = f"{OUTPUT_PREFIX}{run_id}/"
         names = set()
         for key in self._keys(self.outputs.artifacts_bucket, prefix):
             job_name, _, rest = key[len(prefix) :].partition("/")

@@ -45,6 +45,7 @@ from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import parse_manifest
+from gpuscout.domain.names import REJECTED_PREFIX, REPORTS_PREFIX
 from gpuscout.errors import (
     GpuscoutError,
     ManifestError,
@@ -76,8 +77,6 @@ MAX_QUOTA_WARNINGS = 20  # carried in Validate's output (each one line): the sta
 # How many of the newest runs fail_run_of_execution searches for the run of a failed execution.
 RUNS_SEARCHED_FOR_AN_EXECUTION = 200
 MAX_ERROR_CHARS = 4000
-REJECTED_PREFIX = "rejected/"
-REPORTS_PREFIX = "reports/"
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from gpuscout.cloud.tuning_requests import (
     tuning_name_of_arn,
 )
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.names import JOB_NAME_PREFIX
 from gpuscout.errors import GpuscoutError, RunNotFoundError
 from gpuscout.store.base import TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
 
@@ -337,7 +338,7 @@ def read_search_target(s3: ObjectReader, bucket: str, run_id: str, tuning_name: 
 
 
 # SageMaker names a tuning job's trials <tuning job name>-NNN-xxxxxxxx (gpuscout's tuning job names: tuning_job_name)
-_TRIAL_NAME_RE = re.compile(r"^(gs-[0-9a-f]{12}-t\d{2})-\d{3}-[0-9a-f]{8}$")
+_TRIAL_NAME_RE = re.compile(rf"^({re.escape(JOB_NAME_PREFIX)}[0-9a-f]{{12}}-t\d{{2}})-\d{{3}}-[0-9a-f]{{8}}$")
 
 
 def tuning_job_of(detail: TrainingJobStateChange) -> str | None:

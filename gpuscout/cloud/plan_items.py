@@ -25,9 +25,9 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.names import PLANS_PREFIX  # plan_jobs writes here, the state machine reads here
 from gpuscout.errors import GpuscoutError, Problem
 
-PLAN_PREFIX = "plans/"  # stacks/gpuscout_stack.py PLAN_PREFIX: plan_jobs writes here, the state machine reads here
 ITEM_KINDS = ("canaries", "jobs", "tunings")
 STATE_PAYLOAD_LIMIT_BYTES = 256 * 1024
 # Room a child workflow adds to its item: the caught error (a Cause is at most 32,768 characters), the run's status,
@@ -42,7 +42,7 @@ class PlanItemsError(GpuscoutError):
 
 
 def items_key(run_id: str, kind: str) -> str:
-    return f"{PLAN_PREFIX}{run_id}/{kind}.json"
+    return f"{PLANS_PREFIX}{run_id}/{kind}.json"
 
 
 def item_size(item: Mapping[str, Any]) -> int:

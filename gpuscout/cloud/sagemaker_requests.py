@@ -18,6 +18,7 @@ from typing import Any
 
 from gpuscout.domain.jobspec import JOB_NAME_RE, JobSpec
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
+from gpuscout.domain.names import CHECKPOINTS_PREFIX, JOB_NAME_PREFIX, OUTPUT_PREFIX, PROCESSED_PREFIX
 from gpuscout.domain.tracking import tracking_environment
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
@@ -72,7 +73,7 @@ class DataSource:
 
     def processed_prefix(self) -> str:
         """Key prefix (no leading slash, trailing slash) in the data bucket."""
-        return f"processed/{self.cache_key}/"
+        return f"{PROCESSED_PREFIX}{self.cache_key}/"
 
     def dataset_manifest_key(self) -> str:
         return self.processed_prefix() + DATASET_MANIFEST
@@ -83,16 +84,16 @@ def processed_data_uri(settings: RequestSettings, data: DataSource) -> str:
 
 
 def output_uri(settings: RequestSettings, run_id: str) -> str:
-    return f"s3://{settings.artifacts_bucket}/output/{run_id}/"
+    return f"s3://{settings.artifacts_bucket}/{OUTPUT_PREFIX}{run_id}/"
 
 
 def output_tar_key(run_id: str, job_name: str) -> str:
     """Where SageMaker puts the tarred SM_OUTPUT_DATA_DIR (with benchmark.json) in the artifacts bucket."""
-    return f"output/{run_id}/{job_name}/output/output.tar.gz"
+    return f"{OUTPUT_PREFIX}{run_id}/{job_name}/output/output.tar.gz"
 
 
 def checkpoint_uri(settings: RequestSettings, run_id: str, job_name: str) -> str:
-    return f"s3://{settings.artifacts_bucket}/checkpoints/{run_id}/{job_name}/"
+    return f"s3://{settings.artifacts_bucket}/{CHECKPOINTS_PREFIX}{run_id}/{job_name}/"
 
 
 def _tags(run_id: str) -> list[dict[str, str]]:
@@ -194,6 +195,7 @@ def training_job_request(
             "InstanceType": spec.instance_type,
             "InstanceCount": spec.instance_count,
             "VolumeSizeInGB": volume_size_gb,
+            **({"TrainingPlanArn": spec.training_plan_arn} if spec.training_plan_arn else {}),
         },
         "StoppingCondition": stopping,
         "CheckpointConfig": {
@@ -210,7 +212,7 @@ def training_job_request(
 def processing_job_name(run_id: str, data: DataSource) -> str:
     """A unique, valid ProcessingJobName: ``gs-prep-<cache key>-<run digest>`` (63 characters at most)."""
     run_digest = hashlib.sha256(run_id.encode()).hexdigest()[:10]
-    name = f"gs-prep-{data.cache_key[:16]}-{run_digest}"
+    name = f"{JOB_NAME_PREFIX}prep-{data.cache_key[:16]}-{run_digest}"
     if not JOB_NAME_RE.match(name):  # pragma: no cover - the pieces are hex digits by construction
         raise ValueError(f"invalid processing job name {name!r}")
     return name

@@ -23,6 +23,7 @@ from collections.abc import Collection
 
 from gpuscout.cloud.plan_items import MAX_REQUESTS_PER_RUN
 from gpuscout.domain.manifest import Manifest
+from gpuscout.domain.names import CODE_PREFIX, RAW_PREFIX
 from gpuscout.domain.tracking import (
     CLOUD_WANDB_DIR,
     REMOTE_MLFLOW_RE,
@@ -39,8 +40,6 @@ from gpuscout.errors import Problem
 MAX_HYPERPARAMETERS = 100
 MAX_HYPERPARAMETER_CHARS = 2500
 LINE_BREAKS = re.compile("[\n\r\u0085\u2028\u2029]")  # what the API's '.*' (a Java regex) does not match
-RAW_PREFIX = "raw/"  # stacks/storage.py RAW_PREFIX: the only prefix the SageMaker role reads sources from
-CODE_PREFIX = "code/"  # under RAW_PREFIX: the user's code folders `gpuscout submit` uploads (content-addressed)
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -127,11 +126,10 @@ IMAGE_MIN_COMPUTE_CAPABILITY = (7, 5)
 def _image_cannot_run(instance_type: str) -> str | None:
     """Why the training image cannot run on ``instance_type``'s GPU, or None."""
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.hardware import SKUS
     from gpuscout.errors import CatalogError
 
     try:
-        sku = SKUS.get(load_catalog().get(instance_type).gpu_sku or "")
+        sku = load_catalog().get(instance_type).sku
     except CatalogError:
         return None
     if sku is None or sku.compute_capability is None or sku.compute_capability >= IMAGE_MIN_COMPUTE_CAPABILITY:

@@ -33,6 +33,7 @@ from gpuscout.cloud.sagemaker_requests import (
 )
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
+from gpuscout.domain.names import JOB_NAME_PREFIX, SEARCH_PREFIX
 from gpuscout.errors import GpuscoutError
 from gpuscout.plan.search import SearchPlan, TargetSearch
 
@@ -57,7 +58,6 @@ CANDIDATE_KEYS = frozenset(
     }
 )
 TUNING_JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,31}$")  # HyperParameterTuningJobName (1-32)
-SEARCH_PREFIX = "search/"
 
 
 class TuningRequestError(GpuscoutError):
@@ -67,7 +67,7 @@ class TuningRequestError(GpuscoutError):
 def tuning_job_name(run_id: str, target_index: int) -> str:
     """``gs-<12 hex of the run id>-t<NN>``: 19 characters (SageMaker allows 32, names are case-insensitive), unique
     per run and target, and the prefix of every trial's name."""
-    name = f"gs-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}-t{target_index:02d}"
+    name = f"{JOB_NAME_PREFIX}{hashlib.sha256(run_id.encode()).hexdigest()[:12]}-t{target_index:02d}"
     if not TUNING_JOB_NAME_RE.match(name):  # pragma: no cover - hex digits and a number by construction
         raise ValueError(f"invalid tuning job name {name!r}")
     return name

@@ -1,4 +1,5 @@
-"""What a benchmark is: the manifest, the instance catalog, model architectures, the FLOPs convention, GPU SKUs,
+"""What a benchmark is: the manifest, the instance catalog and its price snapshot, model architectures, the FLOPs
+convention, GPU SKUs, the names the stack and the runtime share,
 one job's spec, the benchmark.json schema, the stdout metric-line format and where experiment tracking goes
 (``tracking``: the GPUSCOUT_TRACKING contract between a job and the run).
 

@@ -1,9 +1,12 @@
 """The instance catalog: configs/instances/*.json, one file per instance type, validated when loaded.
 
 Each file states the hardware facts of one SageMaker instance type (GPU SKU and count, memory, vCPU, RAM, NVMe,
-network, EFA), suggested training settings and an on-demand price with its region, date and source. GPU facts that
-belong to the SKU (dense peaks, supported precisions) come from :mod:`gpuscout.domain.hardware`, so they are stated
-once; a file's ``gpu_memory_gb`` must equal its SKU's.
+network, EFA, NVLink or PCIe), how it can be bought (on demand, spot, SageMaker training plan), suggested training
+settings and the sources of those facts; a fact that could not be confirmed is null and named in ``unconfirmed``.
+GPU facts that belong to the SKU (dense peaks, supported precisions, assumed utilization) come from the GPU files
+(:mod:`gpuscout.domain.hardware`), so they are stated once; a file's ``gpu_memory_gb`` must equal its SKU's. Prices
+change apart from hardware, so they live in one dated snapshot (:mod:`gpuscout.domain.prices`) the loader joins in.
+Adding an instance type is one file here (and a GPU file for a new GPU).
 
 ``local.json`` describes "the machine you are on": its hardware is detected at run time by
 :func:`detect_local_hardware` (torch is imported lazily there, because the Lambdas import this module).
@@ -15,19 +18,26 @@ import functools
 import json
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 
 from gpuscout import paths
 from gpuscout.domain.cpu import cpuinfo_field, detect_cpu_precisions
-from gpuscout.domain.hardware import SKUS, GpuSku, detect_sku
+from gpuscout.domain.hardware import GpuSku, detect_sku, load_skus
+from gpuscout.domain.prices import CatalogPrice, PriceFile, catalog_price, load_price_file, price_file_path
 from gpuscout.errors import CatalogError
 
 LOCAL = "local"
 Role = Literal["training", "processing", "local"]
+# How SageMaker sells an instance type for training: on demand, Managed Spot Training, or only through a SageMaker
+# training plan (capacity reserved ahead and paid up front; the job names it in ResourceConfig.TrainingPlanArn)
+PurchaseOption = Literal["on_demand", "spot", "training_plan"]
+Interconnect = Literal["nvlink", "pcie"]
+# Facts a cloud file may leave null when they could not be confirmed (named in "unconfirmed")
+CONFIRMABLE = ("vcpus", "memory_gib", "nvme_gb", "network_gbps", "interconnect")
 
 
 class _Strict(BaseModel):
@@ -50,22 +60,27 @@ class InstanceType(_Strict):
     gpu_memory_gb: float | None = Field(default=None, gt=0)
     vcpus: int | None = Field(default=None, ge=1)
     memory_gib: float | None = Field(default=None, gt=0)
-    nvme_gb: float = Field(ge=0)
-    network_gbps: float = Field(ge=0)
+    nvme_gb: float | None = Field(default=None, ge=0)
+    network_gbps: float | None = Field(default=None, ge=0)
     efa: bool
-    on_demand_usd_per_hour: float | None = Field(default=None, gt=0)
-    price_region: str | None = None
-    price_date: str | None = Field(default=None, pattern=r"^\d{4}-\d{2}-\d{2}$")
-    price_source: str = Field(min_length=1)
+    interconnect: Interconnect | None = None  # between the GPUs of one instance; None on CPU or unconfirmed
+    purchase_options: tuple[PurchaseOption, ...] = ()
     defaults: InstanceDefaults | None = None
+    sources: tuple[str, ...] = ()  # where the hardware facts and the purchase options come from
+    sources_date: str | None = Field(default=None, pattern=r"^\d{4}-\d{2}(-\d{2})?$")  # when they were read
+    unconfirmed: tuple[str, ...] = ()  # facts left null because no source confirmed them
     notes: str = ""
+    _sku: GpuSku | None = PrivateAttr(default=None)
+    _price: CatalogPrice | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _consistent(self) -> InstanceType:
+    def _consistent(self, info: ValidationInfo) -> InstanceType:
+        skus = (info.context or {}).get("skus") or load_skus()
         if self.gpu_sku is not None:
-            if self.gpu_sku not in SKUS:
-                raise ValueError(f"gpu_sku {self.gpu_sku!r} is not a known SKU; known: {', '.join(sorted(SKUS))}")
-            sku = SKUS[self.gpu_sku]
+            if self.gpu_sku not in skus:
+                raise ValueError(f"gpu_sku {self.gpu_sku!r} is not a known SKU; known: {', '.join(sorted(skus))}")
+            sku = skus[self.gpu_sku]
+            self._sku = sku
             if self.gpu_count < 1:
                 raise ValueError("an instance with a gpu_sku needs gpu_count >= 1")
             if self.gpu_memory_gb != sku.memory_gb:
@@ -76,20 +91,55 @@ class InstanceType(_Strict):
             if self.instance_type != LOCAL:
                 raise ValueError("role 'local' is reserved for instance_type 'local'")
         else:
-            missing = [
-                name
-                for name in ("vcpus", "memory_gib", "on_demand_usd_per_hour", "price_region", "price_date")
-                if getattr(self, name) is None
-            ]
-            if missing:
-                raise ValueError(f"a cloud instance type must state {', '.join(missing)}")
+            self._check_cloud_facts()
         if self.role == "training" and self.defaults is None:
             raise ValueError("a training instance type must state defaults")
         return self
 
+    def _check_cloud_facts(self) -> None:
+        if not self.sources or self.sources_date is None:
+            raise ValueError("a cloud instance type must name its sources and sources_date")
+        if not self.purchase_options:
+            raise ValueError("a cloud instance type must state purchase_options (on_demand, spot, training_plan)")
+        if "spot" in self.purchase_options and "on_demand" not in self.purchase_options:
+            raise ValueError("purchase_options: spot is offered only beside on_demand")
+        unknown = set(self.unconfirmed) - set(CONFIRMABLE)
+        if unknown:
+            raise ValueError(f"unconfirmed may name only {', '.join(CONFIRMABLE)}, not {', '.join(sorted(unknown))}")
+        for name in CONFIRMABLE:
+            if name == "interconnect" and self.gpu_count < 2:
+                continue  # one GPU: nothing to connect
+            missing, unconfirmed = getattr(self, name) is None, name in self.unconfirmed
+            if missing and not unconfirmed:
+                raise ValueError(f"{name} is null: state it, or name it in unconfirmed")
+            if unconfirmed and not missing:
+                raise ValueError(f"{name} is named unconfirmed but has a value; leave it null")
+
     @property
     def sku(self) -> GpuSku | None:
-        return SKUS[self.gpu_sku] if self.gpu_sku else None
+        return self._sku
+
+    @property
+    def price(self) -> CatalogPrice | None:
+        """The catalog's on-demand price (the snapshot's), None where none is listed (a manifest must state one)."""
+        return self._price
+
+    @property
+    def on_demand_usd_per_hour(self) -> float | None:
+        return self._price.usd_per_hour if self._price else None
+
+    @property
+    def on_demand(self) -> bool:
+        return self.is_local or "on_demand" in self.purchase_options
+
+    @property
+    def spot_offered(self) -> bool:
+        return "spot" in self.purchase_options
+
+    @property
+    def training_plan_only(self) -> bool:
+        """Sold for training only through SageMaker training plans: a target must name one (training_plan_arn)."""
+        return "training_plan" in self.purchase_options and "on_demand" not in self.purchase_options
 
     @property
     def is_local(self) -> bool:
@@ -112,9 +162,12 @@ class InstanceType(_Strict):
 class Catalog:
     """All instance types, keyed by type name."""
 
-    def __init__(self, instances: dict[str, InstanceType], source: Path | None = None) -> None:
+    def __init__(
+        self, instances: dict[str, InstanceType], source: Path | None = None, prices: PriceFile | None = None
+    ) -> None:
         self._instances = dict(sorted(instances.items()))
         self.source = source
+        self.prices = prices  # the snapshot the instances' prices came from
 
     def __contains__(self, instance_type: object) -> bool:
         return instance_type in self._instances
@@ -141,13 +194,13 @@ class Catalog:
             raise CatalogError(f"unknown instance type {instance_type!r}; known: {', '.join(self.types)}") from err
 
 
-def _load_file(path: Path) -> InstanceType:
+def _load_file(path: Path, skus: Mapping[str, GpuSku]) -> InstanceType:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CatalogError(f"{path}: cannot read instance file: {err}") from err
     try:
-        inst = InstanceType.model_validate(raw)
+        inst = InstanceType.model_validate(raw, context={"skus": skus})
     except ValidationError as err:
         details = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}" for e in err.errors(include_url=False)
@@ -159,22 +212,44 @@ def _load_file(path: Path) -> InstanceType:
 
 
 @functools.cache
-def _load_dir(directory: str) -> Catalog:
-    folder = Path(directory)
+def _load_dir(base: str, price_stamp: tuple[int, int]) -> Catalog:
+    """``price_stamp`` (the snapshot's mtime and size) keys the cache, so a refreshed snapshot is read again."""
+    folder = Path(base) / "instances"
     files = sorted(folder.glob("*.json"))
     if not files:
         raise CatalogError(f"{folder}: no instance files (*.json); set GPUSCOUT_CONFIG_DIR to the configs folder")
+    skus = load_skus(base)
     instances: dict[str, InstanceType] = {}
     for path in files:
-        inst = _load_file(path)
+        inst = _load_file(path, skus)
         instances[inst.instance_type] = inst
-    return Catalog(instances, source=folder)
+    prices = load_price_file(base)
+    listed = set(prices.prices) | set(prices.unpriced)
+    strays = sorted(listed - set(instances))
+    if strays:
+        raise CatalogError(f"{price_file_path(base)}: prices for types not in {folder}: {', '.join(strays)}")
+    for inst in instances.values():
+        if inst.is_local:
+            continue
+        if inst.instance_type not in listed:
+            raise CatalogError(
+                f"{price_file_path(base)}: {inst.instance_type} is neither priced nor listed under 'unpriced' "
+                "(run `gpuscout catalog --refresh`, or add it to 'unpriced' with the reason)"
+            )
+        inst._price = catalog_price(prices, inst.instance_type)
+    return Catalog(instances, source=folder, prices=prices)
 
 
 def load_catalog(config_dir: Path | str | None = None) -> Catalog:
-    """Load and validate ``<config_dir>/instances/*.json`` (default: gpuscout.paths.CONFIG_DIR). Cached per folder."""
-    base = Path(config_dir) if config_dir is not None else paths.CONFIG_DIR
-    return _load_dir(str((base / "instances").resolve()))
+    """Load and validate ``<config_dir>/instances/*.json`` with the GPU files and the price snapshot (default:
+    gpuscout.paths.CONFIG_DIR). Cached per folder and snapshot (a refresh makes the next load see the new prices)."""
+    base = (Path(config_dir) if config_dir is not None else paths.CONFIG_DIR).resolve()
+    try:
+        stat = price_file_path(base).stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        stamp = (0, 0)  # no snapshot: _load_dir checks the instance files first, then says so
+    return _load_dir(str(base), stamp)
 
 
 class LocalHardware(BaseModel):
@@ -197,7 +272,7 @@ class LocalHardware(BaseModel):
 
     @property
     def sku(self) -> GpuSku | None:
-        return SKUS.get(self.gpu_sku) if self.gpu_sku else None
+        return load_skus().get(self.gpu_sku) if self.gpu_sku else None
 
     @property
     def precisions(self) -> tuple[str, ...]:

@@ -1,111 +1,135 @@
-"""GPU SKUs: memory, dense tensor-core peaks and supported precisions, and detection from a device name.
+"""GPU SKUs: configs/gpus/*.json, one file per GPU, validated when loaded; and detection from a device name.
 
-Peaks are *dense* (no 2:4 sparsity) tensor-core TFLOPS per GPU as published by NVIDIA; MFU divides by these.
-Sources are listed per SKU so a reader can check them.
+A SKU file states what belongs to the GPU rather than to an instance: memory, the *dense* (no 2:4 sparsity)
+tensor-core peaks MFU divides by, the precisions it trains in natively, the device names torch/NVML report, and the
+model-FLOPs utilization the planner assumes before anything is measured (``assumed_mfu``, with its basis). Every file
+names its sources and their date. A peak NVIDIA does not publish stays absent: then MFU is not computed and the planner
+says it cannot predict from the FLOPs model (locally it times matmuls on the device instead).
+
+Adding a GPU is one file; :func:`load_skus` reads them (cached per folder).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gpuscout import paths
+from gpuscout.errors import CatalogError
+
+PeakPrecision = Literal["bf16", "fp16", "fp32"]
 
 
-@dataclass(frozen=True)
-class GpuSku:
-    sku: str  # stable key used by the catalog and benchmark.json, e.g. "H100-SXM5-80GB"
-    model: str  # marketing name, e.g. "NVIDIA H100 SXM5"
-    memory_gb: float
-    peak_tflops: dict[str, float]  # dense tensor-core TFLOPS by precision: "bf16", "fp16", "fp32" (tf32 off)
-    precisions: tuple[str, ...]  # training precisions the GPU supports natively
-    name_patterns: tuple[str, ...]  # regexes matched (case-insensitive) against torch/NVML device names
-    source: str = ""
-    memory_range_gb: tuple[float, float] = field(default=(0.0, 1e9))  # disambiguates 40 GB vs 80 GB parts
-    compute_capability: tuple[int, int] | None = None  # set where it decides what software runs (Volta: 7.0)
+class GpuSku(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    sku: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9.-]*$")  # stable key used by the catalog and benchmark.json
+    model: str = Field(min_length=1)  # marketing name, e.g. "NVIDIA H100 SXM5 80GB"
+    memory_gb: float = Field(gt=0)
+    # dense tensor-core TFLOPS by precision ("fp32": tf32 off); a precision NVIDIA publishes no dense figure for is
+    # absent, never guessed
+    peak_tflops: dict[PeakPrecision, float] = Field(default_factory=dict)
+    precisions: tuple[PeakPrecision, ...] = Field(min_length=1)  # training precisions the GPU supports natively
+    name_patterns: tuple[str, ...] = Field(min_length=1)  # regexes matched (case-insensitive) against device names
+    device_names: tuple[str, ...] = ()  # names torch/NVML are known to report (the tests check the patterns match)
+    memory_range_gb: tuple[float, float] = (0.0, 1e9)  # total device memory as reported; tells 40 GB from 80 GB
+    compute_capability: tuple[int, int] | None = None
+    assumed_mfu: float | None = Field(default=None, gt=0, le=1)  # the planner's starting utilization
+    assumed_mfu_basis: str = ""
+    sources: tuple[str, ...] = Field(min_length=1)
+    source_date: str = Field(pattern=r"^\d{4}-\d{2}(-\d{2})?$")  # when the sources were read
+    notes: str = ""
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _positive(cls, v: dict[PeakPrecision, float]) -> dict[PeakPrecision, float]:
+        bad = [k for k, x in v.items() if x <= 0]
+        if bad:
+            raise ValueError(f"peaks must be positive: {', '.join(bad)}")
+        return v
+
+    @field_validator("name_patterns")
+    @classmethod
+    def _compiles(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"name pattern {pattern!r} is not a regular expression: {err}") from err
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GpuSku:
+        low, high = self.memory_range_gb
+        if not low <= high:
+            raise ValueError("memory_range_gb must be (low, high) with low <= high")
+        if self.assumed_mfu is not None and not self.assumed_mfu_basis:
+            raise ValueError("assumed_mfu needs assumed_mfu_basis: why this utilization")
+        unmatched = [name for name in self.device_names if not self.matches(name)]
+        if unmatched:
+            raise ValueError(f"name_patterns match none of device_names {unmatched}")
+        return self
 
     def peak_for(self, precision: str) -> float | None:
-        return self.peak_tflops.get(precision)
+        return self.peak_tflops.get(precision)  # type: ignore[call-overload]
+
+    def matches(self, device_name: str) -> bool:
+        return any(re.search(p, device_name, re.IGNORECASE) for p in self.name_patterns)
+
+    @property
+    def plannable(self) -> bool:
+        """Whether the planner's FLOPs model can predict on this GPU: a dense peak and an assumed utilization."""
+        return self.assumed_mfu is not None and bool(self.peak_tflops)
 
 
-SKUS: dict[str, GpuSku] = {
-    s.sku: s
-    for s in (
-        GpuSku(
-            sku="A100-SXM4-40GB",
-            model="NVIDIA A100 SXM4 40GB",
-            memory_gb=40,
-            peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-            precisions=("bf16", "fp16", "fp32"),
-            name_patterns=(r"A100.*(SXM|PCIE)?.*40GB", r"A100-SXM4-40GB"),
-            memory_range_gb=(30, 50),
-            source="NVIDIA A100 datasheet (2021): BF16/FP16 tensor 312 TFLOPS dense",
-        ),
-        GpuSku(
-            sku="A100-SXM4-80GB",
-            model="NVIDIA A100 SXM4 80GB",
-            memory_gb=80,
-            peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-            precisions=("bf16", "fp16", "fp32"),
-            name_patterns=(r"A100.*80GB",),
-            memory_range_gb=(70, 90),
-            source="NVIDIA A100 datasheet (2021): BF16/FP16 tensor 312 TFLOPS dense",
-        ),
-        GpuSku(
-            sku="H100-SXM5-80GB",
-            model="NVIDIA H100 SXM5 80GB",
-            memory_gb=80,
-            peak_tflops={"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
-            precisions=("bf16", "fp16", "fp32"),
-            name_patterns=(r"H100.*(SXM|HBM3)", r"H100 80GB HBM3"),
-            memory_range_gb=(70, 90),
-            source="NVIDIA H100 datasheet: SXM BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989.4 dense",
-        ),
-        GpuSku(
-            sku="H200-SXM-141GB",
-            model="NVIDIA H200 SXM 141GB",
-            memory_gb=141,
-            peak_tflops={"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
-            precisions=("bf16", "fp16", "fp32"),
-            name_patterns=(r"H200",),
-            memory_range_gb=(130, 150),
-            source="NVIDIA H200 datasheet: SXM BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989.4 dense",
-        ),
-        GpuSku(
-            sku="A10G-24GB",
-            model="NVIDIA A10G",
-            memory_gb=24,
-            peak_tflops={"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
-            precisions=("bf16", "fp16", "fp32"),
-            name_patterns=(r"A10G",),
-            memory_range_gb=(20, 30),
-            source=(
-                "NVIDIA does not publish an A10G datasheet; 70 TFLOPS dense BF16/FP16 tensor and 35 TFLOPS FP32 as "
-                "compiled in Baseten's 'NVIDIA A10 vs A10G' comparison (the A10 is 125 TFLOPS)"
-            ),
-        ),
-        GpuSku(
-            sku="V100-SXM2-16GB",
-            model="NVIDIA Tesla V100 SXM2 16GB",
-            memory_gb=16,
-            peak_tflops={"fp16": 125.0, "fp32": 15.7},
-            precisions=("fp16", "fp32"),
-            name_patterns=(r"V100",),
-            memory_range_gb=(12, 20),
-            source="NVIDIA V100 datasheet: SXM2 tensor 125 TFLOPS (FP16); no BF16 support (Volta)",
-            compute_capability=(7, 0),
-        ),
-    )
-}
+def _load_sku_file(path: Path) -> GpuSku:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CatalogError(f"{path}: cannot read GPU file: {err}") from err
+    try:
+        sku = GpuSku.model_validate(raw)
+    except ValidationError as err:
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}" for e in err.errors(include_url=False)
+        )
+        raise CatalogError(f"{path}: invalid GPU file: {details}") from err
+    if path.stem != sku.sku:
+        raise CatalogError(f"{path}: file name must be {sku.sku}.json (sku inside the file)")
+    return sku
 
 
-def detect_sku(device_name: str, memory_gb: float | None = None) -> GpuSku | None:
+@functools.cache
+def _load_sku_dir(directory: str) -> Mapping[str, GpuSku]:
+    folder = Path(directory)
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise CatalogError(f"{folder}: no GPU files (*.json); set GPUSCOUT_CONFIG_DIR to the configs folder")
+    return {sku.sku: sku for sku in map(_load_sku_file, files)}
+
+
+def load_skus(config_dir: Path | str | None = None) -> Mapping[str, GpuSku]:
+    """Load and validate ``<config_dir>/gpus/*.json`` (default: gpuscout.paths.CONFIG_DIR). Cached per folder."""
+    base = Path(config_dir) if config_dir is not None else paths.CONFIG_DIR
+    return _load_sku_dir(str((base / "gpus").resolve()))
+
+
+def detect_sku(
+    device_name: str, memory_gb: float | None = None, skus: Mapping[str, GpuSku] | None = None
+) -> GpuSku | None:
     """Map a device name as torch/NVML report it (e.g. "NVIDIA H100 80GB HBM3") to a known SKU, or None.
 
-    ``memory_gb`` (total device memory) disambiguates parts that share a name (A100 40 GB vs 80 GB).
+    ``memory_gb`` (total device memory) disambiguates parts that share a name (A100 40 GB vs 80 GB). A name that
+    still matches two SKUs is not guessed: None, so MFU is not computed against a peak that may be wrong.
     """
-    candidates = [s for s in SKUS.values() if any(re.search(p, device_name, re.IGNORECASE) for p in s.name_patterns)]
+    table = skus if skus is not None else load_skus()
+    candidates = [s for s in table.values() if s.matches(device_name)]
     if memory_gb is not None and len(candidates) > 1:
-        by_memory = [s for s in candidates if s.memory_range_gb[0] <= memory_gb <= s.memory_range_gb[1]]
-        candidates = by_memory or candidates
-    if not candidates and "A100" in device_name.upper():
-        candidates = [SKUS["A100-SXM4-80GB" if (memory_gb or 0) > 60 else "A100-SXM4-40GB"]]
-    return candidates[0] if candidates else None
+        candidates = [s for s in candidates if s.memory_range_gb[0] <= memory_gb <= s.memory_range_gb[1]]
+    return candidates[0] if len(candidates) == 1 else None

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuscout.domain.manifest_search import TrackingSection
+from gpuscout.domain.prices import CatalogPrice
 
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker TrainingJobName rule
 
@@ -95,7 +96,9 @@ class JobSpec(BaseModel):
     gpus_per_instance: int = Field(ge=0)
     spot: bool
     price_per_hour_usd: float = Field(ge=0)  # on-demand price per instance-hour used for the plan
+    price: CatalogPrice | None = None  # where price_per_hour_usd came from: kind, date, region, source
     spot_price_per_hour_usd: float | None = None
+    training_plan_arn: str | None = None  # the target's SageMaker training plan (ResourceConfig.TrainingPlanArn)
     precision: Precision
     deepspeed_config: str | None = None  # file name under configs/deepspeed/, None = plain DDP / single device
     max_runtime_seconds: int = Field(ge=60)

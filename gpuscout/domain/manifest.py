@@ -132,6 +132,13 @@ class Manifest(StrictModel):
                     f"{search.max_cost_usd:g} exceeds constraints.budget_usd ({self.constraints.budget_usd:g})",
                 )
             )
+        for ti, target in enumerate(self.targets):
+            if target.training_plan_arn is not None:  # HyperParameterTuningResourceConfig has no TrainingPlanArn
+                problems.append(Problem(
+                    f"targets[{ti}].training_plan_arn",
+                    "a settings search runs as a SageMaker tuning job, which cannot run on a training plan; "
+                    "list the settings as variants instead",
+                ))  # fmt: skip
         return problems
 
     @property

@@ -21,6 +21,14 @@ class Target(StrictModel):
     price_per_hour_usd: float | None = Field(default=None, gt=0.0)  # overrides the catalog's on-demand price
     spot_price_per_hour_usd: float | None = Field(default=None, gt=0.0)
     max_wait_hours: float | None = Field(default=None, gt=0.0, le=120.0)  # managed spot: wait + run limit
+    # A SageMaker training plan (reserved capacity) to run on: passed as ResourceConfig.TrainingPlanArn; required for
+    # a type sold only through training plans (botocore's TrainingPlanArn pattern)
+    training_plan_arn: str | None = Field(
+        default=None,
+        min_length=50,
+        max_length=2048,
+        pattern=r"^arn:aws[a-z\-]*:sagemaker:[a-z0-9\-]*:[0-9]{12}:training-plan/.+$",
+    )
 
     @field_validator("instance_type")
     @classmethod
@@ -36,8 +44,9 @@ class Target(StrictModel):
         return v
 
     @model_validator(mode="after")
-    def _combination(self) -> Target:
+    def _combination(self, info: ValidationInfo) -> Target:
         problems: list[Problem] = []
+        problems += self._purchase_problems(info)
         if self.instance_type == LOCAL:
             if self.price_per_hour_usd is None:
                 problems.append(
@@ -54,6 +63,39 @@ class Target(StrictModel):
         if problems:
             raise ManifestProblemsError(problems)
         return self
+
+    def _purchase_problems(self, info: ValidationInfo) -> list[Problem]:
+        """How the catalog says the type can be bought (on demand, spot, training plan) against what is asked."""
+        if self.instance_type == LOCAL:
+            if self.training_plan_arn is None:
+                return []
+            return [Problem("training_plan_arn", "a local target runs on this machine, not on a training plan")]
+        catalog = catalog_from(info)
+        if self.instance_type not in catalog:
+            return []  # reported by the instance_type check
+        inst = catalog.get(self.instance_type)
+        problems: list[Problem] = []
+        if inst.training_plan_only and self.training_plan_arn is None:
+            problems.append(Problem(
+                "training_plan_arn",
+                f"{self.instance_type} is sold for training only through SageMaker training plans, not on demand: "
+                "reserve capacity (SageMaker console or CreateTrainingPlan) and set training_plan_arn to the plan's "
+                "ARN, with price_per_hour_usd at the plan's price per instance-hour; or choose an on-demand type",
+            ))  # fmt: skip
+        if self.training_plan_arn is not None and "training_plan" not in inst.purchase_options:
+            problems.append(Problem(
+                "training_plan_arn",
+                f"{self.instance_type} is not offered through SageMaker training plans (catalog purchase_options: "
+                f"{', '.join(inst.purchase_options)})",
+            ))  # fmt: skip
+        if self.spot and self.training_plan_arn is not None:
+            problems.append(Problem("spot", "a job on a training plan uses the plan's reserved capacity, not spot"))
+        elif self.spot and not inst.spot_offered:
+            problems.append(Problem(
+                "spot", f"{self.instance_type} is not offered as Managed Spot Training (catalog purchase_options: "
+                f"{', '.join(inst.purchase_options)})",
+            ))  # fmt: skip
+        return problems
 
 
 class Constraints(StrictModel):

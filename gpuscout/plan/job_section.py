@@ -24,6 +24,7 @@ from gpuscout.plan.jobs import (
     RUNTIME_SAFETY_FACTOR,
     Plan,
     flag_value,
+    planned_price,
     repeated_specs,
     same_arguments,
 )
@@ -120,9 +121,8 @@ def plan_job_section(
             target, inst, local_hardware, single=job.distribution == "single"
         )
         precision = manifest.resolved_precision(target, catalog, local_hardware if inst.is_local else None)
-        price = target.price_per_hour_usd or inst.on_demand_usd_per_hour
-        if price is None:
-            raise PlanError(f"targets[{ti}] {target.instance_type}: no price; set price_per_hour_usd")
+        listed = planned_price(target, inst, f"targets[{ti}] {target.instance_type}", catalog)
+        price = listed.usd_per_hour
         spot_price = target.spot_price_per_hour_usd if target.spot else None
         billed_price = spot_price if spot_price is not None else price
         where = f"targets[{ti}] {target.instance_type}"
@@ -169,6 +169,7 @@ def plan_job_section(
                 hyperparameters_for=partial(same_arguments, arguments),
                 gpus_per_instance=gpus,
                 price_per_hour_usd=price,
+                price=listed,
                 spot_price_per_hour_usd=spot_price,
                 precision=precision,
                 max_runtime_seconds=runtime,

@@ -14,10 +14,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from gpuscout.domain.catalog import Catalog, InstanceType
 from gpuscout.domain.jobspec import JOB_NAME_RE, JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant
+from gpuscout.domain.names import JOB_NAME_PREFIX
+from gpuscout.domain.prices import CatalogPrice
 from gpuscout.errors import BudgetExceededError, PlanError
 from gpuscout.plan.search import SearchPlan, TargetSearch
 
@@ -145,6 +148,7 @@ def repeated_specs(
                 instance_type=target.instance_type,
                 instance_count=target.instance_count,
                 spot=target.spot,
+                training_plan_arn=target.training_plan_arn,
                 hyperparameters=hyperparameters_for(job_name=name),
                 tracking=manifest.resolved_tracking(),
                 **fields,
@@ -157,7 +161,7 @@ def job_name(run_id: str, *, target_index: int, target: Target, variant_index: i
     """``gs-<run hash>-t<i>v<j>r<k>-<instance>-<variant>``, at most 63 characters. The head is unique by
     construction; the descriptive tail is cut to fit."""
     run_hash = hashlib.sha256(run_id.encode()).hexdigest()[:6]
-    head = f"gs-{run_hash}-t{target_index}v{variant_index}r{rep}"
+    head = f"{JOB_NAME_PREFIX}{run_hash}-t{target_index}v{variant_index}r{rep}"
     tail = f"{_slug(target.instance_type.removeprefix('ml.'))}-{_slug(variant.name)}"
     name = f"{head}-{tail}"[:63].rstrip("-")
     if not JOB_NAME_RE.match(name):  # cannot happen with slugs; guards the contract
@@ -224,3 +228,23 @@ def hyperparameters(
     if t.warmup_steps is not None:
         hp["warmup_steps"] = str(t.warmup_steps)
     return hp
+
+
+def planned_price(target: Target, inst: InstanceType, where: str, catalog: Catalog) -> CatalogPrice:
+    """The on-demand price per instance-hour a plan uses, with its kind: the target's override (``manifest``), else
+    the catalog's snapshot; PlanError naming the fix where neither exists."""
+    if target.price_per_hour_usd is not None:
+        return CatalogPrice(
+            usd_per_hour=target.price_per_hour_usd, kind="manifest", region="", date="", source="manifest target"
+        )
+    if inst.price is not None:
+        return inst.price
+    if inst.is_local:
+        raise PlanError(f"{where}: a local target must state price_per_hour_usd")
+    reason = catalog.prices.unpriced.get(inst.instance_type) if catalog.prices else None
+    why = f"the price snapshot has no rate for it ({reason})" if reason else "the price snapshot has no rate for it"
+    hint = " (under a training plan: the plan's price per instance-hour)" if inst.training_plan_only else ""
+    raise PlanError(
+        f"{where}: no price: {why}; set targets[].price_per_hour_usd{hint}, or refresh the snapshot with "
+        "`gpuscout catalog --refresh`"
+    )

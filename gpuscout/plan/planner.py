@@ -4,9 +4,10 @@ Prediction (docs/manifest.md "How the planner predicts"):
 
 * GPU targets use the FLOPs model. tokens/s = u x GPUs x dense peak(precision) / FLOPs per token, FLOPs per token
   from :mod:`gpuscout.domain.flops` with T_eff = sequence_length (an upper bound for packed data). ``u`` is the assumed
-  utilization of the GPU family (:data:`ASSUMED_MFU`), times :data:`ZERO3_FACTOR` under ZeRO-3 and
-  :data:`MULTI_NODE_FACTOR` across instances. With gradient checkpointing ``u`` is applied to the hardware FLOPs
-  (forward recomputed), so the predicted MFU drops by model/hardware FLOPs.
+  utilization of the GPU (``assumed_mfu`` in its configs/gpus file, with its basis), times :data:`ZERO3_FACTOR`
+  under ZeRO-3 and :data:`MULTI_NODE_FACTOR` across instances. A cloud GPU without a published dense peak or an
+  assumed utilization is refused: gpuscout cannot predict it. With gradient checkpointing ``u`` is applied to the
+  hardware FLOPs (forward recomputed), so the predicted MFU drops by model/hardware FLOPs.
 * ``local`` on CPU (or a GPU gpuscout has no SKU for) times a short matmul on the device (~0.3 s) and assumes
   :data:`MEASURED_EFFICIENCY` of that rate for training; ``mfu_assumed`` is None there.
 * Memory: :mod:`gpuscout.plan.memory` (states at 16 bytes/parameter sharded by ZeRO, autocast weight copies,
@@ -29,6 +30,7 @@ from typing import Any
 
 from gpuscout.domain.catalog import Catalog, InstanceType, LocalHardware, detect_local_hardware
 from gpuscout.domain.flops import hardware_flops_per_token, model_flops_per_token
+from gpuscout.domain.hardware import GpuSku
 from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
@@ -47,22 +49,11 @@ from gpuscout.plan.jobs import (
     RUNTIME_SAFETY_FACTOR,
     Plan,
     hyperparameters,
+    planned_price,
     repeated_specs,
 )
 from gpuscout.plan.memory import StepSettings
 
-# Assumed model-FLOPs utilization per GPU SKU for fine-tuning a decoder with HF Trainer + SDPA, no custom kernels.
-# A100: ~40 % is what well-tuned Megatron/DeepSpeed runs report at 7B scale (e.g. the BLOOM and OPT logs ~35-50 %);
-# H100/H200: lower fraction of a much higher peak because the same software stack does not use FP8/TMA features;
-# A10G: PCIe, no NVLink, small memory forces small batches; V100: fp16 with loss scaling on first-gen tensor cores.
-ASSUMED_MFU: dict[str, float] = {
-    "A100-SXM4-40GB": 0.40,
-    "A100-SXM4-80GB": 0.40,
-    "H100-SXM5-80GB": 0.38,
-    "H200-SXM-141GB": 0.38,
-    "A10G-24GB": 0.30,
-    "V100-SXM2-16GB": 0.25,
-}
 ZERO3_FACTOR = 0.90  # parameter all-gathers per layer, partly overlapped
 MULTI_NODE_FACTOR = 0.90  # gradient/parameter traffic over EFA instead of NVLink only
 MEASURED_EFFICIENCY = 0.30  # share of a bare matmul's FLOPS a training step reaches on CPU / unknown GPU
@@ -249,23 +240,38 @@ def local_refusals(manifest: Manifest, catalog: Catalog, hw: LocalHardware) -> l
     return problems
 
 
+def cannot_predict(inst: InstanceType, precision: str) -> str:
+    """Why the FLOPs model cannot predict a cloud GPU type (no dense peak or no assumed utilization for its GPU)."""
+    sku = inst.sku
+    name = sku.sku if sku else inst.gpu_sku or "its GPU"
+    missing = []
+    if sku is None or not sku.peak_for(precision):
+        missing.append(f"no published dense {precision} peak")
+    if sku is None or sku.assumed_mfu is None:
+        missing.append("no assumed utilization")
+    return (
+        f"cannot predict throughput on {name} ({' and '.join(missing)} in configs/gpus/{name}.json), so neither "
+        "time nor cost; measure it on a rented box with `gpuscout local`, or leave this type out"
+    )
+
+
 def predict_tokens_per_s(
     *,
     arch: Architecture,
     seq: int,
     precision: str,
     gpus_total: int,
-    sku_name: str | None,
-    peak_tflops: float | None,
+    sku: GpuSku | None,
     variant: Variant,
     instance_count: int,
     device: str,
 ) -> tuple[float, float | None, str]:
     model_flops = model_flops_per_token(arch, float(seq))
     hw_flops = hardware_flops_per_token(arch, float(seq), activation_recompute=variant.gradient_checkpointing)
-    if sku_name in ASSUMED_MFU and peak_tflops:
-        util = ASSUMED_MFU[sku_name]
-        factors = [f"{sku_name} assumed utilization {util:.2f}"]
+    peak_tflops = sku.peak_for(precision) if sku else None
+    if sku is not None and sku.assumed_mfu is not None and peak_tflops:
+        util = sku.assumed_mfu
+        factors = [f"{sku.sku} assumed utilization {util:.2f}"]
         if variant.deepspeed_stage == 3:
             util *= ZERO3_FACTOR
             factors.append(f"x{ZERO3_FACTOR} ZeRO-3")
@@ -346,12 +352,12 @@ def plan(
         if hw is not None:
             local_hardware = hw
             gpus_per_instance = hw.gpu_count if hw.device == "cuda" else 0
-            sku_name = hw.gpu_sku if hw.sku else None
+            sku = hw.sku
             gpu_memory_gb = hw.gpu_memory_gb
             device = hw.device
         else:
             gpus_per_instance = inst.gpu_count
-            sku_name = inst.gpu_sku
+            sku = inst.sku
             gpu_memory_gb = inst.gpu_memory_gb
             device = "cuda" if inst.gpu_count else "cpu"
         world = max(gpus_per_instance, 1) * target.instance_count
@@ -361,12 +367,10 @@ def plan(
         if precision not in supported:
             raise PlanError(f"{where}: precision {precision} is not supported here ({', '.join(supported)})"
                             + _cpu_precision_reason(hw, precision))  # fmt: skip
-        peak = None
-        if sku_name and (sku := (hw.sku if hw is not None else inst.sku)):
-            peak = sku.peak_for(precision)
-        price = target.price_per_hour_usd or inst.on_demand_usd_per_hour
-        if price is None:
-            raise PlanError(f"{where}: no price; set price_per_hour_usd")
+        if hw is None and device == "cuda" and not (sku and sku.plannable and sku.peak_for(precision)):
+            raise PlanError(f"{where}: {cannot_predict(inst, precision)}")
+        listed = planned_price(target, inst, where, catalog)
+        price = listed.usd_per_hour
         spot_price = target.spot_price_per_hour_usd if target.spot else None
         billed_price = spot_price if spot_price is not None else price
         defaults = inst.defaults
@@ -412,8 +416,7 @@ def plan(
                 seq=seq,
                 precision=precision,
                 gpus_total=gpus_per_instance * target.instance_count,
-                sku_name=sku_name,
-                peak_tflops=peak,
+                sku=sku,
                 variant=variant,
                 instance_count=target.instance_count,
                 device=device,
@@ -434,6 +437,7 @@ def plan(
                 ),
                 gpus_per_instance=gpus_per_instance,
                 price_per_hour_usd=price,
+                price=listed,
                 spot_price_per_hour_usd=spot_price,
                 precision=precision,
                 deepspeed_config=DEEPSPEED_CONFIGS.get(variant.deepspeed_stage),

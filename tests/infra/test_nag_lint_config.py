@@ -10,6 +10,8 @@ import aws_cdk as cdk
 import pytest
 from cfnlint.api import ManualArgs, lint
 
+import app as cdk_app
+from gpuscout.domain.catalog import load_catalog
 from stacks.config import ConfigError, load_config
 from tests.infra.conftest import Synthesized
 
@@ -104,12 +106,33 @@ def test_config_defaults_and_cli_strings() -> None:
         (_context(stack_name="1-bad_name"), "stack_name"),
         (_context(map_max_concurrency=40), "25,000-event execution history"),
         (_context(map_max_concurency=4), "did you mean 'map_max_concurrency'"),
-        ({}, "allowed_instance_types"),
+        (_context(allowed_instance_types=[]), "allowed_instance_types"),
     ],
 )
 def test_config_errors_name_the_key(context: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(context)
+
+
+def test_every_training_type_of_the_catalog_is_allowed_by_default() -> None:
+    # Given the catalog the stack is synthesized with (whatever types configs/instances/ holds)
+    catalog = load_catalog()
+    training = tuple(t.instance_type for t in catalog if t.role == "training")
+    assert training and "local" not in training
+    # When cdk.json leaves allowed_instance_types null, or a -c override nulls or omits it
+    for context in (
+        cdk_app.cdk_json_context(),
+        {},
+        {"allowed_instance_types": None},
+        {"allowed_instance_types": "null"},
+    ):
+        config = load_config(context)
+        # Then every training type is allowed, and nothing else (processing types, local)
+        assert config.allowed_instance_types == training, context
+        config.check_catalog(training_types=catalog.training_types, known_types=catalog.types)
+    assert cdk_app.cdk_json_context()["allowed_instance_types"] is None
+    # A list still narrows it
+    assert load_config(_context()).allowed_instance_types == ("ml.g5.8xlarge",)
 
 
 def test_the_canary_instance_is_on_by_default_and_null_turns_it_off() -> None:
@@ -129,8 +152,6 @@ def test_config_must_match_the_catalog() -> None:
 
 @pytest.mark.slow(seconds=10)
 def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pytest.TempPathFactory) -> None:
-    import app as cdk_app
-
     outdir = tmp_path_factory.mktemp("cdk.out.variant")
     context = cdk_app.cdk_json_context() | {
         "removal_policy": "destroy",
@@ -187,8 +208,6 @@ def test_the_default_image_has_no_build_args(synthesized: Synthesized) -> None:
 
 
 def test_a_second_stack_gets_its_own_name(tmp_path: Path) -> None:
-    import app as cdk_app
-
     # Given context stack_name (one deployment per name, several per account and region)
     context = cdk_app.cdk_json_context() | {"stack_name": "GpuscoutTeamB"}
     _, stack = cdk_app.build_app(cdk.App(outdir=str(tmp_path), context=context))

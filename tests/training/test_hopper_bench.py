@@ -208,8 +208,8 @@ def test_a_disturbed_row_and_every_ratio_to_it_are_marked_with_the_evidence() ->
 
 def test_each_train_py_row_shows_the_planners_prediction_and_its_error() -> None:
     from gpuscout.domain.flops import hardware_flops_per_token
+    from gpuscout.domain.hardware import load_skus
     from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
-    from gpuscout.plan.planner import ASSUMED_MFU
 
     hopper = _load("hopper")
     # the optimized 1.5B row as train.py would record it on an H100 (micro-batch 2 x 2, flex, chunked loss)
@@ -225,7 +225,7 @@ def test_each_train_py_row_shows_the_planners_prediction_and_its_error() -> None
     arch = PRESETS["qwen2.5-1.5b"]
     arch = arch.with_vocab(training_vocab("qwen2.5-1.5b", arch.vocab_size, QWEN_TOKENIZER_VOCAB))
     flops = hardware_flops_per_token(arch, 4096.0, activation_recompute=False)
-    expected = ASSUMED_MFU["H100-SXM5-80GB"] * 989e12 / flops
+    expected = (load_skus()["H100-SXM5-80GB"].assumed_mfu or 0) * 989.4e12 / flops
     assert prediction["tokens_per_s"] == pytest.approx(expected)
     assert "H100-SXM5-80GB assumed utilization" in prediction["method"]
     assert 20 < prediction["peak_gb"] < 80  # micro-batch 2 of 4,096 tokens without checkpointing, chunked loss

@@ -6,6 +6,10 @@ from pathlib import Path
 import launcher
 import pytest
 
+from gpuscout.domain import catalog as catalog_module
+from gpuscout.domain.catalog import load_catalog
+from gpuscout.errors import CatalogError
+
 
 def _topology(tmp_path: Path, current: str, gpus: str) -> launcher.Topology:
     (tmp_path / "resourceconfig.json").write_text(
@@ -45,7 +49,7 @@ def test_single_device_runs_train_directly(tmp_path: Path) -> None:
         ("ml.p4d.24xlarge", {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "RDMAV_FORK_SAFE": "1"}),
         ("ml.p5.48xlarge", {"FI_PROVIDER": "efa"}),
         ("ml.p5en.48xlarge", {"FI_PROVIDER": "efa"}),
-        ("ml.g5.12xlarge", {}),
+        ("ml.zz9.48xlarge", {}),  # not in the catalog: no EFA (and the job still starts); catalogued types: below
     ],
 )
 def test_multi_node_jobs_get_sagemakers_efa_and_nccl_environment(
@@ -65,6 +69,47 @@ def test_multi_node_jobs_get_sagemakers_efa_and_nccl_environment(
     seen = {k: launcher.os.environ.get(k) for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "RDMAV_FORK_SAFE")}
     assert {k: v for k, v in seen.items() if v is not None} == expected
     assert launcher.os.environ["NCCL_SOCKET_IFNAME"] == "ethwe" and launcher.os.environ["NCCL_PROTO"] == "simple"
+
+
+def _two_hosts_on(instance_type: str | None) -> launcher.Topology:
+    return launcher.Topology(hosts=["algo-1", "algo-2"], current_host="algo-1", gpus_per_host=8,
+                             instance_type=instance_type)  # fmt: skip
+
+
+def test_efa_follows_the_catalog_for_every_catalogued_type() -> None:
+    # Given every instance type of the catalog the image carries (configs/instances/*.json, whatever types it holds)
+    catalog = load_catalog()
+    assert any(t.efa for t in catalog) and any(not t.efa for t in catalog)
+    for instance in catalog:
+        # When the launcher sets up a two-host job on it, Then FI_PROVIDER=efa is set exactly where the catalog says EFA
+        env = launcher.distributed_environment(_two_hosts_on(instance.instance_type))
+        assert (env.get("FI_PROVIDER") == "efa") == instance.efa, instance.instance_type
+        # and device RDMA only on the toolkit's RDMA list, which holds EFA types only
+        assert ("FI_EFA_USE_DEVICE_RDMA" in env) == (instance.instance_type in launcher.EFA_RDMA_INSTANCES)
+        assert instance.efa or instance.instance_type not in launcher.EFA_RDMA_INSTANCES
+
+
+def test_an_instance_type_outside_the_catalog_gets_no_efa_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    # Given a type the catalog does not hold, When the launcher sets up a two-host job on it
+    env = launcher.distributed_environment(_two_hosts_on("ml.zz9.48xlarge"))
+    # Then it is treated as having no EFA, with a line in the job's log saying so; no crash
+    assert "FI_PROVIDER" not in env and env["NCCL_PROTO"] == "simple"
+    assert "ml.zz9.48xlarge is not in the instance catalog" in capsys.readouterr().out
+    # Outside SageMaker (no instance type) the catalog is not consulted and nothing is logged
+    assert "FI_PROVIDER" not in launcher.distributed_environment(_two_hosts_on(None))
+    assert capsys.readouterr().out == ""
+
+
+def test_an_unreadable_catalog_gets_no_efa_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(config_dir: object = None) -> object:
+        raise CatalogError("configs/instances: no instance files")
+
+    monkeypatch.setattr(catalog_module, "load_catalog", broken)
+    env = launcher.distributed_environment(_two_hosts_on("ml.p5.48xlarge"))
+    assert "FI_PROVIDER" not in env
+    assert "the instance catalog cannot be read (configs/instances: no instance files)" in capsys.readouterr().out
 
 
 def test_a_single_process_gets_no_nccl_environment(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def test_a_canary_too_large_for_the_canary_gpu_runs_on_its_jobs_type_and_says_wh
     catalog = load_catalog()
     # Given the shipped Qwen2.5-7B manifest: its untied embedding and head (~1.1 B parameters) stay whole in a
     # 2-layer cut, so by the planner's own memory model its canary needs ~30 GB, over the 24 GB of an ml.g5.8xlarge
-    manifest = load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=catalog)
+    manifest = load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5.yaml", catalog=catalog)
     jobs = plan(manifest, catalog, run_id="r-7b").jobs
     need = cloud_canary_memory_gb(architecture(manifest), jobs[0], world=1)
     assert 0.9 * 24 < need < 40
@@ -147,7 +147,7 @@ def test_a_canary_moved_to_a_spot_jobs_type_runs_on_spot_as_its_job(tmp_path: Pa
     from gpuscout.plan.planner import plan
 
     # Given the 7B manifest with its first target on spot: its canary is too large for the canary type
-    text = (paths.MANIFESTS_DIR / "p4d-to-p5en.yaml").read_text()
+    text = (paths.MANIFESTS_DIR / "p4d-to-p5.yaml").read_text()
     path = tmp_path / "spot.yaml"
     path.write_text(
         text.replace("  - instance_type: ml.p4d.24xlarge\n", "  - instance_type: ml.p4d.24xlarge\n    spot: true\n", 1)
@@ -185,4 +185,4 @@ def test_a_canary_that_must_copy_a_whole_s3_model_says_so(tmp_path: Path) -> Non
     # under network isolation only the model channel reaches it, and that copies the whole checkpoint
     assert notes[False] is None
     assert notes[True] is not None and "downloads the whole model s3://gpuscout-data-1/raw/models/q/" in notes[True]
-    assert canary_model_note(load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=catalog)) is None
+    assert canary_model_note(load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5.yaml", catalog=catalog)) is None

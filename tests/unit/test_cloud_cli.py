@@ -46,7 +46,7 @@ REGION = "us-east-1"
 DATA_BUCKET = "gpuscout-data-test"
 ARTIFACTS_BUCKET = "gpuscout-artifacts-test"
 TABLE = "gpuscout-results-test"
-VALID = MANIFESTS_DIR / "p4d-to-p5en.yaml"
+VALID = MANIFESTS_DIR / "p4d-to-p5.yaml"
 # the shipped example with its placeholder bucket replaced by the deployed stack's data bucket, as its comment says
 VALID_TEXT = VALID.read_text().replace("s3://your-data-bucket/", f"s3://{DATA_BUCKET}/")
 
@@ -169,7 +169,7 @@ def _keys(s3: Any, prefix: str = "") -> list[str]:
 
 def test_submit_uploads_and_prints_the_run_id_the_control_plane_computes(deployed: Deployed, tmp_path: Path) -> None:
     path = _manifest(tmp_path)
-    key = "manifests/qwen7b-p4d-to-p5en.yaml"
+    key = "manifests/qwen7b-p4d-to-p5.yaml"
     execution_arn = deployed.start_execution_for(key, path.read_bytes())  # EventBridge's doing, here up front
 
     code, out, err = invoke("submit", str(path), "--wait", "0")
@@ -177,9 +177,9 @@ def test_submit_uploads_and_prints_the_run_id_the_control_plane_computes(deploye
     assert code == 0, err
     stored = deployed.s3.get_object(Bucket=DATA_BUCKET, Key=key)
     assert stored["Body"].read() == path.read_bytes()
-    run_id = make_run_id("qwen7b-p4d-to-p5en", key=key, etag=stored["ETag"].strip('"'))
+    run_id = make_run_id("qwen7b-p4d-to-p5", key=key, etag=stored["ETag"].strip('"'))
     assert f"run id:    {run_id}" in out
-    assert f"s3://{DATA_BUCKET}/{key} (5 job(s))" in out
+    assert f"s3://{DATA_BUCKET}/{key} (3 job(s))" in out
     assert execution_console_url(REGION, execution_arn) in out
     assert "#/v2/executions/details/arn:aws:states:us-east-1:123456789012:execution:" in out
     assert f"gpuscout status {run_id}" in out
@@ -234,7 +234,7 @@ def test_submit_waits_for_the_execution_and_matches_key_and_etag(deployed: Deplo
     def sleep(seconds: float) -> None:  # the S3 event arrives while submit waits
         sleeps.append(seconds)
         if not started:
-            started.append(deployed.start_execution_for("manifests/qwen7b-p4d-to-p5en.yaml", body))
+            started.append(deployed.start_execution_for("manifests/qwen7b-p4d-to-p5.yaml", body))
 
     ticks = iter(range(100))
     stack = CloudStack(sleep=sleep, clock=lambda: float(next(ticks)))
@@ -254,7 +254,7 @@ def test_submit_without_an_execution_yet_links_the_state_machine(deployed: Deplo
 
 
 def test_an_invalid_manifest_never_leaves_the_machine(deployed: Deployed, tmp_path: Path) -> None:
-    bad = VALID_TEXT.replace("name: qwen7b-p4d-to-p5en", "name: Bad Name").replace("max_steps: 60", "max_stp: 60")
+    bad = VALID_TEXT.replace("name: qwen7b-p4d-to-p5", "name: Bad Name").replace("max_steps: 60", "max_stp: 60")
     code, _, err = invoke("submit", str(_manifest(tmp_path, bad)), "--wait", "0")
     assert code == 2
     assert "name" in err and "training.max_stp" in err
@@ -276,7 +276,7 @@ def test_a_json_manifest_keeps_its_suffix(deployed: Deployed, tmp_path: Path) ->
 
     text = json.dumps(yaml.safe_load(VALID_TEXT))
     submission = CloudStack().submit(_manifest(tmp_path, text, "bench.json"), wait_seconds=0)
-    assert submission.key == "manifests/qwen7b-p4d-to-p5en.json"
+    assert submission.key == "manifests/qwen7b-p4d-to-p5.json"
     assert _keys(deployed.s3, "manifests/") == [submission.key]
 
 
@@ -569,7 +569,7 @@ def test_submit_refuses_exactly_what_plan_refuses_before_uploading(deployed: Dep
 def test_the_example_as_shipped_is_refused_with_the_copy_command_before_upload(
     deployed: Deployed, tmp_path: Path
 ) -> None:
-    # Given p4d-to-p5en.yaml with its placeholder bucket (the role of a real stack could never read it)
+    # Given p4d-to-p5.yaml with its placeholder bucket (the role of a real stack could never read it)
     with pytest.raises(ManifestError) as info:
         CloudStack().submit(_manifest(tmp_path, VALID.read_text()), wait_seconds=0)
     # Then submit refuses it, names the field and the fix, and uploads nothing
@@ -684,13 +684,13 @@ def test_plan_with_a_stack_name_says_where_a_canary_too_large_for_the_canary_typ
         "Outputs": {name: {"Value": value} for name, value in outputs.items()},
     }
     cloudformation.create_stack(StackName="Canaried", TemplateBody=json.dumps(template))
-    manifest = str(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml")
+    manifest = str(paths.MANIFESTS_DIR / "p4d-to-p5.yaml")
     result = runner.invoke(full_app, ["plan", manifest, "--stack-name", "Canaried"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     # Then each canary that would not fit is named with where it runs instead, and the canaries' cost is shown
-    assert text.count("but ml.g5.8xlarge has 24 GB (90% usable): runs on one ml.p") == 5
-    assert "5 canaries before the jobs, predicted $" in text
+    assert text.count("but ml.g5.8xlarge has 24 GB (90% usable): runs on one ml.p") == 3
+    assert "3 canaries before the jobs, predicted $" in text
 
 
 def test_submit_over_budget_is_refused_before_anything_is_uploaded(deployed: Deployed, tmp_path: Path) -> None:

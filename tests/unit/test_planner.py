@@ -54,7 +54,8 @@ def test_prediction_hand_checked():
     assert p.training_seconds == pytest.approx(50 * tokens_per_step / p.tokens_per_s)
     assert p.training_seconds == pytest.approx(44.965, abs=1e-3)
     assert p.overhead_seconds == 360
-    assert p.cost_usd == pytest.approx((44.965 + 360) / 3600 * 98.32, abs=1e-3)
+    assert p.cost_usd == pytest.approx((44.965 + 360) / 3600 * 63.296, abs=1e-3)  # SageMaker training, post-cut
+    assert job.price is not None and (job.price.kind, job.price.region) == ("snapshot", "us-east-1")
     assert job.max_runtime_seconds == MIN_RUNTIME_S
     assert job.precision == "bf16" and job.deepspeed_config is None and job.gpus_per_instance == 8
 
@@ -184,7 +185,11 @@ def test_make_run_id():
 
 
 slugs = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", fullmatch=True)
-TRAINING_TYPES = [t for t in CATALOG.training_types if t != "local"]
+# the types the FLOPs model can predict and that can be bought on demand (the others are refused: tests below)
+TRAINING_TYPES = [
+    t for t in CATALOG.training_types
+    if t != "local" and (sku := CATALOG.get(t).sku) is not None and sku.plannable and CATALOG.get(t).on_demand
+]  # fmt: skip
 
 
 @st.composite
@@ -196,11 +201,16 @@ def manifests(draw):
         )
     )  # fmt: skip
     target_dicts = {}
-    for itype, count, spot in targets:
+    for itype, count, asked_spot in targets:
         if itype == "local":
             target_dicts["local"] = {"instance_type": "local", "price_per_hour_usd": 0.5}
         else:
-            target_dicts[(itype, count, spot)] = {"instance_type": itype, "instance_count": count, "spot": spot}
+            inst = CATALOG.get(itype)
+            spot = asked_spot and inst.spot_offered
+            target = {"instance_type": itype, "instance_count": count, "spot": spot}
+            if inst.price is None:  # no published rate: the manifest states one
+                target["price_per_hour_usd"] = 50.0
+            target_dicts[(itype, count, spot)] = target
     names = draw(st.lists(slugs, min_size=1, max_size=5, unique=True))
     return {
         "name": draw(slugs),

@@ -48,7 +48,7 @@ def _listing(stub: Stubber, applied: list[list[dict]], defaults: list[dict] | No
 
 
 def _jobs():
-    manifest = load_manifest(MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=load_catalog())
+    manifest = load_manifest(MANIFESTS_DIR / "p4d-to-p5.yaml", catalog=load_catalog())
     return plan(manifest, load_catalog(), run_id="r").jobs
 
 
@@ -162,7 +162,7 @@ def test_canaries_too_large_for_the_canary_type_need_their_jobs_types_on_demand_
     from gpuscout.plan.planner import plan
 
     catalog = load_catalog()
-    manifest = load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5en.yaml", catalog=catalog)
+    manifest = load_manifest(paths.MANIFESTS_DIR / "p4d-to-p5.yaml", catalog=catalog)
     jobs = plan(manifest, catalog, run_id="r-7b").jobs
     canaries = [c.spec for c in cloud_canaries(jobs, manifest, catalog, "ml.g5.8xlarge")]
     needs = plan_needs(jobs, concurrency=4, canary_instance_type="ml.g5.8xlarge", canaries=canaries)

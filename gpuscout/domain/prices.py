@@ -1,0 +1,146 @@
+"""The shipped price snapshot: configs/pricing/sagemaker.json, SageMaker on-demand USD per instance-hour.
+
+One dated document, apart from the hardware facts (which do not change when AWS changes a price): for each instance
+type the on-demand rate of the SageMaker component it is used for (Training for training types, Processing for the
+data-preparation type), the date the rate was read from its source, and the source. ``gpuscout catalog --refresh``
+rewrites the file from the AWS Price List API (gpuscout.analysis.pricing); a type whose rate could not be confirmed
+is listed under ``unpriced`` with the reason, and a manifest must then state ``price_per_hour_usd``.
+
+A price has a *kind* wherever it is shown: ``snapshot`` (this file), ``live`` (the Price List API at analysis time)
+or ``manifest`` (a target's override). A snapshot price read more than :data:`STALE_AFTER_DAYS` days ago is stale:
+shown with the command that refreshes it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuscout import paths
+from gpuscout.errors import CatalogError
+
+STALE_AFTER_DAYS = 90
+REFRESH_COMMAND = "gpuscout catalog --refresh"
+PRICE_FILE = "sagemaker.json"
+PriceKind = Literal["snapshot", "live", "manifest"]
+Component = Literal["Training", "Processing"]
+
+
+class ListedPrice(BaseModel):
+    """One instance type's on-demand rate as read from its source."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    usd_per_hour: float = Field(gt=0)
+    component: Component
+    date: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")  # the day the rate was read from its source
+    source: str = Field(min_length=1)
+    effective_date: str | None = Field(default=None, pattern=r"^\d{4}-\d{2}-\d{2}$")  # the Price List's own date
+
+
+class PriceFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    region: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d$")
+    currency: Literal["USD"] = "USD"
+    written: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
+    method: str = Field(min_length=1)  # how the file was made: a Price List refresh, or curated public copies
+    prices: dict[str, ListedPrice]
+    unpriced: dict[str, str] = Field(default_factory=dict)  # instance type -> why no rate is listed
+
+
+class CatalogPrice(BaseModel):
+    """A catalog price as the planner and every display use it: the rate, its kind, region, date and source."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    usd_per_hour: float
+    kind: PriceKind
+    region: str
+    date: str
+    source: str
+    component: Component = "Training"
+
+    def age_days(self, today: dt.date | None = None) -> int | None:
+        try:
+            then = dt.date.fromisoformat(self.date)
+        except ValueError:
+            return None
+        return ((today or dt.datetime.now(dt.UTC).date()) - then).days
+
+    def stale(self, today: dt.date | None = None) -> bool:
+        age = self.age_days(today)
+        return self.kind == "snapshot" and age is not None and age > STALE_AFTER_DAYS
+
+    def label(self, today: dt.date | None = None) -> str:
+        """'snapshot 2026-11-20 us-east-1', 'manifest', or when stale 'snapshot 2025-08-01 us-east-1 STALE (483 d)'."""
+        if self.kind == "manifest":
+            return "manifest"
+        text = f"{self.kind} {self.date} {self.region}".strip()
+        if self.stale(today):
+            text += f" STALE ({self.age_days(today)} d)"
+        return text
+
+
+def price_file_path(config_dir: Path | str | None = None) -> Path:
+    base = Path(config_dir) if config_dir is not None else paths.CONFIG_DIR
+    return (base / "pricing" / PRICE_FILE).resolve()
+
+
+@functools.cache
+def _load(path: str, stamp: tuple[int, int]) -> PriceFile:
+    try:
+        return PriceFile.model_validate_json(Path(path).read_bytes())
+    except OSError as err:
+        raise CatalogError(f"{path}: cannot read the price snapshot: {err}; run `{REFRESH_COMMAND}`") from err
+    except ValidationError as err:
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}" for e in err.errors(include_url=False)
+        )
+        raise CatalogError(f"{path}: invalid price snapshot: {details}") from err
+
+
+def load_price_file(config_dir: Path | str | None = None) -> PriceFile:
+    """Load and validate the price snapshot (cached per path, modification time and size)."""
+    path = price_file_path(config_dir)
+    try:
+        stat = path.stat()
+    except OSError as err:
+        raise CatalogError(f"{path}: cannot read the price snapshot: {err}; run `{REFRESH_COMMAND}`") from err
+    return _load(str(path), (stat.st_mtime_ns, stat.st_size))
+
+
+def catalog_price(prices: PriceFile, instance_type: str) -> CatalogPrice | None:
+    listed = prices.prices.get(instance_type)
+    if listed is None:
+        return None
+    return CatalogPrice(
+        usd_per_hour=listed.usd_per_hour,
+        kind="snapshot",
+        region=prices.region,
+        date=listed.date,
+        source=listed.source,
+        component=listed.component,
+    )
+
+
+def write_price_file(prices: PriceFile, config_dir: Path | str | None = None) -> Path:
+    """Write the snapshot atomically (a temporary file renamed over the old one): a failed write keeps the old file."""
+    path = price_file_path(config_dir)
+    text = json.dumps(prices.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".sagemaker-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise CatalogError(f"cannot write the price snapshot {path}: {err}") from err
+    return path
