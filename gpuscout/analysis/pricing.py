@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuscout import paths
-from gpuscout.domain.prices import Component, ListedPrice, PriceFile, PriceKind
+from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS, Component, ListedPrice, PriceFile, PriceKind
 from gpuscout.errors import PricingError
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,18 @@ class InstancePrice(BaseModel):
     def label(self) -> str:
         """'snapshot 2026-09-27, us-east-1' / 'live 2025-06-01, us-east-1' / 'manifest': kind, date and region."""
         return ", ".join(part for part in (f"{self.price_kind} {self.date}".strip(), self.region) if part)
+
+    def kind_text(self, at: datetime) -> str:
+        """The price's kind; a snapshot price read more than 90 days before ``at`` is marked STALE with the command
+        that refreshes it."""
+        kind = self.price_kind
+        try:
+            age = (at.date() - date.fromisoformat(self.date)).days if kind == "snapshot" and self.date else None
+        except ValueError:
+            age = None
+        if age is not None and age > STALE_AFTER_DAYS:
+            return f"snapshot, STALE ({age} days; {REFRESH_COMMAND})"
+        return kind
 
 
 class PriceSnapshot(BaseModel):

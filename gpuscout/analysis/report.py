@@ -9,17 +9,14 @@ from __future__ import annotations
 import base64
 import html
 from collections.abc import Sequence
-from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
-from gpuscout.analysis.pricing import InstancePrice
 from gpuscout.analysis.recommend import duration_text, usd_text
 from gpuscout.analysis.report_charts import MAX_BARS, write_charts
 from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.analysis.settings_table import settings_table
 from gpuscout.domain.catalog import LOCAL
-from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS
 from gpuscout.errors import GpuscoutError
 from gpuscout.plan.job_section import rate_text
 
@@ -165,19 +162,6 @@ def _constraints_text(analysis: RunAnalysis) -> list[str]:
     return items
 
 
-def _price_kind_text(price: InstancePrice, at: datetime) -> str:
-    """The price's kind (snapshot / live / manifest); a snapshot price read over 90 days before the report is
-    marked STALE with the command that refreshes it."""
-    kind = price.price_kind
-    if kind != "snapshot" or not price.date:
-        return kind
-    try:
-        age = (at.date() - date.fromisoformat(price.date)).days
-    except ValueError:
-        return kind
-    return f"snapshot, STALE ({age} days; {REFRESH_COMMAND})" if age > STALE_AFTER_DAYS else kind
-
-
 def _sections(analysis: RunAnalysis) -> dict[str, Any]:
     prices = analysis.price_snapshot.prices
     measured = {j.instance_type for j in analysis.jobs}
@@ -197,7 +181,7 @@ def _sections(analysis: RunAnalysis) -> dict[str, Any]:
                 p.instance_type,
                 _usd(p.on_demand_usd_per_hour),
                 "–" if p.instance_type == LOCAL else _usd(p.spot_usd_per_hour),
-                _price_kind_text(p, analysis.generated_at),
+                p.kind_text(analysis.generated_at),
                 p.on_demand_source,
                 "a local machine has no spot price" if p.instance_type == LOCAL else p.spot_source,
                 p.date or "–",

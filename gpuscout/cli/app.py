@@ -21,7 +21,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from typer import _click  # the click copy typer 0.29 ships; its Context is what commands receive
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
@@ -276,21 +275,20 @@ def catalog_cmd(
     catalog = load_catalog()
     if refresh:
         catalog = _refresh_prices(catalog, region)
-    table = Table(title="Instance catalog", title_justify="left")
-    for col, justify in (
-        ("instance type", "left"),
-        ("GPUs", "right"),
-        ("GPU", "left"),
-        ("GPU mem GB", "right"),
-        ("bf16 TFLOPS/GPU", "right"),
-        ("vCPU", "right"),
-        ("RAM GiB", "right"),
-        ("links", "left"),
-        ("sold as", "left"),
-        ("$/h on-demand", "right"),
-        ("price", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    columns = [
+        Column("instance type", whole=True),
+        Column("GPUs", justify="right", whole=True),
+        Column("GPU"),
+        Column("GPU mem GB", justify="right", whole=True),
+        Column("bf16 TFLOPS/GPU", justify="right", whole=True),
+        Column("vCPU", justify="right", whole=True),
+        Column("RAM GiB", justify="right", whole=True),
+        Column("links"),
+        Column("sold as"),
+        Column("$/h on-demand", justify="right", whole=True),
+        Column("price"),
+    ]
+    cells = []
     stale = 0
     for inst in catalog:
         sku = inst.sku
@@ -300,10 +298,10 @@ def catalog_cmd(
         links = "EFA" if inst.efa else ""
         if inst.interconnect:
             links = f"{inst.interconnect.replace('nvlink', 'NVLink').replace('pcie', 'PCIe')} {links}".strip()
-        table.add_row(
+        cells.append([
             inst.instance_type,
             str(inst.gpu_count),
-            sku.model if sku else "-",
+            escape(sku.model) if sku else "-",
             _num(inst.gpu_memory_gb, "{:.0f}"),
             _num(peak, "{:.0f}") if sku else "-",
             _num(inst.vcpus, "{}"),
@@ -312,8 +310,8 @@ def catalog_cmd(
             "this machine" if inst.is_local else ", ".join(o.replace("_", " ") for o in inst.purchase_options),
             _num(price.usd_per_hour, "{:.3f}") if price else "-",
             _price_label(price, inst.is_local),
-        )
-    console.print(table)
+        ])  # fmt: skip
+    responsive_table(console, "Instance catalog", columns, cells, key=0)
     if catalog.prices is not None:
         console.print(f"Prices: {escape(catalog.prices.method)}", soft_wrap=True)
         for instance_type, why in catalog.prices.unpriced.items():
@@ -515,7 +513,7 @@ def results(
     stack_name: CloudStackOption = None,
 ) -> None:
     """Show a run's ranked results: tokens/s, MFU, $ per 1M tokens, status, and the recommendation."""
-    from gpuscout.cli.local_view import print_ranked, recommendation_text
+    from gpuscout.cli.local_view import analysis_price_lines, print_ranked, recommendation_text
     from gpuscout.local.results import result_rows
 
     store = open_store(db, stack_name, read_only=True)
@@ -545,6 +543,8 @@ def results(
     if run.error:
         console.print(f"  {escape(run.error)}")
     print_ranked(console, rows, title="Ranked results" + (" (repriced with current prices)" if reprice else ""))
+    for line in analysis_price_lines(analysis, [str(row["instance_type"]) for row in rows]):
+        console.print(line)
     text = recommendation_text(analysis)
     if text:
         console.print(text)

@@ -72,6 +72,27 @@ def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None
         console.print(line)  # wrapped at the terminal's width
 
 
+def analysis_price_lines(analysis: Mapping[str, Any] | None, instance_types: Sequence[str]) -> list[str]:
+    """The prices a stored analysis used for ``instance_types``: rate, kind (snapshot / live / manifest), date,
+    region; a snapshot price that was stale when the analysis was made says so."""
+    from datetime import UTC, datetime
+
+    from gpuscout.analysis.pricing import InstancePrice
+
+    prices = ((analysis or {}).get("price_snapshot") or {}).get("prices") or {}
+    at = datetime.fromisoformat(str((analysis or {}).get("generated_at") or datetime.now(UTC).isoformat()))
+    lines = []
+    for instance_type in dict.fromkeys(instance_types):
+        if instance_type not in prices:
+            continue
+        price = InstancePrice.model_validate(prices[instance_type])
+        kind = price.kind_text(at)
+        basis = ", ".join(part for part in (kind, price.date, price.region) if part)
+        text = f"priced: {instance_type} ${price.on_demand_usd_per_hour:,.3f}/h on-demand ({basis})"
+        lines.append(f"[yellow]{escape(text)}[/]" if "STALE" in kind else escape(text))
+    return lines
+
+
 def price_lines(jobs: list[JobSpec]) -> list[str]:
     """One line per instance type: the price the plan used, its kind (snapshot / manifest), date and region; a stale
     snapshot price in yellow with the command that refreshes it."""

@@ -243,3 +243,55 @@ def test_a_search_cannot_run_on_a_training_plan() -> None:
     target = {"instance_type": "ml.p5e.48xlarge", "training_plan_arn": PLAN_ARN, "price_per_hour_usd": 50}
     with pytest.raises(ManifestError, match=r"targets\[0\]\.training_plan_arn: a settings search runs as a SageMaker"):
         manifest([target], variants=[], search={"max_trials": 2})
+
+
+def _copy_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from gpuscout import paths
+
+    config = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, config)
+    monkeypatch.setattr(paths, "CONFIG_DIR", config)
+    return config
+
+
+def test_catalog_refresh_rewrites_the_snapshot_from_the_price_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from gpuscout.cli import app as cli
+
+    config = _copy_config(tmp_path, monkeypatch)
+    client = _pricing_client()
+    stub = Stubber(client)
+    _stub_refresh(stub, load_catalog(config), {"ml.p5.4xlarge": "7.9120000000", "ml.g6e.xlarge": "2.6100000000"})
+    stub.activate()
+    monkeypatch.setattr(boto3, "client", lambda service, **_: client if service == "pricing" else None)
+    result = CliRunner().invoke(cli.app, ["catalog", "--refresh"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "2 rates" in result.stdout
+    written = load_price_file(config)
+    assert written.prices["ml.p5.4xlarge"].usd_per_hour == 7.912 and "ml.p5.48xlarge" in written.unpriced
+    assert written.method.startswith("AWS Price List API refresh")
+    stub.assert_no_pending_responses()
+
+
+def test_catalog_refresh_without_credentials_fails_in_one_line_and_keeps_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from gpuscout.cli import app as cli
+
+    config = _copy_config(tmp_path, monkeypatch)
+    before = (config / "pricing" / "sagemaker.json").read_bytes()
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    result = CliRunner().invoke(cli.app, ["catalog", "--refresh"])
+    assert result.exit_code != 0
+    assert "no rate for any type" in result.stderr and "credentials" in result.stderr.lower()
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stdout + result.stderr
+    assert (config / "pricing" / "sagemaker.json").read_bytes() == before

@@ -199,6 +199,8 @@ def test_plan_over_budget_exits_3(tmp_path: Path) -> None:
 
 def test_catalog_lists_instances() -> None:
     code, out, _ = invoke("catalog")
+    assert "ml.p5.4xlarge" in out and "ml.g6e.xlarge" in out and "training plan" in out
+    assert "snapshot 2026-" in out and "ml.p6-b300.48xlarge: no price (" in out
     assert code == 0
     assert "ml.p5.48xlarge" in out
     assert "local" in out
@@ -313,6 +315,7 @@ def test_results_table_ranks_and_recommends(db: Path) -> None:
     assert "n/a (CPU)" in out
     assert "Recommendation" in out
     assert out.index("b8-a2 ") < out.index("b2-a8")  # faster at the same price ranks first
+    assert "priced: local $0.096/h on-demand (manifest" in out  # the rate with its kind
 
 
 def test_results_json(db: Path) -> None:
