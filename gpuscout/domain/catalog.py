@@ -15,16 +15,16 @@ Adding an instance type is one file here (and a GPU file for a new GPU).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import platform
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
 
 from gpuscout import paths
+from gpuscout.domain.config_files import read_config_file
 from gpuscout.domain.cpu import cpuinfo_field, detect_cpu_precisions
 from gpuscout.domain.hardware import GpuSku, detect_sku, load_skus
 from gpuscout.domain.prices import CatalogPrice, PriceFile, catalog_price, load_price_file, price_file_path
@@ -195,17 +195,7 @@ class Catalog:
 
 
 def _load_file(path: Path, skus: Mapping[str, GpuSku]) -> InstanceType:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CatalogError(f"{path}: cannot read instance file: {err}") from err
-    try:
-        inst = InstanceType.model_validate(raw, context={"skus": skus})
-    except ValidationError as err:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}" for e in err.errors(include_url=False)
-        )
-        raise CatalogError(f"{path}: invalid instance file: {details}") from err
+    inst = read_config_file(path, InstanceType, "instance file", context={"skus": skus})
     if path.stem != inst.instance_type:
         raise CatalogError(f"{path}: file name must be {inst.instance_type}.json (instance_type inside the file)")
     return inst

@@ -12,15 +12,15 @@ Adding a GPU is one file; :func:`load_skus` reads them (cached per folder).
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuscout import paths
+from gpuscout.domain.config_files import read_config_file
 from gpuscout.errors import CatalogError
 
 PeakPrecision = Literal["bf16", "fp16", "fp32"]
@@ -89,17 +89,7 @@ class GpuSku(BaseModel):
 
 
 def _load_sku_file(path: Path) -> GpuSku:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CatalogError(f"{path}: cannot read GPU file: {err}") from err
-    try:
-        sku = GpuSku.model_validate(raw)
-    except ValidationError as err:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}" for e in err.errors(include_url=False)
-        )
-        raise CatalogError(f"{path}: invalid GPU file: {details}") from err
+    sku = read_config_file(path, GpuSku, "GPU file")
     if path.stem != sku.sku:
         raise CatalogError(f"{path}: file name must be {sku.sku}.json (sku inside the file)")
     return sku

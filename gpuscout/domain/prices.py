@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout import paths
+from gpuscout.domain.config_files import read_config_file
 from gpuscout.errors import CatalogError
 
 STALE_AFTER_DAYS = 90
@@ -96,15 +97,7 @@ def price_file_path(config_dir: Path | str | None = None) -> Path:
 
 @functools.cache
 def _load(path: str, stamp: tuple[int, int]) -> PriceFile:
-    try:
-        return PriceFile.model_validate_json(Path(path).read_bytes())
-    except OSError as err:
-        raise CatalogError(f"{path}: cannot read the price snapshot: {err}; run `{REFRESH_COMMAND}`") from err
-    except ValidationError as err:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}" for e in err.errors(include_url=False)
-        )
-        raise CatalogError(f"{path}: invalid price snapshot: {details}") from err
+    return read_config_file(Path(path), PriceFile, "price snapshot")
 
 
 def load_price_file(config_dir: Path | str | None = None) -> PriceFile:
