@@ -497,6 +497,14 @@ class GpuscoutStack(Stack):
             f"AwsSolutions-IAM5[Resource::{training_jobs}]",
             f"Creates, describes and stops the benchmark's training jobs (.sync). {job_names}.",
         )
+        for kind in ("training-plan", "reserved-capacity"):
+            acknowledge(
+                state_machine_role,
+                f"AwsSolutions-IAM5[Resource::{account_arn.format(service='sagemaker')}:{kind}/*]",
+                "A job on a SageMaker training plan (a manifest target's training_plan_arn) is created on the plan and "
+                "its reserved capacity too (AWS: IAM for SageMaker training plans); the plans are the user's, named "
+                "in the manifest, so no narrower name is known at deploy time. The action is CreateTrainingJob only.",
+            )
         acknowledge(
             state_machine_role,
             f"AwsSolutions-IAM5[Resource::{processing_jobs}]",

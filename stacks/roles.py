@@ -42,6 +42,10 @@ def sagemaker_arn(resource_type: str, name_pattern: str = f"{JOB_NAME_PREFIX}*")
 TRAINING_JOBS_ARN = sagemaker_arn("training-job")
 PROCESSING_JOBS_ARN = sagemaker_arn("processing-job")
 TUNING_JOBS_ARN = sagemaker_arn("hyper-parameter-tuning-job")  # a settings search: one per target
+# A job on a SageMaker training plan (ResourceConfig.TrainingPlanArn) is created "on" the plan and its reserved
+# capacity too: AWS's "IAM for SageMaker training plans" grants a plan user sagemaker:CreateTrainingJob on both (as
+# AmazonSageMakerFullAccess's AllowUseOfTrainingPlanResources does). The plans are the user's, named by them.
+TRAINING_PLAN_ARNS = (sagemaker_arn("training-plan", "*"), sagemaker_arn("reserved-capacity", "*"))
 MLFLOW_SERVER_RESOURCE = "mlflow-tracking-server/*"  # any tracking server of the account, in the region
 
 
@@ -196,6 +200,13 @@ class Roles(Construct):
                     "sagemaker:ListTags",
                 ],
                 resources=[TRAINING_JOBS_ARN],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="RunTrainingJobsOnTrainingPlans",
+                actions=["sagemaker:CreateTrainingJob"],
+                resources=list(TRAINING_PLAN_ARNS),
             )
         )
         role.add_to_policy(

@@ -159,24 +159,25 @@ def uses_efa(instance_type: str | None) -> bool:
     """
     if instance_type is None:  # outside SageMaker (no resourceconfig.json current_instance_type)
         return False
-    from gpuscout.domain.catalog import load_catalog
+    from gpuscout import paths
+    from gpuscout.domain.catalog import load_instance
     from gpuscout.errors import CatalogError
 
-    try:
-        catalog = load_catalog()
+    try:  # the type's own file: the price snapshot has nothing to do with the network
+        instance = load_instance(instance_type)
     except CatalogError as err:
         print(
             f"[launcher] no EFA settings for {instance_type}: the instance catalog cannot be read ({err})", flush=True
         )
         return False
-    if instance_type not in catalog:
+    if instance is None:
         print(
-            f"[launcher] {instance_type} is not in the instance catalog ({catalog.source}): treated as having no EFA "
-            "(FI_PROVIDER left unset)",
+            f"[launcher] {instance_type} is not in the instance catalog ({paths.CONFIG_DIR / 'instances'}): treated "
+            "as having no EFA (FI_PROVIDER left unset)",
             flush=True,
         )
         return False
-    return catalog.get(instance_type).efa
+    return instance.efa
 
 
 def distributed_environment(topology: Topology) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -306,7 +307,7 @@ def fetch_sagemaker_training_price(
 ) -> tuple[float, str]:
     """On-demand USD per hour and effective date of SageMaker ``component`` (Training, Processing) on
     ``instance_type`` in ``region``."""
-    response = client.get_products(
+    pages = client.get_paginator("get_products").paginate(
         ServiceCode=SAGEMAKER_SERVICE_CODE,
         Filters=[
             {"Type": "TERM_MATCH", "Field": "instanceName", "Value": instance_type},
@@ -316,17 +317,24 @@ def fetch_sagemaker_training_price(
         FormatVersion="aws_v1",
         MaxResults=10,
     )
-    return parse_price_list(response.get("PriceList", []), instance_type, component)
+    price_list = [entry for page in pages for entry in page.get("PriceList", [])]
+    return parse_price_list(price_list, instance_type, component)
 
 
-def refresh_snapshot(catalog: Any, *, region: str, client: Any, today: str) -> PriceFile:
+def refresh_snapshot(
+    catalog: Any, *, region: str, client: Any, today: str, previous: PriceFile | None = None
+) -> PriceFile:
     """A new price snapshot: the Price List API's on-demand rate for every cloud type in ``catalog`` (Training for
-    training types, Processing for processing types). A type the API has no single rate for is listed under
-    ``unpriced`` with the reason. PricingError when not one rate came back (credentials, permission, region): the old
-    snapshot is then kept rather than replaced by an empty one."""
+    training types, Processing for processing types). A type the API answers with no single rate is listed under
+    ``unpriced`` with the answer. A type whose lookup failed (throttling, network) keeps its ``previous`` entry, with
+    its old date. PricingError when not one rate came back (credentials, permission, region): the old snapshot is
+    then kept rather than replaced by an empty one."""
     prices: dict[str, ListedPrice] = {}
     unpriced: dict[str, str] = {}
     errors: list[str] = []
+    kept_types: list[str] = []  # failed lookups whose previous rate stays
+    if previous is not None and previous.region != region:
+        previous = None  # another region's rates are not this region's
     for inst in catalog:
         if inst.is_local:
             continue
@@ -338,7 +346,13 @@ def refresh_snapshot(catalog: Any, *, region: str, client: Any, today: str) -> P
             continue
         except Exception as err:  # botocore's errors (credentials, AccessDenied, throttling) and network failures
             errors.append(f"{inst.instance_type}: {err}")
-            unpriced[inst.instance_type] = f"Price List API lookup failed on {today}: {err}"
+            if previous is not None and inst.instance_type in previous.prices:
+                prices[inst.instance_type] = previous.prices[inst.instance_type]  # its old date says how old
+                kept_types.append(inst.instance_type)
+            elif previous is not None and inst.instance_type in previous.unpriced:
+                unpriced[inst.instance_type] = previous.unpriced[inst.instance_type]
+            else:
+                unpriced[inst.instance_type] = f"Price List API lookup failed on {today}: {err}"
             continue
         prices[inst.instance_type] = ListedPrice(
             usd_per_hour=usd,
@@ -350,13 +364,15 @@ def refresh_snapshot(catalog: Any, *, region: str, client: Any, today: str) -> P
                 f"{region}), effective {effective or 'date not given'}"
             ),
         )
-    if not prices:
+    read = len(prices) - len(kept_types)
+    if read <= 0:
         first = errors[0] if errors else next(iter(unpriced.values()), "the catalog has no cloud types")
         raise PricingError(f"the AWS Price List API returned no rate for any type ({first}); snapshot not changed")
+    kept = f"; {len(errors)} lookups failed, {len(kept_types)} kept their previous rate" if errors else ""
     return PriceFile(
         region=region,
         written=today,
-        method=f"AWS Price List API refresh (`gpuscout catalog --refresh`, {len(prices)} types priced)",
+        method=f"AWS Price List API refresh (`gpuscout catalog --refresh`, {read} rates read{kept})",
         prices=dict(sorted(prices.items())),
         unpriced=dict(sorted(unpriced.items())),
     )
@@ -369,7 +385,7 @@ def parse_price_list(price_list: list[str], instance_type: str, component: str =
     ``component`` attribute, or its usage type, e.g. ``USE1-Train:ml.p5.48xlarge``, where the attribute is absent).
     Several matching products with different prices are ambiguous and rejected.
     """
-    found: set[tuple[float, str]] = set()
+    found: set[tuple[float, str, str]] = set()  # (USD per hour, effective date, usage type)
     for raw in price_list:
         try:
             item = json.loads(raw)
@@ -390,20 +406,32 @@ def parse_price_list(price_list: list[str], instance_type: str, component: str =
                     continue
                 value = float(usd)
                 if value > 0:
-                    found.add((value, date))
+                    found.add((value, date, str(attributes.get("usagetype", ""))))
     if not found:
         raise PricingError(f"the Price List API has no on-demand {component} price for {instance_type}")
-    prices = {usd for usd, _ in found}
-    if len(prices) > 1:
-        raise PricingError(f"ambiguous Price List answer for {instance_type}: {sorted(prices)} USD/h")
-    return max(found, key=lambda p: p[1])
+    prices = {usd for usd, _, _ in found}
+    if len(prices) > 1:  # several usage types: keep the plain one (USE1-Train:<type>), not e.g. a spot or flex variant
+        plain = {
+            f for f in found if re.fullmatch(rf"[A-Z0-9]+-{_usage_word(component)}:{re.escape(instance_type)}", f[2])
+        }
+        if len({usd for usd, _, _ in plain}) == 1:
+            found = plain
+        else:
+            usages = ", ".join(sorted({f"{usage or 'no usage type'} ${usd:g}" for usd, _, usage in found}))
+            raise PricingError(f"ambiguous Price List answer for {instance_type}: {usages}")
+    usd, date_, _ = max(found, key=lambda p: p[1])
+    return usd, date_
 
 
 USAGE_COMPONENTS = {"Training": "Train", "Processing": "Processing"}  # the usage type's word for each component
+
+
+def _usage_word(component: str) -> str:
+    return USAGE_COMPONENTS.get(component, component)
 
 
 def _is_component(attributes: Mapping[str, Any], component: str, instance_type: str) -> bool:
     if "component" in attributes:
         return bool(attributes["component"] == component)
     usage = str(attributes.get("usagetype", ""))
-    return usage.endswith(f"-{USAGE_COMPONENTS.get(component, component)}:{instance_type}")
+    return usage.endswith(f"-{_usage_word(component)}:{instance_type}")

@@ -341,19 +341,22 @@ def _refresh_prices(catalog: Any, region: str) -> Any:
     from datetime import UTC, datetime
 
     import boto3
+    import botocore.config
     import botocore.exceptions
 
     from gpuscout.analysis.pricing import PRICE_LIST_REGION, refresh_snapshot
     from gpuscout.domain.catalog import load_catalog
     from gpuscout.domain.prices import write_price_file
 
-    try:
-        client = boto3.client("pricing", region_name=PRICE_LIST_REGION)
+    try:  # standard retries ride out the Price List API's throttling over a few dozen calls
+        config = botocore.config.Config(retries={"mode": "standard", "max_attempts": 10})
+        client = boto3.client("pricing", region_name=PRICE_LIST_REGION, config=config)
     except botocore.exceptions.BotoCoreError as err:
         raise PricingError(f"cannot reach the AWS Price List API: {err}") from err
     today = datetime.now(UTC).date().isoformat()
-    with console.status(f"reading {len(catalog) - 1} rates from the AWS Price List API ({region})"):
-        snapshot = refresh_snapshot(catalog, region=region, client=client, today=today)
+    cloud_types = sum(1 for inst in catalog if not inst.is_local)
+    with console.status(f"reading {cloud_types} rates from the AWS Price List API ({region})"):
+        snapshot = refresh_snapshot(catalog, region=region, client=client, today=today, previous=catalog.prices)
     path = write_price_file(snapshot)
     console.print(
         f"wrote {path}: {len(snapshot.prices)} rates, {len(snapshot.unpriced)} types without one", soft_wrap=True

@@ -97,10 +97,12 @@ def price_lines(jobs: list[JobSpec]) -> list[str]:
     """One line per instance type: the price the plan used, its kind (snapshot / manifest), date and region; a stale
     snapshot price in yellow with the command that refreshes it."""
     lines, seen = [], set()
-    for spec in jobs:
-        if spec.instance_type in seen:
+    for spec in jobs:  # one line per distinct way of buying a type (two targets may price one type differently)
+        key = (spec.instance_type, spec.price_per_hour_usd, spec.spot, spec.spot_price_per_hour_usd,
+               spec.training_plan_arn)  # fmt: skip
+        if key in seen:
             continue
-        seen.add(spec.instance_type)
+        seen.add(key)
         price = spec.price
         basis = price.label() if price is not None else "price kind not recorded"
         if price is not None and price.kind == "manifest":

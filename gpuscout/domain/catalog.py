@@ -230,6 +230,17 @@ def _load_dir(base: str, price_stamp: tuple[int, int]) -> Catalog:
     return Catalog(instances, source=folder, prices=prices)
 
 
+def load_instance(instance_type: str, config_dir: Path | str | None = None) -> InstanceType | None:
+    """One instance type's hardware facts from its own file, without the price snapshot (the training image's
+    launcher needs its EFA flag, whatever state the prices are in); None when the catalog has no such type."""
+    base = (Path(config_dir) if config_dir is not None else paths.CONFIG_DIR).resolve()
+    path = base / "instances" / f"{instance_type}.json"
+    if "/" in instance_type or not path.is_file():
+        return None
+    inst = _load_file(path, load_skus(base))
+    return None if inst.is_local else inst
+
+
 def load_catalog(config_dir: Path | str | None = None) -> Catalog:
     """Load and validate ``<config_dir>/instances/*.json`` with the GPU files and the price snapshot (default:
     gpuscout.paths.CONFIG_DIR). Cached per folder and snapshot (a refresh makes the next load see the new prices)."""

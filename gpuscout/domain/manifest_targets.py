@@ -88,6 +88,12 @@ class Target(StrictModel):
                 f"{self.instance_type} is not offered through SageMaker training plans (catalog purchase_options: "
                 f"{', '.join(inst.purchase_options)})",
             ))  # fmt: skip
+        if self.training_plan_arn is not None and self.price_per_hour_usd is None:
+            problems.append(Problem(
+                "price_per_hour_usd",
+                "a job on a training plan is paid through the plan's upfront fee, not at the on-demand rate: state the "
+                "plan's price per instance-hour (its fee divided by its instance-hours)",
+            ))  # fmt: skip
         if self.spot and self.training_plan_arn is not None:
             problems.append(Problem("spot", "a job on a training plan uses the plan's reserved capacity, not spot"))
         elif self.spot and not inst.spot_offered:

@@ -21,6 +21,7 @@ from gpuscout.domain.catalog import Catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.models import Architecture
+from gpuscout.domain.prices import CatalogPrice
 from gpuscout.plan import memory
 
 CANARY_STEPS = 2
@@ -141,10 +142,13 @@ def cloud_canary_spec(
     price_per_hour_usd: float,
     spot: bool = False,
     spot_price_per_hour_usd: float | None = None,
+    price: CatalogPrice | None = None,
 ) -> JobSpec:
     """The job's canary for the cloud workflow: canary_spec, on ``instance_type`` (one instance, on-demand),
-    CLOUD_CANARY_LAYERS layers, micro-batch 1 without accumulation. The user's own code (a job section) runs with
-    job.canary_arguments over its arguments instead (gpuscout does not know which of them size the job)."""
+    CLOUD_CANARY_LAYERS layers, micro-batch 1 without accumulation. It keeps its job's training plan only on its
+    job's own type (a plan is for one instance type); ``price`` says where ``price_per_hour_usd`` came from. The
+    user's own code (a job section) runs with job.canary_arguments over its arguments instead (gpuscout does not know
+    which of them size the job)."""
     if spec.job_code is not None:
         small = _job_code_canary(spec, _canary_name(spec, index), spec.job_code.canary_arguments)
         hp = small.hyperparameters
@@ -167,6 +171,8 @@ def cloud_canary_spec(
             "spot": spot,
             "spot_price_per_hour_usd": spot_price_per_hour_usd if spot else None,
             "price_per_hour_usd": price_per_hour_usd,
+            "price": price,
+            "training_plan_arn": spec.training_plan_arn if instance_type == spec.instance_type else None,
             "hyperparameters": hp,
         }
     )
@@ -202,6 +208,7 @@ def plan_cloud_canaries(
     gpu_memory_gb: float | None = None,
     arch: Architecture | None = None,
     usable_fraction: float = 0.90,
+    price: CatalogPrice | None = None,
 ) -> list[Canary]:
     """One cloud canary per distinct configuration (plan_canaries), on the canary instance. With the model's ``arch``
     and the canary GPU's memory, each built-in canary is checked against the memory model first: one that would not
@@ -213,13 +220,14 @@ def plan_cloud_canaries(
         placed: tuple[str, int, float, bool, float | None] = (
             instance_type, gpus_per_instance, price_per_hour_usd, False, None
         )  # fmt: skip
-        why = None
+        why, placed_price = None, price
         if arch is not None and gpu_memory_gb and c.spec.job_code is None:
             need = cloud_canary_memory_gb(arch, c.spec, world=gpus_per_instance)
             if need > usable_fraction * gpu_memory_gb:
                 job = c.spec
                 placed = (job.instance_type, job.gpus_per_instance, job.price_per_hour_usd, job.spot,
                           job.spot_price_per_hour_usd)  # fmt: skip
+                placed_price = job.price
                 why = (
                     f"needs ~{need:.1f} GB per GPU ({CLOUD_CANARY_LAYERS} layers, micro-batch 1) but {instance_type} "
                     f"has {gpu_memory_gb:.0f} GB ({usable_fraction:.0%} usable): runs on one {c.spec.instance_type}"
@@ -227,7 +235,7 @@ def plan_cloud_canaries(
                 )
         spec = cloud_canary_spec(
             c.spec, index, instance_type=placed[0], gpus_per_instance=placed[1], price_per_hour_usd=placed[2],
-            spot=placed[3], spot_price_per_hour_usd=placed[4],
+            spot=placed[3], spot_price_per_hour_usd=placed[4], price=placed_price,
         )  # fmt: skip
         canaries.append(Canary(spec, c.covers, placement=why))
     return canaries
@@ -251,6 +259,7 @@ def cloud_canaries(
         gpu_memory_gb=instance.gpu_memory_gb,
         arch=architecture(manifest) if manifest.job is None else None,
         usable_fraction=MEMORY_USABLE_FRACTION,
+        price=instance.price,
     )
 
 

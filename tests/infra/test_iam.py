@@ -103,7 +103,14 @@ def test_state_machine_role_runs_only_gs_jobs(synthesized: Synthesized) -> None:
         "sagemaker:StopProcessingJob",
         "sagemaker:AddTags",
     }
+    # a job on a training plan is created on the plan and its reserved capacity too: CreateTrainingJob only, there
+    (on_plans,) = [s for s in sagemaker if s.get("Sid") == "RunTrainingJobsOnTrainingPlans"]
+    assert as_list(on_plans["Action"]) == ["sagemaker:CreateTrainingJob"]
+    rendered = json.dumps(on_plans["Resource"])
+    assert ":training-plan/*" in rendered and ":reserved-capacity/*" in rendered and len(on_plans["Resource"]) == 2
     for statement in sagemaker:
+        if statement is on_plans:
+            continue
         rendered = json.dumps(statement["Resource"])
         assert any(
             f":{kind}/gs-*" in rendered for kind in ("training-job", "processing-job", "hyper-parameter-tuning-job")

@@ -103,13 +103,26 @@ def test_an_instance_type_outside_the_catalog_gets_no_efa_and_says_so(capsys: py
 def test_an_unreadable_catalog_gets_no_efa_and_says_so(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def broken(config_dir: object = None) -> object:
+    def broken(instance_type: str, config_dir: object = None) -> object:
         raise CatalogError("configs/instances: no instance files")
 
-    monkeypatch.setattr(catalog_module, "load_catalog", broken)
+    monkeypatch.setattr(catalog_module, "load_instance", broken)
     env = launcher.distributed_environment(_two_hosts_on("ml.p5.48xlarge"))
     assert "FI_PROVIDER" not in env
     assert "the instance catalog cannot be read (configs/instances: no instance files)" in capsys.readouterr().out
+
+
+def test_the_efa_flag_does_not_depend_on_the_price_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a refresh gone wrong (or no snapshot at all) must not switch EFA off on a p5
+    import shutil
+
+    from gpuscout import paths
+
+    config = tmp_path / "configs"
+    shutil.copytree(paths.CONFIG_DIR, config)
+    (config / "pricing" / "sagemaker.json").unlink()
+    monkeypatch.setattr(paths, "CONFIG_DIR", config)
+    assert launcher.uses_efa("ml.p5.48xlarge") and not launcher.uses_efa("ml.g6e.xlarge")
 
 
 def test_a_single_process_gets_no_nccl_environment(tmp_path: Path) -> None:

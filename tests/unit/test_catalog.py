@@ -70,7 +70,7 @@ def test_memory_matches_sku_and_totals(catalog):
         ("ml.p6-b300.48xlarge", "B300-288GB", 8, 192, 4096, True, "nvlink"),
         ("ml.g5.xlarge", "A10G-24GB", 1, 4, 16, False, None),
         ("ml.g5.8xlarge", "A10G-24GB", 1, 32, 128, True, None),
-        ("ml.g5.12xlarge", "A10G-24GB", 4, 48, 192, False, "pcie"),
+        ("ml.g5.12xlarge", "A10G-24GB", 4, 48, 192, True, "pcie"),
         ("ml.g6.xlarge", "L4-24GB", 1, 4, 16, False, None),
         ("ml.g6.12xlarge", "L4-24GB", 4, 48, 192, True, "pcie"),
         ("ml.g6.48xlarge", "L4-24GB", 8, 192, 768, True, "pcie"),
@@ -106,10 +106,12 @@ def test_p5_family_network_and_storage(catalog):
 
 
 def test_how_each_type_is_sold(catalog):
-    # p5e and p6-b300 come through SageMaker training plans only; the G families on demand and as spot
-    for itype in ("ml.p5e.48xlarge", "ml.p6-b300.48xlarge"):
-        inst = catalog.get(itype)
-        assert inst.training_plan_only and not inst.on_demand and not inst.spot_offered
+    # p5e comes through SageMaker training plans only (EC2 sells it as capacity blocks only); the G families on
+    # demand and as spot; p6 on demand and through plans, spot unconfirmed
+    inst = catalog.get("ml.p5e.48xlarge")
+    assert inst.training_plan_only and not inst.on_demand and not inst.spot_offered
+    for itype in ("ml.p6-b200.48xlarge", "ml.p6-b300.48xlarge", "ml.p5en.48xlarge"):
+        assert catalog.get(itype).purchase_options == ("on_demand", "training_plan"), itype
     for itype in ("ml.p5.4xlarge", "ml.p5.48xlarge", "ml.p4d.24xlarge"):
         assert set(catalog.get(itype).purchase_options) == {"on_demand", "spot", "training_plan"}
     for itype in catalog.types:

@@ -66,9 +66,10 @@ def test_a_gpu_without_a_published_dense_peak_is_refused_not_guessed() -> None:
 def test_a_training_plan_only_type_needs_the_plan_and_its_price() -> None:
     with pytest.raises(ManifestError, match=r"only through SageMaker training plans.*set training_plan_arn"):
         manifest([{"instance_type": "ml.p5e.48xlarge"}])
-    with_plan = manifest([{"instance_type": "ml.p5e.48xlarge", "training_plan_arn": PLAN_ARN}])
-    with pytest.raises(PlanError, match=r"no price: .*training plans.*price_per_hour_usd \(under a training plan"):
-        plan(with_plan, CATALOG, run_id="r")
+    with pytest.raises(ManifestError, match=r"price_per_hour_usd: a job on a training plan is paid through"):
+        manifest([{"instance_type": "ml.p5e.48xlarge", "training_plan_arn": PLAN_ARN}])
+    with pytest.raises(ManifestError, match=r"price_per_hour_usd: a job on a training plan"):  # on-demand types too
+        manifest([{"instance_type": "ml.p5.48xlarge", "training_plan_arn": PLAN_ARN}])
     priced = manifest([{"instance_type": "ml.p5e.48xlarge", "training_plan_arn": PLAN_ARN, "price_per_hour_usd": 50}])
     job = plan(priced, CATALOG, run_id="r").jobs[0]
     assert job.training_plan_arn == PLAN_ARN and job.price is not None and job.price.kind == "manifest"
@@ -77,10 +78,12 @@ def test_a_training_plan_only_type_needs_the_plan_and_its_price() -> None:
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ({"instance_type": "ml.g6e.xlarge", "training_plan_arn": PLAN_ARN}, "not offered through SageMaker training"),
+        ({"instance_type": "ml.g6e.xlarge", "training_plan_arn": PLAN_ARN, "price_per_hour_usd": 2},
+         "not offered through SageMaker training"),
         ({"instance_type": "ml.p6-b200.48xlarge", "spot": True, "price_per_hour_usd": 100},
          "not offered as Managed Spot Training"),
-        ({"instance_type": "ml.p5.48xlarge", "spot": True, "training_plan_arn": PLAN_ARN}, "not spot"),
+        ({"instance_type": "ml.p5.48xlarge", "spot": True, "training_plan_arn": PLAN_ARN, "price_per_hour_usd": 50},
+         "not spot"),
         ({"instance_type": "local", "price_per_hour_usd": 1, "training_plan_arn": PLAN_ARN}, "runs on this machine"),
         ({"instance_type": "ml.p5.48xlarge", "training_plan_arn": "arn:aws:iam::123456789012:role/x" + "y" * 30},
          "training_plan_arn"),
@@ -146,12 +149,12 @@ def test_the_shipped_single_gpu_manifest_plans_every_target_but_the_one_it_canno
 # -- adding an instance type is one file: a temporary catalog, a Price List refresh, a plan ---------------------
 
 
-def _price_record(instance: str, usd: str, component: str = "Training") -> str:
-    sku = "TESTSKU" + re.sub(r"[^A-Z0-9]", "", instance.upper())
+def _price_record(instance: str, usd: str, component: str = "Training", usage: str | None = None) -> str:
+    sku = "TESTSKU" + re.sub(r"[^A-Z0-9]", "", (usage or instance).upper())
     return json.dumps({
         "product": {"productFamily": "ML Instance", "sku": sku, "attributes": {
             "regionCode": "us-east-1", "instanceName": instance, "component": component,
-            "usagetype": f"USE1-{'Train' if component == 'Training' else component}:{instance}",
+            "usagetype": usage or f"USE1-{'Train' if component == 'Training' else component}:{instance}",
             "operation": "RunInstance", "servicecode": "AmazonSageMaker", "location": "US East (N. Virginia)"}},
         "serviceCode": "AmazonSageMaker",
         "terms": {"OnDemand": {f"{sku}.JRTCKXETXF": {
@@ -295,3 +298,71 @@ def test_catalog_refresh_without_credentials_fails_in_one_line_and_keeps_the_sna
     assert "no rate for any type" in result.stderr and "credentials" in result.stderr.lower()
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stdout + result.stderr
     assert (config / "pricing" / "sagemaker.json").read_bytes() == before
+
+
+def test_a_canary_keeps_its_jobs_training_plan_only_on_its_jobs_type() -> None:
+    from gpuscout.plan.canary import cloud_canaries
+
+    priced = manifest(
+        [{"instance_type": "ml.p5e.48xlarge", "training_plan_arn": PLAN_ARN, "price_per_hour_usd": 50}],
+        model={"preset": "qwen2.5-0.5b"},
+    )
+    jobs = plan(priced, CATALOG, run_id="r").jobs
+    [on_canary_type] = cloud_canaries(jobs, priced, CATALOG, "ml.g5.8xlarge")  # a 0.5B canary fits a g5
+    assert on_canary_type.spec.instance_type == "ml.g5.8xlarge" and on_canary_type.spec.training_plan_arn is None
+    assert on_canary_type.spec.price == CATALOG.get("ml.g5.8xlarge").price
+    big = manifest(
+        [{"instance_type": "ml.p5e.48xlarge", "training_plan_arn": PLAN_ARN, "price_per_hour_usd": 50}],
+        model={"preset": "qwen2.5-7b"}, variants=[{"name": "z3", "deepspeed_stage": 3, "gradient_checkpointing": True}],
+    )  # fmt: skip
+    [on_job_type] = cloud_canaries(plan(big, CATALOG, run_id="r").jobs, big, CATALOG, "ml.g5.8xlarge")
+    assert on_job_type.spec.instance_type == "ml.p5e.48xlarge" and on_job_type.spec.training_plan_arn == PLAN_ARN
+    assert on_job_type.placement is not None and on_job_type.spec.price is not None
+    assert on_job_type.spec.price.kind == "manifest"
+
+
+def test_a_refresh_keeps_the_plain_training_rate_beside_other_usage_types_and_names_a_real_ambiguity() -> None:
+    from gpuscout.analysis.pricing import parse_price_list
+
+    plain = _price_record("ml.p5.48xlarge", "63.2960000000")
+    flex = _price_record("ml.p5.48xlarge", "70.0000000000", usage="USE1-Train-Flex:ml.p5.48xlarge")
+    assert parse_price_list([plain, flex], "ml.p5.48xlarge") == (63.296, "2026-11-01")
+    other = _price_record("ml.p5.48xlarge", "64.0000000000", usage="USE1-Train:ml.p5.48xlarge")
+    with pytest.raises(PricingError, match=r"ambiguous .*USE1-Train:ml\.p5\.48xlarge \$63\.296.*\$64"):
+        parse_price_list([plain, other, flex], "ml.p5.48xlarge")
+
+
+def test_a_failed_lookup_keeps_its_previous_rate_and_another_region_keeps_nothing() -> None:
+    previous = load_price_file()
+    client = _pricing_client()
+    with Stubber(client) as stub:
+        for inst in CATALOG:
+            if inst.is_local:
+                continue
+            if inst.instance_type == "ml.g6e.xlarge":
+                stub.add_response("get_products", {"FormatVersion": "aws_v1", "PriceList": [
+                    _price_record("ml.g6e.xlarge", "2.6100000000")]})  # fmt: skip
+            else:
+                stub.add_client_error("get_products", "ThrottlingException", "Rate exceeded")
+        fresh = refresh_snapshot(CATALOG, region="us-east-1", client=client, today="2026-11-27", previous=previous)
+    assert fresh.prices["ml.g6e.xlarge"].date == "2026-11-27"
+    assert fresh.prices["ml.p5.48xlarge"] == previous.prices["ml.p5.48xlarge"]  # throttled: the old rate, old date
+    assert fresh.unpriced["ml.p6-b200.48xlarge"] == previous.unpriced["ml.p6-b200.48xlarge"]
+    assert "1 rates read" in fresh.method and "kept their previous rate" in fresh.method
+    client = _pricing_client()
+    with Stubber(client) as stub:
+        for inst in CATALOG:
+            if not inst.is_local:
+                stub.add_client_error("get_products", "ThrottlingException", "Rate exceeded")
+        with pytest.raises(PricingError, match="no rate for any type"):  # kept rates are not new rates
+            refresh_snapshot(CATALOG, region="us-east-1", client=client, today="2026-11-27", previous=previous)
+    client = _pricing_client()
+    with Stubber(client) as stub:
+        for inst in CATALOG:
+            if inst.instance_type == "ml.g6e.xlarge":
+                stub.add_response("get_products", {"FormatVersion": "aws_v1", "PriceList": [
+                    _price_record("ml.g6e.xlarge", "2.9000000000")]})  # fmt: skip
+            elif not inst.is_local:
+                stub.add_client_error("get_products", "ThrottlingException", "Rate exceeded")
+        west = refresh_snapshot(CATALOG, region="us-west-2", client=client, today="2026-11-27", previous=previous)
+    assert list(west.prices) == ["ml.g6e.xlarge"] and "lookup failed" in west.unpriced["ml.p5.48xlarge"]
