@@ -237,6 +237,13 @@ def plan(
         from gpuscout.plan.canary import canary_model_note, cloud_canaries, predicted_canary_cost_usd
 
         stack = CloudStack(stack_name)
+        if catalog.prices is not None and catalog.prices.region != stack.outputs.region:
+            console.print(
+                f"[yellow]prices:[/] the plan used {catalog.prices.region} rates (the price snapshot); the stack runs "
+                f"in {stack.outputs.region}, whose rates may differ: its analysis re-prices from the AWS Price List "
+                f"(or refresh the snapshot: `gpuscout catalog --refresh --region {stack.outputs.region}`)",
+                soft_wrap=True,
+            )
         parallel = the_plan.search.max_parallel_trials if the_plan.search else None
         canaries = cloud_canaries(the_plan.jobs, manifest, catalog, stack.outputs.canary_instance_type)
         for warning in stack.quota_preflight(file, the_plan.jobs, parallel, canaries=[c.spec for c in canaries]):

@@ -691,6 +691,26 @@ def test_plan_with_a_stack_name_says_where_a_canary_too_large_for_the_canary_typ
     # Then each canary that would not fit is named with where it runs instead, and the canaries' cost is shown
     assert text.count("but ml.g5.8xlarge has 24 GB (90% usable): runs on one ml.p") == 3
     assert "3 canaries before the jobs, predicted $" in text
+    assert "the stack runs in" not in text  # the price snapshot's region is the stack's
+
+
+def test_plan_says_when_the_price_snapshot_is_another_regions(
+    deployed: Deployed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from gpuscout import paths
+
+    config = tmp_path / "configs"
+    shutil.copytree(paths.CONFIG_DIR, config)
+    snapshot = json.loads((config / "pricing" / "sagemaker.json").read_text())
+    (config / "pricing" / "sagemaker.json").write_text(json.dumps({**snapshot, "region": "eu-west-1"}))
+    monkeypatch.setattr(paths, "CONFIG_DIR", config)
+    result = runner.invoke(full_app, ["plan", str(paths.MANIFESTS_DIR / "smoke-g5.yaml"), "--stack-name", "Gpuscout"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert f"the plan used eu-west-1 rates (the price snapshot); the stack runs in {REGION}" in text
+    assert f"gpuscout catalog --refresh --region {REGION}" in text
 
 
 def test_submit_over_budget_is_refused_before_anything_is_uploaded(deployed: Deployed, tmp_path: Path) -> None:
