@@ -263,6 +263,10 @@ def plan(
 
 @app.command("catalog")
 def catalog_cmd(
+    instance_type: Annotated[
+        str | None,
+        typer.Argument(help="Show one instance type in full: every fact with its source, and its price's source."),
+    ] = None,
     refresh: Annotated[
         bool,
         typer.Option(
@@ -282,6 +286,9 @@ def catalog_cmd(
     catalog = load_catalog()
     if refresh:
         catalog = _refresh_prices(catalog, region)
+    if instance_type is not None:
+        _print_instance(catalog.get(instance_type), catalog)
+        return
     columns = [
         Column("instance type", whole=True),
         Column("GPUs", justify="right", whole=True),
@@ -321,9 +328,9 @@ def catalog_cmd(
     responsive_table(console, "Instance catalog", columns, cells, key=0)
     if catalog.prices is not None:
         console.print(f"Prices: {escape(catalog.prices.method)}", soft_wrap=True)
-        for instance_type, why in catalog.prices.unpriced.items():
+        for unpriced_type, why in catalog.prices.unpriced.items():
             console.print(
-                f"  {instance_type}: no price ({escape(why)}); a manifest targeting it states price_per_hour_usd",
+                f"  {unpriced_type}: no price ({escape(why)}); a manifest targeting it states price_per_hour_usd",
                 soft_wrap=True,
             )
     if stale:
@@ -332,6 +339,45 @@ def catalog_cmd(
             f"`{REFRESH_COMMAND}`[/]",
             soft_wrap=True,
         )
+
+
+def _print_instance(inst: Any, catalog: Any) -> None:
+    """One instance type in full: hardware facts, what is unconfirmed, how it is sold, its GPU and price, sources."""
+    sku = inst.sku
+    console.print(f"[bold]{inst.instance_type}[/] ({inst.role})")
+    facts = {
+        "GPUs": f"{inst.gpu_count} x {sku.model}, {inst.gpu_memory_gb:g} GB each" if sku else "none",
+        "GPU interconnect": inst.interconnect or ("-" if inst.gpu_count < 2 else "unconfirmed"),
+        "vCPU": inst.vcpus, "memory GiB": inst.memory_gib, "local NVMe GB": inst.nvme_gb,
+        "network Gbps": inst.network_gbps, "EFA": "yes" if inst.efa else "no",
+        "sold as": ", ".join(o.replace("_", " ") for o in inst.purchase_options) or "this machine",
+    }  # fmt: skip
+    for name, value in facts.items():
+        console.print(f"  {name}: {escape(str('unconfirmed' if value is None else value))}", soft_wrap=True)
+    if inst.unconfirmed:
+        console.print(f"  unconfirmed (left unknown): {', '.join(inst.unconfirmed)}", soft_wrap=True)
+    for source in inst.sources:
+        console.print(f"  source ({inst.sources_date}): {escape(source)}", soft_wrap=True)
+    if sku is not None:
+        peaks = ", ".join(f"{k} {v:g}" for k, v in sku.peak_tflops.items()) or "none published"
+        mfu = (
+            f"{sku.assumed_mfu:g} ({sku.assumed_mfu_basis})" if sku.assumed_mfu else "none: not predictable from FLOPs"
+        )
+        console.print(f"  GPU {sku.sku}: dense TFLOPS {peaks}; assumed utilization {escape(mfu)}", soft_wrap=True)
+        for source in sku.sources:
+            console.print(f"  GPU source ({sku.source_date}): {escape(source)}", soft_wrap=True)
+    price = inst.price
+    if price is not None:
+        console.print(
+            f"  price: ${price.usd_per_hour:,.4f}/h on-demand SageMaker {price.component} ({price.label()}); "
+            f"source: {escape(price.source)}",
+            soft_wrap=True,
+        )
+    elif not inst.is_local:
+        why = catalog.prices.unpriced.get(inst.instance_type, "not listed") if catalog.prices else "no snapshot"
+        console.print(f"  price: unknown ({escape(why)}); a target states price_per_hour_usd", soft_wrap=True)
+    if inst.notes:
+        console.print(f"  notes: {escape(inst.notes)}", soft_wrap=True)
 
 
 def _price_label(price: CatalogPrice | None, local: bool) -> str:

@@ -206,6 +206,18 @@ def test_catalog_lists_instances() -> None:
     assert "local" in out
 
 
+def test_catalog_shows_one_type_with_every_source() -> None:
+    code, out, _ = invoke("catalog", "ml.p5.4xlarge")
+    assert code == 0, out
+    assert "1 x NVIDIA H100 SXM5 80GB, 80 GB each" in out and "sold as: on demand, spot, training plan" in out
+    assert "source (2026-11): EC2 DescribeInstanceTypes" in out and "GPU source" in out
+    assert "price: $7.9120/h on-demand SageMaker Training (snapshot 2026-09-27" in out and "source: public copy" in out
+    code, out, _ = invoke("catalog", "ml.p6-b200.48xlarge")
+    assert code == 0 and "price: unknown (no SageMaker Training rate" in out
+    code, _, err = invoke("catalog", "ml.p9.huge")
+    assert code != 0 and "unknown instance type 'ml.p9.huge'" in err and err.strip().count("\n") == 0
+
+
 def test_runs_on_an_empty_database(db: Path) -> None:
     SqliteStore(db)
     code, out, _ = invoke("runs", "--db", str(db))
