@@ -15,6 +15,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct, IConstruct
 
 from gpuscout.domain.names import (
+    CHECKPOINTS_PREFIX,
     JOB_NAME_PREFIX,
     MANIFESTS_PREFIX,
     OUTPUT_PREFIX,
@@ -93,6 +94,7 @@ class GpuscoutStack(Stack):
             "DATA_BUCKET": self.storage.data.bucket_name,
             "ARTIFACTS_BUCKET": self.storage.artifacts.bucket_name,
             "SAGEMAKER_ROLE_ARN": self.roles.sagemaker.role_arn,
+            "PROCESSING_ROLE_ARN": self.roles.processing.role_arn,
             "TRAINING_IMAGE_URI": self.image.image_uri,
             "PROCESSING_INSTANCE_TYPE": config.processing_instance_type,
             "CANARY_INSTANCE_TYPE": config.canary_instance_type or "",
@@ -343,19 +345,31 @@ class GpuscoutStack(Stack):
                 "same pins; move runtime and layer together (stacks/functions.py PYTHON_VERSION).",
             )
 
-        sagemaker_policy = self.roles.sagemaker_policy
+        sagemaker_policy, processing_policy = self.roles.sagemaker_policy, self.roles.processing_policy
         for prefix in (RAW_PREFIX, PROCESSED_PREFIX):
             acknowledge(
                 sagemaker_policy,
                 f"AwsSolutions-IAM5[Resource::{data_ref}/{prefix}*]",
-                f"Jobs read dataset objects under {prefix} of the data bucket; object keys are content hashes "
-                "known only at run time, so the grant is scoped to the prefix.",
+                f"Training jobs read dataset, model and code objects under {prefix} of the data bucket (read only); "
+                "object keys are content hashes known only at run time, so the grant is scoped to the prefix.",
+            )
+        for prefix, what in ((OUTPUT_PREFIX, "upload their output archive"), (CHECKPOINTS_PREFIX, "sync checkpoints")):
+            acknowledge(
+                sagemaker_policy,
+                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{prefix}*]",
+                f"Training jobs {what} under {prefix}<run_id>/<job_name>/, named at run time; the role can write "
+                "nothing else in the artifacts bucket (not the workflow's plans/ or search/ requests).",
             )
         acknowledge(
-            sagemaker_policy,
-            f"AwsSolutions-IAM5[Resource::{artifacts_ref}/*]",
-            "The artifacts bucket exists only for job output and checkpoints, both written by the jobs under "
-            "per-run keys chosen at run time.",
+            processing_policy,
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{RAW_PREFIX}*]",
+            f"Data preparation reads the user's sources under {RAW_PREFIX} (read only), named in the manifest.",
+        )
+        acknowledge(
+            processing_policy,
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{PROCESSED_PREFIX}*]",
+            f"Data preparation writes the prepared-data cache under {PROCESSED_PREFIX}<cache key>/, a hash computed at "
+            "run time; only this role writes it (training jobs read it).",
         )
         acknowledge(
             sagemaker_policy,
@@ -370,27 +384,27 @@ class GpuscoutStack(Stack):
             "AWS documents sagemaker-mlflow:* for a job that logs to a tracking server, limited here to the "
             "account's tracking servers.",
         )
-        for group in ("TrainingJobs", "ProcessingJobs"):
+        for policy, group in ((sagemaker_policy, "TrainingJobs"), (processing_policy, "ProcessingJobs")):
             acknowledge(
-                sagemaker_policy,
+                policy,
                 f"AwsSolutions-IAM5[Resource::{account_arn.format(service='logs')}:log-group:/aws/sagemaker/{group}:*]",
                 f"SageMaker writes job logs to the fixed log group /aws/sagemaker/{group} with one stream per job "
                 "host, named at run time; the grant is limited to that group.",
             )
-        acknowledge(
-            sagemaker_policy,
-            "AwsSolutions-IAM5[Resource::*]",
-            "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
-            "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
-            "cloudwatch:namespace condition to SageMaker's job namespaces and gpuscout's."
-            + (
-                " With the vpc setting, SageMaker's EC2 network-interface calls (Create/Delete/Describe "
-                "NetworkInterfaces, DescribeVpcs/Subnets/SecurityGroups/DhcpOptions) act on interfaces it creates "
-                "at run time, so they cannot be scoped to known ARNs."
-                if self.config.vpc is not None
-                else ""
-            ),
-        )
+            acknowledge(
+                policy,
+                "AwsSolutions-IAM5[Resource::*]",
+                "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
+                "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
+                "cloudwatch:namespace condition to SageMaker's job namespaces and gpuscout's."
+                + (
+                    " With the vpc setting, SageMaker's EC2 network-interface calls (Create/Delete/Describe "
+                    "NetworkInterfaces, DescribeVpcs/Subnets/SecurityGroups/DhcpOptions) act on interfaces it creates "
+                    "at run time, so they cannot be scoped to known ARNs."
+                    if self.config.vpc is not None
+                    else ""
+                ),
+            )
 
         lambdas = self.roles.lambdas
         for name, role in lambdas.items():

@@ -1,4 +1,5 @@
-"""IAM roles: the SageMaker execution role, one role per Lambda function and the state machine's role.
+"""IAM roles: the SageMaker training jobs' role (untrusted code), the data-preparation job's role, one role per
+Lambda function and the state machine's role.
 
 Each role gets only what its principal calls, scoped to this stack's resources and to job names starting with
 ``gs-`` (gpuscout.domain.names.JOB_NAME_PREFIX). Data-plane grants to the Lambda roles (table, bucket prefixes) are
@@ -17,7 +18,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from gpuscout.domain.names import JOB_NAME_PREFIX, PROCESSED_PREFIX, RAW_PREFIX
+from gpuscout.domain.names import CHECKPOINTS_PREFIX, JOB_NAME_PREFIX, OUTPUT_PREFIX, PROCESSED_PREFIX, RAW_PREFIX
 
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
@@ -50,7 +51,8 @@ MLFLOW_SERVER_RESOURCE = "mlflow-tracking-server/*"  # any tracking server of th
 
 
 class Roles(Construct):
-    """`sagemaker` (jobs), `lambdas[name]` (one per function), `state_machine`."""
+    """`sagemaker` (training jobs), `processing` (data preparation), `lambdas[name]` (one per function),
+    `state_machine`."""
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class Roles(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         self.sagemaker = self._sagemaker_role(data_bucket, artifacts_bucket, image_repository, use_vpc=use_vpc)
+        self.processing = self._processing_role(data_bucket, image_repository, use_vpc=use_vpc)
         self.lambdas: dict[str, iam.Role] = {
             name: iam.Role(
                 self,
@@ -76,12 +79,10 @@ class Roles(Construct):
         }
         self.state_machine = self._state_machine_role()
 
-    def _sagemaker_role(
-        self, data: s3.IBucket, artifacts: s3.IBucket, repository: ecr.IRepository, *, use_vpc: bool
-    ) -> iam.Role:
-        role = iam.Role(
+    def _job_role(self, construct_id: str, description: str) -> iam.Role:
+        return iam.Role(
             self,
-            "SageMakerExecution",
+            construct_id,
             # Only the state machine may hand this role to SageMaker (iam:PassRole, see _state_machine_role), and
             # SageMaker may assume it only for jobs of this account and region (confused-deputy protection).
             assumed_by=iam.ServicePrincipal(
@@ -91,33 +92,15 @@ class Roles(Construct):
                     "ArnLike": {"aws:SourceArn": f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:*"},
                 },
             ),
-            description="gpuscout SageMaker training and processing jobs",
+            description=description,
         )
+
+    @staticmethod
+    def _job_runtime_statements(
+        repository: ecr.IRepository, *, log_group: str, use_vpc: bool
+    ) -> list[iam.PolicyStatement]:
+        """What any gpuscout SageMaker job needs to run: the image, its log group, metrics, VPC interfaces."""
         statements = [
-            # Processing reads raw datasets and writes processed shards; training reads processed shards.
-            iam.PolicyStatement(
-                sid="ReadDatasets",
-                actions=["s3:GetObject"],
-                resources=[data.arn_for_objects(f"{RAW_PREFIX}*"), data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
-            ),
-            iam.PolicyStatement(
-                sid="ListDatasets",
-                actions=["s3:ListBucket"],
-                resources=[data.bucket_arn],
-                conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
-            ),
-            iam.PolicyStatement(
-                sid="WriteProcessedDatasets",
-                actions=["s3:PutObject", "s3:AbortMultipartUpload"],
-                resources=[data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
-            ),
-            # Job output and checkpoints: the artifacts bucket exists for these only.
-            iam.PolicyStatement(
-                sid="JobArtifacts",
-                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
-                resources=[artifacts.arn_for_objects("*")],
-            ),
-            iam.PolicyStatement(sid="ListJobArtifacts", actions=["s3:ListBucket"], resources=[artifacts.bucket_arn]),
             iam.PolicyStatement(
                 sid="PullTrainingImage",
                 actions=["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
@@ -129,8 +112,7 @@ class Roles(Construct):
                 actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
                 # CreateLogGroup is authorized on the log group's ARN itself, the stream actions on "<group>:*"
                 resources=[
-                    f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{group}{suffix}"
-                    for group in SAGEMAKER_LOG_GROUPS
+                    f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{log_group}{suffix}"
                     for suffix in ("", ":*")
                 ],
             ),
@@ -139,14 +121,6 @@ class Roles(Construct):
                 actions=["cloudwatch:PutMetricData"],
                 resources=["*"],
                 conditions={"StringEquals": {"cloudwatch:namespace": list(SAGEMAKER_METRIC_NAMESPACES)}},
-            ),
-            # A manifest's tracking.mlflow.tracking_uri may name a SageMaker managed MLflow tracking server of this
-            # account and region (docs/search.md "Experiment tracking"); artifacts go through the server's
-            # presigned URLs (SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED), so no grant on its artifact bucket.
-            iam.PolicyStatement(
-                sid="ExperimentTracking",
-                actions=["sagemaker-mlflow:*"],
-                resources=[f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:{MLFLOW_SERVER_RESOURCE}"],
             ),
         ]
         if use_vpc:
@@ -168,7 +142,75 @@ class Roles(Construct):
                     resources=["*"],
                 )
             )
+        return statements
+
+    def _sagemaker_role(
+        self, data: s3.IBucket, artifacts: s3.IBucket, repository: ecr.IRepository, *, use_vpc: bool
+    ) -> iam.Role:
+        """The training jobs' role (canaries, jobs, search trials): the untrusted code of a run. It reads the data
+        bucket's sources and prepared data and writes only job output and checkpoints: not the prepared-data cache
+        (the processing role's), not plans/ or search/ (the workflow's launch requests), not reports."""
+        role = self._job_role("SageMakerExecution", "gpuscout SageMaker training jobs (untrusted code)")
+        job_prefixes = (OUTPUT_PREFIX, CHECKPOINTS_PREFIX)
+        statements = [
+            iam.PolicyStatement(
+                sid="ReadDatasets",
+                actions=["s3:GetObject"],
+                resources=[data.arn_for_objects(f"{RAW_PREFIX}*"), data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
+            ),
+            iam.PolicyStatement(
+                sid="ListDatasets",
+                actions=["s3:ListBucket"],
+                resources=[data.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
+            ),
+            # Job output and checkpoints (SageMaker uploads the first, syncs the second both ways): only there.
+            iam.PolicyStatement(
+                sid="JobArtifacts",
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                resources=[artifacts.arn_for_objects(f"{prefix}*") for prefix in job_prefixes],
+            ),
+            iam.PolicyStatement(
+                sid="ListJobArtifacts",
+                actions=["s3:ListBucket"],
+                resources=[artifacts.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{prefix}*" for prefix in job_prefixes]}},
+            ),
+            *self._job_runtime_statements(repository, log_group=SAGEMAKER_LOG_GROUPS[0], use_vpc=use_vpc),
+            # A manifest's tracking.mlflow.tracking_uri may name a SageMaker managed MLflow tracking server of this
+            # account and region (docs/search.md "Experiment tracking"); artifacts go through the server's
+            # presigned URLs (SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED), so no grant on its artifact bucket.
+            iam.PolicyStatement(
+                sid="ExperimentTracking",
+                actions=["sagemaker-mlflow:*"],
+                resources=[f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:{MLFLOW_SERVER_RESOURCE}"],
+            ),
+        ]
         self.sagemaker_policy = iam.Policy(self, "SageMakerExecutionPolicy", roles=[role], statements=statements)
+        return role
+
+    def _processing_role(self, data: s3.IBucket, repository: ecr.IRepository, *, use_vpc: bool) -> iam.Role:
+        """The data-preparation job's role (gpuscout's own script, no user code): reads raw sources, writes the
+        prepared-data cache under processed/, which the training jobs may only read."""
+        role = self._job_role("SageMakerProcessing", "gpuscout SageMaker data-preparation (processing) jobs")
+        statements = [
+            iam.PolicyStatement(
+                sid="ReadSources", actions=["s3:GetObject"], resources=[data.arn_for_objects(f"{RAW_PREFIX}*")]
+            ),
+            iam.PolicyStatement(
+                sid="ListDatasets",
+                actions=["s3:ListBucket"],
+                resources=[data.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
+            ),
+            iam.PolicyStatement(
+                sid="WriteProcessedDatasets",
+                actions=["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
+                resources=[data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
+            ),
+            *self._job_runtime_statements(repository, log_group=SAGEMAKER_LOG_GROUPS[1], use_vpc=use_vpc),
+        ]
+        self.processing_policy = iam.Policy(self, "SageMakerProcessingPolicy", roles=[role], statements=statements)
         return role
 
     def _state_machine_role(self) -> iam.Role:
@@ -185,7 +227,7 @@ class Roles(Construct):
             iam.PolicyStatement(
                 sid="PassSageMakerRoleToSageMakerOnly",
                 actions=["iam:PassRole"],
-                resources=[self.sagemaker.role_arn],
+                resources=[self.sagemaker.role_arn, self.processing.role_arn],
                 conditions={"StringEquals": {"iam:PassedToService": SAGEMAKER_SERVICE}},
             )
         )

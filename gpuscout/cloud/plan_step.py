@@ -51,6 +51,7 @@ MAX_ATTEMPTS = 20
 def request_settings(settings: LambdaSettings) -> RequestSettings:
     return RequestSettings(
         role_arn=settings.sagemaker_role_arn,
+        processing_role_arn=settings.processing_role_arn,
         training_image_uri=settings.training_image_uri,
         data_bucket=settings.data_bucket,
         artifacts_bucket=settings.artifacts_bucket,

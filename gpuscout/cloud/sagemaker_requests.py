@@ -20,6 +20,7 @@ from gpuscout.domain.jobspec import JOB_NAME_RE, JobSpec
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
 from gpuscout.domain.names import CHECKPOINTS_PREFIX, JOB_NAME_PREFIX, OUTPUT_PREFIX, PROCESSED_PREFIX
 from gpuscout.domain.tracking import tracking_environment
+from gpuscout.errors import GpuscoutError
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 PROCESSING_INPUT_DIR = "/opt/ml/processing/input/raw"
@@ -41,11 +42,12 @@ RUN_ID_TAG = "gpuscout:run-id"
 class RequestSettings:
     """The account-specific parts of every request (from the Lambda environment, see gpuscout.cloud.settings)."""
 
-    role_arn: str
+    role_arn: str  # training jobs' role: reads sources and prepared data, writes only output/ and checkpoints/
     training_image_uri: str
     data_bucket: str
     artifacts_bucket: str
     processing_instance_type: str = "ml.m5.xlarge"
+    processing_role_arn: str | None = None  # data preparation's role (writes processed/); the stack always sets it
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,12 @@ def training_job_request(
     }
 
 
+def _processing_role(settings: RequestSettings) -> str:
+    if settings.processing_role_arn is None:  # the training role cannot write processed/: the job would fail late
+        raise GpuscoutError("no processing role: data preparation runs under the stack's PROCESSING_ROLE_ARN")
+    return settings.processing_role_arn
+
+
 def processing_job_name(run_id: str, data: DataSource) -> str:
     """A unique, valid ProcessingJobName: ``gs-prep-<cache key>-<run digest>`` (63 characters at most)."""
     run_digest = hashlib.sha256(run_id.encode()).hexdigest()[:10]
@@ -272,7 +280,7 @@ def processing_job_request(run_id: str, settings: RequestSettings, data: DataSou
             "ContainerEntrypoint": ["python3", DATA_PREPARATION_SCRIPT],
             "ContainerArguments": arguments,
         },
-        "RoleArn": settings.role_arn,
+        "RoleArn": _processing_role(settings),
         "ProcessingInputs": inputs,
         "ProcessingOutputConfig": {
             "Outputs": [

@@ -25,7 +25,10 @@ class LambdaSettings(BaseModel):
     table_name: str = Field(alias="TABLE_NAME", min_length=3)
     data_bucket: str = Field(alias="DATA_BUCKET", min_length=3)
     artifacts_bucket: str = Field(alias="ARTIFACTS_BUCKET", min_length=3)
+    # training jobs (the untrusted code: writes only job output and checkpoints) and data preparation (writes the
+    # prepared-data cache) run under two roles (stacks/roles.py)
     sagemaker_role_arn: str = Field(alias="SAGEMAKER_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
+    processing_role_arn: str = Field(alias="PROCESSING_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
     training_image_uri: str = Field(alias="TRAINING_IMAGE_URI", min_length=1)
     processing_instance_type: str = Field(alias="PROCESSING_INSTANCE_TYPE", default="ml.m5.xlarge")
     # the instance every distinct configuration's canary runs on before the fan-out; empty: no canary

@@ -79,6 +79,7 @@ def test_no_managed_policies_and_no_admin_actions(synthesized: Synthesized) -> N
 
 def test_pass_role_only_on_the_sagemaker_role_only_to_sagemaker(synthesized: Synthesized) -> None:
     sagemaker_role = synthesized.logical_id(synthesized.stack.roles.sagemaker)
+    processing_role = synthesized.logical_id(synthesized.stack.roles.processing)
     passes = []
     for policy in synthesized.resources("AWS::IAM::Policy").values():
         for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
@@ -87,7 +88,7 @@ def test_pass_role_only_on_the_sagemaker_role_only_to_sagemaker(synthesized: Syn
     assert len(passes) == 1
     policy, statement = passes[0]
     assert policy["Properties"]["Roles"] == [{"Ref": synthesized.logical_id(synthesized.stack.roles.state_machine)}]
-    assert statement["Resource"] == {"Fn::GetAtt": [sagemaker_role, "Arn"]}
+    assert statement["Resource"] == [{"Fn::GetAtt": [sagemaker_role, "Arn"]}, {"Fn::GetAtt": [processing_role, "Arn"]}]
     assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}
 
 
@@ -170,20 +171,32 @@ def test_sagemaker_role_trusts_sagemaker_jobs_of_this_account_only(synthesized: 
 
 
 def test_sagemaker_role_is_scoped_to_stack_resources(synthesized: Synthesized) -> None:
+    # the training jobs' role: the untrusted code of a run (a user's script, any package it installs)
     statements = {s["Sid"]: s for s in policy_statements(synthesized, synthesized.stack.roles.sagemaker)}
     data = synthesized.logical_id(synthesized.stack.storage.data)
     artifacts = synthesized.logical_id(synthesized.stack.storage.artifacts)
     read = json.dumps(statements["ReadDatasets"]["Resource"])
     assert data in read and "/raw/*" in read and "/processed/*" in read and artifacts not in read
+    assert statements["ReadDatasets"]["Action"] == "s3:GetObject"
     assert statements["ListDatasets"]["Condition"] == {"StringLike": {"s3:prefix": ["raw/*", "processed/*"]}}
-    assert "/processed/*" in json.dumps(statements["WriteProcessedDatasets"]["Resource"])
-    assert artifacts in json.dumps(statements["JobArtifacts"]["Resource"])
+    # it writes job output and checkpoints only: not the prepared-data cache, not plans/ or search/ (launches)
+    assert "WriteProcessedDatasets" not in statements
+    written = [s for s in statements.values() if {"s3:PutObject", "s3:DeleteObject"} & set(as_list(s["Action"]))]
+    assert [s["Sid"] for s in written] == ["JobArtifacts"]
+    rendered = json.dumps(statements["JobArtifacts"]["Resource"])
+    assert artifacts in rendered and data not in rendered
+    assert (
+        '"/output/*"' in rendered
+        and '"/checkpoints/*"' in rendered
+        and len(statements["JobArtifacts"]["Resource"]) == 2
+    )
+    assert statements["ListJobArtifacts"]["Condition"] == {"StringLike": {"s3:prefix": ["output/*", "checkpoints/*"]}}
     pull = statements["PullTrainingImage"]
     assert "ecr:BatchGetImage" in pull["Action"] and "*" not in as_list(pull["Resource"])
     logs = json.dumps(statements["JobLogs"]["Resource"])
-    assert "log-group:/aws/sagemaker/TrainingJobs:*" in logs and "log-group:/aws/sagemaker/ProcessingJobs:*" in logs
+    assert "log-group:/aws/sagemaker/TrainingJobs:*" in logs and "ProcessingJobs" not in logs
     # logs:CreateLogGroup is authorized on the group's own ARN (no ":*")
-    assert 'log-group:/aws/sagemaker/TrainingJobs"' in logs and 'log-group:/aws/sagemaker/ProcessingJobs"' in logs
+    assert 'log-group:/aws/sagemaker/TrainingJobs"' in logs
     assert "VpcNetworkInterfaces" not in statements  # only with the vpc context set
     # a manifest's SageMaker managed MLflow server: this account and region's tracking servers, nothing else
     tracking = statements["ExperimentTracking"]
@@ -191,9 +204,27 @@ def test_sagemaker_role_is_scoped_to_stack_resources(synthesized: Synthesized) -
     assert ":mlflow-tracking-server/*" in json.dumps(tracking["Resource"]) and "AWS::AccountId" in json.dumps(
         tracking["Resource"]
     )
-    # nothing here grants access to the manifests, reports or the table
+    # nothing here grants access to the manifests, reports, plans, searches or the table
     everything = json.dumps(list(statements.values()))
-    assert "manifests/" not in everything and "reports/" not in everything and "dynamodb" not in everything
+    for prefix in ("manifests/", "reports/", "plans/", "search/", "rejected/", "dynamodb"):
+        assert prefix not in everything, prefix
+
+
+def test_data_preparation_has_its_own_role_which_alone_writes_the_cache(synthesized: Synthesized) -> None:
+    statements = {s["Sid"]: s for s in policy_statements(synthesized, synthesized.stack.roles.processing)}
+    data = synthesized.logical_id(synthesized.stack.storage.data)
+    artifacts = synthesized.logical_id(synthesized.stack.storage.artifacts)
+    assert '"/raw/*"' in json.dumps(statements["ReadSources"]["Resource"])
+    write = json.dumps(statements["WriteProcessedDatasets"]["Resource"])
+    assert data in write and '"/processed/*"' in write
+    everything = json.dumps(list(statements.values()))
+    assert artifacts not in everything and "sagemaker-mlflow" not in everything
+    logs = json.dumps(statements["JobLogs"]["Resource"])
+    assert "log-group:/aws/sagemaker/ProcessingJobs" in logs and "TrainingJobs" not in logs
+    role = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.roles.processing)]
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"Service": "sagemaker.amazonaws.com"}
+    assert trust["Condition"]["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}
 
 
 def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synthesized) -> None:

@@ -84,8 +84,14 @@ def test_the_sagemaker_role_reads_sources_under_raw_and_processed_only(synthesiz
     assert read == [_objects(synthesized, data, RAW_PREFIX), _objects(synthesized, data, PROCESSED_PREFIX)]
     listing = _statement(synthesized, role, "ListDatasets")["Condition"]
     assert listing == {"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}}
-    write = _statement(synthesized, role, "WriteProcessedDatasets")["Resource"]
-    assert write == _objects(synthesized, data, PROCESSED_PREFIX)
+    write = _statement(synthesized, synthesized.stack.roles.processing, "WriteProcessedDatasets")["Resource"]
+    assert write == _objects(synthesized, data, PROCESSED_PREFIX)  # data preparation's role, not the jobs'
+    jobs = _statement(synthesized, role, "JobArtifacts")["Resource"]
+    artifacts = synthesized.stack.storage.artifacts
+    assert jobs == [
+        _objects(synthesized, artifacts, OUTPUT_PREFIX),
+        _objects(synthesized, artifacts, CHECKPOINTS_PREFIX),
+    ]
 
 
 def test_every_sagemaker_job_grant_is_on_the_shared_job_name_prefix(synthesized: Synthesized) -> None:

@@ -22,6 +22,7 @@ CONTRACT_ENV = {
     "DATA_BUCKET",
     "ARTIFACTS_BUCKET",
     "SAGEMAKER_ROLE_ARN",
+    "PROCESSING_ROLE_ARN",
     "TRAINING_IMAGE_URI",
     "PROCESSING_INSTANCE_TYPE",
     "ALLOWED_INSTANCE_TYPES",
@@ -412,6 +413,9 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
         assert env["POWERTOOLS_METRICS_NAMESPACE"] == "gpuscout"
         assert env["SAGEMAKER_ROLE_ARN"] == {
             "Fn::GetAtt": [synthesized.logical_id(synthesized.stack.roles.sagemaker), "Arn"]
+        }
+        assert env["PROCESSING_ROLE_ARN"] == {
+            "Fn::GetAtt": [synthesized.logical_id(synthesized.stack.roles.processing), "Arn"]
         }
         log_group = synthesized.logical_id(synthesized.stack.functions.log_groups[name])
         assert props["LoggingConfig"]["LogGroup"] == {"Ref": log_group}

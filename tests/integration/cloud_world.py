@@ -28,6 +28,7 @@ TABLE = "gpuscout-results"
 DATA_BUCKET = "gpuscout-data-123456789012"
 ARTIFACTS_BUCKET = "gpuscout-artifacts-123456789012"
 ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-sagemaker"
+PROCESSING_ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-processing"
 IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout-training:3f2c1a"
 
 ENVIRONMENT = {
@@ -39,6 +40,7 @@ ENVIRONMENT = {
     "DATA_BUCKET": DATA_BUCKET,
     "ARTIFACTS_BUCKET": ARTIFACTS_BUCKET,
     "SAGEMAKER_ROLE_ARN": ROLE_ARN,
+    "PROCESSING_ROLE_ARN": PROCESSING_ROLE_ARN,
     "TRAINING_IMAGE_URI": IMAGE_URI,
     "PROCESSING_INSTANCE_TYPE": "ml.m5.xlarge",
     "ALLOWED_INSTANCE_TYPES": "ml.g5.8xlarge,ml.g5.12xlarge,ml.p4d.24xlarge,ml.p5.48xlarge",

@@ -109,6 +109,7 @@ from tests.integration.cloud_world import (
     ARTIFACTS_BUCKET,
     DATA_BUCKET,
     IMAGE_URI,
+    PROCESSING_ROLE_ARN,
     REGION,
     ROLE_ARN,
     TABLE,
@@ -143,11 +144,13 @@ def runnable_in_moto(
     *,
     invoked: dict[str, str] | None = None,
     items_bucket: str = ARTIFACTS_BUCKET,
+    processing_role_arn: str = PROCESSING_ROLE_ARN,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The substitutions of the module docstring. ``results`` maps a Lambda Task's resource placeholder
     ('<LogicalId.Arn>') to the handler output its Pass state returns; ``invoked`` maps a placeholder to a Lambda ARN
     instead: that Task stays a Task (Retry and Catch included) and is invoked in process (``InProcessLambdas``).
-    ``role_arn`` is the value of the requests' RoleArn; ``table_name`` replaces the results table's Ref in DynamoDB
+    ``role_arn`` is the value of the training requests' RoleArn, ``processing_role_arn`` the data preparation's;
+    ``table_name`` replaces the results table's Ref in DynamoDB
     tasks (whose resource ARN's partition pseudo-parameter becomes ``aws``), ``items_bucket`` the artifacts bucket's
     Ref in the Distributed Maps' ItemReader. Returns the new ASL and state name -> placeholder."""
     rewritten = copy.deepcopy(definition)
@@ -176,7 +179,7 @@ def runnable_in_moto(
             parameters = copy.deepcopy(state["Parameters"])
             holder = parameters.get("TrainingJobDefinition", parameters)  # a tuning job's role is in its definition
             assert holder.pop("RoleArn.$").endswith(".RoleArn")
-            holder["RoleArn"] = role_arn
+            holder["RoleArn"] = processing_role_arn if "createProcessingJob" in resource else role_arn
             return {
                 **state,
                 "Resource": resource.removesuffix(".sync").replace("<AWS::Partition>", "aws"),
@@ -396,8 +399,9 @@ def _execute(
         # Reached only through the Catches after planning (and a failed canary's); never entered on this success path.
         placeholder["mark_run_failed"]: {"runs": []},
     }
-    role_arns = {planned["prepare"]["request"]["RoleArn"]} | {job["request"]["RoleArn"] for job in cloud.items(planned)}
-    assert role_arns == {ROLE_ARN}
+    # data preparation under its own role (it writes the shared cache); every training request under the jobs' role
+    assert planned["prepare"]["request"]["RoleArn"] == PROCESSING_ROLE_ARN
+    assert {job["request"]["RoleArn"] for job in cloud.items(planned)} == {ROLE_ARN}
     definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
     assert sorted(lambda_states) == [
         "Analyze run",
@@ -459,7 +463,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(
     assert _scheduled(events, "createProcessingJob") == [prepare_request]
     processing = cloud.sagemaker.describe_processing_job(ProcessingJobName=prepare_request["ProcessingJobName"])
     assert processing["ProcessingJobName"].startswith("gs-")
-    assert processing["RoleArn"] == ROLE_ARN
+    assert processing["RoleArn"] == PROCESSING_ROLE_ARN
     assert processing["AppSpecification"]["ImageUri"] == IMAGE_URI
     assert processing["StoppingCondition"] == prepare_request["StoppingCondition"]
 

@@ -20,6 +20,7 @@ from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
 
 SETTINGS = RequestSettings(
     role_arn="arn:aws:iam::123456789012:role/sm",
+    processing_role_arn="arn:aws:iam::123456789012:role/prep",
     training_image_uri="123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout:1",
     data_bucket="data-b",
     artifacts_bucket="art-b",
@@ -90,6 +91,7 @@ def test_max_wait_honours_the_manifest_but_always_exceeds_the_runtime() -> None:
 def test_processing_request_is_a_valid_create_processing_job_call() -> None:
     request = processing_job_request("demo-1234", SETTINGS, DATA)
     _assert_valid("CreateProcessingJob", request)
+    assert request["RoleArn"] == "arn:aws:iam::123456789012:role/prep"  # not the training jobs' role
     assert request["ProcessingResources"]["ClusterConfig"]["InstanceType"] == "ml.m5.xlarge"
     assert request["ProcessingInputs"][0]["S3Input"]["S3Uri"] == "s3://raw-b/corpus/"
     args = request["AppSpecification"]["ContainerArguments"]
