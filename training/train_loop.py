@@ -682,7 +682,7 @@ class Benchmark:
     @staticmethod
     def _load(folder: Path, parts: Parts) -> dict[str, Any]:
         """Read checkpoint ``folder`` into the model, optimizer and scheduler (or the engine); state.pt's content."""
-        state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+        state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=True)  # jobs write these
         # a corrupt or truncated state.pt raises above, before anything changed; from here on the model changes
         try:
             if parts.engine is not None:

@@ -297,3 +297,25 @@ def test_a_marker_without_a_usable_manifest_is_not_trusted(tmp_path: Path, marke
     assert checkpoints.complete_steps(tmp_path) == [4]
     problems = checkpoints.verify(tmp_path, 4)
     assert len(problems) == 1 and "lists no files" in problems[0]
+
+
+class _Payload:
+    """A pickle that runs code when loaded: what a hostile job could leave under the shared checkpoints prefix."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_state_that_would_run_code_is_refused_not_run(tmp_path: Path) -> None:
+    # Given a checkpoint folder whose state.pt unpickles into a call (the checkpoints prefix is written by jobs)
+    folder = tmp_path / "step-00000010"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    torch.save({"progress": _Payload(marker)}, folder / train_loop.STATE)
+    # When the trainer loads it, Then loading fails before anything runs (weights_only) and nothing was touched
+    with pytest.raises(Exception, match=r"(?i)weights_only|unsupported|global"):
+        train_loop.Benchmark._load(folder, parts=None)  # type: ignore[arg-type]
+    assert not marker.exists()
