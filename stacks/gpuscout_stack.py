@@ -26,6 +26,7 @@ from gpuscout.domain.names import (
     REPORTS_PREFIX,
     SEARCH_PREFIX,
 )
+from gpuscout.plan.jobs import MAX_RUNTIME_S
 from stacks.config import LOG_RETENTION_DAYS, RemovalMode, StackConfig
 from stacks.events import EventRules
 from stacks.functions import FUNCTION_NAMES, Functions
@@ -88,6 +89,9 @@ class GpuscoutStack(Stack):
             image_repository=self.image.repository,
             lambda_names=FUNCTION_NAMES,
             use_vpc=config.vpc is not None,
+            # the types a job or canary may run on, and the planner's longest runtime (gpuscout.plan.jobs)
+            launchable_types=sorted({*config.allowed_instance_types, *filter(None, [config.canary_instance_type])}),
+            max_runtime_s=MAX_RUNTIME_S,
         )
         environment = {
             "TABLE_NAME": self.results.table.table_name,

@@ -64,6 +64,8 @@ class Roles(Construct):
         image_repository: ecr.IRepository,
         lambda_names: Sequence[str],
         use_vpc: bool,
+        launchable_types: Sequence[str],
+        max_runtime_s: int,
     ) -> None:
         super().__init__(scope, construct_id)
         self.sagemaker = self._sagemaker_role(data_bucket, artifacts_bucket, image_repository, use_vpc=use_vpc)
@@ -77,7 +79,7 @@ class Roles(Construct):
             )
             for name in lambda_names
         }
-        self.state_machine = self._state_machine_role()
+        self.state_machine = self._state_machine_role(launchable_types, max_runtime_s)
 
     def _job_role(self, construct_id: str, description: str) -> iam.Role:
         return iam.Role(
@@ -213,7 +215,7 @@ class Roles(Construct):
         self.processing_policy = iam.Policy(self, "SageMakerProcessingPolicy", roles=[role], statements=statements)
         return role
 
-    def _state_machine_role(self) -> iam.Role:
+    def _state_machine_role(self, launchable_types: Sequence[str], max_runtime_s: int) -> iam.Role:
         role = iam.Role(
             self,
             "StateMachine",
@@ -231,24 +233,30 @@ class Roles(Construct):
                 conditions={"StringEquals": {"iam:PassedToService": SAGEMAKER_SERVICE}},
             )
         )
+        # Even a forged launch request cannot leave the deployment's bounds: the service's condition keys for
+        # CreateTrainingJob / CreateHyperParameterTuningJob (IAM's service authorization reference) hold every job to
+        # the allowed instance types (the key must be present) and to the planner's longest runtime.
+        bounds = {
+            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": sorted(launchable_types)},
+            "Null": {"sagemaker:InstanceTypes": "false"},
+            "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": max_runtime_s},
+        }
+        role.add_to_policy(
+            iam.PolicyStatement(
+                sid="CreateTrainingJobs", actions=["sagemaker:CreateTrainingJob"],
+                resources=[TRAINING_JOBS_ARN, *TRAINING_PLAN_ARNS], conditions=bounds,
+            )
+        )  # fmt: skip
         role.add_to_policy(
             iam.PolicyStatement(
                 sid="RunTrainingJobs",
                 actions=[
-                    "sagemaker:CreateTrainingJob",
                     "sagemaker:DescribeTrainingJob",
                     "sagemaker:StopTrainingJob",
                     "sagemaker:AddTags",
                     "sagemaker:ListTags",
                 ],
                 resources=[TRAINING_JOBS_ARN],
-            )
-        )
-        role.add_to_policy(
-            iam.PolicyStatement(
-                sid="RunTrainingJobsOnTrainingPlans",
-                actions=["sagemaker:CreateTrainingJob"],
-                resources=list(TRAINING_PLAN_ARNS),
             )
         )
         role.add_to_policy(
@@ -266,9 +274,14 @@ class Roles(Construct):
         )
         role.add_to_policy(
             iam.PolicyStatement(
+                sid="CreateTuningJobs", actions=["sagemaker:CreateHyperParameterTuningJob"],
+                resources=[TUNING_JOBS_ARN], conditions=bounds,
+            )
+        )  # fmt: skip
+        role.add_to_policy(
+            iam.PolicyStatement(
                 sid="RunTuningJobs",
                 actions=[
-                    "sagemaker:CreateHyperParameterTuningJob",
                     "sagemaker:DescribeHyperParameterTuningJob",
                     "sagemaker:StopHyperParameterTuningJob",
                     "sagemaker:AddTags",

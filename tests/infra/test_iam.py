@@ -104,22 +104,39 @@ def test_state_machine_role_runs_only_gs_jobs(synthesized: Synthesized) -> None:
         "sagemaker:StopProcessingJob",
         "sagemaker:AddTags",
     }
-    # a job on a training plan is created on the plan and its reserved capacity too: CreateTrainingJob only, there
-    (on_plans,) = [s for s in sagemaker if s.get("Sid") == "RunTrainingJobsOnTrainingPlans"]
-    assert as_list(on_plans["Action"]) == ["sagemaker:CreateTrainingJob"]
-    rendered = json.dumps(on_plans["Resource"])
-    assert ":training-plan/*" in rendered and ":reserved-capacity/*" in rendered and len(on_plans["Resource"]) == 2
+    # creating a training or tuning job: only on the deployment's allowed instance types (the key must be present)
+    # and within the planner's longest runtime, whatever the request says; a job on a training plan is created on the
+    # plan and its reserved capacity too
+    config = synthesized.stack.config
+    launchable = sorted({*config.allowed_instance_types, config.canary_instance_type} - {None})
+    creates = {s["Sid"]: s for s in sagemaker if s["Sid"] in ("CreateTrainingJobs", "CreateTuningJobs")}
+    assert {a for s in sagemaker for a in as_list(s["Action"]) if a.startswith("sagemaker:Create")} == {
+        "sagemaker:CreateTrainingJob", "sagemaker:CreateHyperParameterTuningJob", "sagemaker:CreateProcessingJob"
+    }  # fmt: skip
+    for sid, action in (
+        ("CreateTrainingJobs", "CreateTrainingJob"),
+        ("CreateTuningJobs", "CreateHyperParameterTuningJob"),
+    ):
+        statement = creates[sid]
+        assert as_list(statement["Action"]) == [f"sagemaker:{action}"]
+        assert statement["Condition"] == {
+            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": launchable},
+            "Null": {"sagemaker:InstanceTypes": "false"},
+            "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": 5 * 24 * 3600},
+        }
+        others = [s for s in sagemaker if f"sagemaker:{action}" in as_list(s["Action"]) and s is not statement]
+        assert others == []  # no second, unconditioned grant of the same action
+    rendered = json.dumps(creates["CreateTrainingJobs"]["Resource"])
+    assert ":training-job/gs-*" in rendered and ":training-plan/*" in rendered and ":reserved-capacity/*" in rendered
+    assert len(creates["CreateTrainingJobs"]["Resource"]) == 3
     for statement in sagemaker:
-        if statement is on_plans:
-            continue
         rendered = json.dumps(statement["Resource"])
         assert any(
             f":{kind}/gs-*" in rendered for kind in ("training-job", "processing-job", "hyper-parameter-tuning-job")
         )
     # a settings search: one .sync tuning job per target
-    (tuning,) = [s for s in sagemaker if "sagemaker:CreateHyperParameterTuningJob" in as_list(s["Action"])]
+    (tuning,) = [s for s in sagemaker if "sagemaker:DescribeHyperParameterTuningJob" in as_list(s["Action"])]
     assert set(as_list(tuning["Action"])) == {
-        "sagemaker:CreateHyperParameterTuningJob",
         "sagemaker:DescribeHyperParameterTuningJob",
         "sagemaker:StopHyperParameterTuningJob",
         "sagemaker:AddTags",

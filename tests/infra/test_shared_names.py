@@ -101,13 +101,15 @@ def test_every_sagemaker_job_grant_is_on_the_shared_job_name_prefix(synthesized:
         for role in (roles.state_machine, *roles.lambdas.values())
         for s in policy_statements(synthesized, role)
         if any(a.startswith("sagemaker:") for a in as_list(s["Action"]))
-        # the user's training plans, which a job on a plan is created on too (test_iam checks that statement)
-        and s.get("Sid") != "RunTrainingJobsOnTrainingPlans"
     ]
     assert rendered
     for resource in rendered:
         kinds = [kind for kind in SAGEMAKER_JOB_KINDS if f":{kind}/" in resource]
         assert kinds and all(f":{kind}/{JOB_NAME_PREFIX}*" in resource for kind in kinds), resource
+        # beside the job, a training job may be created on the user's training plans (test_iam checks that)
+        assert resource.count(":sagemaker:") == len(kinds) + resource.count(":training-plan/*") + resource.count(
+            ":reserved-capacity/*"
+        ), resource
 
 
 def test_the_event_rules_filter_on_the_shared_prefixes(synthesized: Synthesized) -> None:
