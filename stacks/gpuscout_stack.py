@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aws_cdk import Acknowledgment, Aws, CfnElement, CfnOutput, Duration, RemovalPolicy, Stack, Token, Validations
+from aws_cdk import Acknowledgment, CfnElement, CfnOutput, Duration, RemovalPolicy, Stack, Token, Validations
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct, IConstruct
@@ -211,17 +211,15 @@ class GpuscoutStack(Stack):
         lambdas["validate_manifest"].add_to_policy(
             iam.PolicyStatement(
                 sid="ReadQuotas",
-                actions=["servicequotas:ListServiceQuotas", "servicequotas:ListAWSDefaultServiceQuotas"],
+                # a quota only AWS's default lists is confirmed with GetServiceQuota before it refuses a run. IAM's
+                # service authorization reference lists no resource type for these three reads: a quota ARN in the
+                # Resource would never match, and GetServiceQuota would be denied (a zero quota then only warned)
+                actions=[
+                    "servicequotas:ListServiceQuotas",
+                    "servicequotas:ListAWSDefaultServiceQuotas",
+                    "servicequotas:GetServiceQuota",
+                ],
                 resources=["*"],
-            )
-        )
-        # a quota only AWS's default lists is confirmed with GetServiceQuota before it refuses a run
-        lambdas["validate_manifest"].add_to_policy(
-            iam.PolicyStatement(
-                sid="ConfirmQuotas",
-                actions=["servicequotas:GetServiceQuota"],
-                # pseudo parameters, not the stack's env: one ARN (and nag ack) whatever region it is synthesized for
-                resources=[f"arn:{Aws.PARTITION}:servicequotas:{Aws.REGION}:{Aws.ACCOUNT_ID}:sagemaker/*"],
             )
         )
         # plan_jobs checks whether processed data exists (HEAD needs ListBucket to tell 404 from 403).
@@ -414,8 +412,9 @@ class GpuscoutStack(Stack):
         for name, role in lambdas.items():
             extra = {
                 "analyze_run": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
-                "validate_manifest": "; servicequotas:ListServiceQuotas and ListAWSDefaultServiceQuotas (the quota "
-                "pre-flight reads the account's SageMaker quotas) have no resource-level permissions",
+                "validate_manifest": "; servicequotas:ListServiceQuotas, ListAWSDefaultServiceQuotas and "
+                "GetServiceQuota (the quota pre-flight reads the account's SageMaker quotas) have no resource-level "
+                "permissions",
                 **{
                     recorder: "; cloudwatch:PutMetricData has none either and is limited by a cloudwatch:namespace "
                     "condition to the gpuscout namespace"
@@ -438,12 +437,6 @@ class GpuscoutStack(Stack):
             f"AwsSolutions-IAM5[Resource::{data_ref}/{RAW_PREFIX}*]",
             "Checks that a job section's entry point exists in its code folder, which the manifest names anywhere "
             f"under {RAW_PREFIX} (the only prefix the SageMaker role reads); read only, never listed.",
-        )
-        acknowledge(
-            lambdas["validate_manifest"],
-            "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:servicequotas:<AWS::Region>:<AWS::AccountId>:sagemaker/*]",
-            "Confirms with GetServiceQuota a SageMaker quota that only AWS's default listed (a new account's), before "
-            "refusing a run over it; which quota is known only at run time, and the action only reads.",
         )
         acknowledge(
             lambdas["plan_jobs"],

@@ -24,9 +24,10 @@ NO_RESOURCE_LEVEL = {
     "logs:PutResourcePolicy",
     "logs:DescribeResourcePolicies",
     "logs:DescribeLogGroups",
-    # Service Authorization Reference, Service Quotas: no resource types for the two list actions
+    # Service Authorization Reference, Service Quotas: no resource types for these reads
     "servicequotas:ListServiceQuotas",
     "servicequotas:ListAWSDefaultServiceQuotas",
+    "servicequotas:GetServiceQuota",  # IAM's reference lists no resource type for it: "*" or it is always denied
 }
 
 
