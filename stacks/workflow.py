@@ -337,6 +337,18 @@ class BenchmarkWorkflow(Construct):
             result_path="$.record_error",
         )
         train.next(record_result)
+        # A failure to record the failure must not fail the Map (and with it every other job): the job's row keeps
+        # what job_events records from SageMaker's own event, and the error is in this iteration's output.
+        record_failure.add_catch(
+            sfn.Pass(
+                self,
+                "Failure left to job_events",
+                comment="Recording the failure failed; job_events records the job from SageMaker's event, if any",
+                output_path="$.job_name",
+            ),
+            errors=["States.ALL"],
+            result_path="$.record_error",
+        )
         describe.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
         describe.next(
             sfn.Choice(self, "Launched job still running?")
@@ -351,7 +363,7 @@ class BenchmarkWorkflow(Construct):
 
         launch_job = self._launch_unless_stopped(
             train, table=table, suffix="", skip_name="Skip job (run stopped)", noun="job",
-            read_comment="A run stopped by the budget guard launches no further job",
+            read_comment="A run stopped by the budget guard launches no further job", on_error=record_failure,
         )  # fmt: skip
         jobs = self._request_map(
             "Run jobs", kind="jobs", plan_bucket=plan_bucket, max_concurrency=map_max_concurrency,
@@ -467,11 +479,16 @@ class BenchmarkWorkflow(Construct):
             comment="Capacity, quota or tuning job failure: recorded, the benchmark goes on",
         )
         tune.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
+        record_failure.add_catch(
+            sfn.Pass(self, "Search failure left to job_events", comment="Recording the failure failed; trials next"),
+            errors=["States.ALL"],
+            result_path="$.record_error",
+        )
         record_failure.next(record_trials)
         tune.next(record_trials)
         launch_tuning = self._launch_unless_stopped(
             tune, table=table, suffix=" (search)", skip_name="Skip search (run stopped)", noun="tuning job",
-            read_comment="A run stopped by the budget guard starts no further tuning job",
+            read_comment="A run stopped by the budget guard starts no further tuning job", on_error=record_failure,
         )  # fmt: skip
         searches = self._request_map(
             "Run searches",
@@ -485,11 +502,12 @@ class BenchmarkWorkflow(Construct):
 
     def _launch_unless_stopped(
         self, launch: sfn.IChainable, *, table: dynamodb.ITable, suffix: str, skip_name: str, noun: str,
-        read_comment: str,
+        read_comment: str, on_error: tasks.LambdaInvoke,
     ) -> sfn.IChainable:  # fmt: skip
         """Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
         crosses the budget; each Map iteration reads the run's status right before ``launch``, so what has not
-        started yet is skipped instead of launched."""
+        started yet is skipped instead of launched. A status that cannot be read (after the retries) launches
+        nothing: ``on_error`` records the job as failed with the reason, and the other jobs go on."""
         check_run = tasks.DynamoGetItem(
             self,
             f"Read run status{suffix}",
@@ -509,6 +527,7 @@ class BenchmarkWorkflow(Construct):
             comment=read_comment,
         )
         check_run.add_retry(**DYNAMODB_RETRY)
+        check_run.add_catch(on_error, errors=["States.ALL"], result_path="$.error")
         skipped = sfn.Pass(
             self,
             skip_name,

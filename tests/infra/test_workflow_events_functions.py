@@ -511,3 +511,21 @@ def test_with_the_vpc_setting_the_tuning_jobs_trials_run_in_its_subnets() -> Non
         "SecurityGroupIds": ["sg-0123456789abcdef0"],
     }
     assert "VpcConfig" not in tuning_state_json(None)["Parameters"]["TrainingJobDefinition"]
+
+
+@pytest.mark.parametrize("fan_out", ["Run jobs", "Run searches"])
+def test_no_single_step_of_a_fan_out_can_sink_the_other_jobs(asl: dict[str, Any], fan_out: str) -> None:
+    # Every Task of a job's (or a search's) child workflow is retried and caught: a failure there, a recording step's
+    # included, ends that iteration with the error recorded or in its output, never the Map (which would mark the
+    # run FAILED and stop every other job). Only a Fail state may end an iteration as failed, and there is none.
+    states = asl["States"][fan_out]["ItemProcessor"]["States"]
+    tasks_ = {name: state for name, state in states.items() if state["Type"] == "Task"}
+    assert len(tasks_) >= 4
+    for name, state in tasks_.items():
+        assert state.get("Retry"), f"{name} has no Retry"
+        assert [c["ErrorEquals"] for c in state.get("Catch", [])][-1:] == [["States.ALL"]], f"{name}: no catch-all"
+    assert not [name for name, state in states.items() if state["Type"] == "Fail"]
+    # what a failed recording leaves: the error in the iteration's output, the job to job_events
+    for name, state in states.items():
+        for catch in state.get("Catch", []):
+            assert catch["Next"] in states, (name, catch)
