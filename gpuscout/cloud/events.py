@@ -20,7 +20,6 @@ stopped early by SageMaker: PRUNED, with that reason.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import tarfile
@@ -180,39 +179,62 @@ class TrainingJobStopper(Protocol):
     def describe_hyper_parameter_tuning_job(self, *, HyperParameterTuningJobName: str) -> Any: ...  # noqa: N803
 
 
-def _read_object(s3: ObjectReader, bucket: str, key: str) -> bytes | None:
-    """An object's bytes; None when there is no such object; EventError when S3 cannot be read."""
+def _open_object(s3: ObjectReader, bucket: str, key: str) -> Any | None:
+    """An object's body stream (boto3's StreamingBody); None when there is no such object; EventError when S3 cannot
+    be read."""
     try:
-        body: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        return s3.get_object(Bucket=bucket, Key=key)["Body"]
     except ClientError as err:
         if err.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
             return None
         raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
     except BotoCoreError as err:
         raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
-    return body
 
 
-def read_benchmark(s3: ObjectReader, bucket: str, run_id: str, job_name: str) -> BenchmarkResult | None:
-    """benchmark.json from the job's output.tar.gz; None when the job uploaded no output (or no benchmark)."""
-    key = output_tar_key(run_id, job_name)
-    body = _read_object(s3, bucket, key)
+def _read_object(s3: ObjectReader, bucket: str, key: str) -> bytes | None:
+    """An object's bytes (small files only: the plan step's); None when there is no such object."""
+    body = _open_object(s3, bucket, key)
     if body is None:
         return None
     try:
-        with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
-            member = next(
-                (m for m in archive.getmembers() if m.isfile() and m.name.rsplit("/", 1)[-1] == BENCHMARK_FILE),
-                None,
-            )
-            if member is None:
-                return None
-            if member.size > MAX_BENCHMARK_BYTES:
-                raise EventError(f"{BENCHMARK_FILE} in s3://{bucket}/{key} is {member.size} bytes, too large")
-            handle = archive.extractfile(member)
-            raw = handle.read() if handle is not None else b""
+        data: bytes = body.read()
+    except BotoCoreError as err:
+        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    return data
+
+
+def read_benchmark(s3: ObjectReader, bucket: str, run_id: str, job_name: str) -> BenchmarkResult | None:
+    """benchmark.json from the job's output.tar.gz; None when the job uploaded no output (or no benchmark).
+
+    The archive is streamed (tarfile's "r|*": S3's body read in chunks, gzip inflated as it goes) and only
+    benchmark.json is kept, so the recorder's memory does not grow with the archive: a job may put hundreds of MB of
+    checkpoints or tracker files beside its result (a 512 MB Lambda read the whole archive before)."""
+    key = output_tar_key(run_id, job_name)
+    body = _open_object(s3, bucket, key)
+    if body is None:
+        return None
+    raw: bytes | None = None
+    try:
+        with tarfile.open(fileobj=body, mode="r|*") as archive:
+            for member in archive:
+                if not (member.isfile() and member.name.rsplit("/", 1)[-1] == BENCHMARK_FILE):
+                    continue
+                if member.size > MAX_BENCHMARK_BYTES:
+                    raise EventError(f"{BENCHMARK_FILE} in s3://{bucket}/{key} is {member.size} bytes, too large")
+                handle = archive.extractfile(member)
+                raw = handle.read() if handle is not None else b""
+                break
     except tarfile.TarError as err:
         raise EventError(f"s3://{bucket}/{key} is not a readable tar archive: {err}") from err
+    except (BotoCoreError, OSError) as err:  # the stream broke off (a reset connection, a truncated gzip)
+        raise EventError(f"cannot read s3://{bucket}/{key}: {err}") from err
+    finally:
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
+    if raw is None:
+        return None
     try:
         return BenchmarkResult.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as err:
