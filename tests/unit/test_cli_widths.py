@@ -90,7 +90,7 @@ def test_plan_keeps_job_names_precisions_and_numbers_whole(width: int) -> None:
     from test_cli import QUICKSTART
 
     out = _run(width, "plan", str(QUICKSTART))
-    assert len(re.findall(r"gs-[0-9a-f]{6}-t0v\dr0-local-b\d-a\d(?:-nopack)?\b", out)) == 3  # each job name whole
+    assert len(re.findall(r"gs-[0-9a-f]{10}-t0v\dr0-local-b\d-a\d(?:-nopack)?\b", out)) == 3  # each job name whole
     assert out.count("fp32") == 3 and "precision" in out
     assert re.search(r"total \(3 jobs\)", out) and re.search(r"\b0\.000\d\b", out)
     assert "…" not in out
