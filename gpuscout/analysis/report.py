@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import html
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -139,9 +140,15 @@ def _prediction_text(job: JobAnalysis) -> str:
     return f"{rate_text(job.predicted_rate)} {unit}/s ({job.prediction_method}){ratio}"
 
 
+def _md_text(text: str) -> str:
+    """Text from a run (a job's failure output, a variant's settings) as Markdown shows it, never as HTML a viewer
+    would render: <, > and & escaped."""
+    return html.escape(text, quote=False)
+
+
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")
+        return _md_text(text).replace("|", "\\|").replace("\n", " ")
 
     lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
@@ -292,10 +299,10 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         f"Run `{analysis.run_id}` · {' · '.join(_constraints_text(analysis))} · "
         f"benchmark billed {_usd(analysis.total_billed_usd)} · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}",
         "",
-        *[f"> **{banner}**\n" for banner in banners(analysis)],
+        *[f"> **{_md_text(banner)}**\n" for banner in banners(analysis)],
         "## Recommendation",
         "",
-        analysis.recommendation.summary,
+        _md_text(analysis.recommendation.summary),
         "",
         "## Ranked results",
         "",
@@ -305,13 +312,13 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
     if settings_rows or common:
         parts += ["## Settings of each variant", ""]
         parts += [_md_table(settings_header, settings_rows), ""] if settings_rows else []
-        parts += [f"{'Common to all' if settings_rows else 'Settings'}: {common}", ""] if common else []
+        parts += [f"{'Common to all' if settings_rows else 'Settings'}: {_md_text(common)}", ""] if common else []
     if s["excluded_rows"]:
         parts += ["## Excluded", "", _md_table(s["excluded_header"], s["excluded_rows"]), ""]
     if analysis.search is not None:
         parts += ["## Settings search", ""]
         for text, search_rows in _search_blocks(analysis):
-            parts += [text, "", _md_table(SEARCH_HEADER, search_rows), ""]
+            parts += [_md_text(text), "", _md_table(SEARCH_HEADER, search_rows), ""]
     if charts:
         parts += ["## Charts", ""]
         parts += [f"![{title}]({path.name})\n" for title, path in charts]
@@ -319,7 +326,7 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         parts += ["## Machines", "", _md_table(*_filled(MACHINE_HEADER, _machine_rows(analysis))), ""]
     parts += ["## How the numbers were obtained", "", _md_table(*_filled(s["method_header"], s["method_rows"])), ""]
     parts += ["## Prices used (snapshot)", "", _md_table(s["prices_header"], s["prices_rows"]), ""]
-    parts += ["## Assumptions", ""] + [f"- {a}" for a in analysis.assumptions] + [""]
+    parts += ["## Assumptions", ""] + [f"- {_md_text(a)}" for a in analysis.assumptions] + [""]
     return "\n".join(parts)
 
 
@@ -404,15 +411,28 @@ def write_report(analysis: RunAnalysis, out_dir: Path | str, *, note: str | None
     report (e.g. "example from fixture data, not a measurement").
     """
     out = Path(out_dir)
+    md, page, js = out / "report.md", out / "report.html", out / "report.json"
     try:
         out.mkdir(parents=True, exist_ok=True)
         charts = write_charts(analysis, out)
-        md = out / "report.md"
-        md.write_text(render_markdown(analysis, charts, note=note), encoding="utf-8")
-        page = out / "report.html"
-        page.write_text(render_html(analysis, charts, note=note), encoding="utf-8")
-        js = out / "report.json"
-        js.write_text(analysis.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        texts = {
+            md: render_markdown(analysis, charts, note=note),
+            page: render_html(analysis, charts, note=note),
+            js: analysis.model_dump_json(indent=2) + "\n",
+        }
+        for path, text in texts.items():  # each whole or not at all: a full disk leaves no half report
+            _write_whole(path, text)
     except OSError as err:
         raise ReportError(f"cannot write the report to {out}: {err}") from err
     return {"md": md, "html": page, "json": js, "charts": [p for _, p in charts]}
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed over it: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -157,6 +157,32 @@ def test_text_is_escaped(analysis: RunAnalysis, tmp_path: Path) -> None:
     assert "<script>" not in out["html"].read_text()
     assert "&lt;script&gt;" in out["html"].read_text()
     assert "\\|x" in out["md"].read_text()  # a pipe would break the Markdown table
+    # a job's failure output is run data too: in Markdown it is text, never HTML a viewer renders
+    failed = analysis.model_copy(update={"jobs": [analysis.jobs[0].model_copy(
+        update={"excluded_reason": 'failed: <img src=x onerror="alert(1)"> & more'}
+    )]})  # fmt: skip
+    markdown = report.write_report(failed, tmp_path / "failed")["md"].read_text()
+    assert "<img" not in markdown and '&lt;img src=x onerror="alert(1)"&gt; &amp; more' in markdown
+
+
+def test_a_report_is_written_whole_or_not_at_all(
+    analysis: RunAnalysis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a disk that fills up halfway through report.html
+    real = Path.write_text
+
+    def half_then_full(self: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        if self.name == ".report.html.tmp":
+            real(self, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(report.ReportError, match="No space left"):
+        report.write_report(analysis, tmp_path)
+    # Then no half report.html is left to open (nor its temporary file), and the run says why it has no report
+    assert not (tmp_path / "report.html").exists() and not (tmp_path / ".report.html.tmp").exists()
+    assert (tmp_path / "report.md").exists()  # written whole before the disk filled
 
 
 def test_unwritable_folder_is_a_report_error(analysis: RunAnalysis, tmp_path: Path) -> None:
