@@ -65,6 +65,11 @@ def default_db_path() -> Path:
     return base / "gpuscout.db"
 
 
+def _writable(path: Path) -> bool:
+    """Whether SQLite could write ``path`` and its journal beside it (the file and its folder)."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
 def _as_utc(value: datetime) -> datetime:
     """Naive datetimes are taken to be UTC, aware ones are converted to it."""
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -88,19 +93,39 @@ class SqliteStore:
                 + (" (the default; pass --db or set GPUSCOUT_DB for another)" if path is None else "")
                 + "; `gpuscout local` creates it with the first run"
             )
+        existed = self.path.is_file()
+        # a database on read-only media (a mounted backup, a shared results folder) is still readable: read-only
+        # commands open it read-only instead of failing on the journal set-up
+        self.read_only = not create and existed and not _writable(self.path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._connect() as conn:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript(_SCHEMA)
+                if existed:
+                    self._check_integrity(conn)
+                if not self.read_only:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    conn.executescript(_SCHEMA)
                 self._check_schema_version(conn)
         except (OSError, sqlite3.Error) as err:
             raise StoreError(f"cannot open the result database {self.path}: {err}") from err
+
+    def _check_integrity(self, conn: sqlite3.Connection) -> None:
+        """A damaged file is refused before anything is written into it (PRAGMA quick_check)."""
+        rows = [str(row[0]) for row in conn.execute("PRAGMA quick_check(5)").fetchall()]
+        if rows != ["ok"]:
+            problems = [line.strip() for row in rows for line in row.splitlines() if line.strip("* \t")]
+            raise StoreError(
+                f"the result database {self.path} is damaged ({'; '.join(problems)}); nothing was written to it. "
+                f"Move it aside (its runs' folders stay readable) and run again, or pass --db for another file"
+            )
 
     def _check_schema_version(self, conn: sqlite3.Connection) -> None:
         with conn:
             row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
             found = row[0] if row else None
+            if found is None and self.read_only:
+                raise StoreError(f"{self.path} is read-only and holds no gpuscout schema")
             if found is None:
                 conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif found > SCHEMA_VERSION:
@@ -115,7 +140,10 @@ class SqliteStore:
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
         """A connection whose ``with`` block is one transaction (commit on success, rollback on error)."""
-        with closing(sqlite3.connect(self.path, timeout=30.0, isolation_level="DEFERRED")) as conn:
+        # immutable: on read-only media nothing can change the file, so SQLite needs no lock or WAL index beside it
+        ro = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1"
+        target, uri = (ro, True) if self.read_only else (str(self.path), False)
+        with closing(sqlite3.connect(target, timeout=30.0, isolation_level="DEFERRED", uri=uri)) as conn:
             conn.execute("PRAGMA foreign_keys=ON")
             yield conn
 

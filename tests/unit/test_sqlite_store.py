@@ -110,3 +110,41 @@ def test_concurrent_events_apply_exactly_once(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert sorted(outcomes) == [False] * 5 + [True]
+
+
+def test_a_damaged_database_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # Given a database with runs whose pages were overwritten (a crash mid-copy, a bad disk)
+    path = tmp_path / "gpuscout.db"
+    store = SqliteStore(path)
+    for i in range(200):
+        store.put_run(_run(f"run-{i:03d}").model_copy(update={"error": "x" * 400}))
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(path.read_bytes())
+    assert len(data) > 40_000
+    data[8192:24576] = bytes(range(256)) * 64  # three pages of the table's b-tree
+    path.write_bytes(bytes(data))
+    before = path.read_bytes()
+    # When it is opened, Then a clear refusal names the file and what to do, and the file is left as it was
+    with pytest.raises(StoreError, match=r"is damaged .*nothing was written to it.*Move it aside") as err:
+        SqliteStore(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)  # one line for the CLI
+    assert path.read_bytes() == before
+
+
+def test_a_database_on_read_only_media_is_readable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuscout.store import sqlite as sqlite_module
+
+    path = tmp_path / "gpuscout.db"
+    SqliteStore(path).put_run(_run("kept"))
+    # Given the file and its folder cannot be written (root can write anything here, so the check is what we fake)
+    monkeypatch.setattr(sqlite_module, "_writable", lambda _path: False)
+    for leftover in tmp_path.glob("gpuscout.db-*"):  # as a copy on read-only media would be: no WAL files beside it
+        leftover.unlink()
+    # When a read-only command opens it, Then it reads (a real read-only connection) and refuses writes plainly
+    store = SqliteStore(path, create=False)
+    assert store.read_only and store.get_run("kept").run_id == "kept"
+    assert [r.run_id for r in store.list_runs()] == ["kept"]
+    with pytest.raises(StoreError, match=r"readonly|read-only"):
+        store.put_run(_run("new"))
+    assert not list(tmp_path.glob("gpuscout.db-*"))  # nothing created beside it
