@@ -1,6 +1,7 @@
-"""EventBridge: a manifest upload starts a run; SageMaker job-state changes of our jobs reach job_events.
+"""EventBridge: a manifest upload starts a run; SageMaker job-state changes of our jobs reach job_events; a failed
+execution reaches mark_run_failed; a schedule runs the budget check (budget_guard) every few minutes.
 
-Both targets get an encrypted, TLS-only SQS dead-letter queue and a bounded retry policy, so an event that
+Every target gets an encrypted, TLS-only SQS dead-letter queue and a bounded retry policy, so an event that
 cannot be delivered is kept (and alarmed on, see monitoring.py) instead of silently dropped.
 """
 
@@ -22,11 +23,14 @@ TRAINING_STATE_CHANGE = "SageMaker Training Job State Change"
 EXECUTION_STATUS_CHANGE = "Step Functions Execution Status Change"
 # Execution ends that leave a run to be closed (a Catch may have closed it already; marking is idempotent).
 FAILED_EXECUTION_STATUSES = ("FAILED", "TIMED_OUT", "ABORTED")
+# How often budget_guard projects running runs' spend (gpuscout/cloud/budget_guard.py): a run that crosses its budget
+# is stopped within this interval, so it overspends by at most this long at its running jobs' hourly price.
+BUDGET_CHECK_INTERVAL_MINUTES = 5
 
 
 class EventRules(Construct):
-    """`manifest_uploaded`, `job_state_changed` and `execution_failed` rules, with `dead_letter_queues` (one per
-    target)."""
+    """`manifest_uploaded`, `job_state_changed`, `execution_failed` and `budget_check` rules, with
+    `dead_letter_queues` (one per target)."""
 
     def __init__(
         self,
@@ -37,16 +41,19 @@ class EventRules(Construct):
         state_machine: sfn.IStateMachine,
         job_events_function: lambda_.IFunction,
         mark_run_failed_function: lambda_.IFunction,
+        budget_guard_function: lambda_.IFunction,
         removal_policy: RemovalPolicy,
     ) -> None:
         super().__init__(scope, construct_id)
         self.manifest_dead_letters = self._queue("ManifestDeadLetters", removal_policy)
         self.job_event_dead_letters = self._queue("JobEventDeadLetters", removal_policy)
         self.execution_failed_dead_letters = self._queue("ExecutionFailedDeadLetters", removal_policy)
+        self.budget_check_dead_letters = self._queue("BudgetCheckDeadLetters", removal_policy)
         self.dead_letter_queues = (
             self.manifest_dead_letters,
             self.job_event_dead_letters,
             self.execution_failed_dead_letters,
+            self.budget_check_dead_letters,
         )
 
         self.manifest_uploaded = events.Rule(
@@ -119,6 +126,26 @@ class EventRules(Construct):
                 dead_letter_queue=self.execution_failed_dead_letters,
                 retry_attempts=8,
                 max_event_age=Duration.hours(6),
+            )
+        )
+
+        # The hard budget cap: job_events sees a run's spend only when one of its jobs ends, so a schedule projects
+        # every running run's spend to now and stops a run over its budget within one interval. A check that
+        # cannot be delivered before the next one is due is parked in the DLQ (and alarmed on), not retried later.
+        interval = Duration.minutes(BUDGET_CHECK_INTERVAL_MINUTES)
+        self.budget_check = events.Rule(
+            self,
+            "BudgetCheck",
+            description=f"Every {BUDGET_CHECK_INTERVAL_MINUTES} minutes: stop the jobs of any running gpuscout run "
+            "whose projected spend crossed its budget",
+            schedule=events.Schedule.rate(interval),
+        )
+        self.budget_check.add_target(
+            targets.LambdaFunction(
+                budget_guard_function,
+                dead_letter_queue=self.budget_check_dead_letters,
+                retry_attempts=2,
+                max_event_age=interval,
             )
         )
 

@@ -81,6 +81,12 @@ FUNCTION_SPECS = (
         invoked_async=True,
     ),
     FunctionSpec(
+        "budget_guard",
+        "Every few minutes: project running runs' spend and stop the jobs of a run over its budget",
+        timeout_minutes=2,
+        invoked_async=True,
+    ),
+    FunctionSpec(
         "analyze_run",
         "Cost analysis, ranking, recommendation and report of a finished run",
         memory_mb=2048,
@@ -209,7 +215,8 @@ class Functions(Construct):
             description=f"gpuscout Lambda dependencies ({REQUIREMENTS.relative_to(REPO_DIR)})",
             removal_policy=removal_policy,
         )
-        # Async invocations (EventBridge -> job_events) that fail after Lambda's retries land here.
+        # Async invocations (EventBridge -> job_events, mark_run_failed, budget_guard) that fail after Lambda's
+        # retries land here.
         self.dead_letter_queue = sqs.Queue(
             self,
             "AsyncDeadLetters",

@@ -141,6 +141,7 @@ class GpuscoutStack(Stack):
             state_machine=self.workflow.state_machine,
             job_events_function=self.functions.functions["job_events"],
             mark_run_failed_function=self.functions.functions["mark_run_failed"],
+            budget_guard_function=self.functions.functions["budget_guard"],
             removal_policy=removal,
         )
         self.monitoring = Monitoring(
@@ -302,6 +303,21 @@ class GpuscoutStack(Stack):
                     conditions={"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
                 )
             )
+        # The scheduled budget check (gpuscout.cloud.budget_guard) reads runs and jobs from the table and stops the
+        # jobs of a run over its budget: its training jobs, and its tuning jobs (which stop their trials). Nothing
+        # else: no Describe (the rows say what runs), no job output.
+        lambdas["budget_guard"].add_to_policy(
+            iam.PolicyStatement(
+                sid="StopTrainingJobsOverBudget", actions=["sagemaker:StopTrainingJob"], resources=[TRAINING_JOBS_ARN]
+            )
+        )
+        lambdas["budget_guard"].add_to_policy(
+            iam.PolicyStatement(
+                sid="StopTuningJobsOverBudget",
+                actions=["sagemaker:StopHyperParameterTuningJob"],
+                resources=[TUNING_JOBS_ARN],
+            )
+        )
         lambdas["analyze_run"].add_to_policy(
             iam.PolicyStatement(
                 sid="WriteReports", actions=["s3:PutObject"], resources=[data.arn_for_objects(f"{REPORTS_PREFIX}*")]
@@ -463,6 +479,18 @@ class GpuscoutStack(Stack):
                 "Describes a search trial's tuning job (was the trial stopped early by it?), lists its trials and, "
                 f"as budget guard, stops it. {job_names}.",
             )
+        acknowledge(
+            lambdas["budget_guard"],
+            f"AwsSolutions-IAM5[Resource::{training_jobs}]",
+            "The scheduled budget check stops the running training jobs of a run whose projected spend crossed its "
+            f"budget (StopTrainingJob only). {job_names}.",
+        )
+        acknowledge(
+            lambdas["budget_guard"],
+            f"AwsSolutions-IAM5[Resource::{tuning_jobs}]",
+            "The scheduled budget check stops the tuning jobs of a search over its budget, which stops their trials "
+            f"and launches no further one (StopHyperParameterTuningJob only). {job_names}.",
+        )
         acknowledge(
             lambdas["plan_jobs"],
             f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{PLANS_PREFIX}*]",

@@ -132,7 +132,8 @@ DYNAMODB_RETRY: dict[str, Any] = {
     "backoff_rate": 2.0,
     "jitter_strategy": sfn.JitterType.FULL,
 }
-# Run statuses after which no further training job may start (the budget guard in job_events sets STOPPED).
+# Run statuses after which no further training job may start (the budget guard, in job_events or budget_guard, sets
+# STOPPED).
 RUN_STATUSES_THAT_STOP_LAUNCHES = ("STOPPED", "FAILED")
 REFUSAL_KEY = "refused"  # gpuscout.cloud.step_errors.REFUSAL_KEY: a Validate or Plan refusal
 MANIFEST_REJECTED = "ManifestRejected"
@@ -504,10 +505,11 @@ class BenchmarkWorkflow(Construct):
         self, launch: sfn.IChainable, *, table: dynamodb.ITable, suffix: str, skip_name: str, noun: str,
         read_comment: str, on_error: tasks.LambdaInvoke,
     ) -> sfn.IChainable:  # fmt: skip
-        """Budget guard, launch side: job_events stops running jobs and marks the run STOPPED once measured spend
-        crosses the budget; each Map iteration reads the run's status right before ``launch``, so what has not
-        started yet is skipped instead of launched. A status that cannot be read (after the retries) launches
-        nothing: ``on_error`` records the job as failed with the reason, and the other jobs go on."""
+        """Budget guard, launch side: job_events (measured spend) or the scheduled budget_guard (projected spend)
+        stops running jobs and marks the run STOPPED once the spend crosses the budget; each Map iteration reads the
+        run's status right before ``launch``, so what has not started yet is skipped instead of launched. A status
+        that cannot be read (after the retries) launches nothing: ``on_error`` records the job as failed with the
+        reason, and the other jobs go on."""
         check_run = tasks.DynamoGetItem(
             self,
             f"Read run status{suffix}",

@@ -26,15 +26,14 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from gpuscout import __version__
+from gpuscout.cli.catalog_commands import register as register_catalog_command
 from gpuscout.cli.cloud_commands import register as register_cloud_commands
 from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table, status_markup
-from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS, CatalogPrice
 from gpuscout.errors import (
     BudgetExceededError,
     DiskFullError,
     GpuscoutError,
     ManifestError,
-    PricingError,
     disk_full_file,
     is_disk_full,
 )
@@ -259,164 +258,6 @@ def plan(
                 f"{len(canaries)} canaries before the jobs, predicted ${cost:,.2f} (counted by submit's budget check)"
             )
         console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
-
-
-@app.command("catalog")
-def catalog_cmd(
-    instance_type: Annotated[
-        str | None,
-        typer.Argument(help="Show one instance type in full: every fact with its source, and its price's source."),
-    ] = None,
-    refresh: Annotated[
-        bool,
-        typer.Option(
-            "--refresh",
-            help="Read every type's SageMaker on-demand rate from the AWS Price List API (needs AWS credentials with "
-            "pricing:GetProducts) and rewrite the price snapshot, configs/pricing/sagemaker.json.",
-        ),
-    ] = False,
-    region: Annotated[
-        str, typer.Option("--region", help="The region whose rates --refresh reads.", metavar="REGION")
-    ] = "us-east-1",
-) -> None:
-    """List the instance types gpuscout knows: GPUs, memory, peak TFLOPS, how each is sold, and its on-demand price
-    with the price's kind, date and source."""
-    from gpuscout.domain.catalog import load_catalog
-
-    catalog = load_catalog()
-    if refresh:
-        catalog = _refresh_prices(catalog, region)
-    if instance_type is not None:
-        _print_instance(catalog.get(instance_type), catalog)
-        return
-    columns = [
-        Column("instance type", whole=True),
-        Column("GPUs", justify="right", whole=True),
-        Column("GPU"),
-        Column("GPU mem GB", justify="right", whole=True),
-        Column("bf16 TFLOPS/GPU", justify="right", whole=True),
-        Column("vCPU", justify="right", whole=True),
-        Column("RAM GiB", justify="right", whole=True),
-        Column("links"),
-        Column("sold as"),
-        Column("$/h on-demand", justify="right", whole=True),
-        Column("price"),
-    ]
-    cells = []
-    stale = 0
-    for inst in catalog:
-        sku = inst.sku
-        peak = sku.peak_for("bf16") if sku else None
-        price = inst.price
-        stale += bool(price and price.stale())
-        links = "EFA" if inst.efa else ""
-        if inst.interconnect:
-            links = f"{inst.interconnect.replace('nvlink', 'NVLink').replace('pcie', 'PCIe')} {links}".strip()
-        cells.append([
-            inst.instance_type,
-            str(inst.gpu_count),
-            escape(sku.model) if sku else "-",
-            _num(inst.gpu_memory_gb, "{:.0f}"),
-            _num(peak, "{:.0f}") if sku else "-",
-            _num(inst.vcpus, "{}"),
-            _num(inst.memory_gib, "{:.0f}"),
-            links or "-",
-            "this machine" if inst.is_local else ", ".join(o.replace("_", " ") for o in inst.purchase_options),
-            _num(price.usd_per_hour, "{:.3f}") if price else "-",
-            _price_label(price, inst.is_local),
-        ])  # fmt: skip
-    responsive_table(console, "Instance catalog", columns, cells, key=0)
-    if catalog.prices is not None:
-        console.print(f"Prices: {escape(catalog.prices.method)}", soft_wrap=True)
-        for unpriced_type, why in catalog.prices.unpriced.items():
-            console.print(
-                f"  {unpriced_type}: no price ({escape(why)}); a manifest targeting it states price_per_hour_usd",
-                soft_wrap=True,
-            )
-    if stale:
-        console.print(
-            f"[yellow]{stale} STALE price(s), read more than {STALE_AFTER_DAYS} days ago: refresh with "
-            f"`{REFRESH_COMMAND}`[/]",
-            soft_wrap=True,
-        )
-
-
-def _print_instance(inst: Any, catalog: Any) -> None:
-    """One instance type in full: hardware facts, what is unconfirmed, how it is sold, its GPU and price, sources."""
-    sku = inst.sku
-    console.print(f"[bold]{inst.instance_type}[/] ({inst.role})")
-    facts = {
-        "GPUs": f"{inst.gpu_count} x {sku.model}, {inst.gpu_memory_gb:g} GB each" if sku else "none",
-        "GPU interconnect": inst.interconnect or ("-" if inst.gpu_count < 2 else "unconfirmed"),
-        "vCPU": inst.vcpus, "memory GiB": inst.memory_gib, "local NVMe GB": inst.nvme_gb,
-        "network Gbps": inst.network_gbps, "EFA": "yes" if inst.efa else "no",
-        "sold as": ", ".join(o.replace("_", " ") for o in inst.purchase_options) or "this machine",
-    }  # fmt: skip
-    for name, value in facts.items():
-        console.print(f"  {name}: {escape(str('unconfirmed' if value is None else value))}", soft_wrap=True)
-    if inst.unconfirmed:
-        console.print(f"  unconfirmed (left unknown): {', '.join(inst.unconfirmed)}", soft_wrap=True)
-    for source in inst.sources:
-        console.print(f"  source ({inst.sources_date}): {escape(source)}", soft_wrap=True)
-    if sku is not None:
-        peaks = ", ".join(f"{k} {v:g}" for k, v in sku.peak_tflops.items()) or "none published"
-        mfu = (
-            f"{sku.assumed_mfu:g} ({sku.assumed_mfu_basis})" if sku.assumed_mfu else "none: not predictable from FLOPs"
-        )
-        console.print(f"  GPU {sku.sku}: dense TFLOPS {peaks}; assumed utilization {escape(mfu)}", soft_wrap=True)
-        for source in sku.sources:
-            console.print(f"  GPU source ({sku.source_date}): {escape(source)}", soft_wrap=True)
-    price = inst.price
-    if price is not None:
-        console.print(
-            f"  price: ${price.usd_per_hour:,.4f}/h on-demand SageMaker {price.component} ({price.label()}); "
-            f"source: {escape(price.source)}",
-            soft_wrap=True,
-        )
-    elif not inst.is_local:
-        why = catalog.prices.unpriced.get(inst.instance_type, "not listed") if catalog.prices else "no snapshot"
-        console.print(f"  price: unknown ({escape(why)}); a target states price_per_hour_usd", soft_wrap=True)
-    if inst.notes:
-        console.print(f"  notes: {escape(inst.notes)}", soft_wrap=True)
-
-
-def _price_label(price: CatalogPrice | None, local: bool) -> str:
-    if local:
-        return "the manifest states it"
-    if price is None:
-        return "unknown (below)"
-    text = price.label()
-    return f"[yellow]{escape(text)}[/]" if price.stale() else escape(text)
-
-
-def _refresh_prices(catalog: Any, region: str) -> Any:
-    """Rewrite the snapshot from the Price List API; the old file stays when no rate could be read."""
-    from datetime import UTC, datetime
-
-    import boto3
-    import botocore.config
-    import botocore.exceptions
-
-    from gpuscout.analysis.pricing import PRICE_LIST_REGION, refresh_snapshot
-    from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.prices import write_price_file
-
-    try:  # standard retries ride out the Price List API's throttling over a few dozen calls
-        config = botocore.config.Config(retries={"mode": "standard", "max_attempts": 10})
-        client = boto3.client("pricing", region_name=PRICE_LIST_REGION, config=config)
-    except botocore.exceptions.BotoCoreError as err:
-        raise PricingError(f"cannot reach the AWS Price List API: {err}") from err
-    today = datetime.now(UTC).date().isoformat()
-    cloud_types = sum(1 for inst in catalog if not inst.is_local)
-    with console.status(f"reading {cloud_types} rates from the AWS Price List API ({region})"):
-        snapshot = refresh_snapshot(catalog, region=region, client=client, today=today, previous=catalog.prices)
-    path = write_price_file(snapshot)
-    console.print(
-        f"wrote {path}: {len(snapshot.prices)} rates, {len(snapshot.unpriced)} types without one", soft_wrap=True
-    )
-    for instance_type, why in snapshot.unpriced.items():
-        console.print(f"  [yellow]{instance_type}[/]: {escape(why)}", soft_wrap=True)
-    return load_catalog()
 
 
 def _num(value: float | int | None, fmt: str) -> str:
@@ -742,4 +583,5 @@ def track(
         raise GpuscoutError("; ".join(problems))
 
 
+register_catalog_command(app)  # catalog (gpuscout/cli/catalog_commands.py)
 register_cloud_commands(app)  # submit, status (gpuscout/cli/cloud_commands.py)

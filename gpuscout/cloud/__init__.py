@@ -1,6 +1,6 @@
-"""The deployed control plane and its client: the Lambda logic (validate, plan, job events, failures, analyze),
-SageMaker request shapes, Lambda settings from the environment, and the client that submits manifests to a deployed
-stack and reads its results.
+"""The deployed control plane and its client: the Lambda logic (validate, plan, job events, failures, the scheduled
+budget check, analyze), SageMaker request shapes, Lambda settings from the environment, and the client that submits
+manifests to a deployed stack and reads its results.
 
 May import: gpuscout.domain, gpuscout.plan, gpuscout.analysis, gpuscout.store, gpuscout.errors, gpuscout.paths.
 Not gpuscout.local or gpuscout.cli. Modules a Lambda imports at start-up import the analysis lazily, so the

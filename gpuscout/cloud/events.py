@@ -9,7 +9,9 @@ same conditional update as the status.
 Budget guard: after a job ends, the run's measured spend (billable seconds x on-demand price x instance count,
 summed over finished jobs) is compared with the manifest's budget (a search's ``max_cost_usd`` when lower); once it
 is crossed, every job of the run still in progress is stopped (a search trial by stopping its tuning job, which
-would otherwise start the next trial) and the run is marked STOPPED.
+would otherwise start the next trial) and the run is marked STOPPED. ``enforce_budget`` takes the spend figure as a
+function of the run's jobs, so the scheduled check (gpuscout.cloud.budget_guard) stops a run with the same code on
+its projected spend, which counts the jobs still running too.
 
 Settings search (gpuscout.cloud.tuning_requests): a tuning job's trials have no row until their first event. An
 event with a ``TuningJobArn`` for a job without a row creates it (``ResultStore.create_job``, so one of two
@@ -24,6 +26,7 @@ import json
 import re
 import tarfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, Any, Literal, Protocol
@@ -287,6 +290,20 @@ def measured_spend_usd(jobs: list[JobRecord]) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class SpendFigure:
+    """A run's spend and what it is, as the budget guard's error says it: "measured spend" (billed seconds of finished
+    jobs) or "spend projected to <time>" (gpuscout.cloud.budget_guard: the jobs still running counted too)."""
+
+    usd: float
+    wording: str
+
+
+def measured_spend(jobs: list[JobRecord]) -> SpendFigure:
+    """The spend job_events and record_job_result guard on: billed seconds of the jobs that have ended."""
+    return SpendFigure(measured_spend_usd(jobs), "measured spend")
+
+
 def run_budget_usd(manifest: dict[str, Any] | None) -> float | None:
     """The manifest's budget, or its search's spend cap (``search.max_cost_usd``) when that is lower."""
     constraints = (manifest or {}).get("constraints") or {}
@@ -310,12 +327,20 @@ def _stopped(what: str, stop: Callable[[], Any]) -> bool:
 
 
 def enforce_budget(
-    store: ResultStore, sagemaker: TrainingJobStopper, run_id: str, *, default_budget_usd: float | None = None
+    store: ResultStore,
+    sagemaker: TrainingJobStopper,
+    run_id: str,
+    *,
+    default_budget_usd: float | None = None,
+    spend_of: Callable[[list[JobRecord]], SpendFigure] = measured_spend,
 ) -> tuple[float, float | None, list[str]]:
-    """Stop the run's live jobs once its measured spend crosses the budget. Returns (spend, budget, stopped)."""
+    """Stop the run's live jobs and tuning jobs once its spend (``spend_of`` its jobs: measured unless told otherwise)
+    crosses the budget, and mark the run STOPPED with an error that says which spend crossed it. Returns (spend,
+    budget, stopped)."""
     run = store.get_run(run_id)
     jobs = store.list_jobs(run_id)
-    spend = measured_spend_usd(jobs)
+    figure = spend_of(jobs)
+    spend = figure.usd
     budget = run_budget_usd(run.manifest)
     if budget is None:
         budget = default_budget_usd
@@ -337,11 +362,13 @@ def enforce_budget(
         if _stopped(f"tuning job {name}", partial(sagemaker.stop_hyper_parameter_tuning_job,
                                                   HyperParameterTuningJobName=name)):  # fmt: skip
             stopped.append(name)
-    if run.status not in {RunStatus.STOPPED, RunStatus.SUCCEEDED, RunStatus.FAILED}:
+    ended = (RunStatus.STOPPED, RunStatus.SUCCEEDED, RunStatus.FAILED)
+    if run.status not in ended:  # unless_status: a run another writer ended meanwhile keeps its status and reason
         store.update_run(
             run_id,
+            unless_status=ended,
             status=RunStatus.STOPPED,
-            error=f"budget guard: measured spend ${spend:,.2f} crossed the budget of ${budget:,.2f}; "
+            error=f"budget guard: {figure.wording} was ${spend:,.2f}, over the budget of ${budget:,.2f}; "
             f"stopped {len(stopped)} running job(s)",
         )
     return spend, budget, stopped

@@ -307,3 +307,14 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | publish
     topic = synthesized.logical_id(synthesized.stack.notifications.topic)
     assert actions_of("mark_run_failed")["sns:Publish"] == json.dumps({"Ref": topic})
+    # the scheduled budget check: the table, and stopping gpuscout's training and tuning jobs, nothing more (no
+    # Describe, no job output, no Create); its failed async invocations go to the functions' DLQ
+    guard = actions_of("budget_guard")
+    stops = {"sagemaker:StopTrainingJob", "sagemaker:StopHyperParameterTuningJob"}
+    assert stops <= set(guard) and set(guard) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | stops
+    assert ":training-job/gs-*" in guard["sagemaker:StopTrainingJob"]
+    assert "hyper-parameter-tuning-job" not in guard["sagemaker:StopTrainingJob"]
+    assert ":hyper-parameter-tuning-job/gs-*" in guard["sagemaker:StopHyperParameterTuningJob"]
+    assert ":training-job/" not in guard["sagemaker:StopHyperParameterTuningJob"]
+    dlq = synthesized.logical_id(synthesized.stack.functions.dead_letter_queue)
+    assert guard["sqs:SendMessage"] == json.dumps({"Fn::GetAtt": [dlq, "Arn"]})

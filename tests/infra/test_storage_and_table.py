@@ -148,7 +148,7 @@ def test_training_image_asset_uses_the_training_dockerfile_and_a_narrow_context(
 
 def test_dlqs_are_encrypted_and_tls_only(synthesized: Synthesized) -> None:
     queues = synthesized.resources("AWS::SQS::Queue")
-    assert len(queues) == 4
+    assert len(queues) == 5  # one per EventBridge target (4) and the functions' async DLQ
     for queue in queues.values():
         assert queue["Properties"]["SqsManagedSseEnabled"] is True
         assert queue["Properties"]["MessageRetentionPeriod"] == 14 * 24 * 3600
@@ -158,4 +158,4 @@ def test_dlqs_are_encrypted_and_tls_only(synthesized: Synthesized) -> None:
             s["Effect"] == "Deny" and s.get("Condition") == {"Bool": {"aws:SecureTransport": "false"}}
             for s in statements
         )
-    assert len(synthesized.resources("AWS::SQS::QueuePolicy")) == 4
+    assert len(synthesized.resources("AWS::SQS::QueuePolicy")) == 5

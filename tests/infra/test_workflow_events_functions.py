@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from aws_cdk.assertions import Match
 
+from stacks.events import BUDGET_CHECK_INTERVAL_MINUTES
 from stacks.workflow import (
     PROCESSING_REQUEST_FIELDS,
     TRAINING_REQUEST_FIELDS,
@@ -385,6 +386,28 @@ def test_job_state_changes_of_gs_jobs_reach_job_events(synthesized: Synthesized)
     assert target["RetryPolicy"]["MaximumRetryAttempts"] == 8
 
 
+def test_the_budget_check_runs_every_five_minutes_with_a_dlq(synthesized: Synthesized) -> None:
+    # Given the hard budget cap: a schedule invokes budget_guard, which stops a run whose projected spend crossed its
+    # budget (gpuscout/cloud/budget_guard.py); a check that cannot be delivered before the next one is parked
+    assert BUDGET_CHECK_INTERVAL_MINUTES == 5
+    rule = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.events.budget_check)]
+    assert rule["Properties"]["ScheduleExpression"] == "rate(5 minutes)" and rule["Properties"]["State"] == "ENABLED"
+    assert "EventPattern" not in rule["Properties"]
+    (target,) = rule["Properties"]["Targets"]
+    function = synthesized.logical_id(synthesized.stack.functions.functions["budget_guard"])
+    assert target["Arn"] == {"Fn::GetAtt": [function, "Arn"]} and "Input" not in target  # the Scheduled Event itself
+    dlq = synthesized.logical_id(synthesized.stack.events.budget_check_dead_letters)
+    assert target["DeadLetterConfig"] == {"Arn": {"Fn::GetAtt": [dlq, "Arn"]}}
+    assert target["RetryPolicy"] == {"MaximumRetryAttempts": 2, "MaximumEventAgeInSeconds": 5 * 60}
+    assert synthesized.stack.events.budget_check_dead_letters in synthesized.stack.events.dead_letter_queues
+    synthesized.template.has_resource_properties(
+        "AWS::Lambda::Permission",
+        {"Action": "lambda:InvokeFunction", "Principal": "events.amazonaws.com",
+         "FunctionName": {"Fn::GetAtt": [function, "Arn"]},
+         "SourceArn": {"Fn::GetAtt": [synthesized.logical_id(synthesized.stack.events.budget_check), "Arn"]}},
+    )  # fmt: skip
+
+
 def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None:
     functions = synthesized.stack.functions.functions
     layer = synthesized.logical_id(synthesized.stack.functions.layer)
@@ -395,6 +418,7 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
         "record_job_result",
         "mark_run_failed",
         "job_events",
+        "budget_guard",
         "analyze_run",
     }
     for name, function in functions.items():
@@ -419,9 +443,10 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
         }
         log_group = synthesized.logical_id(synthesized.stack.functions.log_groups[name])
         assert props["LoggingConfig"]["LogGroup"] == {"Ref": log_group}
-    job_events = synthesized.template_json["Resources"][synthesized.logical_id(functions["job_events"])]
     dlq = synthesized.logical_id(synthesized.stack.functions.dead_letter_queue)
-    assert job_events["Properties"]["DeadLetterConfig"] == {"TargetArn": {"Fn::GetAtt": [dlq, "Arn"]}}
+    for name in ("job_events", "mark_run_failed", "budget_guard"):  # invoked by EventBridge: asynchronously
+        props = synthesized.template_json["Resources"][synthesized.logical_id(functions[name])]["Properties"]
+        assert props["DeadLetterConfig"] == {"TargetArn": {"Fn::GetAtt": [dlq, "Arn"]}}, name
     synthesized.template.has_resource_properties("AWS::Lambda::EventInvokeConfig", {"MaximumRetryAttempts": 2})
 
 
@@ -480,7 +505,13 @@ def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
     assert failed_runs["Properties"]["Dimensions"] == [{"Name": "service", "Value": "gpuscout"}]
     assert failed_runs["Properties"]["Threshold"] == 1 and failed_runs["Properties"]["Statistic"] == "Sum"
     dlq_alarms = [a for a in alarms if a["Properties"]["MetricName"] == "ApproximateNumberOfMessagesVisible"]
-    assert len(dlq_alarms) == 4
+    assert len(dlq_alarms) == 5  # the four EventBridge targets' and the functions' async DLQ
+    # every function's errors alarm, the budget check's included
+    errors = {
+        a["Properties"]["Dimensions"][0]["Value"]["Ref"] for a in alarms if a["Properties"]["MetricName"] == "Errors"
+    }
+    functions = synthesized.stack.functions.functions
+    assert errors == {synthesized.logical_id(f) for f in functions.values()} and "budget_guard" in functions
     for alarm in dlq_alarms:
         assert alarm["Properties"]["Threshold"] == 0
         assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanThreshold"

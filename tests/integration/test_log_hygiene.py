@@ -14,11 +14,12 @@ import pytest
 
 from gpuscout.cloud.step_errors import ManifestRejected, raise_refusal
 from lambdas.analyze_run import handler as analyze_handler
+from lambdas.budget_guard import handler as budget_guard_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
-from tests.integration.cloud_world import Cloud, benchmark_for, cloud_manifest, job_event
+from tests.integration.cloud_world import Cloud, benchmark_for, cloud_manifest, job_event, load_event
 
 SECRET_KEY = "gpuscoutFAKEsecretKEY0123456789abcdefWXYZ"
 SESSION_TOKEN = "gpuscoutFAKEsessionTOKEN/abc+def=="
@@ -38,7 +39,7 @@ def test_handler_logs_hold_no_credentials_or_presigned_urls(
     monkeypatch.setenv("AWS_SESSION_TOKEN", SESSION_TOKEN)
 
     # when every handler runs: a rejected manifest, a plan, job events up to a stored benchmark, a caught
-    # failure and the analysis,
+    # failure, a scheduled budget check and the analysis,
     with pytest.raises(ManifestRejected):
         raise_refusal(validate_handler.handler(cloud.submit("name: x\nsequence_length: -1\n", "broken"), cloud.context))
     validated = validate_handler.handler(cloud.submit(cloud_manifest()), cloud.context)
@@ -50,6 +51,7 @@ def test_handler_logs_hold_no_credentials_or_presigned_urls(
     job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=first), cloud.context)
     error = {"Error": "SageMaker.ResourceLimitExceededException", "Cause": "account quota for ml.p4d.24xlarge"}
     failure_handler.handler({"run_id": run_id, "job_name": second, "error": error}, cloud.context)
+    budget_guard_handler.handler(load_event("scheduled_event"), cloud.context)
     analyze_handler.handler({"run_id": run_id}, cloud.context)
 
     captured = capfd.readouterr()
@@ -57,7 +59,7 @@ def test_handler_logs_hold_no_credentials_or_presigned_urls(
 
     # then the handlers' log records were seen (so this search looks at real output) ...
     messages = {record.getMessage() for record in caplog.records}
-    assert {"manifest valid", "job event processed", "job failed", "run analyzed"} <= messages
+    assert {"manifest valid", "job event processed", "job failed", "budget check done", "run analyzed"} <= messages
     # ... and hold neither the credentials nor any presigned URL.
     assert SECRET_KEY not in logs
     assert SESSION_TOKEN not in logs

@@ -153,6 +153,7 @@ LIGHT_LAMBDAS = [
     "record_job_failure",
     "record_job_result",
     "mark_run_failed",
+    "budget_guard",
 ]
 
 

@@ -1,0 +1,164 @@
+"""The scheduled budget check: each running run's spend projected to now, and the stop of a run whose projection
+crossed its budget (Cloud contract: budget_guard).
+
+job_events guards a run's budget when one of its jobs ends, on measured spend (billed seconds of the jobs that have
+ended): a job that runs on is never counted until it ends, so one long job could spend up to twice the budget before
+anything stopped it. An EventBridge schedule (stacks/events.py, BUDGET_CHECK_INTERVAL_MINUTES) therefore invokes
+lambdas/budget_guard, which calls :func:`check_budgets`: for every RUNNING run among the newest RUNS_CHECKED it
+projects the spend and, past the budget, stops the run's live training jobs and its tuning jobs and marks it STOPPED,
+with ``events.enforce_budget``'s code and an error that says the spend was projected and to when.
+
+Projected spend = the measured spend (billed seconds x on-demand price per instance-hour x instance count) + for each
+job still billing with no billed seconds yet (STARTING, TRAINING, and STOPPING until its final event brings them)
+the time since it started x its on-demand price x its instance count, to ``now`` (the caller's clock). The figure
+may count a little more than SageMaker bills, never less:
+
+- a job started at the earliest StartTime among its recorded secondary status transitions (SageMaker's "Starting",
+  before the instances bill); with none recorded, at its last applied event while it is live; else not yet (0);
+- a spot job is counted at the on-demand price (its billed seconds, and so its bill, can only be fewer);
+- a canary bills like any job, so it counts.
+
+A run crosses its budget between two checks at most one interval before it is seen: it overspends by at most the
+interval x the hourly price of its running jobs (plus the minute or two a stopped job takes to stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuscout.cloud.events import (
+    LIVE_JOB_STATUSES,
+    EventError,
+    SecondaryStatusTransition,
+    SpendFigure,
+    TrainingJobStopper,
+    enforce_budget,
+    measured_spend_usd,
+)
+from gpuscout.errors import GpuscoutError
+from gpuscout.store.base import JobRecord, JobStatus, ResultStore, RunStatus
+
+# How many of the newest runs a check reads for RUNNING ones (store.list_runs is newest first): far more than run
+# at once within an execution's lifetime (72 h by default).
+RUNS_CHECKED = 200
+# Jobs that bill until their final event brings their billed seconds: the live ones, and one being stopped.
+BILLING_JOB_STATUSES = LIVE_JOB_STATUSES | {JobStatus.STOPPING}
+
+
+class BudgetCheckError(GpuscoutError):
+    """A check could not stop the jobs of a run over its budget (the run stays RUNNING; the next check tries again)."""
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def job_started_at(job: JobRecord) -> datetime | None:
+    """When the job started billing, at the earliest: its first secondary status transition's StartTime; with none
+    recorded, its last applied event's time while it is billing; None when it has not started."""
+    starts = []
+    for transition in job.secondary_status_transitions:
+        try:
+            starts.append(_utc(SecondaryStatusTransition.model_validate(transition).start_time))
+        except ValidationError:
+            continue  # a transition without a readable StartTime says nothing of when the job started
+    if starts:
+        return min(starts)
+    if job.status in BILLING_JOB_STATUSES and job.last_event_time is not None:
+        return _utc(job.last_event_time)
+    return None
+
+
+def running_spend_usd(job: JobRecord, *, now: datetime) -> float:
+    """What a job still billing has spent by ``now`` and is not in its billed seconds yet: elapsed hours since it
+    started x on-demand price per instance-hour x instance count; 0 for a job billed, ended or not started."""
+    if job.status not in BILLING_JOB_STATUSES or job.billable_seconds is not None:
+        return 0.0
+    started = job_started_at(job)
+    if started is None:
+        return 0.0
+    hours = max(0.0, (_utc(now) - started).total_seconds()) / 3600
+    return hours * float(job.spec.get("price_per_hour_usd", 0.0)) * job.instance_count
+
+
+def projected_spend_usd(jobs: list[JobRecord], *, now: datetime) -> float:
+    """The run's measured spend plus what its jobs still billing have spent by ``now`` (see the module docstring)."""
+    return measured_spend_usd(jobs) + sum(running_spend_usd(job, now=now) for job in jobs)
+
+
+def projected_spend(now: datetime) -> Callable[[list[JobRecord]], SpendFigure]:
+    """``enforce_budget``'s spend figure for the scheduled check: the spend projected to ``now``."""
+    moment = _utc(now)
+
+    def figure(jobs: list[JobRecord]) -> SpendFigure:
+        return SpendFigure(projected_spend_usd(jobs, now=moment), f"spend projected to {moment:%Y-%m-%d %H:%M} UTC")
+
+    return figure
+
+
+class RunBudgetCheck(BaseModel):
+    """One running run, checked: its projected spend, its budget, and what was stopped (nothing under budget)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    projected_spend_usd: float
+    budget_usd: float | None
+    over_budget: bool
+    stopped_jobs: list[str] = Field(default_factory=list)  # training and tuning jobs this check stopped
+
+
+class BudgetCheckOutcome(BaseModel):
+    """What one scheduled check did (the handler logs it and emits RunsStoppedOverBudget from it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checked_at: datetime
+    runs: list[RunBudgetCheck] = Field(default_factory=list)  # every RUNNING run checked
+    errors: list[str] = Field(default_factory=list)  # runs that could not be checked or stopped, with why
+
+    @property
+    def stopped_runs(self) -> list[RunBudgetCheck]:
+        return [run for run in self.runs if run.over_budget]
+
+
+def check_budgets(
+    store: ResultStore,
+    sagemaker: TrainingJobStopper,
+    *,
+    now: datetime,
+    default_budget_usd: float | None = None,
+    limit: int = RUNS_CHECKED,
+) -> BudgetCheckOutcome:
+    """Project every RUNNING run's spend to ``now`` and stop each run whose projection crossed its budget (the
+    manifest's, or ``default_budget_usd`` when it states none).
+
+    Idempotent: a run stopped becomes STOPPED, which no later check reads again. A run whose jobs could not be
+    stopped is left RUNNING and named in ``errors`` (the next check tries again); the other runs are checked all the
+    same.
+    """
+    outcome = BudgetCheckOutcome(checked_at=_utc(now))
+    spend_of = projected_spend(now)
+    for run in store.list_runs(limit=limit):
+        if run.status is not RunStatus.RUNNING:
+            continue
+        try:
+            spend, budget, stopped = enforce_budget(
+                store, sagemaker, run.run_id, default_budget_usd=default_budget_usd, spend_of=spend_of
+            )
+        except EventError as err:
+            outcome.errors.append(f"run {run.run_id}: {err}")
+            continue
+        outcome.runs.append(
+            RunBudgetCheck(
+                run_id=run.run_id,
+                projected_spend_usd=spend,
+                budget_usd=budget,
+                over_budget=budget is not None and spend > budget,
+                stopped_jobs=stopped,
+            )
+        )
+    return outcome

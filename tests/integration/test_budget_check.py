@@ -1,0 +1,108 @@
+"""The scheduled budget check (lambdas/budget_guard) against moto: a run whose one long job has not ended is stopped
+once its projected spend crosses the budget (issue 54 item 2, the hard budget cap).
+
+moto's SageMaker has no StopTrainingJob: a botocore Stubber on the handlers' SageMaker client takes the stop and
+fails the test on any call it was not told to expect."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from botocore.stub import Stubber
+from pydantic import ValidationError
+
+from gpuscout.store.base import JobStatus, RunStatus
+from lambdas.budget_guard import handler as budget_guard_handler
+from lambdas.job_events import handler as job_events_handler
+from lambdas.plan_jobs import handler as plan_handler
+from lambdas.validate_manifest import handler as validate_handler
+from tests.integration.cloud_world import Cloud, cloud_manifest, job_event, load_event
+
+
+def _emitted(output: str, metric: str) -> list[float]:
+    """The value of every CloudWatch embedded-metric-format record of ``metric`` a handler printed."""
+    found = []
+    for line in output.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for directive in record.get("_aws", {}).get("CloudWatchMetrics", []):
+            if any(m["Name"] == metric for m in directive["Metrics"]):
+                values = record[metric] if isinstance(record[metric], list) else [record[metric]]
+                found.append(float(sum(values)))
+    return found
+
+
+def _started_hours_ago(cloud: Cloud, hours: float) -> tuple[str, str, float]:
+    """A planned run ($50 budget) whose p4d job (on-demand price in its spec) has trained for ``hours`` by its
+    SageMaker transitions, recorded by job_events; (run id, job name, price per hour)."""
+    validated = validate_handler.handler(cloud.submit(cloud_manifest(budget=50.0)), cloud.context)
+    planned: dict[str, Any] = plan_handler.handler(validated, cloud.context)
+    run_id = planned["run_id"]
+    name = sorted(j["job_name"] for j in cloud.items(planned) if "p4d" in j["job_name"])[0]
+    event = job_event("training_inprogress_training", run_id=run_id, job_name=name, instance_type="ml.p4d.24xlarge")
+    start = datetime.now(UTC) - timedelta(hours=hours)
+    millis = [int((start + timedelta(minutes=m)).timestamp() * 1000) for m in (0, 2, 5)]
+    for transition, at in zip(event["detail"]["SecondaryStatusTransitions"], millis, strict=True):
+        transition["StartTime"] = at
+    event["detail"]["LastModifiedTime"] = millis[-1]
+    with Stubber(cloud.services.sagemaker):  # a live job's event stops nothing: any SageMaker call fails the stub
+        out = job_events_handler.handler(event, cloud.context)
+    assert out["applied"] is True and out["stopped_jobs"] == []
+    row = cloud.services.store.get_job(run_id, name)
+    assert row is not None and row.status is JobStatus.TRAINING and row.billable_seconds is None
+    return run_id, name, float(row.spec["price_per_hour_usd"])
+
+
+def test_the_scheduled_check_stops_a_long_job_over_budget_once(
+    cloud: Cloud, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a RUNNING run whose p4d job has trained for 3 h (over $100 at the on-demand price) against a $50 budget,
+    # which job_events' guard never saw: no job of the run has ended, so its measured spend is $0
+    run_id, name, price = _started_hours_ago(cloud, hours=3)
+    assert 3 * price > 50.0
+    store = cloud.services.store
+    assert store.get_run(run_id).status is RunStatus.RUNNING
+    capsys.readouterr()
+    # When EventBridge's schedule invokes the budget check
+    with Stubber(cloud.services.sagemaker) as stub:
+        stub.add_response("stop_training_job", {}, {"TrainingJobName": name})
+        out = budget_guard_handler.handler(load_event("scheduled_event"), cloud.context)
+        stub.assert_no_pending_responses()
+    # Then the long job was stopped (the run's other jobs have not started) and the run is STOPPED, saying why
+    [checked] = out["runs"]
+    assert checked["run_id"] == run_id and checked["over_budget"] is True and checked["stopped_jobs"] == [name]
+    assert checked["budget_usd"] == 50.0 and checked["projected_spend_usd"] == pytest.approx(3 * price, rel=0.01)
+    run = store.get_run(run_id)
+    assert run.status is RunStatus.STOPPED
+    assert run.error is not None and run.error.startswith("budget guard: spend projected to ")
+    assert "over the budget of $50.00; stopped 1 running job(s)" in run.error
+    # and RunsStoppedOverBudget counted it
+    assert _emitted(capsys.readouterr().out, "RunsStoppedOverBudget") == [1.0]
+    # When the next check runs (the job's Stopped event has not come yet: its row still says TRAINING)
+    with Stubber(cloud.services.sagemaker):  # nothing may be stopped again
+        again = budget_guard_handler.handler(load_event("scheduled_event"), cloud.context)
+    # Then it stops nothing new and counts no run
+    assert again["runs"] == [] and store.get_run(run_id).error == run.error
+    assert _emitted(capsys.readouterr().out, "RunsStoppedOverBudget") == [0.0]
+
+
+def test_the_scheduled_check_leaves_a_run_under_budget_alone(cloud: Cloud) -> None:
+    # Given a RUNNING run whose p4d job has trained for 10 minutes (a few dollars of its $50)
+    run_id, _, price = _started_hours_ago(cloud, hours=1 / 6)
+    # When the check runs, Then it stops nothing (the stub fails on any call) and the run goes on
+    with Stubber(cloud.services.sagemaker):
+        out = budget_guard_handler.handler(load_event("scheduled_event"), cloud.context)
+    [checked] = out["runs"]
+    assert checked["over_budget"] is False and checked["stopped_jobs"] == []
+    assert checked["projected_spend_usd"] == pytest.approx(price / 6, rel=0.05)
+    assert cloud.services.store.get_run(run_id).status is RunStatus.RUNNING
+
+
+def test_the_budget_check_takes_only_scheduled_events(cloud: Cloud) -> None:
+    with pytest.raises(ValidationError):
+        budget_guard_handler.handler(load_event("training_inprogress_training"), cloud.context)
