@@ -13,9 +13,11 @@ job still billing with no billed seconds yet (STARTING, TRAINING, and STOPPING u
 the time since it started x its on-demand price x its instance count, to ``now`` (the caller's clock). The figure
 may count a little more than SageMaker bills, never less:
 
-- a job started at the earliest StartTime among its recorded secondary status transitions (SageMaker's "Starting",
-  before the instances bill); with none recorded, at its last applied event while it is live; else not yet (0);
-- a spot job is counted at the on-demand price (its billed seconds, and so its bill, can only be fewer);
+- a job's time is the sum of its recorded secondary status transitions (SageMaker's "Starting" included, before the
+  instances bill) but its waits: a spot job's time waiting for capacity ("Starting", "Interrupted") is not counted,
+  or a spot benchmark waiting for capacity would be stopped for money it never spent; with no transition recorded,
+  an on-demand job still billing counts from its last applied event;
+- a spot job's time is counted at the on-demand price (its bill can only be lower);
 - a canary bills like any job, so it counts.
 
 A run crosses its budget between two checks at most one interval before it is seen: it overspends by at most the
@@ -72,15 +74,44 @@ def job_started_at(job: JobRecord) -> datetime | None:
     return None
 
 
+# Secondary statuses in which a job waits without instances (a spot job waiting for capacity, or interrupted), and
+# which a spot job spends in "Starting" waiting for capacity too (hours, at times): not counted.
+WAITING_STATUSES = frozenset({"Interrupted", "MaxWaitTimeExceeded"})
+
+
+def billing_seconds_so_far(job: JobRecord, *, now: datetime) -> float:
+    """Seconds the job has held instances by ``now``, from its recorded secondary status transitions: each lasts to
+    its EndTime, else to the next one's StartTime, else to ``now``; waits (WAITING_STATUSES, and "Starting" for a
+    spot job, which may wait there for capacity) are left out. With no transition recorded, an on-demand job still
+    billing counts from its last applied event; a spot one counts nothing until its transitions arrive."""
+    parsed: list[SecondaryStatusTransition] = []
+    for transition in job.secondary_status_transitions:
+        try:
+            parsed.append(SecondaryStatusTransition.model_validate(transition))
+        except ValidationError:
+            continue  # a transition without a readable StartTime says nothing of when the job held instances
+    moment = _utc(now)
+    if not parsed:
+        if job.status in BILLING_JOB_STATUSES and job.last_event_time is not None and not job.spot:
+            return max(0.0, (moment - _utc(job.last_event_time)).total_seconds())
+        return 0.0
+    parsed.sort(key=lambda t: _utc(t.start_time))
+    total = 0.0
+    for index, step in enumerate(parsed):
+        if step.status in WAITING_STATUSES or (job.spot and step.status == "Starting"):
+            continue
+        nxt = parsed[index + 1].start_time if index + 1 < len(parsed) else None
+        end = _utc(step.end_time or nxt or moment)
+        total += max(0.0, (min(end, moment) - _utc(step.start_time)).total_seconds())
+    return total
+
+
 def running_spend_usd(job: JobRecord, *, now: datetime) -> float:
-    """What a job still billing has spent by ``now`` and is not in its billed seconds yet: elapsed hours since it
-    started x on-demand price per instance-hour x instance count; 0 for a job billed, ended or not started."""
+    """What a job still billing has spent by ``now`` and is not in its billed seconds yet: the hours it has held
+    instances x on-demand price per instance-hour x instance count; 0 for a job billed, ended or not started."""
     if job.status not in BILLING_JOB_STATUSES or job.billable_seconds is not None:
         return 0.0
-    started = job_started_at(job)
-    if started is None:
-        return 0.0
-    hours = max(0.0, (_utc(now) - started).total_seconds()) / 3600
+    hours = billing_seconds_so_far(job, now=now) / 3600
     return hours * float(job.spec.get("price_per_hour_usd", 0.0)) * job.instance_count
 
 

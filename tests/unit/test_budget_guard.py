@@ -93,8 +93,10 @@ def test_projection_of_finished_running_unstarted_spot_and_canary_jobs() -> None
             secondary_status_transitions=started_hours_ago(10)),
         # not started: no transitions, no event
         job("gs-planned", JobStatus.PLANNED, price=P5_PRICE),
-        # spot: at the on-demand price its spec carries (1 h x $8), never the (lower) spot bill
-        job("gs-spot", JobStatus.TRAINING, price=8.0, spot=True, secondary_status_transitions=started_hours_ago(1)),
+        # spot: its hour of training at the on-demand price its spec carries (1 h x $8), never the (lower) spot bill;
+        # the hour it waited in Starting for capacity is not counted
+        job("gs-spot", JobStatus.TRAINING, price=8.0, spot=True, secondary_status_transitions=transitions(
+            ("Starting", NOW - timedelta(hours=2)), ("Training", NOW - timedelta(hours=1)))),
         # a canary with no transitions recorded: since its last event while InProgress (30 min x $4)
         job("gs-canary", JobStatus.STARTING, price=4.0, canary_for=["gs-run"],
             last_event_time=NOW - timedelta(minutes=30)),
@@ -111,6 +113,19 @@ def test_projection_of_finished_running_unstarted_spot_and_canary_jobs() -> None
          "gs-stopping": 1.0}
     )  # fmt: skip
     assert {JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING} == BILLING_JOB_STATUSES
+
+
+def test_a_spot_job_waiting_for_capacity_spends_nothing_while_it_waits() -> None:
+    # Given a spot job that waited 6 h for capacity, trained 1 h, was interrupted and has waited 3 h since
+    waiting = job("gs-spot", JobStatus.TRAINING, price=P5_PRICE, spot=True, secondary_status_transitions=transitions(
+        ("Starting", NOW - timedelta(hours=10)), ("Training", NOW - timedelta(hours=4)),
+        ("Interrupted", NOW - timedelta(hours=3)), ("Starting", NOW - timedelta(hours=3)),
+    ))  # fmt: skip
+    # Then only its hour of training counts (10 h at the p5 price would stop a run over money never spent)
+    assert running_spend_usd(waiting, now=NOW) == pytest.approx(P5_PRICE)
+    # an on-demand job's "Starting" counts (minutes of provisioning, counted rather than missed): all 10 h here
+    on_demand = waiting.model_copy(update={"spot": False})
+    assert running_spend_usd(on_demand, now=NOW) == pytest.approx(P5_PRICE * 10)
 
 
 def test_the_projection_never_goes_below_the_measured_spend() -> None:
