@@ -3,7 +3,8 @@
 Bundling is local (no Docker): each function's asset is gpuscout/ + configs/ + lambdas/<name>/ copied as-is, so
 imports inside the Lambda match the repository (handler ``lambdas.<name>.handler.handler``). Third-party packages
 (lambdas/requirements.txt) go into one LayerVersion, installed by pip for the Lambda platform (manylinux, arm64,
-CPython 3.12) and cached under build/lambda-layer/<hash> so repeated synths reuse it.
+CPython 3.12) under constraints.txt (every indirect dependency at the tests' version) and cached under
+build/lambda-layer/<hash> so repeated synths reuse it.
 
 Powertools is installed from PyPI into that layer rather than taken from AWS's public Powertools layer: the pin
 then equals requirements.txt (the version the tests ran), one layer serves every dependency (pydantic, PyYAML,
@@ -34,6 +35,9 @@ from constructs import Construct
 REPO_DIR = Path(__file__).resolve().parent.parent
 LAMBDAS_DIR = REPO_DIR / "lambdas"
 REQUIREMENTS = LAMBDAS_DIR / "requirements.txt"
+# Every indirect dependency at the version the tests ran (make lock writes it): without it the layer took the index's
+# newest of the day for what requirements.txt does not pin (contourpy 1.4.0 against the tests' 1.3.3, once)
+CONSTRAINTS = REPO_DIR / "constraints.txt"
 LAYER_CACHE_DIR = REPO_DIR / "build" / "lambda-layer"
 # Copied into every function bundle beside lambdas/<name>/ (gpuscout.paths finds configs/ next to gpuscout/).
 SHARED_SOURCE_DIRS = ("gpuscout", "configs")
@@ -120,8 +124,8 @@ def function_source_hash(name: str) -> str:
 
 
 def layer_hash() -> str:
-    """Hash of what determines the layer's contents: requirements, target platform, Python version."""
-    digest = hashlib.sha256(REQUIREMENTS.read_bytes())
+    """Hash of what determines the layer's contents: requirements, constraints, target platform, Python version."""
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes() + b"\0" + CONSTRAINTS.read_bytes())
     digest.update(f"{PYTHON_VERSION}|{'|'.join(PIP_PLATFORMS)}".encode())
     return digest.hexdigest()
 
@@ -144,7 +148,7 @@ def build_layer_cache() -> Path:
     for platform in PIP_PLATFORMS:
         command += ["--platform", platform]
     command += ["--implementation", "cp", "--python-version", PYTHON_VERSION, "--only-binary=:all:"]
-    command += ["--target", str(staging / "python"), "-r", str(REQUIREMENTS)]
+    command += ["--target", str(staging / "python"), "-r", str(REQUIREMENTS), "-c", str(CONSTRAINTS)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)

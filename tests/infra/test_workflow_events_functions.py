@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 from aws_cdk.assertions import Match
+from packaging.utils import canonicalize_name
 
+from gpuscout.paths import REPO_DIR
 from stacks.events import BUDGET_CHECK_INTERVAL_MINUTES
 from stacks.workflow import (
     PROCESSING_REQUEST_FIELDS,
@@ -473,6 +475,17 @@ def test_function_bundles_hold_sources_and_the_layer_holds_dependencies(synthesi
     for package in ("pydantic", "pydantic_core", "yaml", "aws_lambda_powertools", "matplotlib", "numpy"):
         assert (layer / "python" / package).is_dir(), package
     assert list((layer / "python" / "pydantic_core").glob("*aarch64*.so")), "layer must hold arm64 wheels"
+    # every package in the layer at the version the tests ran (constraints.txt, make lock), indirect ones included
+    from tests.pins import pins
+
+    locked = pins(REPO_DIR / "constraints.txt")
+    installed = {
+        canonicalize_name(name): version
+        for name, version in (d.name.removesuffix(".dist-info").rsplit("-", 1) for d in (layer / "python").glob(
+            "*.dist-info"))
+    }  # fmt: skip
+    assert len(installed) > 20 and set(installed) <= set(locked), set(installed) - set(locked)
+    assert {name: locked[name] for name in installed} == installed
 
 
 def test_dashboard_and_alarms(synthesized: Synthesized) -> None:
