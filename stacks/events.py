@@ -7,7 +7,7 @@ cannot be delivered is kept (and alarmed on, see monitoring.py) instead of silen
 
 from __future__ import annotations
 
-from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_lambda as lambda_
@@ -92,6 +92,8 @@ class EventRules(Construct):
             description=f"State changes of gpuscout's SageMaker training jobs (names start with {JOB_NAME_PREFIX})",
             event_pattern=events.EventPattern(
                 source=["aws.sagemaker"],
+                # this account's jobs only: a bus that accepts other accounts' events must not let them write rows
+                account=[Aws.ACCOUNT_ID],
                 detail_type=[TRAINING_STATE_CHANGE],
                 detail={"TrainingJobName": [{"prefix": JOB_NAME_PREFIX}]},
             ),

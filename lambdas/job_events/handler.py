@@ -30,6 +30,11 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     if not isinstance(detail, TrainingJobStateChange):
         raise EventError(f"not a single training job state change: {type(detail).__name__}")
     envelope = EventBridgeModel.model_validate(event)
+    own_account = context.invoked_function_arn.split(":")[4]
+    if envelope.account != own_account:  # the rule filters on the account too; this holds whatever routed it here
+        logger.warning("event from another account ignored", extra={"account": envelope.account})
+        return {"applied": False, "job_name": detail.training_job_name,
+                "ignored_reason": f"event from account {envelope.account}, not this stack's {own_account}"}  # fmt: skip
     services = control_plane.services()
     logger.append_keys(job_name=detail.training_job_name, training_job_status=detail.training_job_status)
     outcome = handle_training_job_event(

@@ -377,6 +377,7 @@ def test_job_state_changes_of_gs_jobs_reach_job_events(synthesized: Synthesized)
     rule = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.events.job_state_changed)]
     assert rule["Properties"]["EventPattern"] == {
         "source": ["aws.sagemaker"],
+        "account": [{"Ref": "AWS::AccountId"}],  # this account's jobs only
         "detail-type": ["SageMaker Training Job State Change"],
         "detail": {"TrainingJobName": [{"prefix": "gs-"}]},
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -256,6 +257,14 @@ def test_job_events_update_the_row_and_store_the_benchmark(cloud: Cloud) -> None
         "Completed",
     ]
     assert row.benchmark is not None and row.benchmark["job_name"] == job
+
+    # An event from another account (a bus that accepts them) changes nothing, whatever its job name says.
+    foreign = copy.deepcopy(events["training_inprogress_starting"])
+    foreign["account"] = "210987654321"
+    before = store.get_job(run_id, job)
+    out = job_events_handler.handler(foreign, cloud.context)
+    assert out["applied"] is False and "not this stack's 123456789012" in out["ignored_reason"]
+    assert store.get_job(run_id, job) == before
 
     # Re-delivered and stale events change nothing.
     assert job_events_handler.handler(events["training_completed"], cloud.context)["applied"] is False
