@@ -11,6 +11,7 @@ The run's SNS notification is sent by analyze_run itself (NOTIFICATION_TOPIC_ARN
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -196,6 +197,19 @@ def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
 
 RESOURCE_IN_USE = "SageMaker.ResourceInUseException"
 LAUNCHED_POLL_S = 60
+# A Standard execution's history holds 25,000 events; one round of the lost-response loop (Wait, the describe Task,
+# the Choice) adds 9. The poll interval grows with the execution's timeout so that the loop can follow its job for
+# as long as the execution lives within 24,000 of them (the rest: the iteration's other states).
+HISTORY_EVENTS_FOR_POLLING = 24_000
+EVENTS_PER_POLL = 9
+
+
+def launched_poll_seconds(timeout_s: float) -> int:
+    """Seconds between two DescribeTrainingJob calls of the lost-response loop: LAUNCHED_POLL_S, or more when the
+    execution may live long enough for a minute's polling to fill its history (60 s polls fill it in ~46 h)."""
+    return max(LAUNCHED_POLL_S, math.ceil(timeout_s * EVENTS_PER_POLL / HISTORY_EVENTS_FOR_POLLING))
+
+
 DESCRIBE_TRAINING_JOB_RESOURCE = f"arn:{Aws.PARTITION}:states:::aws-sdk:sagemaker:describeTrainingJob"
 
 
@@ -311,7 +325,8 @@ class BenchmarkWorkflow(Construct):
         # A retried CreateTrainingJob whose first response was lost (the job was created) gets ResourceInUse for our
         # own job name: the job runs. Wait for it by describing it every minute, then record it like any other.
         describe = sfn.CustomState(self, "Describe launched job", state_json=describe_launched_job_json())
-        wait = sfn.Wait(self, "Wait for launched job", time=sfn.WaitTime.duration(Duration.seconds(LAUNCHED_POLL_S)))
+        poll_s = launched_poll_seconds(timeout.to_seconds())
+        wait = sfn.Wait(self, "Wait for launched job", time=sfn.WaitTime.duration(Duration.seconds(poll_s)))
         train.add_catch(describe, errors=[RESOURCE_IN_USE], result_path="$.launch_error")
         train.add_catch(record_failure, errors=["States.ALL"], result_path="$.error")
         # The .sync task returns on the same SageMaker event that asynchronously triggers job_events: record the

@@ -243,7 +243,11 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     choice = states["Launched job still running?"]
     assert {c["Next"] for c in choice["Choices"]} == {"Wait for launched job"}
     assert choice["Default"] == "Record job result"
-    assert states["Wait for launched job"] == {"Type": "Wait", "Seconds": 60, "Next": "Describe launched job"}
+    assert states["Wait for launched job"] == {"Type": "Wait", "Seconds": 98, "Next": "Describe launched job"}
+    # the loop can follow its job for as long as the execution lives without filling the 25,000-event history
+    # (9 events a round: 60 s polls filled it in ~46 h, under the default 72 h timeout before)
+    rounds = asl["TimeoutSeconds"] / states["Wait for launched job"]["Seconds"]
+    assert rounds * 9 < 25_000
     record = processor["States"]["Record job failure"]
     assert record["End"] is True
     assert record["Parameters"] == {"run_id.$": "$.run_id", "job_name.$": "$.job_name", "error.$": "$.error"}
@@ -574,3 +578,11 @@ def test_no_single_step_of_a_fan_out_can_sink_the_other_jobs(asl: dict[str, Any]
     for name, state in states.items():
         for catch in state.get("Catch", []):
             assert catch["Next"] in states, (name, catch)
+
+
+@pytest.mark.parametrize("hours", [1, 72, 24 * 30, 24 * 365])
+def test_the_lost_response_loop_never_fills_the_execution_history(hours: int) -> None:
+    from stacks.workflow import launched_poll_seconds
+
+    poll = launched_poll_seconds(hours * 3600)
+    assert poll >= 60 and hours * 3600 / poll * 9 <= 24_000
