@@ -10,6 +10,7 @@ from __future__ import annotations
 from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_sqs as sqs
@@ -70,9 +71,21 @@ class EventRules(Construct):
                 },
             ),
         )
+        # The role EventBridge assumes to start a run: StartExecution on this state machine only, and assumable by
+        # EventBridge for this account's rules only (confused-deputy protection; CDK's default role has no condition)
+        self.start_run_role = iam.Role(
+            self,
+            "StartRunRole",
+            assumed_by=iam.ServicePrincipal(
+                "events.amazonaws.com", conditions={"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}}
+            ),
+            description="EventBridge starts a gpuscout run for a manifest written under manifests/",
+        )
+        state_machine.grant_start_execution(self.start_run_role)
         self.manifest_uploaded.add_target(
             targets.SfnStateMachine(
                 state_machine,
+                role=self.start_run_role,
                 input=events.RuleTargetInput.from_object(
                     {
                         "bucket": events.EventField.from_path("$.detail.bucket.name"),

@@ -318,3 +318,25 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     assert ":training-job/" not in guard["sagemaker:StopHyperParameterTuningJob"]
     dlq = synthesized.logical_id(synthesized.stack.functions.dead_letter_queue)
     assert guard["sqs:SendMessage"] == json.dumps({"Fn::GetAtt": [dlq, "Arn"]})
+
+
+def test_every_service_role_but_lambdas_is_assumable_for_this_account_only(synthesized: Synthesized) -> None:
+    # Confused-deputy protection: SageMaker, Step Functions and EventBridge assume their roles only on behalf of this
+    # account (Lambda execution roles have no such key: the function's own configuration names them)
+    roles = synthesized.resources("AWS::IAM::Role")
+    services: dict[str, int] = {}
+    for logical_id, role in roles.items():
+        for statement in role["Properties"]["AssumeRolePolicyDocument"]["Statement"]:
+            service = statement["Principal"]["Service"]
+            services[service] = services.get(service, 0) + 1
+            if service == "lambda.amazonaws.com":
+                continue
+            condition = statement.get("Condition", {})
+            assert condition.get("StringEquals", {}).get("aws:SourceAccount") == {"Ref": "AWS::AccountId"}, logical_id
+    assert services.get("events.amazonaws.com") == 1 and services.get("states.amazonaws.com") == 1
+    assert services.get("sagemaker.amazonaws.com") == 2
+    start = synthesized.logical_id(synthesized.stack.events.start_run_role)
+    policies = [p["Properties"] for p in synthesized.resources("AWS::IAM::Policy").values()]
+    statements = [s for p in policies if {"Ref": start} in p["Roles"] for s in p["PolicyDocument"]["Statement"]]
+    assert [s["Action"] for s in statements] == ["states:StartExecution"]
+    assert statements[0]["Resource"] == {"Ref": synthesized.logical_id(synthesized.stack.workflow.state_machine)}
