@@ -17,7 +17,11 @@ may count a little more than SageMaker bills, never less:
   instances bill) but its waits: a spot job's time waiting for capacity ("Starting", "Interrupted") is not counted,
   or a spot benchmark waiting for capacity would be stopped for money it never spent; with no transition recorded,
   an on-demand job still billing counts from its last applied event;
-- a spot job's time is counted at the on-demand price (its bill can only be lower);
+- a spot job's time is counted at the spot price its plan used when the manifest stated one (what the budget check
+  at planning counted), else at the on-demand price (its bill can only be lower); time in "Pending" (waiting for
+  compute, as a training-plan job does until its plan is active) is a wait too;
+- a job counts at most its MaxRuntimeInSeconds (and a margin for the upload): SageMaker bills no more, and a job
+  whose final event was lost is not counted on for ever;
 - a canary bills like any job, so it counts.
 
 A run crosses its budget between two checks at most one interval before it is seen: it overspends by at most the
@@ -76,7 +80,11 @@ def job_started_at(job: JobRecord) -> datetime | None:
 
 # Secondary statuses in which a job waits without instances (a spot job waiting for capacity, or interrupted), and
 # which a spot job spends in "Starting" waiting for capacity too (hours, at times): not counted.
-WAITING_STATUSES = frozenset({"Interrupted", "MaxWaitTimeExceeded"})
+# "Pending": waiting for compute (a training-plan job waits there until its plan is active, hours or days).
+WAITING_STATUSES = frozenset({"Pending", "Interrupted", "MaxWaitTimeExceeded"})
+# A job holds instances at most its MaxRuntimeInSeconds (SageMaker stops it then) and bills no more; the margin covers
+# the upload after training. A job whose final event never arrived is not counted on for ever.
+RUNTIME_MARGIN_S = 15 * 60
 
 
 def billing_seconds_so_far(job: JobRecord, *, now: datetime) -> float:
@@ -108,11 +116,17 @@ def billing_seconds_so_far(job: JobRecord, *, now: datetime) -> float:
 
 def running_spend_usd(job: JobRecord, *, now: datetime) -> float:
     """What a job still billing has spent by ``now`` and is not in its billed seconds yet: the hours it has held
-    instances x on-demand price per instance-hour x instance count; 0 for a job billed, ended or not started."""
+    instances (at most its MaxRuntimeInSeconds and RUNTIME_MARGIN_S) x the price it was planned at (a spot job's
+    spot price when its plan had one, else on-demand) x instance count; 0 for a job billed, ended or not started."""
     if job.status not in BILLING_JOB_STATUSES or job.billable_seconds is not None:
         return 0.0
-    hours = billing_seconds_so_far(job, now=now) / 3600
-    return hours * float(job.spec.get("price_per_hour_usd", 0.0)) * job.instance_count
+    seconds = billing_seconds_so_far(job, now=now)
+    limit = job.spec.get("max_runtime_seconds")
+    if limit:
+        seconds = min(seconds, float(limit) + RUNTIME_MARGIN_S)
+    spot_price = job.spec.get("spot_price_per_hour_usd") if job.spot else None
+    price = float(spot_price if spot_price is not None else job.spec.get("price_per_hour_usd", 0.0))
+    return seconds / 3600 * price * job.instance_count
 
 
 def projected_spend_usd(jobs: list[JobRecord], *, now: datetime) -> float:

@@ -44,6 +44,12 @@ def _started_hours_ago(cloud: Cloud, hours: float) -> tuple[str, str, float]:
     planned: dict[str, Any] = plan_handler.handler(validated, cloud.context)
     run_id = planned["run_id"]
     name = sorted(j["job_name"] for j in cloud.items(planned) if "p4d" in j["job_name"])[0]
+    # a long job: its MaxRuntime allows the hours it trains (the 30-step smoke plan's is 30 minutes, beyond which
+    # SageMaker would have stopped it and the projection stops counting)
+    store = cloud.services.store
+    planned_row = store.get_job(run_id, name)
+    assert planned_row is not None
+    store.put_job(planned_row.model_copy(update={"spec": {**planned_row.spec, "max_runtime_seconds": 5 * 86400}}))
     event = job_event("training_inprogress_training", run_id=run_id, job_name=name, instance_type="ml.p4d.24xlarge")
     start = datetime.now(UTC) - timedelta(hours=hours)
     millis = [int((start + timedelta(minutes=m)).timestamp() * 1000) for m in (0, 2, 5)]

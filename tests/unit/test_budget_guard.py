@@ -16,6 +16,7 @@ from botocore.exceptions import ClientError
 
 from gpuscout.cloud.budget_guard import (
     BILLING_JOB_STATUSES,
+    RUNTIME_MARGIN_S,
     check_budgets,
     job_started_at,
     projected_spend,
@@ -126,6 +127,23 @@ def test_a_spot_job_waiting_for_capacity_spends_nothing_while_it_waits() -> None
     # an on-demand job's "Starting" counts (minutes of provisioning, counted rather than missed): all 10 h here
     on_demand = waiting.model_copy(update={"spot": False})
     assert running_spend_usd(on_demand, now=NOW) == pytest.approx(P5_PRICE * 10)
+
+
+def test_a_job_counts_at_its_planned_price_and_at_most_its_runtime() -> None:
+    # a spot job planned at the manifest's spot price counts at that price (the plan's budget check did), not 3x it
+    spot = job("gs-spot", JobStatus.TRAINING, price=30.0, spot=True, secondary_status_transitions=transitions(
+        ("Training", NOW - timedelta(hours=2))))  # fmt: skip
+    spot.spec["spot_price_per_hour_usd"] = 9.0
+    assert running_spend_usd(spot, now=NOW) == pytest.approx(18.0)
+    # a training-plan job waiting in Pending for its plan to start spends nothing while it waits
+    queued = job("gs-plan", JobStatus.STARTING, price=P5_PRICE, secondary_status_transitions=transitions(
+        ("Pending", NOW - timedelta(hours=30))))  # fmt: skip
+    assert running_spend_usd(queued, now=NOW) == 0.0
+    # a canary whose final event was lost counts its 30-minute MaxRuntime (and the margin), not 72 h
+    lost = job("gs-canary", JobStatus.TRAINING, price=4.0, canary_for=["gs-x"],
+               secondary_status_transitions=transitions(("Training", NOW - timedelta(hours=72))))  # fmt: skip
+    lost.spec["max_runtime_seconds"] = 1800
+    assert running_spend_usd(lost, now=NOW) == pytest.approx((1800 + RUNTIME_MARGIN_S) / 3600 * 4.0)
 
 
 def test_the_projection_never_goes_below_the_measured_spend() -> None:
