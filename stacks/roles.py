@@ -241,6 +241,13 @@ class Roles(Construct):
             "Null": {"sagemaker:InstanceTypes": "false"},
             "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": max_runtime_s},
         }
+        # A tuning job's request holds its training jobs' definition: which of its fields fill these keys is not
+        # documented (StoppingCondition or ResourceLimits' runtime), so the keys bound it where present (IfExists)
+        # rather than refuse every search should one be absent; its trials are training jobs of the same bounds.
+        tuning_bounds = {
+            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": sorted(launchable_types)},
+            "NumericLessThanEqualsIfExists": {"sagemaker:MaxRuntimeInSeconds": max_runtime_s},
+        }
         role.add_to_policy(
             iam.PolicyStatement(
                 sid="CreateTrainingJobs", actions=["sagemaker:CreateTrainingJob"],
@@ -275,7 +282,7 @@ class Roles(Construct):
         role.add_to_policy(
             iam.PolicyStatement(
                 sid="CreateTuningJobs", actions=["sagemaker:CreateHyperParameterTuningJob"],
-                resources=[TUNING_JOBS_ARN], conditions=bounds,
+                resources=[TUNING_JOBS_ARN], conditions=tuning_bounds,
             )
         )  # fmt: skip
         role.add_to_policy(

@@ -114,17 +114,25 @@ def test_state_machine_role_runs_only_gs_jobs(synthesized: Synthesized) -> None:
     assert {a for s in sagemaker for a in as_list(s["Action"]) if a.startswith("sagemaker:Create")} == {
         "sagemaker:CreateTrainingJob", "sagemaker:CreateHyperParameterTuningJob", "sagemaker:CreateProcessingJob"
     }  # fmt: skip
+    expected = {
+        "CreateTrainingJobs": {
+            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": launchable},
+            "Null": {"sagemaker:InstanceTypes": "false"},
+            "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": 5 * 24 * 3600},
+        },
+        # which request fields fill a tuning job's keys is not documented: bounded where present, never refused
+        "CreateTuningJobs": {
+            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": launchable},
+            "NumericLessThanEqualsIfExists": {"sagemaker:MaxRuntimeInSeconds": 5 * 24 * 3600},
+        },
+    }
     for sid, action in (
         ("CreateTrainingJobs", "CreateTrainingJob"),
         ("CreateTuningJobs", "CreateHyperParameterTuningJob"),
     ):
         statement = creates[sid]
         assert as_list(statement["Action"]) == [f"sagemaker:{action}"]
-        assert statement["Condition"] == {
-            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": launchable},
-            "Null": {"sagemaker:InstanceTypes": "false"},
-            "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": 5 * 24 * 3600},
-        }
+        assert statement["Condition"] == expected[sid]
         others = [s for s in sagemaker if f"sagemaker:{action}" in as_list(s["Action"]) and s is not statement]
         assert others == []  # no second, unconditioned grant of the same action
     rendered = json.dumps(creates["CreateTrainingJobs"]["Resource"])
