@@ -45,7 +45,7 @@ from gpuscout.cloud.tuning_requests import (
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.names import JOB_NAME_PREFIX
 from gpuscout.errors import GpuscoutError, RunNotFoundError
-from gpuscout.store.base import TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
+from gpuscout.store.base import FINAL_RUN_STATUSES, TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
 
 BENCHMARK_FILE = "benchmark.json"
 MAX_BENCHMARK_BYTES = 32 * 1024 * 1024
@@ -502,15 +502,38 @@ def handle_training_job_event(
         tokens_per_s=benchmark.throughput.tokens_per_s if applied and benchmark and benchmark.throughput else None,
     )
     if applied and status in LIVE_JOB_STATUSES:
-        run = store.get_run(run_id)
-        if run.status in {RunStatus.PLANNED, RunStatus.PREPARING}:
-            store.update_run(run_id, status=RunStatus.RUNNING)
+        outcome.stopped_jobs = _live_job_of_run(store, sagemaker, run_id, job_name, tuning_name)
     if applied and terminal:
         spend, budget, stopped = enforce_budget(store, sagemaker, run_id, default_budget_usd=default_budget_usd)
         outcome.measured_spend_usd = spend
         outcome.budget_usd = budget
         outcome.stopped_jobs = stopped
     return outcome
+
+
+def _live_job_of_run(
+    store: ResultStore, sagemaker: TrainingJobStopper, run_id: str, job_name: str, tuning_name: str | None
+) -> list[str]:
+    """A job of the run is live: the run is RUNNING now; or, when the run is already over, the job is stopped.
+    Returns the jobs stopped."""
+    run = store.get_run(run_id)
+    if run.status in {RunStatus.PLANNED, RunStatus.PREPARING}:
+        # conditional: a run another writer ended meanwhile (the budget guard, mark_run_failed) stays ended
+        store.update_run(run_id, unless_status=FINAL_RUN_STATUSES, status=RunStatus.RUNNING)
+    elif run.status in {RunStatus.STOPPED, RunStatus.FAILED}:
+        # a job launched after its run was stopped (a quota retry that went through once the stop freed the quota,
+        # or a launch racing the status read): nothing else would stop it, so it is stopped here
+        return _stop_late_job(sagemaker, job_name, tuning_name)
+    return []
+
+
+def _stop_late_job(sagemaker: TrainingJobStopper, job_name: str, tuning_name: str | None) -> list[str]:
+    """Stop a job (a search trial: its tuning job, which would launch more) of a run that is already over."""
+    if tuning_name is not None:
+        stop = partial(sagemaker.stop_hyper_parameter_tuning_job, HyperParameterTuningJobName=tuning_name)
+        return [tuning_name] if _stopped(f"tuning job {tuning_name}", stop) else []
+    stop = partial(sagemaker.stop_training_job, TrainingJobName=job_name)
+    return [job_name] if _stopped(f"training job {job_name}", stop) else []
 
 
 class TrainingJobDescriber(TrainingJobStopper, Protocol):

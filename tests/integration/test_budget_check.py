@@ -118,3 +118,22 @@ def test_the_scheduled_check_leaves_a_run_under_budget_alone(cloud: Cloud) -> No
 def test_the_budget_check_takes_only_scheduled_events(cloud: Cloud) -> None:
     with pytest.raises(ValidationError):
         budget_guard_handler.handler(load_event("training_inprogress_training"), cloud.context)
+
+
+def test_a_job_that_starts_after_its_run_was_stopped_is_stopped_when_it_is_seen(cloud: Cloud) -> None:
+    # Given a run the budget guard stopped while one of its launches was still waiting (a quota retry)
+    validated = validate_handler.handler(cloud.submit(cloud_manifest(budget=50.0)), cloud.context)
+    planned: dict[str, Any] = plan_handler.handler(validated, cloud.context)
+    run_id = planned["run_id"]
+    store = cloud.services.store
+    store.update_run(run_id, status=RunStatus.STOPPED, error="budget guard: over budget")
+    name = sorted(j["job_name"] for j in cloud.items(planned))[0]
+    # When that job's first event arrives (the launch went through once the stop freed the quota)
+    event = job_event("training_inprogress_training", run_id=run_id, job_name=name)
+    with Stubber(cloud.services.sagemaker) as stub:
+        stub.add_response("stop_training_job", {}, {"TrainingJobName": name})
+        out = job_events_handler.handler(event, cloud.context)
+        stub.assert_no_pending_responses()
+    # Then it is stopped (nothing else would: the scheduled check reads RUNNING runs only) and the run stays STOPPED
+    assert out["applied"] is True and out["stopped_jobs"] == [name]
+    assert store.get_run(run_id).status is RunStatus.STOPPED
