@@ -110,6 +110,19 @@ class SqliteStore:
         except (OSError, sqlite3.Error) as err:
             raise StoreError(f"cannot open the result database {self.path}: {err}") from err
 
+    def _read_only_uri(self) -> str:
+        """mode=ro, which still sees a writer's WAL and locks; immutable=1 only where that cannot open (no -shm
+        beside a WAL database on read-only media), since an immutable reader ignores the WAL and any change."""
+        if getattr(self, "_ro_uri", None) is None:
+            base = f"{self.path.resolve().as_uri()}?mode=ro"
+            try:
+                with closing(sqlite3.connect(base, uri=True, timeout=30.0)) as probe:
+                    probe.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                self._ro_uri = base
+            except sqlite3.OperationalError:
+                self._ro_uri = f"{base}&immutable=1"
+        return str(self._ro_uri)
+
     def _check_integrity(self, conn: sqlite3.Connection) -> None:
         """A damaged file is refused before anything is written into it (PRAGMA quick_check)."""
         rows = [str(row[0]) for row in conn.execute("PRAGMA quick_check(5)").fetchall()]
@@ -140,9 +153,7 @@ class SqliteStore:
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
         """A connection whose ``with`` block is one transaction (commit on success, rollback on error)."""
-        # immutable: on read-only media nothing can change the file, so SQLite needs no lock or WAL index beside it
-        ro = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1"
-        target, uri = (ro, True) if self.read_only else (str(self.path), False)
+        target, uri = (self._read_only_uri(), True) if self.read_only else (str(self.path), False)
         with closing(sqlite3.connect(target, timeout=30.0, isolation_level="DEFERRED", uri=uri)) as conn:
             conn.execute("PRAGMA foreign_keys=ON")
             yield conn

@@ -147,4 +147,24 @@ def test_a_database_on_read_only_media_is_readable(tmp_path: Path, monkeypatch: 
     assert [r.run_id for r in store.list_runs()] == ["kept"]
     with pytest.raises(StoreError, match=r"readonly|read-only"):
         store.put_run(_run("new"))
-    assert not list(tmp_path.glob("gpuscout.db-*"))  # nothing created beside it
+    assert store._read_only_uri().endswith("?mode=ro")  # a reader that still sees a writer's WAL and locks
+
+
+def test_on_media_where_even_a_read_only_open_fails_the_file_is_read_immutable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuscout.store import sqlite as sqlite_module
+
+    path = tmp_path / "gpuscout.db"
+    SqliteStore(path).put_run(_run("kept"))
+    monkeypatch.setattr(sqlite_module, "_writable", lambda _path: False)
+    real_connect = sqlite3.connect
+
+    def no_shm_beside_it(target: str, *args: object, **kwargs: object) -> sqlite3.Connection:
+        if str(target).endswith("?mode=ro"):  # what a WAL database without its -shm on read-only media does
+            raise sqlite3.OperationalError("unable to open database file")
+        return real_connect(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite_module.sqlite3, "connect", no_shm_beside_it)
+    store = SqliteStore(path, create=False)
+    assert store._read_only_uri().endswith("&immutable=1") and store.get_run("kept").run_id == "kept"
