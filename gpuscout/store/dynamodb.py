@@ -186,15 +186,25 @@ class DynamoDbStore:
         return _decode_item(item, RunRecord)
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
-        response = self._call(
-            "query",
-            IndexName=RUNS_INDEX,
-            KeyConditionExpression="gsi1pk = :runs",
-            ExpressionAttributeValues={":runs": {"S": "RUNS"}},
-            ScanIndexForward=False,
-            Limit=limit,
-        )
-        return [_decode_item(item, RunRecord) for item in response.get("Items", [])]
+        """The newest ``limit`` runs. Paged: a query returns at most 1 MB, and run items carry their manifest and
+        search plan, so one page can hold fewer runs than asked for (and the budget check would miss a run)."""
+        items: list[dict[str, Any]] = []
+        start: dict[str, Any] | None = None
+        while len(items) < limit:
+            page = self._call(
+                "query",
+                IndexName=RUNS_INDEX,
+                KeyConditionExpression="gsi1pk = :runs",
+                ExpressionAttributeValues={":runs": {"S": "RUNS"}},
+                ScanIndexForward=False,
+                Limit=limit - len(items),
+                **({"ExclusiveStartKey": start} if start else {}),
+            )
+            items += page.get("Items", [])
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                break
+        return [_decode_item(item, RunRecord) for item in items[:limit]]
 
     def create_run(self, run: RunRecord, *, replace: Collection[RunStatus] = ()) -> None:
         condition = "attribute_not_exists(pk)"

@@ -85,6 +85,19 @@ def test_list_runs_is_newest_first_and_limited(store: ResultStore) -> None:
     assert [r.run_id for r in store.list_runs(limit=2)] == ["run-new", "run-mid"]
 
 
+def test_list_runs_reads_every_page(store: ResultStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DynamoDB returns at most 1 MB a query, and run items carry their manifest: a page may hold fewer runs than
+    # asked for. Given pages of two runs, list_runs still returns as many as asked (the budget check reads them).
+    for hour in range(5):
+        store.put_run(make_run(f"run-{hour}", created_at=T0 + timedelta(hours=hour)))
+    client = getattr(store, "_client", None)
+    if client is not None:
+        real_query = client.query
+        monkeypatch.setattr(client, "query", lambda **kw: real_query(**{**kw, "Limit": min(kw["Limit"], 2)}))
+    assert [r.run_id for r in store.list_runs(limit=5)] == [f"run-{h}" for h in range(4, -1, -1)]
+    assert [r.run_id for r in store.list_runs(limit=3)] == ["run-4", "run-3", "run-2"]
+
+
 def test_update_run_sets_fields_and_updated_at(store: ResultStore) -> None:
     run = make_run(updated_at=T0)
     store.put_run(run)
