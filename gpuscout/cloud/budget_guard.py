@@ -37,7 +37,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuscout.cloud.events import (
     LIVE_JOB_STATUSES,
-    EventError,
     SecondaryStatusTransition,
     SpendFigure,
     TrainingJobStopper,
@@ -194,7 +193,7 @@ def check_budgets(
             spend, budget, stopped = enforce_budget(
                 store, sagemaker, run.run_id, default_budget_usd=default_budget_usd, spend_of=spend_of
             )
-        except EventError as err:
+        except GpuscoutError as err:  # a stop SageMaker refused, a store read that failed: this run, not the rest
             outcome.errors.append(f"run {run.run_id}: {err}")
             continue
         outcome.runs.append(

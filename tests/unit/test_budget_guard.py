@@ -304,3 +304,23 @@ def test_a_stop_that_fails_leaves_the_run_running_and_the_other_runs_checked(sto
     assert store.get_run("run-a").status is RunStatus.RUNNING
     assert [r.run_id for r in outcome.stopped_runs] == ["run-b"]
     assert store.get_run("run-b").status is RunStatus.STOPPED
+
+
+def test_a_run_the_store_cannot_read_is_named_and_the_others_checked(
+    store: ResultStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuscout.errors import StoreError
+
+    over_budget_run(store, run_id="run-a")
+    over_budget_run(store, run_id="run-b")
+    real_list_jobs = store.list_jobs
+
+    def flaky(run_id: str) -> Any:
+        if run_id == "run-a":
+            raise StoreError("result table: throttled")
+        return real_list_jobs(run_id)
+
+    monkeypatch.setattr(store, "list_jobs", flaky)
+    outcome = check_budgets(store, RecordingSageMaker(), now=NOW)
+    assert len(outcome.errors) == 1 and "run run-a" in outcome.errors[0] and "throttled" in outcome.errors[0]
+    assert [r.run_id for r in outcome.stopped_runs] == ["run-b"]
