@@ -98,6 +98,16 @@ class Roles(Construct):
         )
 
     @staticmethod
+    def _list_datasets(data: s3.IBucket) -> iam.PolicyStatement:
+        """Listing the data bucket, only under the sources and the prepared data (both job roles look there)."""
+        return iam.PolicyStatement(
+            sid="ListDatasets",
+            actions=["s3:ListBucket"],
+            resources=[data.bucket_arn],
+            conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
+        )
+
+    @staticmethod
     def _job_runtime_statements(
         repository: ecr.IRepository, *, log_group: str, use_vpc: bool
     ) -> list[iam.PolicyStatement]:
@@ -160,12 +170,7 @@ class Roles(Construct):
                 actions=["s3:GetObject"],
                 resources=[data.arn_for_objects(f"{RAW_PREFIX}*"), data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
             ),
-            iam.PolicyStatement(
-                sid="ListDatasets",
-                actions=["s3:ListBucket"],
-                resources=[data.bucket_arn],
-                conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
-            ),
+            self._list_datasets(data),
             # Job output and checkpoints (SageMaker uploads the first, syncs the second both ways): only there.
             iam.PolicyStatement(
                 sid="JobArtifacts",
@@ -199,12 +204,7 @@ class Roles(Construct):
             iam.PolicyStatement(
                 sid="ReadSources", actions=["s3:GetObject"], resources=[data.arn_for_objects(f"{RAW_PREFIX}*")]
             ),
-            iam.PolicyStatement(
-                sid="ListDatasets",
-                actions=["s3:ListBucket"],
-                resources=[data.bucket_arn],
-                conditions={"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}},
-            ),
+            self._list_datasets(data),
             iam.PolicyStatement(
                 sid="WriteProcessedDatasets",
                 actions=["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
