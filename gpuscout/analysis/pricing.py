@@ -21,14 +21,14 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuscout import paths
-from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS, Component, ListedPrice, PriceFile, PriceKind
+from gpuscout.domain.prices import REFRESH_COMMAND, Component, ListedPrice, PriceFile, PriceKind, stale_days
 from gpuscout.errors import PricingError
 
 log = logging.getLogger(__name__)
@@ -93,19 +93,11 @@ class InstancePrice(BaseModel):
     def price_kind(self) -> PriceKind:
         return self.kind or kind_of(self.on_demand_source)
 
-    def label(self) -> str:
-        """'snapshot 2026-09-27, us-east-1' / 'live 2025-06-01, us-east-1' / 'manifest': kind, date and region."""
-        return ", ".join(part for part in (f"{self.price_kind} {self.date}".strip(), self.region) if part)
-
     def kind_text(self, at: datetime) -> str:
         """The price's kind; a snapshot price read more than 90 days before ``at`` is marked STALE with the command
         that refreshes it."""
         kind = self.price_kind
-        try:
-            age = (at.date() - date.fromisoformat(self.date)).days if kind == "snapshot" and self.date else None
-        except ValueError:
-            age = None
-        if age is not None and age > STALE_AFTER_DAYS:
+        if (age := stale_days(kind, self.date, at.date())) is not None:
             return f"snapshot, STALE ({age} days; {REFRESH_COMMAND})"
         return kind
 

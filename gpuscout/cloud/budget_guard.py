@@ -61,22 +61,6 @@ def _utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
-def job_started_at(job: JobRecord) -> datetime | None:
-    """When the job started billing, at the earliest: its first secondary status transition's StartTime; with none
-    recorded, its last applied event's time while it is billing; None when it has not started."""
-    starts = []
-    for transition in job.secondary_status_transitions:
-        try:
-            starts.append(_utc(SecondaryStatusTransition.model_validate(transition).start_time))
-        except ValidationError:
-            continue  # a transition without a readable StartTime says nothing of when the job started
-    if starts:
-        return min(starts)
-    if job.status in BILLING_JOB_STATUSES and job.last_event_time is not None:
-        return _utc(job.last_event_time)
-    return None
-
-
 # Secondary statuses in which a job waits without instances (a spot job waiting for capacity, or interrupted), and
 # which a spot job spends in "Starting" waiting for capacity too (hours, at times): not counted.
 # "Pending": waiting for compute (a training-plan job waits there until its plan is active, hours or days).

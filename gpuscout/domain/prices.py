@@ -69,25 +69,29 @@ class CatalogPrice(BaseModel):
     source: str
     component: Component = "Training"
 
-    def age_days(self, today: dt.date | None = None) -> int | None:
-        try:
-            then = dt.date.fromisoformat(self.date)
-        except ValueError:
-            return None
-        return ((today or dt.datetime.now(dt.UTC).date()) - then).days
-
     def stale(self, today: dt.date | None = None) -> bool:
-        age = self.age_days(today)
-        return self.kind == "snapshot" and age is not None and age > STALE_AFTER_DAYS
+        return stale_days(self.kind, self.date, today) is not None
 
     def label(self, today: dt.date | None = None) -> str:
         """'snapshot 2026-11-20 us-east-1', 'manifest', or when stale 'snapshot 2025-08-01 us-east-1 STALE (483 d)'."""
         if self.kind == "manifest":
             return "manifest"
         text = f"{self.kind} {self.date} {self.region}".strip()
-        if self.stale(today):
-            text += f" STALE ({self.age_days(today)} d)"
+        if (age := stale_days(self.kind, self.date, today)) is not None:
+            text += f" STALE ({age} d)"
         return text
+
+
+def stale_days(kind: str, date: str, today: dt.date | None = None) -> int | None:
+    """How many days old a snapshot price read on ``date`` is by ``today`` (default: today, UTC), when that is more
+    than STALE_AFTER_DAYS; None for a fresh one, another kind of price, or no readable date."""
+    if kind != "snapshot":
+        return None
+    try:
+        age = ((today or dt.datetime.now(dt.UTC).date()) - dt.date.fromisoformat(date)).days
+    except ValueError:
+        return None
+    return age if age > STALE_AFTER_DAYS else None
 
 
 def price_file_path(config_dir: Path | str | None = None) -> Path:

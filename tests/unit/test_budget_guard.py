@@ -17,8 +17,8 @@ from botocore.exceptions import ClientError
 from gpuscout.cloud.budget_guard import (
     BILLING_JOB_STATUSES,
     RUNTIME_MARGIN_S,
+    billing_seconds_so_far,
     check_budgets,
-    job_started_at,
     projected_spend,
     projected_spend_usd,
     running_spend_usd,
@@ -78,7 +78,7 @@ def test_a_job_started_ten_hours_ago_projects_ten_hours_of_its_price() -> None:
         ),
     )
     # Then it started at SageMaker's "Starting" and has spent 10 h x $63.296 by now; nothing is billed yet
-    assert job_started_at(long_job) == NOW - timedelta(hours=10)
+    assert billing_seconds_so_far(long_job, now=NOW) == 10 * 3600  # from the earliest StartTime, in order
     assert running_spend_usd(long_job, now=NOW) == pytest.approx(632.96)
     assert projected_spend_usd([long_job], now=NOW) == pytest.approx(632.96)
     assert measured_spend_usd([long_job]) == 0.0  # what the guard counted before
