@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from gpuscout.analysis.report_charts import MAX_BARS, write_charts
 from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.analysis.settings_table import settings_table
 from gpuscout.domain.catalog import LOCAL
+from gpuscout.domain.config_files import write_whole
 from gpuscout.errors import GpuscoutError
 from gpuscout.plan.job_section import rate_text
 
@@ -421,18 +421,7 @@ def write_report(analysis: RunAnalysis, out_dir: Path | str, *, note: str | None
             js: analysis.model_dump_json(indent=2) + "\n",
         }
         for path, text in texts.items():  # each whole or not at all: a full disk leaves no half report
-            _write_whole(path, text)
+            write_whole(path, text)
     except OSError as err:
         raise ReportError(f"cannot write the report to {out}: {err}") from err
     return {"md": md, "html": page, "json": js, "charts": [p for _, p in charts]}
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file renamed over it: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -16,15 +16,13 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout import paths
-from gpuscout.domain.config_files import read_config_file
+from gpuscout.domain.config_files import read_config_file, write_whole
 from gpuscout.errors import CatalogError
 
 STALE_AFTER_DAYS = 90
@@ -132,12 +130,8 @@ def write_price_file(prices: PriceFile, config_dir: Path | str | None = None) ->
     """Write the snapshot atomically (a temporary file renamed over the old one): a failed write keeps the old file."""
     path = price_file_path(config_dir)
     text = json.dumps(prices.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".sagemaker-", suffix=".json", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
+        write_whole(path, text)
     except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
         raise CatalogError(f"cannot write the price snapshot {path}: {err}") from err
     return path
