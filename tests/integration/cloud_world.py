@@ -12,6 +12,7 @@ import io
 import json
 import sys
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,14 @@ def benchmark_for(job_name: str, run_id: str, instance_type: str, fixture: str =
     data: dict[str, Any] = json.loads((FIXTURES / "benchmarks" / f"{fixture}.json").read_text())
     data.update(job_name=job_name, run_id=run_id, instance_type=instance_type)
     return data
+
+
+def metric_directives(output: str) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(record, directive) for each CloudWatch embedded-metric-format directive in the lines a handler printed."""
+    for line in output.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for directive in record.get("_aws", {}).get("CloudWatchMetrics", []):
+            yield record, directive

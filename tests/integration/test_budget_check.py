@@ -6,7 +6,6 @@ fails the test on any call it was not told to expect."""
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,21 +18,16 @@ from lambdas.budget_guard import handler as budget_guard_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.validate_manifest import handler as validate_handler
-from tests.integration.cloud_world import Cloud, cloud_manifest, job_event, load_event
+from tests.integration.cloud_world import Cloud, cloud_manifest, job_event, load_event, metric_directives
 
 
 def _emitted(output: str, metric: str) -> list[float]:
     """The value of every CloudWatch embedded-metric-format record of ``metric`` a handler printed."""
     found = []
-    for line in output.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        for directive in record.get("_aws", {}).get("CloudWatchMetrics", []):
-            if any(m["Name"] == metric for m in directive["Metrics"]):
-                values = record[metric] if isinstance(record[metric], list) else [record[metric]]
-                found.append(float(sum(values)))
+    for record, directive in metric_directives(output):
+        if any(m["Name"] == metric for m in directive["Metrics"]):
+            values = record[metric] if isinstance(record[metric], list) else [record[metric]]
+            found.append(float(sum(values)))
     return found
 
 

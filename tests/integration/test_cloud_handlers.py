@@ -32,6 +32,7 @@ from tests.integration.cloud_world import (
     cloud_manifest,
     job_event,
     load_event,
+    metric_directives,
     wide_manifest,
 )
 from tests.unit.test_pricing import _expected_params, _product
@@ -275,15 +276,10 @@ def test_job_events_update_the_row_and_store_the_benchmark(cloud: Cloud) -> None
 def _emitted_metrics(output: str) -> dict[str, set[tuple[str, ...]]]:
     """Metric name -> the dimension sets of the CloudWatch embedded-metric-format lines a handler printed."""
     found: dict[str, set[tuple[str, ...]]] = {}
-    for line in output.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        for directive in record.get("_aws", {}).get("CloudWatchMetrics", []):
-            for metric in directive["Metrics"]:
-                for dimensions in directive["Dimensions"]:
-                    found.setdefault(metric["Name"], set()).add(tuple(sorted(dimensions)))
+    for _record, directive in metric_directives(output):
+        for metric in directive["Metrics"]:
+            for dimensions in directive["Dimensions"]:
+                found.setdefault(metric["Name"], set()).add(tuple(sorted(dimensions)))
     return found
 
 
