@@ -104,11 +104,13 @@ def price_lines(jobs: list[JobSpec]) -> list[str]:
             continue
         seen.add(key)
         price = spec.price
-        basis = price.label() if price is not None else "price kind not recorded"
-        if price is not None and price.kind == "manifest":
+        stale = price is not None and price.stale()
+        if price is None:
+            basis = "price kind not recorded"
+        elif price.kind == "manifest":
             basis = "manifest: the target's price_per_hour_usd"
-        elif price is not None and price.stale():
-            basis += f"; refresh: {REFRESH_COMMAND}"
+        else:
+            basis = price.label() + (f"; refresh: {REFRESH_COMMAND}" if stale else "")
         text = f"priced: {spec.instance_type} ${spec.price_per_hour_usd:,.3f}/h on-demand ({basis})"
         if spec.spot_price_per_hour_usd is not None:
             text += f", spot ${spec.spot_price_per_hour_usd:,.3f}/h (manifest)"
@@ -116,7 +118,7 @@ def price_lines(jobs: list[JobSpec]) -> list[str]:
             text += ", spot planned at the on-demand price"
         if spec.training_plan_arn:
             text += ", on training plan " + spec.training_plan_arn.rsplit("/", 1)[-1]
-        lines.append(f"[yellow]{escape(text)}[/]" if price is not None and price.stale() else escape(text))
+        lines.append(f"[yellow]{escape(text)}[/]" if stale else escape(text))
     return lines
 
 
