@@ -7,7 +7,7 @@ into one red line and an exit code. boto3 is imported only by ``--refresh``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.markup import escape
 from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table
 from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS, CatalogPrice
 from gpuscout.errors import PricingError
+
+if TYPE_CHECKING:
+    from gpuscout.domain.catalog import Catalog, InstanceType
 
 console = Console()
 
@@ -81,7 +84,7 @@ def catalog_cmd(
             _num(inst.vcpus, "{}"),
             _num(inst.memory_gib, "{:.0f}"),
             links or "-",
-            "this machine" if inst.is_local else ", ".join(o.replace("_", " ") for o in inst.purchase_options),
+            _sold_as(inst),
             _num(price.usd_per_hour, "{:.3f}") if price else "-",
             _price_label(price, inst.is_local),
         ])  # fmt: skip
@@ -101,7 +104,12 @@ def catalog_cmd(
         )
 
 
-def _print_instance(inst: Any, catalog: Any) -> None:
+def _sold_as(inst: InstanceType) -> str:
+    """How the type is bought ("on demand, spot, training plan"); ``local`` is this machine."""
+    return "this machine" if inst.is_local else ", ".join(o.replace("_", " ") for o in inst.purchase_options)
+
+
+def _print_instance(inst: InstanceType, catalog: Catalog) -> None:
     """One instance type in full: hardware facts, what is unconfirmed, how it is sold, its GPU and price, sources."""
     sku = inst.sku
     console.print(f"[bold]{inst.instance_type}[/] ({inst.role})")
@@ -110,7 +118,7 @@ def _print_instance(inst: Any, catalog: Any) -> None:
         "GPU interconnect": inst.interconnect or ("-" if inst.gpu_count < 2 else "unconfirmed"),
         "vCPU": inst.vcpus, "memory GiB": inst.memory_gib, "local NVMe GB": inst.nvme_gb,
         "network Gbps": inst.network_gbps, "EFA": "yes" if inst.efa else "no",
-        "sold as": ", ".join(o.replace("_", " ") for o in inst.purchase_options) or "this machine",
+        "sold as": _sold_as(inst),
     }  # fmt: skip
     for name, value in facts.items():
         console.print(f"  {name}: {escape(str('unconfirmed' if value is None else value))}", soft_wrap=True)
