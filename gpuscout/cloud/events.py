@@ -326,6 +326,16 @@ def _stopped(what: str, stop: Callable[[], Any]) -> bool:
     return True
 
 
+def _stopped_training_job(sagemaker: TrainingJobStopper, name: str) -> bool:
+    return _stopped(f"training job {name}", partial(sagemaker.stop_training_job, TrainingJobName=name))
+
+
+def _stopped_tuning_job(sagemaker: TrainingJobStopper, name: str) -> bool:
+    """Stop a tuning job: SageMaker stops its running trials, and it launches no further one."""
+    stop = partial(sagemaker.stop_hyper_parameter_tuning_job, HyperParameterTuningJobName=name)
+    return _stopped(f"tuning job {name}", stop)
+
+
 def enforce_budget(
     store: ResultStore,
     sagemaker: TrainingJobStopper,
@@ -354,14 +364,13 @@ def enforce_budget(
         | {tuning_job_name(run_id, t["target_index"]) for t in (run.search or {}).get("targets", [])}
     )
     for job in jobs:
-        if job.status in LIVE_JOB_STATUSES and not job.tuning_job_name:
-            stop = partial(sagemaker.stop_training_job, TrainingJobName=job.job_name)
-            if _stopped(f"training job {job.job_name}", stop):
-                stopped.append(job.job_name)
-    for name in tuning_jobs:  # SageMaker stops its running trials, and it launches no further one
-        if _stopped(f"tuning job {name}", partial(sagemaker.stop_hyper_parameter_tuning_job,
-                                                  HyperParameterTuningJobName=name)):  # fmt: skip
-            stopped.append(name)
+        if (
+            job.status in LIVE_JOB_STATUSES
+            and not job.tuning_job_name
+            and _stopped_training_job(sagemaker, job.job_name)
+        ):
+            stopped.append(job.job_name)
+    stopped += [name for name in tuning_jobs if _stopped_tuning_job(sagemaker, name)]
     ended = (RunStatus.STOPPED, RunStatus.SUCCEEDED, RunStatus.FAILED)
     if run.status not in ended:  # unless_status: a run another writer ended meanwhile keeps its status and reason
         store.update_run(
@@ -530,10 +539,8 @@ def _live_job_of_run(
 def _stop_late_job(sagemaker: TrainingJobStopper, job_name: str, tuning_name: str | None) -> list[str]:
     """Stop a job (a search trial: its tuning job, which would launch more) of a run that is already over."""
     if tuning_name is not None:
-        stop = partial(sagemaker.stop_hyper_parameter_tuning_job, HyperParameterTuningJobName=tuning_name)
-        return [tuning_name] if _stopped(f"tuning job {tuning_name}", stop) else []
-    stop = partial(sagemaker.stop_training_job, TrainingJobName=job_name)
-    return [job_name] if _stopped(f"training job {job_name}", stop) else []
+        return [tuning_name] if _stopped_tuning_job(sagemaker, tuning_name) else []
+    return [job_name] if _stopped_training_job(sagemaker, job_name) else []
 
 
 class TrainingJobDescriber(TrainingJobStopper, Protocol):
