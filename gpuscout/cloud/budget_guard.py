@@ -31,7 +31,7 @@ interval x the hourly price of its running jobs (plus the minute or two a stoppe
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,7 +44,7 @@ from gpuscout.cloud.events import (
     measured_spend_usd,
 )
 from gpuscout.errors import GpuscoutError
-from gpuscout.store.base import JobRecord, JobStatus, ResultStore, RunStatus
+from gpuscout.store.base import JobRecord, JobStatus, ResultStore, RunStatus, as_utc
 
 # How many of the newest runs a check reads for RUNNING ones (store.list_runs is newest first): far more than run
 # at once within an execution's lifetime (72 h by default).
@@ -55,10 +55,6 @@ BILLING_JOB_STATUSES = LIVE_JOB_STATUSES | {JobStatus.STOPPING}
 
 class BudgetCheckError(GpuscoutError):
     """A check could not stop the jobs of a run over its budget (the run stays RUNNING; the next check tries again)."""
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 # Secondary statuses in which a job waits without instances (a spot job waiting for capacity, or interrupted), and
@@ -81,19 +77,19 @@ def billing_seconds_so_far(job: JobRecord, *, now: datetime) -> float:
             parsed.append(SecondaryStatusTransition.model_validate(transition))
         except ValidationError:
             continue  # a transition without a readable StartTime says nothing of when the job held instances
-    moment = _utc(now)
+    moment = as_utc(now)
     if not parsed:
         if job.status in BILLING_JOB_STATUSES and job.last_event_time is not None and not job.spot:
-            return max(0.0, (moment - _utc(job.last_event_time)).total_seconds())
+            return max(0.0, (moment - as_utc(job.last_event_time)).total_seconds())
         return 0.0
-    parsed.sort(key=lambda t: _utc(t.start_time))
+    parsed.sort(key=lambda t: as_utc(t.start_time))
     total = 0.0
     for index, step in enumerate(parsed):
         if step.status in WAITING_STATUSES or (job.spot and step.status == "Starting"):
             continue
         nxt = parsed[index + 1].start_time if index + 1 < len(parsed) else None
-        end = _utc(step.end_time or nxt or moment)
-        total += max(0.0, (min(end, moment) - _utc(step.start_time)).total_seconds())
+        end = as_utc(step.end_time or nxt or moment)
+        total += max(0.0, (min(end, moment) - as_utc(step.start_time)).total_seconds())
     return total
 
 
@@ -119,7 +115,7 @@ def projected_spend_usd(jobs: list[JobRecord], *, now: datetime) -> float:
 
 def projected_spend(now: datetime) -> Callable[[list[JobRecord]], SpendFigure]:
     """``enforce_budget``'s spend figure for the scheduled check: the spend projected to ``now``."""
-    moment = _utc(now)
+    moment = as_utc(now)
 
     def figure(jobs: list[JobRecord]) -> SpendFigure:
         return SpendFigure(projected_spend_usd(jobs, now=moment), f"spend projected to {moment:%Y-%m-%d %H:%M} UTC")
@@ -168,7 +164,7 @@ def check_budgets(
     stopped is left RUNNING and named in ``errors`` (the next check tries again); the other runs are checked all the
     same.
     """
-    outcome = BudgetCheckOutcome(checked_at=_utc(now))
+    outcome = BudgetCheckOutcome(checked_at=as_utc(now))
     spend_of = projected_spend(now)
     for run in store.list_runs(limit=limit):
         if run.status is not RunStatus.RUNNING:

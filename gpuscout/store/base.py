@@ -85,6 +85,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(value: datetime) -> datetime:
+    """Naive datetimes are taken to be UTC (as the stores write them), aware ones are converted to it."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 class RunRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

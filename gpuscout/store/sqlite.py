@@ -12,7 +12,7 @@ import os
 import sqlite3
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import closing, contextmanager
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from gpuscout.store.base import (
     ResultRecord,
     RunRecord,
     RunStatus,
+    as_utc,
     utcnow,
 )
 
@@ -70,14 +71,9 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
 
 
-def _as_utc(value: datetime) -> datetime:
-    """Naive datetimes are taken to be UTC, aware ones are converted to it."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
 def _sort_key(value: datetime) -> str:
     """A fixed-width UTC timestamp whose string order is its time order."""
-    return _as_utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return as_utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class SqliteStore:
@@ -276,7 +272,7 @@ class SqliteStore:
         unknown = sorted(set(fields) - set(JobRecord.model_fields))
         if reserved or unknown:
             raise StoreError(f"apply_job_event: cannot set {', '.join(reserved + unknown)} from an event")
-        event_time = _as_utc(event_time)
+        event_time = as_utc(event_time)
         rank = JOB_STATUS_RANK[status]
         with self._transaction(immediate=True) as conn:
             row = conn.execute(
@@ -288,7 +284,7 @@ class SqliteStore:
             if current.status in TERMINAL_JOB_STATUSES and status not in TERMINAL_JOB_STATUSES:
                 return False
             if current.last_event_time is not None:
-                last = _as_utc(current.last_event_time)
+                last = as_utc(current.last_event_time)
                 if event_time < last or (event_time == last and rank <= current.status_rank):
                     return False
             try:
