@@ -28,6 +28,7 @@ CONTEXT_KEYS = (
     "canary_instance_type",
     "log_retention_days",
     "training_image_base",
+    "mlflow_tracking_servers",
     "stack_name",
 )
 
@@ -42,6 +43,8 @@ _PUBLIC_IMAGE_RE = re.compile(r"^public\.ecr\.aws/[a-z0-9._/-]+(:[A-Za-z0-9._-]+
 # pytorch-training:2.10.0-gpu-py313-cu130-ubuntu22.04-sagemaker.
 _DLC_TORCH_RE = re.compile(r"^public\.ecr\.aws/deep-learning-containers/pytorch(?:-training)?:(\d+\.\d+(?:\.\d+)?)-")
 IMAGE_REQUIREMENTS = Path(__file__).resolve().parents[1] / "training" / "requirements.txt"
+# CreateMlflowTrackingServer's TrackingServerName
+MLFLOW_SERVER_NAME_RE = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,255}")
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
 # CloudWatch Logs accepts only these retention periods (days -> aws_logs.RetentionDays member name).
 LOG_RETENTION_DAYS = {
@@ -144,6 +147,9 @@ class StackConfig(BaseModel):
     canary_instance_type: str | None = "ml.g5.8xlarge"
     log_retention_days: int = 90
     training_image_base: str | None = None  # None: training/Dockerfile's default BASE_IMAGE
+    # The SageMaker managed MLflow tracking servers (names, this account and region) the training jobs may log to;
+    # none by default: the jobs' role then holds no MLflow grant and a manifest naming a server is refused.
+    mlflow_tracking_servers: tuple[str, ...] = ()
     # CloudFormation stack name; another name deploys a second, independent stack in the same account and region
     stack_name: str = Field(default="Gpuscout", pattern=r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
 
@@ -163,6 +169,19 @@ class StackConfig(BaseModel):
                 f"{v!r} brings torch {tagged}, but the image installs torch {pinned} (training/requirements.txt) over "
                 f"its base's own torch only when they are equal: use a DLC tag of torch {pinned}"
             )
+        return v
+
+    @field_validator("mlflow_tracking_servers")
+    @classmethod
+    def _tracking_servers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in v if not MLFLOW_SERVER_NAME_RE.fullmatch(name)]
+        if bad:
+            raise ValueError(
+                f"not MLflow tracking server names (letters, digits and single hyphens, up to 256; the name, not the "
+                f"ARN): {bad}"
+            )
+        if len(set(v)) != len(v):
+            raise ValueError("tracking servers listed more than once")
         return v
 
     @field_validator("allowed_instance_types")
@@ -245,6 +264,10 @@ class StackConfig(BaseModel):
     def allowed_instance_types_csv(self) -> str:
         return ",".join(self.allowed_instance_types)
 
+    @property
+    def mlflow_tracking_servers_csv(self) -> str:
+        return ",".join(self.mlflow_tracking_servers)
+
 
 def _decode(value: Any) -> Any:
     """`cdk -c key=value` passes strings; JSON-decode them so lists, numbers and objects work from the CLI too."""
@@ -271,8 +294,9 @@ def load_config(context: Mapping[str, Any]) -> StackConfig:
     raw = {key: value for key, value in decoded.items() if value is not None or key in NULL_MEANS_OFF}
     if raw.get("canary_instance_type") == "":  # `-c canary_instance_type=` (null arrives decoded already)
         raw["canary_instance_type"] = None
-    if isinstance(raw.get("allowed_instance_types"), str):
-        raw["allowed_instance_types"] = [t.strip() for t in raw["allowed_instance_types"].split(",") if t.strip()]
+    for key in ("allowed_instance_types", "mlflow_tracking_servers"):  # `-c key=a,b`
+        if isinstance(raw.get(key), str):
+            raw[key] = [t.strip() for t in raw[key].split(",") if t.strip()]
     try:
         return StackConfig.model_validate(raw)
     except ValidationError as err:

@@ -92,6 +92,7 @@ class GpuscoutStack(Stack):
             # the types a job or canary may run on, and the planner's longest runtime (gpuscout.plan.jobs)
             launchable_types=sorted({*config.allowed_instance_types, *filter(None, [config.canary_instance_type])}),
             max_runtime_s=MAX_RUNTIME_S,
+            mlflow_tracking_servers=config.mlflow_tracking_servers,
         )
         environment = {
             "TABLE_NAME": self.results.table.table_name,
@@ -104,6 +105,7 @@ class GpuscoutStack(Stack):
             "CANARY_INSTANCE_TYPE": config.canary_instance_type or "",
             "EXECUTION_TIMEOUT_HOURS": str(config.execution_timeout_hours),
             "ALLOWED_INSTANCE_TYPES": config.allowed_instance_types_csv,
+            "MLFLOW_TRACKING_SERVERS": config.mlflow_tracking_servers_csv,
             "DEFAULT_BUDGET_USD": f"{config.default_budget_usd:g}",
             "MAP_MAX_CONCURRENCY": str(config.map_max_concurrency),
             "NOTIFICATION_TOPIC_ARN": self.notifications.topic.topic_arn,
@@ -389,19 +391,14 @@ class GpuscoutStack(Stack):
             f"Data preparation writes the prepared-data cache under {PROCESSED_PREFIX}<cache key>/, a hash computed at "
             "run time; only this role writes it (training jobs read it).",
         )
-        acknowledge(
-            sagemaker_policy,
-            f"AwsSolutions-IAM5[Resource::{account_arn.format(service='sagemaker')}:mlflow-tracking-server/*]",
-            "A manifest names its SageMaker managed MLflow tracking server at run time (tracking.mlflow.tracking_uri); "
-            "the grant is limited to tracking servers of this account and region.",
-        )
-        acknowledge(
-            sagemaker_policy,
-            "AwsSolutions-IAM5[Action::sagemaker-mlflow:*]",
-            "The MLflow client calls many sagemaker-mlflow actions (runs, metrics, params, artifacts' presigned URLs); "
-            "AWS documents sagemaker-mlflow:* for a job that logs to a tracking server, limited here to the "
-            "account's tracking servers.",
-        )
+        if self.config.mlflow_tracking_servers:
+            acknowledge(
+                sagemaker_policy,
+                "AwsSolutions-IAM5[Action::sagemaker-mlflow:*]",
+                "The MLflow client calls many sagemaker-mlflow actions (runs, metrics, params, artifacts' presigned "
+                "URLs); AWS documents sagemaker-mlflow:* for a job that logs to a tracking server, limited here to the "
+                "tracking servers named in context mlflow_tracking_servers.",
+            )
         for policy, group in ((sagemaker_policy, "TrainingJobs"), (processing_policy, "ProcessingJobs")):
             acknowledge(
                 policy,

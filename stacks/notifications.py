@@ -26,7 +26,21 @@ class Notifications(Construct):
             pending_window=Duration.days(7),
             removal_policy=removal_policy,
         )
-        self.key.grant(iam.ServicePrincipal("cloudwatch.amazonaws.com"), "kms:Decrypt", "kms:GenerateDataKey*")
+        # Only this account's alarms may use the key (confused-deputy protection; CloudWatch passes the alarm as
+        # aws:SourceArn when it publishes to an encrypted topic, as it does for sns:Publish below).
+        alarms = {
+            "StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID},
+            "ArnLike": {"aws:SourceArn": f"arn:{Aws.PARTITION}:cloudwatch:{Aws.REGION}:{Aws.ACCOUNT_ID}:alarm:*"},
+        }
+        self.key.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="CloudWatchAlarmsUseKey",
+                principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+                actions=["kms:Decrypt", "kms:GenerateDataKey*"],
+                resources=["*"],  # in a key policy, "*" is this key
+                conditions=alarms,
+            )
+        )
         self.topic = sns.Topic(self, "Topic", display_name="gpuscout", master_key=self.key, enforce_ssl=True)
         # enforce_ssl gives the topic a resource policy, which replaces SNS's default one: without this Allow,
         # CloudWatch alarms (a service principal, no identity policy) could not publish. Only this account's alarms.
@@ -36,12 +50,7 @@ class Notifications(Construct):
                 principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
                 actions=["sns:Publish"],
                 resources=[self.topic.topic_arn],
-                conditions={
-                    "StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID},
-                    "ArnLike": {
-                        "aws:SourceArn": f"arn:{Aws.PARTITION}:cloudwatch:{Aws.REGION}:{Aws.ACCOUNT_ID}:alarm:*"
-                    },
-                },
+                conditions=alarms,
             )
         )
         if email:

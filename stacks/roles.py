@@ -47,7 +47,6 @@ TUNING_JOBS_ARN = sagemaker_arn("hyper-parameter-tuning-job")  # a settings sear
 # capacity too: AWS's "IAM for SageMaker training plans" grants a plan user sagemaker:CreateTrainingJob on both (as
 # AmazonSageMakerFullAccess's AllowUseOfTrainingPlanResources does). The plans are the user's, named by them.
 TRAINING_PLAN_ARNS = (sagemaker_arn("training-plan", "*"), sagemaker_arn("reserved-capacity", "*"))
-MLFLOW_SERVER_RESOURCE = "mlflow-tracking-server/*"  # any tracking server of the account, in the region
 
 
 class Roles(Construct):
@@ -66,9 +65,12 @@ class Roles(Construct):
         use_vpc: bool,
         launchable_types: Sequence[str],
         max_runtime_s: int,
+        mlflow_tracking_servers: Sequence[str] = (),
     ) -> None:
         super().__init__(scope, construct_id)
-        self.sagemaker = self._sagemaker_role(data_bucket, artifacts_bucket, image_repository, use_vpc=use_vpc)
+        self.sagemaker = self._sagemaker_role(
+            data_bucket, artifacts_bucket, image_repository, use_vpc=use_vpc, mlflow_servers=mlflow_tracking_servers
+        )
         self.processing = self._processing_role(data_bucket, image_repository, use_vpc=use_vpc)
         self.lambdas: dict[str, iam.Role] = {
             name: iam.Role(
@@ -157,7 +159,13 @@ class Roles(Construct):
         return statements
 
     def _sagemaker_role(
-        self, data: s3.IBucket, artifacts: s3.IBucket, repository: ecr.IRepository, *, use_vpc: bool
+        self,
+        data: s3.IBucket,
+        artifacts: s3.IBucket,
+        repository: ecr.IRepository,
+        *,
+        use_vpc: bool,
+        mlflow_servers: Sequence[str],
     ) -> iam.Role:
         """The training jobs' role (canaries, jobs, search trials): the untrusted code of a run. It reads the data
         bucket's sources and prepared data and writes only job output and checkpoints: not the prepared-data cache
@@ -184,15 +192,19 @@ class Roles(Construct):
                 conditions={"StringLike": {"s3:prefix": [f"{prefix}*" for prefix in job_prefixes]}},
             ),
             *self._job_runtime_statements(repository, log_group=SAGEMAKER_LOG_GROUPS[0], use_vpc=use_vpc),
-            # A manifest's tracking.mlflow.tracking_uri may name a SageMaker managed MLflow tracking server of this
-            # account and region (docs/search.md "Experiment tracking"); artifacts go through the server's
-            # presigned URLs (SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED), so no grant on its artifact bucket.
-            iam.PolicyStatement(
-                sid="ExperimentTracking",
-                actions=["sagemaker-mlflow:*"],
-                resources=[f"arn:{Aws.PARTITION}:sagemaker:{Aws.REGION}:{Aws.ACCOUNT_ID}:{MLFLOW_SERVER_RESOURCE}"],
-            ),
         ]
+        if mlflow_servers:
+            # The SageMaker managed MLflow tracking servers this deployment names (context mlflow_tracking_servers):
+            # a manifest's tracking.mlflow.tracking_uri may name only these (the validation refuses others), and a
+            # job's code can reach no other. Artifacts go through the server's presigned URLs
+            # (SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED), so no grant on its artifact bucket.
+            statements.append(
+                iam.PolicyStatement(
+                    sid="ExperimentTracking",
+                    actions=["sagemaker-mlflow:*"],
+                    resources=[sagemaker_arn("mlflow-tracking-server", name) for name in mlflow_servers],
+                )
+            )
         self.sagemaker_policy = iam.Policy(self, "SageMakerExecutionPolicy", roles=[role], statements=statements)
         return role
 

@@ -40,7 +40,7 @@ from gpuscout.cloud.plan_items import (
 from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.settings import LambdaSettings, get_settings
-from gpuscout.cloud.sources import cloud_problems
+from gpuscout.cloud.sources import TrackingServers, cloud_problems
 from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.manifest import Manifest
@@ -126,6 +126,9 @@ def _cloud_problems(manifest: Manifest, settings: LambdaSettings) -> list[Proble
         data_bucket=settings.data_bucket,
         allowed_instance_types=settings.allowed_instance_types,
         execution_timeout_hours=settings.execution_timeout_hours,
+        tracking_servers=TrackingServers(
+            names=settings.mlflow_tracking_servers, account=settings.account, region=settings.region
+        ),
     )
 
 

@@ -36,6 +36,8 @@ class LambdaSettings(BaseModel):
     # the state machine's timeout: no job may be allowed to wait (spot) or run longer than the execution lives
     execution_timeout_hours: float = Field(alias="EXECUTION_TIMEOUT_HOURS", default=72.0, gt=0)
     allowed_instance_types: tuple[str, ...] = Field(alias="ALLOWED_INSTANCE_TYPES", default=())
+    # the SageMaker managed MLflow tracking servers (names) the training jobs' role may log to; empty: none
+    mlflow_tracking_servers: tuple[str, ...] = Field(alias="MLFLOW_TRACKING_SERVERS", default=())
     default_budget_usd: float = Field(alias="DEFAULT_BUDGET_USD", default=100.0, gt=0)
     # training jobs running at once per run (the Map's MaxConcurrency); a search's tuning jobs share it
     map_max_concurrency: int = Field(alias="MAP_MAX_CONCURRENCY", default=4, ge=1, le=40)
@@ -43,7 +45,7 @@ class LambdaSettings(BaseModel):
     notification_topic_arn: str | None = Field(alias="NOTIFICATION_TOPIC_ARN", default=None)
     region: str = Field(alias="AWS_REGION", default="us-east-1")  # set by the Lambda runtime
 
-    @field_validator("allowed_instance_types", mode="before")
+    @field_validator("allowed_instance_types", "mlflow_tracking_servers", mode="before")
     @classmethod
     def _split_comma_list(cls, v: object) -> object:
         if isinstance(v, str):
@@ -54,6 +56,11 @@ class LambdaSettings(BaseModel):
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if v == "" else v
+
+    @property
+    def account(self) -> str:
+        """This deployment's account (its roles' ARNs name it)."""
+        return self.sagemaker_role_arn.split(":")[4]
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LambdaSettings:

@@ -12,14 +12,15 @@ and by the workflow's Validate step), each with the fix in the message.
   with network reads only its layers' part of it instead (training/partial_checkpoint.py); under isolation it too
   downloads the whole checkpoint.
 - ``tracking`` (tracking_problems): a job reaches MLflow only at a server (an ARN or http(s) URI, and not under
-  network isolation), W&B only offline (no API key is passed to SageMaker), and the settings must fit one
-  Environment value.
+  network isolation; an ARN must be a tracking server the deployment grants, context mlflow_tracking_servers), W&B
+  only offline (no API key is passed to SageMaker), and the settings must fit one Environment value.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from gpuscout.cloud.plan_items import MAX_REQUESTS_PER_RUN
 from gpuscout.domain.manifest import Manifest
@@ -192,8 +193,45 @@ def timeout_problems(manifest: Manifest, *, execution_timeout_hours: float) -> l
 _LONGEST_JOB_PART = {"variant": "v" * 64, "instance_count": 64, "spot": False, "usd_per_hour": 1234.5678901234567}
 
 
-def tracking_problems(manifest: Manifest) -> list[Problem]:
-    """Tracking settings a SageMaker job cannot use (module docstring), each with what to do instead."""
+@dataclass(frozen=True)
+class TrackingServers:
+    """The SageMaker managed MLflow tracking servers a deployment's training jobs may log to (its role's grant)."""
+
+    names: tuple[str, ...]
+    account: str
+    region: str
+
+    def problem(self, arn: str) -> str | None:
+        """Why a job of this deployment could not log to ``arn``, or None."""
+        match = _MLFLOW_ARN_RE.match(arn)
+        if match is None:
+            return (
+                f"{arn} is not a SageMaker managed MLflow tracking server ARN "
+                "(arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME)"
+            )
+        region, account, name = match.group("region", "account", "name")
+        if (region, account) != (self.region, self.account):
+            return (
+                f"{arn} is in {account}/{region}, but this deployment's jobs may only reach tracking servers of "
+                f"{self.account}/{self.region}"
+            )
+        if name not in self.names:
+            allowed = ", ".join(self.names) if self.names else "none"
+            return (
+                f"the training jobs' role may not log to tracking server {name!r} (this deployment grants: {allowed}); "
+                "add it to the cdk.json context mlflow_tracking_servers and redeploy (docs/deploy.md)"
+            )
+        return None
+
+
+_MLFLOW_ARN_RE = re.compile(
+    r"^arn:aws[a-z-]*:sagemaker:(?P<region>[a-z0-9-]+):(?P<account>\d{12}):mlflow-tracking-server/(?P<name>[^/]+)$"
+)
+
+
+def tracking_problems(manifest: Manifest, *, servers: TrackingServers | None = None) -> list[Problem]:
+    """Tracking settings a SageMaker job cannot use (module docstring), each with what to do instead. ``servers``:
+    the deployment's MLflow grant, when known (the control plane knows it; `gpuscout submit` does not)."""
     tracking = manifest.resolved_tracking()
     if tracking is None:
         return []
@@ -219,6 +257,8 @@ def tracking_problems(manifest: Manifest) -> list[Problem]:
                     "SageMaker managed MLflow tracking server or an http(s) URI",
                 )
             )
+        elif servers is not None and uri.startswith("arn:") and (reason := servers.problem(uri)) is not None:
+            problems.append(Problem(field, reason))
         elif manifest.network_isolation:
             problems.append(
                 Problem(
@@ -321,10 +361,11 @@ def cloud_problems(
     data_bucket: str,
     allowed_instance_types: Collection[str] = (),
     execution_timeout_hours: float | None = None,
+    tracking_servers: TrackingServers | None = None,
 ) -> list[Problem]:
     problems = target_problems(manifest, allowed_instance_types=allowed_instance_types)
     problems += source_problems(manifest, data_bucket=data_bucket)
-    problems += tracking_problems(manifest)
+    problems += tracking_problems(manifest, servers=tracking_servers)
     problems += hyperparameter_problems(manifest)
     problems += search_problems(manifest)
     if execution_timeout_hours is not None:

@@ -157,6 +157,7 @@ def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pyt
         "removal_policy": "destroy",
         "notification_email": "ops@example.com",
         "vpc": {"subnet_ids": ["subnet-0123abcd"], "security_group_ids": ["sg-0123abcd"]},
+        "mlflow_tracking_servers": "team,nightly",  # as `-c mlflow_tracking_servers=team,nightly` passes it
     }
     app, stack = cdk_app.build_app(cdk.App(outdir=str(outdir), context=context))
     app.synth()  # cdk-nag would fail it on any unacknowledged finding
@@ -185,6 +186,33 @@ def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pyt
         for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
     }
     assert "ec2:CreateNetworkInterface" in actions
+    # the named MLflow tracking servers, and only they, are the jobs' tracking grant; the validation learns them
+    (tracking,) = [
+        s
+        for r in resources
+        if r["Type"] == "AWS::IAM::Policy"
+        for s in r["Properties"]["PolicyDocument"]["Statement"]
+        if s.get("Sid") == "ExperimentTracking"
+    ]
+    granted = [json.dumps(arn) for arn in tracking["Resource"]]
+    assert len(granted) == 2 and ":mlflow-tracking-server/team" in granted[0] and "/nightly" in granted[1]
+    assert "*" not in "".join(granted)
+    functions = [r["Properties"] for r in resources if r["Type"] == "AWS::Lambda::Function"]
+    environments = [f["Environment"]["Variables"] for f in functions if "Environment" in f]
+    assert {env.get("MLFLOW_TRACKING_SERVERS") for env in environments if "TABLE_NAME" in env} == {"team,nightly"}
+
+
+@pytest.mark.parametrize(
+    ("servers", "message"),
+    [
+        (["arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team"], "the name, not the ARN"),
+        (["team", "team"], "more than once"),
+        (["-team"], "not MLflow tracking server names"),
+    ],
+)
+def test_tracking_servers_must_be_names(servers: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_context(mlflow_tracking_servers=servers))
 
 
 def test_a_configured_image_base_becomes_the_dockerfile_build_arg(tmp_path: Path) -> None:

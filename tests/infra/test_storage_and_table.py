@@ -120,7 +120,11 @@ def test_topic_is_encrypted_tls_only_and_cloudwatch_may_use_its_key(synthesized:
     synthesized.template.has_resource_properties("AWS::SNS::Topic", {"KmsMasterKeyId": {"Fn::GetAtt": [key_id, "Arn"]}})
     synthesized.template.has_resource_properties("AWS::KMS::Key", {"EnableKeyRotation": True})
     key_statements = synthesized.template_json["Resources"][key_id]["Properties"]["KeyPolicy"]["Statement"]
-    assert any(s["Principal"] == {"Service": "cloudwatch.amazonaws.com"} for s in key_statements)
+    # CloudWatch may use the key only for this account's alarms (confused-deputy conditions, as on the topic)
+    (use_key,) = [s for s in key_statements if s["Principal"] == {"Service": "cloudwatch.amazonaws.com"}]
+    assert set(use_key["Action"]) == {"kms:Decrypt", "kms:GenerateDataKey*"}
+    assert use_key["Condition"]["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}
+    assert ":alarm:*" in json.dumps(use_key["Condition"]["ArnLike"]["aws:SourceArn"])
     topic_policy = synthesized.one("AWS::SNS::TopicPolicy")["Properties"]["PolicyDocument"]["Statement"]
     assert any(
         s["Effect"] == "Deny" and s.get("Condition") == {"Bool": {"aws:SecureTransport": "false"}} for s in topic_policy

@@ -26,6 +26,7 @@ from tests.integration.cloud_world import (
     DATA_BUCKET,
     IMAGE_URI,
     QUOTAS,
+    REGION,
     ROLE_ARN,
     Cloud,
     benchmark_for,
@@ -116,6 +117,15 @@ def test_instance_types_the_stack_does_not_allow_are_rejected(cloud: Cloud) -> N
     text = cloud_manifest().replace("ml.g5.8xlarge", "ml.p4de.24xlarge")
     with pytest.raises(ManifestRejected, match=r"targets\[0\]\.instance_type: ml\.p4de\.24xlarge is not allowed"):
         raise_refusal(validate_handler.handler(cloud.submit(text), cloud.context))
+
+
+def test_an_mlflow_server_the_jobs_role_may_not_reach_is_rejected(cloud: Cloud) -> None:
+    # Given a deployment that names no tracking server (cdk.json's default: the jobs' role has no MLflow grant)
+    server = f"arn:aws:sagemaker:{REGION}:123456789012:mlflow-tracking-server/team"
+    text = cloud_manifest() + f"tracking:\n  mlflow:\n    tracking_uri: {server}\n"
+    # When a manifest logs to a SageMaker managed server, Then it is refused before any job, saying how to grant it
+    with pytest.raises(ManifestRejected, match=r"tracking\.mlflow\.tracking_uri: .*'team'.*mlflow_tracking_servers"):
+        raise_refusal(validate_handler.handler(cloud.submit(text, "mlflow"), cloud.context))
 
 
 def test_sources_the_sagemaker_role_cannot_read_are_rejected(cloud: Cloud) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpuscout.cloud.sources import cloud_problems, tracking_problems
+from gpuscout.cloud.sources import TrackingServers, cloud_problems, tracking_problems
 from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.jobspec import JobCode, JobSpec
 from gpuscout.domain.manifest import Manifest
@@ -185,6 +185,31 @@ def test_tracking_a_sagemaker_job_cannot_do_is_refused_with_the_field(
     (problem,) = tracking_problems(manifest)
     assert problem.path == path and says in problem.message
     assert problem in cloud_problems(manifest, data_bucket=BUCKET)
+
+
+@pytest.mark.parametrize(
+    ("granted", "uri", "says"),
+    [
+        ((), ARN, "grants: none"),
+        (("nightly",), ARN, "may not log to tracking server 'team' (this deployment grants: nightly)"),
+        (("team",), ARN.replace("123456789012", "210987654321"), "only reach tracking servers of 123456789012"),
+        (("team",), ARN.replace("us-east-1", "eu-west-1"), "us-east-1"),
+    ],
+)
+def test_the_control_plane_refuses_a_tracking_server_the_jobs_may_not_reach(
+    granted: tuple[str, ...], uri: str, says: str
+) -> None:
+    # Given a deployment whose jobs' role may log only to the servers in context mlflow_tracking_servers
+    servers = TrackingServers(names=granted, account="123456789012", region="us-east-1")
+    manifest = _manifest({"mlflow": {"tracking_uri": uri}})
+    # Then a manifest naming another server is refused before any job starts, saying how to grant it
+    (problem,) = cloud_problems(manifest, data_bucket=BUCKET, tracking_servers=servers)
+    assert problem.path == "tracking.mlflow.tracking_uri" and says in problem.message
+    # while the granted server, and a self-hosted http(s) server (no IAM), pass
+    allowed = TrackingServers(names=("team",), account="123456789012", region="us-east-1")
+    assert tracking_problems(_manifest({"mlflow": {"tracking_uri": ARN}}), servers=allowed) == []
+    https = _manifest({"mlflow": {"tracking_uri": "https://mlflow.example.com"}})
+    assert tracking_problems(https, servers=servers) == []
 
 
 @pytest.mark.parametrize(
