@@ -8,7 +8,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 unexport PYTHONDONTWRITEBYTECODE
 export MPLBACKEND := Agg
 
-.PHONY: demo test check lint format types synth install clean gpu-check gpu-wheels gpu-memory-probe warm-bytecode lock
+.PHONY: demo test check lint format types synth install clean gpu-check gpu-wheels gpu-memory-probe warm-bytecode lock lock-image
 
 ## --no-compile: pip would compile all ~20,000 files it installs to bytecode, one at a time (45 of the install's 70 s on
 ## a 2-core Xeon, 2026-11-25; compileall on both cores still took 29 s). Python compiles a module the first time it is
@@ -68,6 +68,24 @@ lock:
 	} > constraints.txt.new; \
 	mv constraints.txt.new constraints.txt; \
 	echo "constraints.txt: $$(grep -vc '^#' constraints.txt) packages"
+
+## training/constraints.txt: the training image's lock. Every package training/requirements.txt brings, for the
+## image's CPython 3.12 on x86_64 Linux, at constraints.txt's versions wherever both hold one (the image runs what the
+## tests run), resolved by uv in a throwaway venv; torch's own CUDA stack (torch, triton, nvidia-* but nvidia-ml-py,
+## cuda-*) is left out: the base image's build of torch brings it. Run after changing training/requirements.txt.
+UV_PIN := uv==0.13.9
+lock-image:
+	set -euo pipefail; venv=$$(mktemp -d /tmp/gpuscout-lock-image.XXXXXX); trap 'rm -rf "$$venv"' EXIT; \
+	$(PYTHON) -m venv "$$venv"; \
+	"$$venv/bin/python" -m pip install --quiet --no-compile $(UV_PIN); \
+	"$$venv/bin/uv" pip compile training/requirements.txt -c constraints.txt --python-version 3.12 \
+	  --python-platform x86_64-manylinux_2_28 --no-header --no-annotate --quiet -o "$$venv/lock.txt"; \
+	{ echo "# The training image's lock (make lock-image writes this file): training/Dockerfile installs"; \
+	  echo "# training/requirements.txt with it as constraints (-c). torch's CUDA stack is the base image's."; \
+	  grep -Ev '^(torch|triton|cuda-[a-z-]+|nvidia-(cu|nv|nccl)[a-z0-9-]*)==' "$$venv/lock.txt"; \
+	} > training/constraints.txt.new; \
+	mv training/constraints.txt.new training/constraints.txt; \
+	echo "training/constraints.txt: $$(grep -vc '^#' training/constraints.txt) packages"
 
 ## The main job: a local benchmark end to end on the embedded default manifest.
 demo: $(VENV)/.stamp-install

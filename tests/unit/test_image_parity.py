@@ -103,6 +103,7 @@ def test_the_image_installs_the_pins_over_the_bases_own_torch(tmp_path: Path, pi
     import subprocess
 
     step = _install_step().replace("/opt/ml/code/training/requirements.txt", str(ROOT / "training/requirements.txt"))
+    step = step.replace("/opt/ml/code/training/constraints.txt", str(ROOT / "training/constraints.txt"))
     step = step.replace("/tmp/torch-constraint.txt", str(tmp_path / "constraint.txt"))
     # Given a base whose torch is the pinned one (with the CUDA build's local label)
     log = _fake_python(tmp_path / "bin", f"{IMAGE['torch']}+cu130", pip=pip)
@@ -114,8 +115,53 @@ def test_the_image_installs_the_pins_over_the_bases_own_torch(tmp_path: Path, pi
     calls = log.read_text()
     installer = "python -m pip install -r" if pip else "uv pip install --python"
     (install,) = [line for line in calls.splitlines() if line.startswith(installer)]
-    assert "training/requirements.txt -c " in install and "mlflow" in calls
+    assert f"training/requirements.txt -c {ROOT / 'training/constraints.txt'} -c " in install and "mlflow" in calls
     assert f"assert torch.__version__ == '{IMAGE['torch']}+cu130'" in calls
+
+
+LOCK = pins(ROOT / "training" / "constraints.txt")
+TORCH_STACK = re.compile(r"^(torch|triton|cuda-[a-z-]+|nvidia-(cu|nv|nccl)[a-z0-9-]*)$")
+
+
+def test_the_image_installs_under_its_own_lock_at_the_tests_versions() -> None:
+    # Given the image's lock (make lock-image) and the tests' (constraints.txt, make lock)
+    tests_lock = pins(ROOT / "constraints.txt")
+    # Then it holds every pin of training/requirements.txt at its version (torch aside: the base's own build) ...
+    assert {n: v for n, v in IMAGE.items() if n != "torch"} == {n: LOCK.get(n) for n in IMAGE if n != "torch"}
+    # ... every package both locks hold at one version (the image runs what the tests run) ...
+    different = {n: (v, tests_lock[n]) for n, v in LOCK.items() if n in tests_lock and tests_lock[n] != v}
+    assert not different, f"training/constraints.txt and constraints.txt differ: {different}; run make lock-image"
+    # ... and nothing of torch's CUDA stack, which the base image's torch brings (a pin would replace the base's)
+    assert not [n for n in LOCK if TORCH_STACK.match(n)]
+    assert "nvidia-ml-py" in LOCK  # NVML's bindings are gpuscout's own (the GPU sampler), not torch's
+
+
+def test_the_image_lock_is_closed_over_the_dependencies_installed_here() -> None:
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    # For every locked package this machine has too, each dependency it needs on the image's Linux, CPython 3.12
+    # (markers evaluated there, no extras) is itself locked, or is torch's CUDA stack
+    image_env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+                 "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}  # fmt: skip
+    missing: dict[str, list[str]] = {}
+    checked = 0
+    for name in LOCK:
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        checked += 1
+        for text in requires:
+            requirement = Requirement(text)
+            if requirement.marker is not None and not requirement.marker.evaluate(image_env):
+                continue
+            dependency = canonicalize_name(requirement.name)
+            if dependency not in LOCK and not TORCH_STACK.match(dependency):
+                missing.setdefault(name, []).append(dependency)
+    assert checked > 60 and not missing, f"unlocked dependencies (run make lock-image): {missing}"
 
 
 def test_a_base_with_another_torch_stops_the_build_naming_both(tmp_path: Path) -> None:
