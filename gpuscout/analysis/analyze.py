@@ -45,10 +45,9 @@ from gpuscout.analysis.step_series import downsample
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
+from gpuscout.domain.manifest_training import MIN_TIMED_STEPS
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
-
-MIN_TIMED_STEPS = 2  # fewer timed steps give no interval: a verdict cannot rest on them
 
 
 # -- manifest access (a gpuscout.domain.manifest.Manifest or its dict) ------------------------------------------------

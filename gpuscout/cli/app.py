@@ -166,6 +166,8 @@ def validate(file: ManifestArg) -> None:
     catalog = load_catalog()
     manifest = load_manifest(file, catalog=catalog)
     _refused_on_this_machine(file, manifest, catalog)
+    _refused_by_the_planner(file, manifest, catalog)
+    _warn_duplicate_variants(manifest)
     targets = len(manifest.targets)
     variants = len(manifest.variants)
     repetitions = manifest.repetitions
@@ -181,6 +183,39 @@ def validate(file: ManifestArg) -> None:
         f"repetition(s) = {targets * variants * repetitions} job(s)",
         soft_wrap=True,
     )
+
+
+def _refused_by_the_planner(file: Path, manifest: Any, catalog: Any) -> None:
+    """Every job the planner would refuse (does not fit, a GPU it cannot predict, max_tokens too short), all listed
+    now, exit 3, as `gpuscout plan` would refuse them. A job section's plan may time the user's code, and a search's
+    candidates are screened by the search itself: `gpuscout plan` checks those."""
+    if manifest.job is not None or manifest.search is not None:
+        return
+    from gpuscout.errors import PlanError
+    from gpuscout.plan.planner import plan
+
+    try:
+        plan(manifest, catalog, run_id="validate")
+    except PlanError as err:
+        lines = str(err).splitlines()
+        problems = [line.removeprefix("  - ") for line in lines[1:]] if len(lines) > 1 else lines
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(file))}: {len(problems)} job(s) cannot be planned (`gpuscout plan` and "
+            "`gpuscout local` refuse them)",
+            soft_wrap=True,
+        )
+        for problem in problems:
+            err_console.print(f"  [red]-[/] {escape(problem)}", soft_wrap=True)
+        raise typer.Exit(BUDGET_EXIT_CODE) from err
+
+
+def _warn_duplicate_variants(manifest: Any) -> None:
+    for names in manifest.duplicate_variants():
+        console.print(
+            f"[yellow]warning:[/] variants {', '.join(repr(n) for n in names)} have the same settings: the same jobs, "
+            "run and paid for once per name; drop all but one (use repetitions to repeat a measurement)",
+            soft_wrap=True,
+        )
 
 
 def _refused_on_this_machine(file: Path, manifest: Any, catalog: Any) -> None:
@@ -224,6 +259,7 @@ def plan(
     catalog = load_catalog()
     manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
     print_plan(console, the_plan, for_run=False)
+    _warn_duplicate_variants(manifest)
     if the_plan.search is not None:
         for line in describe_plan(the_plan.search):
             console.print(line, markup=False, soft_wrap=True)

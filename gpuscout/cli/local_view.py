@@ -23,6 +23,10 @@ from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def _fmt_duration(seconds: float | None) -> str:
     return "-" if seconds is None else seconds_text(seconds)
 
@@ -30,8 +34,9 @@ def _fmt_duration(seconds: float | None) -> str:
 def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None:
     """The job matrix of a plan with predicted throughput, time and cost, and the total (a search's: at most
     max_trials of its candidates run). ``for_run``: the plan of a run that starts now (its id in the title); else
-    ``gpuscout plan``'s preview, whose ids are drawn again by the run. Job names, precisions and numbers are never cut
-    (console_style.responsive_table: a narrow terminal gets a block per job instead)."""
+    ``gpuscout plan``'s preview, whose ids are drawn again by the run. $/1M is the objective predicted (rate x
+    billed price, start-up excluded): a job that costs more may cost less per token. Job names, precisions and
+    numbers are never cut (console_style.responsive_table: a narrow terminal gets a block per job instead)."""
     jobs: list[JobSpec] = list(the_plan.jobs)
     title = f"Plan for run {the_plan.run_id}" if for_run else "Plan (a run draws its own run id and job names)"
     units = {spec.prediction.unit for spec in jobs} or {"tokens"}
@@ -43,6 +48,7 @@ def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None
         Column(f"pred. {'/'.join(sorted(units))}/s", justify="right", whole=True),
         Column("pred. time", justify="right", whole=True),
         Column("pred. $", justify="right", whole=True),
+        Column(f"pred. $/1M {'/'.join(sorted(units))}", justify="right", whole=True),
     ]
     cells = []
     for spec in jobs:
@@ -57,6 +63,7 @@ def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None
                 f"{p.rate:,.0f}",
                 _fmt_duration(p.training_seconds + p.overhead_seconds),
                 f"{p.cost_usd:,.4f}",
+                _num(spec.predicted_usd_per_million, "{:,.4f}"),
             ]
         )
     total_s = the_plan.predicted_sequential_seconds
@@ -65,7 +72,7 @@ def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None
     else:
         label, at_most = f"total: at most {the_plan.search.trial_budget} of these {len(jobs)} candidates run", "≤ "
     cells.append(
-        [label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}"]
+        [label, "", "", "", "", at_most + _fmt_duration(total_s), f"{at_most}{the_plan.predicted_cost_usd:,.4f}", ""]
     )
     responsive_table(console, title, columns, cells, key=0)
     for line in price_lines(jobs):

@@ -108,6 +108,17 @@ class JobSpec(BaseModel):
     # the manifest's experiment trackers, defaults resolved (gpuscout.domain.tracking); None = not tracked
     tracking: TrackingSection | None = None
 
+    @property
+    def predicted_usd_per_million(self) -> float | None:
+        """The objective the analysis ranks by, predicted: dollars per million work units (``prediction.unit``) at
+        the predicted rate, the billed hourly price (spot where planned) of all the job's instances; start-up and
+        upload excluded, as the measured figure excludes them. None without a predicted rate."""
+        rate = self.prediction.rate
+        if rate <= 0:
+            return None
+        hourly = self.spot_price_per_hour_usd if self.spot_price_per_hour_usd is not None else self.price_per_hour_usd
+        return hourly * self.instance_count / 3600.0 / rate * 1e6
+
     @field_validator("job_name")
     @classmethod
     def _valid_job_name(cls, v: str) -> str:

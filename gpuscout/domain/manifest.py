@@ -7,6 +7,7 @@ May import: gpuscout.domain's catalog, models and manifest_* section modules, py
 
 from __future__ import annotations
 
+import json
 import math
 
 from pydantic import Field, ValidationInfo, model_validator
@@ -140,6 +141,15 @@ class Manifest(StrictModel):
                     "list the settings as variants instead",
                 ))  # fmt: skip
         return problems
+
+    def duplicate_variants(self) -> list[list[str]]:
+        """Groups of variants (names, manifest order) whose settings are the same once defaults are filled in: the
+        same jobs, run and paid for again under another name (repetitions are the way to repeat a measurement)."""
+        groups: dict[str, list[str]] = {}
+        for variant in self.variants:
+            settings = variant.model_dump(mode="json", exclude={"name"}, exclude_defaults=True)
+            groups.setdefault(json.dumps(settings, sort_keys=True), []).append(variant.name)
+        return [names for names in groups.values() if len(names) > 1]
 
     @property
     def base_variant(self) -> Variant:

@@ -5,6 +5,7 @@ May import: gpuscout.domain's catalog, models and manifest_fields, pydantic."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,6 +16,35 @@ from gpuscout.domain.manifest_fields import CONTROL_RE, S3_URI_RE, Slug, StrictM
 from gpuscout.domain.models import HF_ID_TO_PRESET, PRESETS, Architecture
 
 BUNDLED_SOURCES = ("bundled:hebrew-bible", "bundled:hebrew-chatterbot")
+# A job's throughput is measured over its timed steps, the steps after its warm-up; fewer than this give no interval,
+# so no verdict can rest on the job (gpuscout.analysis), and train.py refuses a job with none.
+MIN_TIMED_STEPS = 2
+
+
+def default_warmup_steps(max_steps: int) -> int:
+    """train.py's warm-up when none is set (training/benchmark_callback.default_warmup_steps): max(3, 10 %), always
+    leaving one step to time."""
+    return max(0, min(max(3, math.ceil(0.1 * max_steps)), max_steps - 1))
+
+
+def fewest_max_steps(warmup_steps: int | None) -> int:
+    """The fewest steps a job may have to leave MIN_TIMED_STEPS timed ones (warm-up: None = train.py's default)."""
+    if warmup_steps is not None:
+        return warmup_steps + MIN_TIMED_STEPS
+    return next(n for n in range(MIN_TIMED_STEPS, 100) if n - default_warmup_steps(n) >= MIN_TIMED_STEPS)
+
+
+def timed_steps_problem(max_steps: int, warmup_steps: int | None) -> str | None:
+    """Why a job of ``max_steps`` (and this warm-up, None = train.py's default) cannot be measured, or None."""
+    warmup = default_warmup_steps(max_steps) if warmup_steps is None else warmup_steps
+    timed = max_steps - warmup
+    if timed >= MIN_TIMED_STEPS:
+        return None
+    how = f"the automatic warm-up of max(3, 10 %) is {warmup}" if warmup_steps is None else f"warmup_steps is {warmup}"
+    return (
+        f"{max_steps} step{'' if max_steps == 1 else 's'} leave{'s' if max_steps == 1 else ''} {max(timed, 0)} timed "
+        f"({how}); every job needs at least {MIN_TIMED_STEPS} timed steps to be measured"
+    )
 
 
 class ModelSpec(StrictModel):
@@ -135,8 +165,11 @@ class TrainingSpec(StrictModel):
     def _length(self) -> TrainingSpec:
         if (self.max_steps is None) == (self.max_tokens is None):
             raise ValueError("give exactly one of max_steps, max_tokens")
-        if self.max_steps is not None and self.warmup_steps is not None and self.warmup_steps >= self.max_steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
+        if self.max_steps is not None and (problem := timed_steps_problem(self.max_steps, self.warmup_steps)):
+            fix = f"give max_steps {fewest_max_steps(self.warmup_steps)} or more"
+            if self.warmup_steps is not None:
+                fix += f", or warmup_steps at most {self.max_steps - MIN_TIMED_STEPS}"
+            raise ValueError(f"max_steps: {problem}: {fix}")
         return self
 
 

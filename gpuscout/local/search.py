@@ -22,17 +22,13 @@ import optuna
 
 from gpuscout.analysis.intervals import ratio_ci95
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.manifest_training import default_warmup_steps
 from gpuscout.plan.search import SearchPlan, TargetSearch
 from gpuscout.store.base import JobRecord, JobStatus
 
 CANDIDATE_PARAM = "candidate"
 # Proposals per launched trial before a sampler that keeps proposing tried or skipped settings is given up on.
 MAX_PROPOSALS_PER_TRIAL = 20
-
-
-def default_warmup_steps(max_steps: int) -> int:
-    """train.py's warm-up when none is set (training/benchmark_callback.default_warmup_steps): max(3, 10 %)."""
-    return max(0, min(max(3, math.ceil(0.1 * max_steps)), max_steps - 1))
 
 
 def warmup_steps(spec: JobSpec) -> int:

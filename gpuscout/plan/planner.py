@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -34,7 +34,7 @@ from gpuscout.domain.hardware import GpuSku
 from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
-from gpuscout.domain.manifest_training import Variant
+from gpuscout.domain.manifest_training import Variant, fewest_max_steps, timed_steps_problem
 from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
 from gpuscout.errors import PlanError, Problem
 from gpuscout.plan import memory, search
@@ -327,6 +327,56 @@ def _search_candidates(
     )  # fmt: skip
 
 
+def _target_refusal(
+    inst: InstanceType,
+    hw: LocalHardware | None,
+    *,
+    precision: str,
+    supported: Sequence[str],
+    device: str,
+    sku: GpuSku | None,
+) -> str | None:
+    """Why no job can be planned on a target: a precision it does not run, or a GPU the model cannot predict."""
+    if precision not in supported:
+        return f"precision {precision} is not supported here ({', '.join(supported)})" + _cpu_precision_reason(
+            hw, precision
+        )
+    if hw is None and device == "cuda" and not (sku and sku.plannable and sku.peak_for(precision)):
+        return cannot_predict(inst, precision)
+    return None
+
+
+def _memory_refusal(
+    arch: Architecture,
+    variant: Variant,
+    *,
+    seq: int,
+    batch: int,
+    accum: int,
+    precision: str,
+    world: int,
+    device: str,
+    capacity: float | None,
+) -> str | None:
+    """Why a variant does not fit one GPU (or this host) by the memory model, with what would fit; None if it fits."""
+    estimate = memory_estimate(
+        arch, seq=seq, batch=batch, precision=precision, stage=variant.deepspeed_stage, world=world,
+        variant=variant, device=device, accumulation=accum,
+    )  # fmt: skip
+    need, usable = estimate.total_gb, None if capacity is None else MEMORY_USABLE_FRACTION * capacity
+    if capacity is None or usable is None or need <= usable:
+        return None
+    fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
+                      device=device, limit_gb=usable, accumulation=accum)  # fmt: skip
+    advice = "would fit: " + "; or ".join(fixes) if fixes else "nothing but a larger instance would fit"
+    return (
+        f"needs ~{need:.1f} GB (+-{estimate.uncertainty / 1e9:.1f} GB, the memory model's stated uncertainty) per "
+        f"{'GPU' if device == 'cuda' else 'host'} but only {usable:.1f} GB of its {capacity:.0f} GB is usable "
+        f"({MEMORY_USABLE_FRACTION:.0%}) for {arch.name} at sequence_length {seq}, per_device_batch_size {batch}; "
+        f"{advice}"
+    )
+
+
 def plan(
     manifest: Manifest,
     catalog: Catalog,
@@ -346,6 +396,7 @@ def plan(
     training = manifest.training
     jobs: list[JobSpec] = []
     target_searches: list[search.TargetSearch] = []
+    refusals: list[str] = []  # every target's and variant's, raised together: one `plan` shows them all
     for ti, target in enumerate(manifest.targets):
         inst: InstanceType = catalog.get(target.instance_type)
         hw = (local_hardware or detect_local_hardware()) if inst.is_local else None
@@ -364,11 +415,10 @@ def plan(
         precision = manifest.resolved_precision(target, catalog, hw)
         supported = hw.precisions if hw is not None else inst.precisions
         where = f"targets[{ti}] {target.instance_type}"
-        if precision not in supported:
-            raise PlanError(f"{where}: precision {precision} is not supported here ({', '.join(supported)})"
-                            + _cpu_precision_reason(hw, precision))  # fmt: skip
-        if hw is None and device == "cuda" and not (sku and sku.plannable and sku.peak_for(precision)):
-            raise PlanError(f"{where}: {cannot_predict(inst, precision)}")
+        unplannable = _target_refusal(inst, hw, precision=precision, supported=supported, device=device, sku=sku)
+        if unplannable is not None:
+            refusals.append(f"{where}: {unplannable}")
+            continue
         listed = planned_price(target, inst, where, catalog)
         price = listed.usd_per_hour
         spot_price = target.spot_price_per_hour_usd if target.spot else None
@@ -391,26 +441,22 @@ def plan(
                 deepspeed_stage=variant.deepspeed_stage, attention=variant.attention, device=device, world=world
             )
             if refusal is not None:
-                raise PlanError(f"{where}, variant {variant.name!r}: {refusal}")
-            estimate = memory_estimate(
-                arch, seq=seq, batch=batch, precision=precision, stage=variant.deepspeed_stage, world=world,
-                variant=variant, device=device, accumulation=accum,
-            )  # fmt: skip
-            need = estimate.total_gb
-            if capacity is not None and need > MEMORY_USABLE_FRACTION * capacity:
-                fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
-                                  device=device, limit_gb=MEMORY_USABLE_FRACTION * capacity,
-                                  accumulation=accum)  # fmt: skip
-                advice = "would fit: " + "; or ".join(fixes) if fixes else "nothing but a larger instance would fit"
-                raise PlanError(
-                    f"{where}, variant {variant.name!r}: needs ~{need:.1f} GB "
-                    f"(+-{estimate.uncertainty / 1e9:.1f} GB, the memory model's stated uncertainty) per "
-                    f"{'GPU' if device == 'cuda' else 'host'} but {capacity:.0f} GB is available "
-                    f"({MEMORY_USABLE_FRACTION:.0%} usable) for {arch.name} at "
-                    f"sequence_length {seq}, per_device_batch_size {batch}; {advice}"
-                )
+                refusals.append(f"{where}, variant {variant.name!r}: {refusal}")
+                continue
+            too_big = _memory_refusal(arch, variant, seq=seq, batch=batch, accum=accum, precision=precision,
+                                      world=world, device=device, capacity=capacity)  # fmt: skip
+            if too_big is not None:
+                refusals.append(f"{where}, variant {variant.name!r}: {too_big}")
+                continue
             tokens_per_step = batch * accum * world * seq
             max_steps = training.max_steps or math.ceil((training.max_tokens or 0) / tokens_per_step)
+            if training.max_steps is None and (short := timed_steps_problem(max_steps, training.warmup_steps)):
+                fewest = fewest_max_steps(training.warmup_steps) * tokens_per_step
+                refusals.append(
+                    f"{where}, variant {variant.name!r}: training.max_tokens {training.max_tokens:,} is {max_steps} "
+                    f"step(s) of {tokens_per_step:,} tokens, and {short}: give max_tokens {fewest:,} or more"
+                )
+                continue
             tokens_per_s, mfu_assumed, method = predict_tokens_per_s(
                 arch=arch,
                 seq=seq,
@@ -451,6 +497,10 @@ def plan(
                     method=method,
                 ),
             )  # fmt: skip
+    if len(refusals) == 1:
+        raise PlanError(refusals[0])
+    if refusals:
+        raise PlanError(f"{len(refusals)} jobs cannot be planned:\n" + "\n".join(f"  - {r}" for r in refusals))
     names = [j.job_name for j in jobs]
     if len(set(names)) != len(names):  # unique by construction (t/v/r indices in the head); guards the contract
         raise PlanError("job names are not unique")

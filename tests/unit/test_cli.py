@@ -188,6 +188,39 @@ def test_plan_prints_the_matrix_and_total() -> None:
     assert "within budget" in out
 
 
+def test_validate_refuses_what_the_jobs_would_fail_on_and_warns_on_duplicates(tmp_path: Path) -> None:
+    # Given a manifest whose jobs would each fail at their first step: one step leaves no timed step
+    one_step = tmp_path / "one-step.yaml"
+    one_step.write_text(QUICKSTART.read_text().replace("max_steps: 20", "max_steps: 1"))
+    code, out, err = invoke("validate", str(one_step))
+    assert code == 2 and "training: max_steps: 1 step leaves" in err and "give max_steps 5 or more" in err
+    # Given a 7B model on a 24 GB GPU, every variant refused by the planner: all listed by one validate, exit 3
+    big = yaml.safe_load(QUICKSTART.read_text())
+    big["model"] = {"preset": "qwen2.5-7b"}
+    big["targets"] = [{"instance_type": "ml.g5.8xlarge"}]
+    big["variants"].append({**big["variants"][1], "name": "b4-a1-again"})
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(big))
+    code, out, err = invoke("validate", str(path))
+    assert code == 3 and "4 job(s) cannot be planned" in err, err
+    assert err.count("  - targets[0] ml.g5.8xlarge, variant") == 4
+    # and once they fit, the two variants with the same settings are a warning (paid twice), not an error
+    path.write_text(yaml.safe_dump({**big, "model": {"preset": "qwen2-tiny"}, "targets": yaml.safe_load(
+        QUICKSTART.read_text())["targets"]}))  # fmt: skip
+    code, out, err = invoke("validate", str(path))
+    assert code == 0 and "warning: variants 'b4-a1', 'b4-a1-again' have the same settings" in " ".join(out.split())
+
+
+def test_plan_shows_the_objective_per_job(tmp_path: Path) -> None:
+    # the planned p4d job costs less than the p5 job, but not per token: the column a user ranks by is there
+    code, out, _ = invoke("plan", str(MANIFESTS_DIR / "p4d-to-p5.yaml"))
+    assert code == 0 and "pred. $/1M tokens" in out
+    rows = {line.split("│")[2].strip(): line.split("│") for line in out.splitlines() if "│ gs-" in line}
+    dollars = {instance: (float(cells[7]), float(cells[8])) for instance, cells in rows.items()}
+    assert dollars["ml.p4d.24xlarge"][0] < dollars["ml.p5.48xlarge"][0]
+    assert dollars["ml.p4d.24xlarge"][1] > dollars["ml.p5.48xlarge"][1]
+
+
 def test_plan_over_budget_exits_3(tmp_path: Path) -> None:
     path = tmp_path / "tight.yaml"
     path.write_text(QUICKSTART.read_text().replace("budget_usd: 1.0", "budget_usd: 0.000001"))

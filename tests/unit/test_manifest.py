@@ -69,7 +69,10 @@ def test_defaults():
         (lambda d: d.update(sequence_length=8192), "sequence_length", "max_position_embeddings"),
         (lambda d: d["training"].update(max_tokens=1000), "training", "exactly one of max_steps, max_tokens"),
         (lambda d: d["training"].pop("max_steps"), "training", "exactly one of max_steps, max_tokens"),
-        (lambda d: d["training"].update(warmup_steps=30), "training", "below max_steps"),
+        (lambda d: d["training"].update(warmup_steps=30), "training", "warmup_steps at most 28"),
+        # a job whose warm-up leaves fewer than 2 timed steps passes nothing (train.py and the analysis refuse it)
+        (lambda d: d["training"].update(max_steps=1), "training", "leaves 1 timed (the automatic warm-up"),
+        (lambda d: d["training"].update(max_steps=4), "training", "give max_steps 5 or more"),
         (lambda d: d["training"].update(learning_rate=-1), "training.learning_rate", "greater than 0"),
         (lambda d: d["training"].update(precision="bf16"), "training.precision", "ml.p3.2xlarge"),
         (lambda d: d["targets"][1].update(instance_type="ml.p9.xlarge"), "targets[1].instance_type", "ml.p5.48xlarge"),

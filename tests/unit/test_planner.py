@@ -108,7 +108,8 @@ def test_memory_refusal():
     m = manifest(model={"preset": "qwen2.5-7b"}, targets=[{"instance_type": "ml.g5.8xlarge"}])
     # one 24 GB GPU: 7B's states alone are 16 B x 7.6 G parameters; no ZeRO without a second GPU
     needs = r"needs ~\d+\.\d GB \(\+-\d+\.\d GB, the memory model's stated uncertainty\) per GPU"
-    with pytest.raises(PlanError, match=needs + r" but 24 GB.*nothing but a larger instance") as info:
+    usable = r" but only 21.6 GB of its 24 GB is usable \(90%\).*nothing but a larger instance"
+    with pytest.raises(PlanError, match=needs + usable) as info:
         plan(m, CATALOG, run_id="r")
     assert "deepspeed_stage" not in str(info.value)
     zero3_7b = manifest(
@@ -117,6 +118,27 @@ def test_memory_refusal():
         variants=[{"name": "z3", "deepspeed_stage": 3, "per_device_batch_size": 1, "gradient_checkpointing": True}],
     )
     assert plan(zero3_7b, CATALOG, run_id="r").jobs  # 7B fits on 8x 40 GB with ZeRO-3
+
+
+def test_every_refusal_of_a_plan_comes_in_one_error():
+    # Given 2 targets x 2 variants: the large micro-batch does not fit the 24 GB GPU, and on the H100 its steps are so
+    # large that max_tokens makes 4 of them (1 timed); the small micro-batch can be planned on both
+    m = manifest(
+        model={"preset": "qwen2.5-0.5b"},
+        sequence_length=2048,
+        training={"max_tokens": 200_000},
+        targets=[{"instance_type": "ml.g5.8xlarge"}, {"instance_type": "ml.p5.4xlarge"}],
+        variants=[{"name": "b8", "per_device_batch_size": 8}, {"name": "b1", "per_device_batch_size": 1}],
+    )
+    # When it is planned, Then one PlanError names each refused job with its reason: a user fixes them in one round
+    with pytest.raises(PlanError) as info:
+        plan(m, CATALOG, run_id="r")
+    text = str(info.value)
+    lines = [line for line in text.splitlines() if line.startswith("  - ")]
+    assert text.startswith("2 jobs cannot be planned:") and len(lines) == 2, text
+    assert lines[0].startswith("  - targets[0] ml.g5.8xlarge, variant 'b8': needs ~")
+    assert lines[1].startswith("  - targets[1] ml.p5.4xlarge, variant 'b8': training.max_tokens 200,000 is 4 step(s)")
+    assert lines[1].endswith("give max_tokens 327,680 or more")
 
 
 SINGLE_CHANGES = {
@@ -134,7 +156,7 @@ def test_the_memory_refusal_says_what_would_fit_and_it_does():
         return plan(manifest(sequence_length=4096, variants=[{**big, **change}]), CATALOG, run_id="r")
 
     needs = r"needs ~\d+\.\d GB \(\+-\d+\.\d GB, the memory model's stated uncertainty\) per GPU"
-    with pytest.raises(PlanError, match=needs + r" but 80 GB.*would fit: ") as info:
+    with pytest.raises(PlanError, match=needs + r" but only 72.0 GB of its 80 GB is usable.*would fit: ") as info:
         planned()
     text = " ".join(str(info.value).split())
     batch = int(re.search(r"would fit: per_device_batch_size (\d+) with (\d+)x", text).group(1))
@@ -218,7 +240,7 @@ def manifests(draw):
         "tokenizer": {"kind": "bpe"},
         "dataset": {"source": "bundled:hebrew-chatterbot"},
         "sequence_length": 128,
-        "training": {"max_steps": draw(st.integers(1, 1000))},
+        "training": {"max_steps": draw(st.integers(5, 1000))},
         "targets": list(target_dicts.values()),
         "variants": [{"name": n, "per_device_batch_size": draw(st.integers(1, 8))} for n in names],
         "repetitions": draw(st.integers(1, 3)),
