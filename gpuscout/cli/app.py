@@ -7,14 +7,11 @@ Heavy modules (the local runner, analysis, planner) are imported inside the comm
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 import sys
 import traceback
 import webbrowser
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +26,15 @@ from gpuscout import __version__
 from gpuscout.cli.catalog_commands import register as register_catalog_command
 from gpuscout.cli.cloud_commands import register as register_cloud_commands
 from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table, status_markup
+from gpuscout.cli.options import (
+    CloudStackOption,
+    DbOption,
+    ManifestArg,
+    OutputFormat,
+    open_store,
+    write_csv,
+)
+from gpuscout.cli.run_commands import register as register_run_commands
 from gpuscout.errors import (
     BudgetExceededError,
     DiskFullError,
@@ -37,8 +43,7 @@ from gpuscout.errors import (
     disk_full_file,
     is_disk_full,
 )
-from gpuscout.store.base import ResultRecord, ResultStore, RunRecord, RunStatus
-from gpuscout.store.sqlite import SqliteStore
+from gpuscout.store.base import ResultRecord, RunRecord, RunStatus
 
 BUDGET_EXIT_CODE = 3
 INTERRUPTED_EXIT_CODE = 130
@@ -106,24 +111,6 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-DbOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--db",
-        envvar="GPUSCOUT_DB",
-        help="SQLite result database (default: $GPUSCOUT_HOME/gpuscout.db, i.e. ~/.gpuscout/gpuscout.db).",
-        dir_okay=False,
-    ),
-]
-ManifestArg = Annotated[Path, typer.Argument(help="Manifest file (YAML or JSON).", dir_okay=False)]
-CloudStackOption = Annotated[
-    str | None,
-    typer.Option(
-        "--stack-name",
-        help="Read cloud runs from this deployed stack (its DynamoDB table and S3 reports) instead of --db.",
-    ),
-]
-
 
 def _version(value: bool) -> None:
     if value:
@@ -143,15 +130,6 @@ def main(
     ctx.obj = {"debug": debug}
     for c in (console, err_console):
         fit_piped_width(c)
-
-
-def open_store(db: Path | None, stack_name: str | None = None, *, read_only: bool = False) -> ResultStore:
-    """The result store: a deployed stack's, or the SQLite file. Read-only commands never create the file."""
-    if stack_name:
-        from gpuscout.cloud.client import CloudStack
-
-        return CloudStack(stack_name).store
-    return SqliteStore(db, create=not read_only)
 
 
 # validate / plan / catalog
@@ -359,12 +337,6 @@ def local(  # noqa: PLR0917 - typer passes the options by keyword; the signature
 # runs / results / report
 
 
-class OutputFormat(StrEnum):
-    TABLE = "table"
-    JSON = "json"
-    CSV = "csv"
-
-
 @app.command()
 def runs(
     db: DbOption = None,
@@ -406,7 +378,7 @@ def runs(
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     if fmt is OutputFormat.CSV:
-        _write_csv(rows, fields=list(rows[0]) if rows else ["run_id"])
+        write_csv(rows, fields=list(rows[0]) if rows else ["run_id"])
         return
     if not rows:
         console.print("no runs yet; try `gpuscout local configs/manifests/quickstart.yaml`")
@@ -470,7 +442,7 @@ def results(
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         return
     if fmt is OutputFormat.CSV:
-        _write_csv(rows, fields=list(rows[0]) if rows else ["job_name"])
+        write_csv(rows, fields=list(rows[0]) if rows else ["job_name"])
         return
     console.print(f"run [bold]{escape(run.run_id)}[/] ({escape(run.name)}): {status_markup(run.status.value)}")
     if run.error:
@@ -481,19 +453,6 @@ def results(
     text = recommendation_text(analysis)
     if text:
         console.print(text)
-
-
-def _write_csv(rows: list[dict[str, Any]], *, fields: list[str]) -> None:
-    """``rows`` as CSV on stdout, a header line first (booleans, lists and dicts as JSON spells them, None as
-    empty)."""
-    from gpuscout.analysis.tracking import csv_cell
-
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: csv_cell(v) for k, v in row.items()})
-    sys.stdout.write(buffer.getvalue())
 
 
 def _why_no_browser() -> str:
@@ -621,3 +580,4 @@ def track(
 
 register_catalog_command(app)  # catalog (gpuscout/cli/catalog_commands.py)
 register_cloud_commands(app)  # submit, status (gpuscout/cli/cloud_commands.py)
+register_run_commands(app)  # compare, delete (gpuscout/cli/run_commands.py)

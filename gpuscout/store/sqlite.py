@@ -188,6 +188,14 @@ class SqliteStore:
             ).fetchall()
         return [RunRecord.model_validate_json(r[0]) for r in rows]
 
+    def delete_run(self, run_id: str) -> None:
+        """Remove the run, its jobs and its result in one transaction. Raises RunNotFoundError."""
+        with self._transaction(immediate=True) as conn:
+            if conn.execute("DELETE FROM runs WHERE run_id = ?", (run_id,)).rowcount == 0:
+                raise RunNotFoundError(run_id)
+            conn.execute("DELETE FROM jobs WHERE run_id = ?", (run_id,))
+            conn.execute("DELETE FROM results WHERE run_id = ?", (run_id,))
+
     def create_run(self, run: RunRecord, *, replace: Collection[RunStatus] = ()) -> None:
         with self._transaction(immediate=True) as conn:
             row = conn.execute("SELECT status FROM runs WHERE run_id = ?", (run.run_id,)).fetchone()
