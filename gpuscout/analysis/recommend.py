@@ -14,14 +14,15 @@ Ties are broken deterministically: by the other metric (cheaper first for speed 
 objectives), then instance type, instance count, variant name, spot last, and job name, all ascending.
 
 The winner is "clear" only when its 95 % confidence interval on the objective's metric does not overlap the
-runner-up's; otherwise the summary says "no clear winner" and names both.
+runner-up's; otherwise the summary says "No pick (no clear winner)" and names both. Every summary answers first
+("Pick ..." or "No pick (...)"), then says what to do next; the diagnostics are the recommendation's notes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuscout.analysis.results import Constraints, Exclusion, JobAnalysis, Recommendation
 
@@ -138,11 +139,25 @@ def usd_text(value: float) -> str:
     return f"${text}"
 
 
+class Judgement(NamedTuple):
+    """The verdict between the leader and the runner-up: why, in one clause, what to do next (None when nothing
+    would change it), and the diagnostics behind it (the recommendation's notes)."""
+
+    verdict: str
+    reason: str
+    next_step: str | None = None
+    notes: tuple[str, ...] = ()
+
+
 def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = False) -> Recommendation:
-    """Recommendation from eligible jobs in rank order; ``search``: a settings search's (its advice differs)."""
+    """Recommendation from eligible jobs in rank order; ``search``: a settings search's (its advice differs).
+
+    The summary answers first: "Pick <job> (<confidence>)" or "No pick (<why>)", the figures, then "Next:" the one
+    thing that would firm it up; the diagnostics behind the verdict are its ``notes``. A margin over the runner-up is
+    quoted only when both measurements are trusted (neither disturbed nor contended) and their intervals separate."""
     if not ranked:
         return Recommendation(
-            job_name=None, summary="No recommendation: every target x variant was excluded (see the exclusions)."
+            job_name=None, summary="No pick: every target x variant was excluded (see the exclusions)."
         )
     best = ranked[0]
     facts = _metric_text(best, objective)
@@ -159,19 +174,23 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
         instance_count=best.instance_count,
         variant_name=best.variant_name,
     )
+    measured = f"measured lowest on the mean: {best.label}: {facts}, {other}"
+    if objective not in COST_OBJECTIVES:
+        measured = measured.replace("lowest", "fastest", 1)
     if len(ranked) == 1 and best.disturbed:
         return Recommendation(
             **base,
-            summary=f"Cannot tell: {_disturbed_text([best])}. {best.label}: {facts}, {other}; it is the only target x "
-            f"variant left. {_capitalized(_disturbed_advice([best]))}.",
+            summary=f"No pick (cannot tell): {best.label}, the only target x variant left, was disturbed. "
+            f"Next: {_disturbed_advice([best])}.",
+            notes=[_disturbed_text([best]), _capitalized(measured)],
             clear_winner=False,
             verdict="cannot_tell",
         )
     if len(ranked) == 1:  # measured, but compared with nothing: never a firm (green) winner
         return Recommendation(
             **base,
-            summary=f"Only candidate: {best.label}: {facts}, {other}. It is the only target x variant left, so "
-            "nothing was compared with it: this says what it does, not that it is the best choice.",
+            summary=f"Pick {best.label} (only candidate): {facts}, {other}. Nothing was compared with it: this "
+            "says what it does, not that it is the best choice.",
             clear_winner=False,
             verdict="only_candidate",
         )
@@ -182,29 +201,40 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
         if objective in COST_OBJECTIVES
         else f"{margin:.1%} faster than the runner-up {runner.label} ({_metric_text(runner, objective)})"
     )
-    verdict, why = judge(best, runner, objective, search=search)
+    judged = judge(best, runner, objective, search=search)
     below = [j for j in ranked[2:] if j.disturbed and _could_lead(j, best, objective)]
-    if below and verdict in ("clear", "provisional"):  # a disturbed measurement may hide a faster setting
-        why = (why + " " if verdict == "provisional" else "") + (
-            f"a disturbed measurement ranks lower and may be faster than measured ({_disturbed_text(below)}). "
-            f"To make it firm, {_disturbed_advice(below)} and compare."
+    if below and judged.verdict in ("clear", "provisional"):  # a disturbed measurement may hide a faster setting
+        hidden = f"a disturbed measurement ranks lower and may be faster than measured ({_disturbed_text(below)})"
+        rerun = f"{_disturbed_advice(below)} and compare"
+        judged = Judgement(
+            "provisional",
+            "; ".join(filter(None, [judged.reason if judged.verdict == "provisional" else "", hidden])),
+            f"{judged.next_step}; also {rerun}" if judged.next_step else f"to make it firm, {rerun}",
+            (*judged.notes, hidden),
         )
-        verdict = "provisional"
-    lead = f"{best.label} leads on the mean: {facts}, {other}; {comparison}."
+    trusted = not any(j.disturbed or j.contention_note for j in (best, runner))
+    next_step = f" Next: {judged.next_step}." if judged.next_step else ""
     summary = {
-        "clear": f"Recommended: {best.label}: {facts}, {other}; {comparison}.",
-        "no_clear_winner": f"No clear winner: {why}. {lead} {_separate_advice(best, runner, search=search)}",
-        "provisional": f"Provisional: {lead} {why[:1].upper()}{why[1:]}",
-        "cannot_tell": f"Cannot tell: {why}. {lead}",
-        "same_settings": f"No winner: {why}. {lead}",
-    }[verdict]
+        "clear": f"Pick {best.label} (clear winner): {facts}, {other}; {comparison}.",
+        "provisional": f"Pick {best.label} (provisional): {facts}, {other}"
+        + (f"; {comparison}" if trusted else "")
+        + f".{next_step}",
+        "no_clear_winner": f"No pick (no clear winner): {best.label} and {runner.label} are within noise of each "
+        f"other; {measured}.{next_step}",
+        "cannot_tell": f"No pick (cannot tell): {judged.reason}.{next_step}",
+        "same_settings": f"No pick (same settings): {judged.reason}.{next_step}",
+    }[judged.verdict]
+    notes = list(judged.notes)
+    if judged.verdict == "cannot_tell":
+        notes.append(_capitalized(measured))
     return Recommendation(
         **base,
         summary=summary,
-        margin_fraction=margin,
+        notes=notes,
+        margin_fraction=margin if judged.verdict in ("clear", "provisional") and trusted else None,
         runner_up_job_name=runner.job_name,
-        clear_winner=verdict == "clear",
-        verdict=verdict,
+        clear_winner=judged.verdict == "clear",
+        verdict=judged.verdict,
     )
 
 
@@ -264,8 +294,8 @@ def _separate_advice(best: JobAnalysis, runner: JobAnalysis, *, search: bool) ->
     return "More repetitions would separate them."
 
 
-def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: bool = False) -> tuple[str, str]:
-    """The verdict between the leader and the runner-up, and why (docs/costs.md, "The verdict").
+def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: bool = False) -> Judgement:
+    """The verdict between the leader and the runner-up, why, and what to do next (docs/costs.md, "The verdict").
 
     - same_settings: the two run the same settings under different names, so any difference is noise;
     - cannot_tell: either was disturbed (domain/disturbance.py: its steps did not run at one speed), or has no
@@ -277,22 +307,38 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: boo
     - clear: between-repetition intervals (>= 2 repetitions each) that do not overlap, measured as asked.
     """
     if best.settings_key is not None and best.settings_key == runner.settings_key:
-        return "same_settings", (
+        return Judgement(
+            "same_settings",
             f"{best.label} and {runner.label} run the same settings under different names, so the difference "
-            "between them is measurement noise"
+            "between them is measurement noise",
+            "keep one of them (repetitions repeat a measurement)",
         )
     disturbed = [j for j in (best, runner) if j.disturbed]
     if disturbed:
-        return "cannot_tell", _disturbed_text(disturbed) + "; " + _disturbed_advice(disturbed)
+        names = " and ".join(j.label for j in disturbed)
+        return Judgement(
+            "cannot_tell",
+            f"{names} {'was' if len(disturbed) == 1 else 'were'} disturbed (the steps did not run at one speed)",
+            _disturbed_advice(disturbed),
+            (_disturbed_text(disturbed),),
+        )
     mine, theirs = _interval(best, objective), _interval(runner, objective)
     unusable = [j for j, ci in ((best, mine), (runner, theirs)) if ci is None or ci[1] - ci[0] <= 0 or ci[0] <= 0]
     if unusable:
-        return "cannot_tell", "no usable 95 % interval for " + " and ".join(
-            f"{j.label} ({j.ci_method or 'no interval'})" for j in unusable
+        return Judgement(
+            "cannot_tell",
+            "no usable 95 % interval for "
+            + " and ".join(f"{j.label} ({j.ci_method or 'no interval'})" for j in unusable),
+            "raise training.max_steps (more timed steps), or set repetitions: 2 or more",
         )
     assert mine is not None and theirs is not None
     if mine[0] <= theirs[1] and theirs[0] <= mine[1]:
-        return "no_clear_winner", f"the 95 % confidence intervals of {best.label} and {runner.label} overlap"
+        advice = _separate_advice(best, runner, search=search)
+        return Judgement(
+            "no_clear_winner",
+            f"the 95 % confidence intervals of {best.label} and {runner.label} overlap",
+            advice[:1].lower() + advice[1:].rstrip("."),
+        )
     within = [j for j in (best, runner) if j.ci_kind != "between_repetitions"]
     unsettled = [j for j in (best, runner) if j.tolerance_reached is False]
     crowded = [j for j in (best, runner) if j.contention_note]
@@ -319,8 +365,10 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: boo
             firm = "set repetitions: 2 or more (they run interleaved)"
         else:
             firm = "let the steady-state rule settle"
-        return "provisional", "; ".join(reasons) + f". To make it firm, {firm} and compare again."
-    return "clear", "between-repetition intervals do not overlap"
+        return Judgement(
+            "provisional", "; ".join(reasons), f"to make it firm, {firm} and compare again", tuple(reasons)
+        )
+    return Judgement("clear", "between-repetition intervals do not overlap")
 
 
 def decide(
@@ -360,6 +408,7 @@ def with_incomplete(recommendation: Recommendation, incomplete: str | None) -> R
     what did not run (``incomplete``, analyze.incomplete_note)."""
     if incomplete is None:
         return recommendation
+    summary = recommendation.summary.replace("(clear winner)", "(provisional: the run is incomplete)", 1)
     return recommendation.model_copy(
-        update={"clear_winner": False, "summary": f"{incomplete} {recommendation.summary}"}
+        update={"clear_winner": False, "summary": summary, "notes": [incomplete, *recommendation.notes]}
     )

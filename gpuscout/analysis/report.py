@@ -97,8 +97,9 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]], froz
          lambda j: _usd(j.usd_per_million_samples if samples else j.usd_per_million_tokens), True, True),
         (f"$/1M {unit} spot",
          lambda j: _usd(j.usd_per_million_samples_spot if samples else j.usd_per_million_tokens_spot), True, False),
-        ("one epoch", lambda j: _hours_usd(j.epoch_hours, j.epoch_usd_spot if j.spot else j.epoch_usd), True, True),
-        *([(f"to loss {target:g}", _loss_target, False, True)] if target is not None else []),
+        ("one epoch, training only",
+         lambda j: _hours_usd(j.epoch_hours, j.epoch_usd_spot if j.spot else j.epoch_usd), True, True),
+        *([(f"to loss {target:g}, training only", _loss_target, False, True)] if target is not None else []),
         ("benchmark billed", lambda j: _usd(j.billed_usd), True, True),
         ("peak mem GB (reserved)", lambda j: _memory(j.peak_memory_gb, j.peak_reserved_gb), True, False),
         ("stop", lambda j: ("⚠ " if j.tolerance_reached is False else "") + j.stop_text if j.rate is not None else "–",
@@ -273,9 +274,15 @@ def _machine_rows(analysis: RunAnalysis) -> list[list[str]]:
     ]
 
 
+def recommendation_notes(analysis: RunAnalysis) -> list[str]:
+    """The diagnostics behind the verdict, shown under it (the incomplete-run note is a banner already)."""
+    return [n for n in analysis.recommendation.notes if n != analysis.incomplete]
+
+
 def banners(analysis: RunAnalysis) -> list[str]:
-    """What a reader must know before the recommendation: a run that did not finish everything, and measurements
-    taken while other processes competed for the machine (which more repetitions do not fix)."""
+    """What a reader must know beside the recommendation (shown right after it): a run that did not finish
+    everything, and measurements taken while other processes competed for the machine (which more repetitions do
+    not fix)."""
     out = [analysis.incomplete] if analysis.incomplete else []
     crowded = [j for j in analysis.jobs if j.contention_note]
     if crowded:
@@ -299,11 +306,13 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         f"Run `{analysis.run_id}` · {' · '.join(_constraints_text(analysis))} · "
         f"benchmark billed {_usd(analysis.total_billed_usd)} · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}",
         "",
-        *[f"> **{_md_text(banner)}**\n" for banner in banners(analysis)],
         "## Recommendation",
         "",
         _md_text(analysis.recommendation.summary),
         "",
+        *[f"- {_md_text(n)}" for n in recommendation_notes(analysis)],
+        *([""] if recommendation_notes(analysis) else []),
+        *[f"> **{_md_text(banner)}**\n" for banner in banners(analysis)],
         "## Ranked results",
         "",
         _md_table(header, rows),
@@ -377,8 +386,10 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
         f" · benchmark billed {esc(_usd(analysis.total_billed_usd))}"
         f" · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}</p>"
     )
-    out.extend(f"<p class='note'><strong>{esc(banner)}</strong></p>" for banner in banners(analysis))
     out.append(f"<h2>Recommendation</h2><p class='{rec_class}'>{esc(analysis.recommendation.summary)}</p>")
+    if notes := recommendation_notes(analysis):
+        out.append("<ul class='notes'>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
+    out.extend(f"<p class='note'><strong>{esc(banner)}</strong></p>" for banner in banners(analysis))
     out.append("<h2>Ranked results</h2>" + _html_table(header, rows, numeric))
     if settings_rows or common:
         out.append("<h2>Settings of each variant</h2>")

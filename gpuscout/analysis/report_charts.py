@@ -52,6 +52,37 @@ def _bar_jobs(analysis: RunAnalysis, has: Callable[[JobAnalysis], bool]) -> tupl
     return jobs[:MAX_BARS][::-1], max(0, len(jobs) - MAX_BARS)
 
 
+UNTRUSTED_HATCH = "///"
+
+
+def untrusted_mark(job: JobAnalysis) -> str | None:
+    """Why a bar's figure is not to be trusted (drawn hatched and pale, the reason in its label), or None."""
+    if job.disturbed:
+        return "disturbed"
+    if job.contention_note:
+        return "contended"
+    if job.ci_kind == "unreliable" or (job.rate is not None and job.rate_ci95 is None):
+        return "CI unreliable"
+    return None
+
+
+def _labels(jobs: list[JobAnalysis]) -> list[str]:
+    return [j.label + (f"  [{mark}]" if (mark := untrusted_mark(j)) else "") for j in jobs]
+
+
+def _mark_untrusted(fig: Figure, bars: Any, jobs: list[JobAnalysis], *, explain: bool = True) -> None:
+    """Hatch and pale the bars of untrusted measurements; say so under the chart (once: ``explain``)."""
+    marked = 0
+    for bar, job in zip(bars, jobs, strict=True):
+        if untrusted_mark(job):
+            bar.set_hatch(UNTRUSTED_HATCH)
+            bar.set_alpha(0.45)
+            marked += 1
+    if marked and explain:
+        fig.text(0.01, 0.005, "hatched: a measurement not to be trusted (its label says why; see the table's note)",
+                 fontsize=8, style="italic")  # fmt: skip
+
+
 def _finish(fig: Figure, ax: Any, title: str, left_out: int) -> None:
     if left_out:
         title += f"\n(best {MAX_BARS} shown; {left_out} more in the table)"
@@ -70,8 +101,14 @@ def _chart_tokens_per_s(analysis: RunAnalysis) -> Figure | None:
         [max(0.0, v - (j.tokens_per_s_ci95 or (v, v))[0]) for v, j in zip(values, jobs, strict=True)],
         [max(0.0, (j.tokens_per_s_ci95 or (v, v))[1] - v) for v, j in zip(values, jobs, strict=True)],
     ]
-    ax.barh(range(len(jobs)), values, xerr=errors, color=ON_DEMAND_COLOUR, capsize=3, error_kw={"elinewidth": 1})
-    ax.set_yticks(range(len(jobs)), [j.label for j in jobs], fontsize=9)
+    bars = ax.barh(range(len(jobs)), values, xerr=errors, color=ON_DEMAND_COLOUR, capsize=3,
+                   error_kw={"elinewidth": 1})  # fmt: skip
+    for y, (value, job) in enumerate(zip(values, jobs, strict=True)):
+        if job.tokens_per_s_ci95 is None:  # no interval: say so, rather than draw a whisker of zero width
+            ax.text(value, y, "  no CI (unreliable)", va="center", fontsize=7, style="italic")
+    _mark_untrusted(fig, bars, jobs)
+    ax.set_yticks(range(len(jobs)), _labels(jobs), fontsize=9)
+    ax.margins(x=0.12)
     ax.set_xlabel("training throughput (non-padding tokens/s, all GPUs; bars: 95 % CI)")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     _finish(fig, ax, "Throughput per instance / variant", left_out)
@@ -91,10 +128,11 @@ def _chart_cost(analysis: RunAnalysis) -> Figure | None:
         spot_values = [j.usd_per_million_tokens_spot for j in jobs]
         series.append(("spot (see price assumptions)", SPOT_COLOUR, -height / 2, spot_values))
     for label, colour, offset, values in series:
-        ax.barh([y + offset for y in ys], [v or 0 for v in values], height, color=colour, label=label)
+        bars = ax.barh([y + offset for y in ys], [v or 0 for v in values], height, color=colour, label=label)
+        _mark_untrusted(fig, bars, jobs, explain=label == "on-demand")
         for y, value in zip(ys, values, strict=True):
             ax.text(value or 0, y + offset, f" {_usd(value)}", va="center", fontsize=7)
-    ax.set_yticks(ys, [j.label for j in jobs], fontsize=9)
+    ax.set_yticks(ys, _labels(jobs), fontsize=9)
     ax.set_xlabel("cost per 1M training tokens (USD)")
     if spot:
         fig.legend(loc="outside lower center", ncols=2, fontsize=9)

@@ -194,8 +194,9 @@ class Recommendation(BaseModel):
     instance_type: str | None = None
     instance_count: int | None = None
     variant_name: str | None = None
-    summary: str
-    margin_fraction: float | None = None  # how much better than the runner-up on the objective's metric
+    summary: str  # the answer first ("Pick ..." / "No pick (...)"), its figures, then "Next: ..."
+    notes: list[str] = Field(default_factory=list)  # the diagnostics behind the verdict, shown after the summary
+    margin_fraction: float | None = None  # how much better than the runner-up (only between trusted measurements)
     runner_up_job_name: str | None = None
     clear_winner: bool = False
     # clear | provisional | no_clear_winner | cannot_tell | same_settings | only_candidate | none

@@ -198,7 +198,10 @@ def print_ranked(console: Console, rows: Sequence[Mapping[str, Any]], *, title: 
 def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
     recommendation = (analysis or {}).get("recommendation") or {}
     summary = recommendation.get("summary")
-    return f"[bold]Recommendation:[/] {escape(summary)}" if summary else ""
+    if not summary:
+        return ""
+    notes = "".join(f"\n  [dim]note:[/] {escape(str(note))}" for note in recommendation.get("notes") or [])
+    return f"[bold]Recommendation:[/] {escape(summary)}{notes}"
 
 
 class RichRunObserver:

@@ -33,14 +33,17 @@ def test_a_stopped_run_says_what_did_not_run_and_is_never_a_firm_winner(tmp_path
     assert "ml.p5.48xlarge / bs16 rep 2 (STOPPED)" in analysis.incomplete
     assert "ml.p5.48xlarge / bs16 rep 3 (PLANNED)" in analysis.incomplete
     assert analysis.recommendation.clear_winner is False
-    assert analysis.recommendation.summary.startswith(analysis.incomplete)
+    # the answer comes first, never a firm pick; what did not run is the first note under it
+    summary = analysis.recommendation.summary
+    assert summary.startswith("Pick ") and "(provisional" in summary and "(clear winner)" not in summary
+    assert analysis.recommendation.notes[0] == analysis.incomplete
     # re-pricing keeps the caveat (it recomputes the verdict)
     repriced = reprice(analysis, PriceBook.from_catalog(catalog))
     assert repriced.recommendation.clear_winner is False and repriced.incomplete == analysis.incomplete
     files = report.write_report(analysis, tmp_path)
     markdown = Path(files["md"]).read_text()
     head = markdown[: markdown.index("## Ranked results")]
-    assert head.count("Incomplete run: it was stopped") == 2  # the banner and the recommendation
+    assert head.count("Incomplete run: it was stopped") == 1  # the banner under the recommendation, once
     page = Path(files["html"]).read_text()
     assert "class='rec unclear'" in page and "Incomplete run: it was stopped" in page
 
@@ -93,10 +96,10 @@ def test_a_searchs_advice_is_something_a_search_manifest_can_do() -> None:
     overlapping = [_job("a", "ml.a", 10_000, (9_000, 11_000), variant="b4"),
                    _job("b", "ml.a", 9_800, (9_000, 10_500), variant="b2")]  # fmt: skip
     _, rec, _ = decide(overlapping, "fastest", Constraints(), search=True)
-    assert "Re-running b4 and b2 as plain variants with repetitions: 2" in rec.summary
+    assert "Next: re-running b4 and b2 as plain variants with repetitions: 2" in rec.summary
 
 
-def test_the_report_carries_a_contention_banner_above_the_recommendation(tmp_path: Path) -> None:
+def test_the_report_answers_first_and_carries_the_contention_banner_right_after(tmp_path: Path) -> None:
     run, jobs, catalog = load_example_run()
     busy = {"competing": True, "note": "measured under competition (1.8 other cores busy)"}
     jobs = [j.model_copy(update={"contention": busy}) if j.variant_name == "bs8" else j for j in jobs]
@@ -105,7 +108,8 @@ def test_the_report_carries_a_contention_banner_above_the_recommendation(tmp_pat
     for path in (files["md"], files["html"]):
         text = Path(path).read_text()
         banner = text.index("Measured under competition: 1 of")
-        assert banner < text.index("Recommendation") and "more repetitions on a busy one do not fix it" in text
+        answer = text.index("Recommendation")
+        assert answer < banner < text.index("Ranked results") and "more repetitions on a busy one do not fix it" in text
         assert text.count("measured under competition (1.8 other cores busy)") >= 1  # the row's own note
 
 

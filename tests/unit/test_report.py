@@ -145,7 +145,7 @@ def test_report_without_results(tmp_path: Path) -> None:
     empty = analyze_run(run, failed, manifest=run.manifest, catalog=catalog)
     out = report.write_report(empty, tmp_path)
     assert out["charts"] == []  # nothing measured, nothing to draw
-    assert "No recommendation" in out["md"].read_text()
+    assert "No pick: every target x variant was excluded" in out["md"].read_text()
     assert "<img" not in out["html"].read_text()
 
 
@@ -311,3 +311,31 @@ def test_money_is_never_written_in_scientific_notation() -> None:
     assert [usd_text(v) for v in (2.171e-05, 0.0008501, 0.5, 1234.5, 0.0)] == [
         "$0.00002171", "$0.0008501", "$0.5", "$1,234.50", "$0.00"
     ]  # fmt: skip
+
+
+def test_the_bar_charts_mark_measurements_not_to_be_trusted(analysis: RunAnalysis) -> None:
+    # Given one disturbed, one contended and one interval-less measurement beside trusted ones
+    first, second, third, *rest = analysis.jobs
+    jobs = [
+        first.model_copy(update={"disturbed": True, "disturbance_note": "3 of 27 steps ran 4x slower"}),
+        second.model_copy(update={"contention_note": "measured under competition (1.8 other cores busy)"}),
+        third.model_copy(update={"ci_kind": "unreliable", "tokens_per_s_ci95": None}),
+        *rest,
+    ]
+    run = analysis.model_copy(update={"jobs": jobs})
+    for make in (report_charts._chart_tokens_per_s, report_charts._chart_cost):
+        fig = make(run)
+        assert fig is not None
+        ax = fig.axes[0]
+        # Then their bars are hatched and their labels say why; every other bar is plain
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        marks = {label.split("  [")[0]: label.split("  [")[1].rstrip("]") for label in labels if "  [" in label}
+        assert marks == {first.label: "disturbed", second.label: "contended", third.label: "CI unreliable"}
+        hatched = {p.get_hatch() for p in ax.patches}
+        assert hatched == {report_charts.UNTRUSTED_HATCH, None}
+        assert sum(1 for p in ax.patches if p.get_hatch()) == 3 * (1 + (make is report_charts._chart_cost))
+        assert any("hatched: a measurement not to be trusted" in t.get_text() for t in fig.texts)
+    # and the measurement without an interval is said to have none, not drawn with a zero-width whisker
+    throughput = report_charts._chart_tokens_per_s(run)
+    assert throughput is not None
+    assert [t.get_text() for t in throughput.axes[0].texts].count("  no CI (unreliable)") == 1

@@ -28,6 +28,11 @@ CATALOG = {"local": {"on_demand_usd_per_hour": 0.096, "price_source": "test", "p
 RUN = RunRecord(run_id="verdict", name="verdict", status="ANALYZING", manifest_source="test", manifest={})
 
 
+def _said(rec: Any) -> str:
+    """The whole recommendation as shown: the answer, then its notes (the diagnostics behind the verdict)."""
+    return " ".join([rec.summary, *rec.notes])
+
+
 def _bench(tps: float, ci: tuple[float, float] | None, *, timed_steps: int = 16, stop: dict[str, Any] | None = None):
     bench = copy.deepcopy(BASE)
     bench["throughput"]["tokens_per_s"] = tps
@@ -96,7 +101,7 @@ def test_identical_variants_are_never_a_clear_winner_whatever_the_noise(
     # Then no winner is called
     assert not rec.clear_winner
     assert rec.verdict == "same_settings"
-    assert rec.summary.startswith("No winner:")
+    assert rec.summary.startswith("No pick (same settings):")
 
 
 def test_wild_repetitions_give_an_unreliable_interval_and_cannot_tell() -> None:
@@ -110,7 +115,7 @@ def test_wild_repetitions_give_an_unreliable_interval_and_cannot_tell() -> None:
     ]
     analysis = _verdict(jobs)
     assert analysis.recommendation.verdict == "cannot_tell" and not analysis.recommendation.clear_winner
-    assert analysis.recommendation.summary.startswith("Cannot tell:")
+    assert analysis.recommendation.summary.startswith("No pick (cannot tell):")
     for job in analysis.jobs:
         assert job.ci_kind == "unreliable" and job.tokens_per_s_ci95 is None
         assert job.usd_per_million_tokens_ci95 is None
@@ -150,8 +155,8 @@ def test_one_repetition_is_provisional_and_says_what_makes_it_firm() -> None:
     ]
     rec = _verdict(jobs).recommendation
     assert rec.verdict == "provisional" and not rec.clear_winner
-    assert rec.summary.startswith("Provisional:")
-    assert "repetitions: 2 or more" in rec.summary
+    assert rec.summary.startswith("Pick local / ") and " (provisional): " in _said(rec)
+    assert "Next: to make it firm, set repetitions: 2 or more" in rec.summary
 
 
 def test_clearly_different_variants_with_repetitions_are_a_clear_winner() -> None:
@@ -162,7 +167,7 @@ def test_clearly_different_variants_with_repetitions_are_a_clear_winner() -> Non
     analysis = _verdict(jobs)
     rec = analysis.recommendation
     assert rec.verdict == "clear" and rec.clear_winner
-    assert rec.summary.startswith("Recommended: local / fast")
+    assert rec.summary.startswith("Pick local / fast (clear winner): ")
     assert {j.ci_kind for j in analysis.jobs} == {"between_repetitions"}
 
 
@@ -207,7 +212,7 @@ def test_a_measurement_under_competition_is_never_a_clear_winner() -> None:
     analysis = _verdict(jobs)
     rec = analysis.recommendation
     assert rec.verdict == "provisional" and not rec.clear_winner
-    assert "1 of 3 repetitions measured under competition" in rec.summary and "quiet machine" in rec.summary
+    assert "1 of 3 repetitions measured under competition" in _said(rec) and "quiet machine" in _said(rec)
     row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
     assert "measured under competition" in row["note"]
 
@@ -241,7 +246,7 @@ def test_a_disturbed_leader_cannot_win_and_a_disturbed_follower_keeps_the_leader
     analysis = _verdict(leader + clean[3:])
     rec = analysis.recommendation
     assert rec.verdict == "cannot_tell" and not rec.clear_winner
-    assert "local / fast: 3 of 3 repetitions: disturbed measurement: 12 of 19 timed steps" in rec.summary
+    assert "local / fast: 3 of 3 repetitions: disturbed measurement: 12 of 19 timed steps" in _said(rec)
     fast_row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
     assert fast_row["disturbed"] and "disturbed measurement" in fast_row["note"]
     assert "⚠ 3 of 3 repetitions: disturbed measurement" in render_markdown(analysis, [])
@@ -254,7 +259,7 @@ def test_a_disturbed_leader_cannot_win_and_a_disturbed_follower_keeps_the_leader
         third = [_job("third", r, _disturbed(_bench(tps, (tps * 0.97, tps * 1.03))), workers=4) for r in range(3)]
         rec = _verdict(clean[:3] + closer + third).recommendation
         assert rec.verdict == verdict, (tps, rec.summary)
-        assert ("local / third: 3 of 3 repetitions: disturbed" in rec.summary) == (verdict == "provisional")
+        assert ("local / third: 3 of 3 repetitions: disturbed" in _said(rec)) == (verdict == "provisional")
     # And a disturbed repetition beside clean ones is left out of the figures, and the note says which
     mixed = [*clean[:2], _job("fast", 2, _disturbed(_bench(9_000, (8_700, 9_300)))), *clean[3:]]
     job = next(j for j in _verdict(mixed).jobs if j.variant_name == "fast")
@@ -313,15 +318,15 @@ def test_a_recompile_is_answered_with_what_to_change_and_other_disturbances_with
     rec = analysis.recommendation
     assert rec.verdict == "cannot_tell"
     assert {j.variant_name: j.recompiled for j in analysis.jobs} == {"fast": True, "slow": False}
-    assert "torch.compile compiled 1 graph in that step" in rec.summary
+    assert "torch.compile compiled 1 graph in that step" in _said(rec)
     assert (
-        "; for local / fast (torch.compile compiled graphs in its slow steps, which the same settings do again on "
-        "any machine), keep the input shapes fixed from step to step" in rec.summary
+        "Next: for local / fast (torch.compile compiled graphs in its slow steps, which the same settings do again on "
+        "any machine), keep the input shapes fixed from step to step" in _said(rec)
     )
-    assert "then run it again; run local / slow again on a quiet machine" in rec.summary
+    assert "then run it again; run local / slow again on a quiet machine" in _said(rec)
     # A lone candidate that recompiled is told the same
     only = _verdict([_job("only", 0, _recompiled(_bench(20_000, (19_000, 21_000))))]).recommendation
-    assert only.verdict == "cannot_tell" and "left. For local / only (torch.compile compiled graphs" in only.summary
+    assert only.verdict == "cannot_tell" and "Next: for local / only (torch.compile compiled graphs" in only.summary
     assert "quiet machine" not in only.summary
     # and so is a recompiled variant ranked lower that could have led: the leader stays provisional until it is fixed
     clean = [_job("fast", r, _bench(v, (v * 0.97, v * 1.03))) for r, v in enumerate(fast)]
@@ -331,4 +336,4 @@ def test_a_recompile_is_answered_with_what_to_change_and_other_disturbances_with
     third = [_job("third", r, _recompiled(_bench(9_000, (8_700, 9_300))), workers=4) for r in range(3)]
     rec = _verdict(clean + third).recommendation
     assert rec.verdict == "provisional", rec.summary
-    assert "To make it firm, for local / third (torch.compile compiled graphs in its slow steps" in rec.summary
+    assert "Next: to make it firm, for local / third (torch.compile compiled graphs in its slow steps" in _said(rec)

@@ -1,0 +1,36 @@
+"""Regenerate docs/report-example/ (the README's example report) from the fixture run, with the current code.
+
+    .venv/bin/python benchmarks/report_example.py
+
+The numbers are synthetic (tests/fixtures/benchmarks): the page shows what a report looks like, not a measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit")]
+
+from example_run import load_example_run  # noqa: E402  (tests/unit: the fixture run the report tests use)
+
+from gpuscout.analysis.analyze import analyze_run  # noqa: E402
+from gpuscout.analysis.report import write_report  # noqa: E402
+
+NOTE = (
+    "Example from fixture data, not a measurement: synthetic benchmark results and example prices "
+    "(tests/fixtures/benchmarks)."
+)
+
+
+def main() -> None:
+    run, jobs, catalog = load_example_run()
+    analysis = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    out = ROOT / "docs" / "report-example"
+    written = write_report(analysis, out, note=NOTE)
+    print(f"wrote {out}: {len(written['charts'])} charts, report.md, report.html, report.json")
+
+
+if __name__ == "__main__":
+    main()
