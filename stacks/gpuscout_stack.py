@@ -129,6 +129,8 @@ class GpuscoutStack(Stack):
             table=self.results.table,
             plan_bucket=self.storage.artifacts,
             role=self.roles.state_machine,
+            job_role_arn=self.roles.sagemaker.role_arn,
+            processing_role_arn=self.roles.processing.role_arn,
             map_max_concurrency=config.map_max_concurrency,
             quota_wait_hours=config.quota_wait_hours,
             vpc=config.vpc,
@@ -411,7 +413,7 @@ class GpuscoutStack(Stack):
                 "AwsSolutions-IAM5[Resource::*]",
                 "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
                 "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
-                "cloudwatch:namespace condition to SageMaker's job namespaces and gpuscout's."
+                "cloudwatch:namespace condition to SageMaker's job namespaces."
                 + (
                     " With the vpc setting, SageMaker's EC2 network-interface calls (Create/Delete/Describe "
                     "NetworkInterfaces, DescribeVpcs/Subnets/SecurityGroups/DhcpOptions) act on interfaces it creates "

@@ -22,11 +22,13 @@ from gpuscout.domain.names import CHECKPOINTS_PREFIX, JOB_NAME_PREFIX, OUTPUT_PR
 
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
-# Namespaces the SageMaker role may write metrics to: SageMaker's own (MetricDefinitions) and gpuscout's.
+# gpuscout's own metrics (the Lambdas': runs marked failed, which an alarm watches; the dashboard's figures).
 METRIC_NAMESPACE = "gpuscout"
 # POWERTOOLS_SERVICE_NAME of every Lambda: Powertools adds it as the "service" dimension of every metric it emits.
 SERVICE_NAME = "gpuscout"
-SAGEMAKER_METRIC_NAMESPACES = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs", METRIC_NAMESPACE)
+# Namespaces the job roles may write metrics to: SageMaker's own (MetricDefinitions) only. Not gpuscout's, where a
+# job's code could fire the failed-runs alarm or forge the dashboard's throughput; train.py emits no metrics itself.
+SAGEMAKER_METRIC_NAMESPACES = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
 # The managed EventBridge rules Step Functions creates to learn that a .sync SageMaker job finished.
 SYNC_RULES = (
     "StepFunctionsGetEventsForSageMakerTrainingJobsRule",
@@ -231,9 +233,14 @@ class Roles(Construct):
         role = iam.Role(
             self,
             "StateMachine",
-            # Confused-deputy guard (documented for Step Functions): only this account's state machines.
+            # Confused-deputy guard (documented for Step Functions): only this account's state machines, in this region.
             assumed_by=iam.ServicePrincipal("states.amazonaws.com").with_conditions(
-                {"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}}
+                {
+                    "StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID},
+                    "ArnLike": {
+                        "aws:SourceArn": f"arn:{Aws.PARTITION}:states:{Aws.REGION}:{Aws.ACCOUNT_ID}:stateMachine:*"
+                    },
+                }
             ),
             description="gpuscout benchmark state machine",
         )
@@ -255,7 +262,9 @@ class Roles(Construct):
         }
         # A tuning job's request holds its training jobs' definition: which of its fields fill these keys is not
         # documented (StoppingCondition or ResourceLimits' runtime), so the keys bound it where present (IfExists)
-        # rather than refuse every search should one be absent; its trials are training jobs of the same bounds.
+        # rather than refuse every search should one be absent. SageMaker launches the trials itself (not through
+        # this role's CreateTrainingJob grant), so a tuning request that fills neither key is not bounded here: the
+        # requests are plan_jobs' (jobs cannot write plans/ or search/), and the tests check their instance types.
         tuning_bounds = {
             "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": sorted(launchable_types)},
             "NumericLessThanEqualsIfExists": {"sagemaker:MaxRuntimeInSeconds": max_runtime_s},

@@ -28,10 +28,11 @@ from constructs import Construct
 from gpuscout.domain.names import PLANS_PREFIX
 from stacks.config import QUOTA_RETRY_MINUTES, VpcSettings
 
+# The fields of plan_jobs' requests the SageMaker tasks copy. RoleArn is not among them: each task names its role
+# itself (the training jobs' or data preparation's), so a request, even a forged one, cannot choose another role.
 TRAINING_REQUEST_FIELDS = (
     "TrainingJobName",
     "AlgorithmSpecification",
-    "RoleArn",
     "HyperParameters",
     "InputDataConfig",
     "OutputDataConfig",
@@ -47,7 +48,6 @@ PROCESSING_REQUEST_FIELDS = (
     "ProcessingJobName",
     "ProcessingResources",
     "AppSpecification",
-    "RoleArn",
     "ProcessingInputs",
     "ProcessingOutputConfig",
     "StoppingCondition",
@@ -58,7 +58,6 @@ TUNING_REQUEST_FIELDS = ("HyperParameterTuningJobName", "HyperParameterTuningJob
 TUNING_DEFINITION_FIELDS = (
     "StaticHyperParameters",
     "AlgorithmSpecification",
-    "RoleArn",
     "InputDataConfig",
     "OutputDataConfig",
     "ResourceConfig",
@@ -148,8 +147,8 @@ def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
     return {f"{field}.$": f"{prefix}.{field}" for field in fields}
 
 
-def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
-    parameters: dict[str, Any] = _copy_fields(TRAINING_REQUEST_FIELDS, "$.request")
+def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24, *, role_arn: str) -> dict[str, Any]:
+    parameters: dict[str, Any] = {**_copy_fields(TRAINING_REQUEST_FIELDS, "$.request"), "RoleArn": role_arn}
     if vpc is not None:
         parameters["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
     return {
@@ -165,10 +164,13 @@ def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> 
     }
 
 
-def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
+def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24, *, role_arn: str) -> dict[str, Any]:
     """One search target's tuning job; waits for it to end (.sync). The training job definition is copied field by
     field (like a training job's request) so the stack's VPC can be added to it."""
-    definition: dict[str, Any] = _copy_fields(TUNING_DEFINITION_FIELDS, "$.request.TrainingJobDefinition")
+    definition: dict[str, Any] = {
+        **_copy_fields(TUNING_DEFINITION_FIELDS, "$.request.TrainingJobDefinition"),
+        "RoleArn": role_arn,
+    }
     if vpc is not None:
         definition["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
     return {
@@ -183,10 +185,10 @@ def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> di
     }
 
 
-def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
+def canary_state_json(vpc: VpcSettings | None, *, role_arn: str) -> dict[str, Any]:
     """One canary: the training task with the canary's request; an hour of quota retries (the canary instance is
     cheap and usually has quota); any failure marks the run FAILED with the canary's cause and fails the Map."""
-    state = training_state_json(vpc, quota_wait_hours=1)
+    state = training_state_json(vpc, quota_wait_hours=1, role_arn=role_arn)
     state["Comment"] = "A 2-step, 2-layer run of one configuration on the canary instance (.sync)"
     state["ResultPath"] = "$.job"
     # A Distributed Map gathers every child's output even when its ResultPath drops them (States.DataLimitExceeded
@@ -228,8 +230,8 @@ def describe_launched_job_json() -> dict[str, Any]:
     }
 
 
-def processing_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
-    parameters: dict[str, Any] = _copy_fields(PROCESSING_REQUEST_FIELDS, "$.prepare.request")
+def processing_state_json(vpc: VpcSettings | None, *, role_arn: str) -> dict[str, Any]:
+    parameters: dict[str, Any] = {**_copy_fields(PROCESSING_REQUEST_FIELDS, "$.prepare.request"), "RoleArn": role_arn}
     if vpc is not None:
         parameters["NetworkConfig"] = {
             "VpcConfig": {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
@@ -269,6 +271,8 @@ class BenchmarkWorkflow(Construct):
         table: dynamodb.ITable,
         plan_bucket: s3.IBucket,
         role: iam.IRole,
+        job_role_arn: str,
+        processing_role_arn: str,
         map_max_concurrency: int,
         quota_wait_hours: int,
         vpc: VpcSettings | None,
@@ -312,10 +316,14 @@ class BenchmarkWorkflow(Construct):
         # run row keeps it ("<Error>: <reason>").
         mark_failed.next(sfn.Fail(self, "Run failed", error=RUN_FAILED, cause_path="$.error.Cause"))
 
-        prepare = sfn.CustomState(self, "Prepare data", state_json=processing_state_json(vpc))
+        prepare = sfn.CustomState(
+            self, "Prepare data", state_json=processing_state_json(vpc, role_arn=processing_role_arn)
+        )
         prepare.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
-        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc, quota_wait_hours))
+        train = sfn.CustomState(
+            self, "Train", state_json=training_state_json(vpc, quota_wait_hours, role_arn=job_role_arn)
+        )
         record_failure = self._record_failure_step(
             "Record job failure",
             function=functions["record_job_failure"],
@@ -389,7 +397,7 @@ class BenchmarkWorkflow(Construct):
         jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         searches = self._search_map(
             functions=functions, table=table, vpc=vpc, map_max_concurrency=map_max_concurrency,
-            quota_wait_hours=quota_wait_hours, plan_bucket=plan_bucket,
+            quota_wait_hours=quota_wait_hours, plan_bucket=plan_bucket, job_role_arn=job_role_arn,
         )  # fmt: skip
         searches.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
@@ -404,7 +412,7 @@ class BenchmarkWorkflow(Construct):
         # model on the canary instance (plan_jobs builds the requests; gpuscout.plan.canary). A failure marks the run
         # FAILED with the canary's own cause (a Distributed Map reports only that a child failed) and fails the Map,
         # whose Catch then leaves the run as it is (mark_run_failed changes no final run).
-        canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc))
+        canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc, role_arn=job_role_arn))
         canary_failed = self._mark_failed_step(
             "Mark run failed (canary)",
             function=functions["mark_run_failed"],
@@ -461,11 +469,12 @@ class BenchmarkWorkflow(Construct):
         map_max_concurrency: int,
         quota_wait_hours: int,
         plan_bucket: s3.IBucket,
+        job_role_arn: str,
     ) -> sfn.DistributedMap:
         """A Map over plan_jobs' tunings (empty unless the manifest has a search section): per target, read the run
         status (a stopped run launches nothing more), run the tuning job, then record every trial it ran. A failed
         tuning job is recorded (its own row, why) and its trials are recorded all the same."""
-        tune = sfn.CustomState(self, "Tune", state_json=tuning_state_json(vpc, quota_wait_hours))
+        tune = sfn.CustomState(self, "Tune", state_json=tuning_state_json(vpc, quota_wait_hours, role_arn=job_role_arn))
         record_trials = self._lambda_step(
             "Record trials",
             function=functions["record_job_result"],

@@ -188,10 +188,16 @@ def test_failed_timed_out_and_aborted_executions_reach_mark_run_failed(synthesiz
     )
 
 
-def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(asl: dict[str, Any]) -> None:
+def test_prepare_data_is_a_sync_processing_job_built_from_the_plan(
+    asl: dict[str, Any], synthesized: Synthesized
+) -> None:
     prepare = asl["States"]["Prepare data"]
     assert prepare["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createProcessingJob.sync"
-    assert prepare["Parameters"] == {f"{f}.$": f"$.prepare.request.{f}" for f in PROCESSING_REQUEST_FIELDS}
+    copied = {f"{f}.$": f"$.prepare.request.{f}" for f in PROCESSING_REQUEST_FIELDS}
+    assert prepare["Parameters"] == copied | {
+        "RoleArn": f"<{synthesized.logical_id(synthesized.stack.roles.processing)}.Arn>"
+    }
+    assert "RoleArn" not in PROCESSING_REQUEST_FIELDS  # the task names its role; a request cannot choose one
     assert prepare["ResultPath"] == "$.prepare.job"  # keeps $.run_id and $.plan for the Maps
 
 
@@ -208,7 +214,9 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
     assert processor["StartAt"] == "Read run status"
     train = processor["States"]["Train"]
     assert train["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync"
-    assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS}
+    # every field of the plan's request but the role, which the task names itself: a request cannot choose it
+    job_role = f"<{synthesized.logical_id(synthesized.stack.roles.sagemaker)}.Arn>"
+    assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS} | {"RoleArn": job_role}
     assert train["ResultSelector"] == {"TrainingJobArn.$": "$.TrainingJobArn"} and train["ResultPath"] == "$.job"
     # A finished job is recorded inside the Map (not only by job_events, which runs asynchronously).
     assert train["Next"] == "Record job result"
@@ -296,6 +304,7 @@ def test_the_search_map_runs_one_sync_tuning_job_per_target_and_records_its_tria
     assert tune["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createHyperParameterTuningJob.sync"
     # every field of the plan's request, the training job definition field by field (room for the stack's VPC)
     definition = {f"{f}.$": f"$.request.TrainingJobDefinition.{f}" for f in TUNING_DEFINITION_FIELDS}
+    definition["RoleArn"] = f"<{synthesized.logical_id(synthesized.stack.roles.sagemaker)}.Arn>"
     assert tune["Parameters"] == {
         **{f"{f}.$": f"$.request.{f}" for f in TUNING_REQUEST_FIELDS},
         "TrainingJobDefinition": definition,
@@ -554,12 +563,15 @@ def test_with_the_vpc_setting_the_tuning_jobs_trials_run_in_its_subnets() -> Non
     from stacks.workflow import tuning_state_json
 
     vpc = VpcSettings(subnet_ids=("subnet-0123456789abcdef0",), security_group_ids=("sg-0123456789abcdef0",))
-    definition = tuning_state_json(vpc)["Parameters"]["TrainingJobDefinition"]
+    definition = tuning_state_json(vpc, role_arn="arn:aws:iam::123456789012:role/jobs")["Parameters"][
+        "TrainingJobDefinition"
+    ]
+    assert definition["RoleArn"] == "arn:aws:iam::123456789012:role/jobs"
     assert definition["VpcConfig"] == {
         "Subnets": ["subnet-0123456789abcdef0"],
         "SecurityGroupIds": ["sg-0123456789abcdef0"],
     }
-    assert "VpcConfig" not in tuning_state_json(None)["Parameters"]["TrainingJobDefinition"]
+    assert "VpcConfig" not in tuning_state_json(None, role_arn="r")["Parameters"]["TrainingJobDefinition"]
 
 
 @pytest.mark.parametrize("fan_out", ["Run jobs", "Run searches"])

@@ -20,12 +20,9 @@ fixture). Four substitutions make it runnable here, and only these:
   resource ARN -> ``aws`` (CloudFormation resolves both at deploy time).
 - ``.sync`` -> request-response. moto runs SageMaker tasks only without ``.sync`` (it forwards the call to moto
   SageMaker, which creates the job as already Completed). ResultPath and OutputPath are untouched.
-- ``"RoleArn.$"`` -> ``"RoleArn"``. moto's ASL lexer has ``"RoleArn.$"`` as a keyword token (of the Credentials
-  block), so inside a Task's Parameters it binds the literal string ``"$.request.RoleArn"`` to a key named
-  ``RoleArn.$`` instead of evaluating the path. The SageMaker tasks' ``"RoleArn.$": "$.request.RoleArn"`` (a tuning
-  job's: inside its TrainingJobDefinition) becomes ``"RoleArn": <the role ARN>``, the value that path holds in every
-  request plan_jobs built (the test checks they all carry the same one). Every other field is still copied from the
-  request by its JSONPath.
+- The SageMaker tasks' ``"RoleArn"`` (a tuning job's: inside its TrainingJobDefinition), which the task names
+  itself (the role's ``Fn::GetAtt``; a request cannot choose it), -> the test's role ARN: the training jobs' role,
+  or data preparation's. Every other field is copied from the request by its JSONPath.
 
 - The Distributed Maps' ItemReader: the artifacts bucket's ``Ref`` -> the moto bucket's name, and its resource's
   partition -> ``aws``. The requests it reads are the ones plan_jobs wrote to moto S3.
@@ -178,8 +175,11 @@ def runnable_in_moto(
         if resource.startswith("arn:<AWS::Partition>:states:::sagemaker:") and resource.endswith(".sync"):
             parameters = copy.deepcopy(state["Parameters"])
             holder = parameters.get("TrainingJobDefinition", parameters)  # a tuning job's role is in its definition
-            assert holder.pop("RoleArn.$").endswith(".RoleArn")
-            holder["RoleArn"] = processing_role_arn if "createProcessingJob" in resource else role_arn
+            # the task names its role itself (the job role's, or data preparation's), never the request's
+            named = str(holder.pop("RoleArn"))
+            processing = "createProcessingJob" in resource
+            assert named.startswith("<RolesSageMakerProcessing" if processing else "<RolesSageMakerExecution"), named
+            holder["RoleArn"] = processing_role_arn if processing else role_arn
             return {
                 **state,
                 "Resource": resource.removesuffix(".sync").replace("<AWS::Partition>", "aws"),
@@ -533,7 +533,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(
     "resource", ["arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync", "arn:aws:lambda:x"]
 )
 def test_the_rewrite_touches_only_lambda_and_sync_tasks(resource: str) -> None:
-    parameters = {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn.$": "$.request.RoleArn"}
+    parameters = {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn": "<RolesSageMakerExecution1234.Arn>"}
     state = {"Type": "Task", "Resource": resource, "Parameters": parameters, "End": True}
     definition = {"StartAt": "A", "States": {"A": state}}
     if resource.startswith("arn:aws:lambda"):
