@@ -90,6 +90,7 @@ lock-image:
 ## The main job: a local benchmark end to end on the embedded default manifest.
 demo: $(VENV)/.stamp-install
 	$(BIN)/gpuscout local configs/manifests/quickstart.yaml
+	@echo "gpuscout is $(BIN)/gpuscout: run 'source $(VENV)/bin/activate' for the 'next:' commands above as printed"
 
 ## Every test (unit, infra, integration, training), on the kernels of the slowest CPU in the pool on every machine:
 ## oneDNN capped at AVX2 (bf16 matmuls on its reference path, as on AVX2-only AMD EPYCs) and ATen's AVX2 kernels,

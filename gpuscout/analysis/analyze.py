@@ -593,9 +593,11 @@ def analyze_run(
     incomplete = incomplete_note(run, jobs)
     recommendation = with_incomplete(recommendation, incomplete)
     dataset_tokens = next((a.dataset_tokens for a in ranked if a.dataset_tokens), None)
+    description = _get(manifest, "description")
     return RunAnalysis(
         run_id=run.run_id,
         run_name=run.name,
+        description=str(description) if description else None,
         objective=objective,
         constraints=constraints,
         dataset_tokens=dataset_tokens,

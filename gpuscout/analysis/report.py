@@ -302,6 +302,8 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
     parts = [f"# gpuscout report: {analysis.run_name or analysis.run_id}", ""]
     if note:
         parts += [f"> **{note}**", ""]
+    if analysis.description:
+        parts += [_md_text(analysis.description), ""]
     parts += [
         f"Run `{analysis.run_id}` · {' · '.join(_constraints_text(analysis))} · "
         f"benchmark billed {_usd(analysis.total_billed_usd)} · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}",
@@ -381,6 +383,8 @@ def render_html(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *, no
     ]
     if note:
         out.append(f"<p class='note'><strong>{esc(note)}</strong></p>")
+    if analysis.description:
+        out.append(f"<p class='description'>{esc(analysis.description)}</p>")
     out.append(
         f"<p class='meta'>Run <code>{esc(analysis.run_id)}</code> · {esc(' · '.join(_constraints_text(analysis)))}"
         f" · benchmark billed {esc(_usd(analysis.total_billed_usd))}"

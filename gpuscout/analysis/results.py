@@ -257,6 +257,7 @@ class RunAnalysis(BaseModel):
 
     run_id: str
     run_name: str | None = None
+    description: str | None = None  # the manifest's: what the run compares, in the user's words
     objective: Objective
     constraints: Constraints
     dataset_tokens: int | None = None

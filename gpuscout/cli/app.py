@@ -247,6 +247,7 @@ def plan(
     console.print(f"[green]within budget[/]{note}")
     if stack_name:
         from gpuscout.cloud.client import CloudStack
+        from gpuscout.cloud.quotas import all_checked
         from gpuscout.plan.canary import canary_model_note, cloud_canaries, predicted_canary_cost_usd
 
         stack = CloudStack(stack_name)
@@ -259,7 +260,8 @@ def plan(
             )
         parallel = the_plan.search.max_parallel_trials if the_plan.search else None
         canaries = cloud_canaries(the_plan.jobs, manifest, catalog, stack.outputs.canary_instance_type)
-        for warning in stack.quota_preflight(file, the_plan.jobs, parallel, canaries=[c.spec for c in canaries]):
+        warnings = stack.quota_preflight(file, the_plan.jobs, parallel, canaries=[c.spec for c in canaries])
+        for warning in warnings:
             console.print(f"[yellow]quota:[/] {escape(warning)}", soft_wrap=True)
         for canary in canaries:
             if canary.placement:  # too large for the canary type: on its job's type, bought as its job is
@@ -271,7 +273,10 @@ def plan(
             console.print(
                 f"{len(canaries)} canaries before the jobs, predicted ${cost:,.2f} (counted by submit's budget check)"
             )
-        console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
+        if all_checked(warnings):
+            console.print(f"[green]quotas allow it[/] (account quotas in {stack.outputs.region})")
+        else:
+            console.print(f"[yellow]quotas not checked[/]: see the quota lines above ({stack.outputs.region})")
 
 
 def _num(value: float | int | None, fmt: str) -> str:

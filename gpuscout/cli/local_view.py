@@ -273,4 +273,5 @@ class RichRunObserver:
             self.console.print(text)
         where = f"report: {report_md}" if report_md is not None else f"jobs: {Path(run.run_dir or '') / 'jobs'}"
         self.console.print(f"run {run_id} {run.status.value}; {where}", soft_wrap=True)
-        self.console.print(f"next: gpuscout results {run_id}   gpuscout report {run_id}", soft_wrap=True)
+        after = f"gpuscout report {run_id}" if report_md is not None else f"gpuscout delete {run_id}"
+        self.console.print(f"next: gpuscout results {run_id}   {after}", soft_wrap=True)

@@ -182,7 +182,8 @@ def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[s
         field = need.what.split(" ")[0] if need.what.startswith("targets[") else "canary"
         if quota is None:
             warnings.append(
-                f"{need.what}: no quota named {need.quota_name!r} in {book.region} (is the type offered there?)"
+                f"{need.what}: no quota named {need.quota_name!r} in {book.region} (is the type offered there?); "
+                f"{UNCHECKED}"
             )
             continue
         where = f"request an increase at {console_url(book.region, quota.code)}"
@@ -220,8 +221,16 @@ def check(needs: Sequence[Need], book: QuotaBook) -> tuple[list[Problem], list[s
     return problems, warnings
 
 
+UNCHECKED = "the run is not checked against them"  # ends every warning that leaves a quota unchecked
+
+
+def all_checked(warnings: Sequence[str]) -> bool:
+    """Whether check()'s warnings leave every needed quota checked (a warning may only say that jobs will wait)."""
+    return not any(w.endswith(UNCHECKED) for w in warnings)
+
+
 def _unreadable(book: QuotaBook, err: Exception) -> str:
     return (
         f"could not read the account's SageMaker quotas in {book.region} (Service Quotas: "
-        f"{str(err).splitlines()[0]}); the run is not checked against them"
+        f"{str(err).splitlines()[0]}); {UNCHECKED}"
     )

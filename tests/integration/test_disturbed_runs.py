@@ -116,7 +116,8 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     assert always["disturbance_note"].startswith("2 of 2 repetitions: disturbed measurement: 8 of 14 timed steps")
     recommendation = analysis["recommendation"]
     assert recommendation["verdict"] == "cannot_tell" and recommendation["clear_winner"] is False
-    assert "local / always: 2 of 2 repetitions: disturbed measurement" in recommendation["summary"]
+    assert recommendation["summary"].startswith("No pick (cannot tell): local / always was disturbed")
+    assert any("local / always: 2 of 2 repetitions: disturbed measurement" in n for n in recommendation["notes"])
     assert by_variant["steady"]["disturbance_note"] is None
 
     # the report shows it: the note column and the per-step chart

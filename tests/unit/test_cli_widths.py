@@ -94,3 +94,22 @@ def test_plan_keeps_job_names_precisions_and_numbers_whole(width: int) -> None:
     assert out.count("fp32") == 3 and "precision" in out
     assert re.search(r"total \(3 jobs\)", out) and re.search(r"\b0\.000\d\b", out)
     assert "…" not in out
+
+
+def test_the_closing_next_line_offers_only_what_the_run_has(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from gpuscout.cli.local_view import RichRunObserver
+
+    store = _stored_run(tmp_path / "g.db")
+    run = store.get_run(RUN_ID)
+    for report, status, expected in ((tmp_path / "report.md", RunStatus.SUCCEEDED, f"gpuscout report {RUN_ID}"),
+                                     (None, RunStatus.FAILED, f"gpuscout delete {RUN_ID}")):  # fmt: skip
+        out = io.StringIO()
+        RichRunObserver(Console(file=out, width=200)).finished(
+            run.model_copy(update={"status": status}), None, store.list_jobs(RUN_ID), report
+        )
+        (line,) = [line for line in out.getvalue().splitlines() if line.startswith("next:")]
+        assert line == f"next: gpuscout results {RUN_ID}   {expected}"  # a failed run has no report to offer

@@ -16,6 +16,7 @@ import boto3
 import pytest
 import typer
 import yaml
+from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 from moto import mock_aws
 from typer.testing import CliRunner
@@ -113,12 +114,16 @@ class AccountQuotas:
     """QuotaBook's stand-in: tests set ``values`` (quota name -> instances); every other quota is 10."""
 
     values: ClassVar[dict[str, float]] = {}
+    denied: ClassVar[bool] = False  # Service Quotas refuses the listing (AccessDenied)
     region = REGION
 
     def __init__(self, client: object) -> None:
         pass
 
     def quotas(self, wanted: object = (), *, fresh: bool = False) -> dict[str, Quota]:
+        if self.denied:
+            raise ClientError({"Error": {"Code": "AccessDeniedException", "Message": "not authorized"}},
+                              "ListServiceQuotas")  # fmt: skip
         return account_quotas(self.values)
 
 
@@ -665,6 +670,14 @@ def test_plan_with_a_stack_name_checks_the_accounts_quotas_too(deployed: Deploye
     assert refused.exit_code != 0
     assert f"the account's quota '{target} for training job usage'" in " ".join(refused.output.split())
     assert _keys(deployed.s3) == []
+    # When the quotas cannot be read, it says they were not checked, never that they allow it
+    AccountQuotas.denied = True
+    try:
+        unread = runner.invoke(full_app, ["plan", str(manifest), "--stack-name", "Gpuscout"])
+    finally:
+        AccountQuotas.denied = False
+    assert unread.exit_code == 0 and "could not read the account's SageMaker quotas" in " ".join(unread.stdout.split())
+    assert "quotas not checked" in unread.stdout and "quotas allow it" not in unread.stdout
 
 
 def test_plan_with_a_stack_name_says_where_a_canary_too_large_for_the_canary_type_runs(deployed: Deployed) -> None:

@@ -129,10 +129,13 @@ def test_an_unreadable_listing_or_an_unknown_type_warns_and_refuses_nothing():
     problems, warnings = check(needs, QuotaBook(client))
     assert problems == [] and len(warnings) == 1
     assert warnings[0].startswith("could not read the account's SageMaker quotas in us-east-1")
+    assert not quotas.all_checked(warnings)  # `plan --stack-name` then says "quotas not checked", not "allow it"
     client, stub = _client()
     _listing(stub, [[]], defaults=[])  # a region that lists none of these types
     problems, warnings = check(needs, QuotaBook(client))
     assert problems == [] and len(warnings) == len(needs) and "is the type offered there?" in warnings[0]
+    assert not quotas.all_checked(warnings)
+    assert quotas.all_checked(["targets[0]: the run would start 8 instance(s) at once; ... jobs wait for each other"])
 
 
 def test_a_searchs_parallel_trials_over_the_quota_are_refused_naming_the_setting_and_the_number_that_fits():

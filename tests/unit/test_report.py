@@ -339,3 +339,14 @@ def test_the_bar_charts_mark_measurements_not_to_be_trusted(analysis: RunAnalysi
     throughput = report_charts._chart_tokens_per_s(run)
     assert throughput is not None
     assert [t.get_text() for t in throughput.axes[0].texts].count("  no CI (unreliable)") == 1
+
+
+def test_the_manifests_description_heads_the_report(analysis: RunAnalysis, tmp_path: Path) -> None:
+    described = analysis.model_copy(update={"description": "Qwen 0.5B on Hebrew <b>text</b>: g5 vs p4d vs p5"})
+    files = report.write_report(described, tmp_path)
+    markdown = Path(files["md"]).read_text()
+    assert markdown.index("Qwen 0.5B on Hebrew") < markdown.index("## Recommendation")
+    assert "&lt;b&gt;text&lt;/b&gt;" in Path(files["html"]).read_text()
+    run, jobs, catalog = load_example_run()
+    manifest = {**run.manifest, "description": "what this run compares"}
+    assert analyze_run(run, jobs, manifest=manifest, catalog=catalog).description == "what this run compares"
