@@ -8,8 +8,10 @@ invalid is not the data the user meant. ``dataset_problems`` returns what to ref
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 VOCAB_FAR_BELOW = 0.5  # a trained vocabulary under half the requested size is flagged
@@ -125,3 +127,50 @@ def dataset_problems(
             )
         )
     return problems
+
+
+SAMPLED_RECORDS = 20  # the first records of a JSON Lines source that validate reads
+SAMPLED_BYTES = 1 << 20  # and at most this much of the file
+
+
+def source_content_problems(files: list[Path], *, fmt: str, text_field: str, suffixes: tuple[str, ...]) -> list[str]:
+    """What a quick look at a local source's files (those data preparation would read: ``files``) finds wrong
+    before anything runs: none at all, a suffix data preparation cannot read, an empty first file, or JSON Lines
+    whose first records have no string ``text_field``. Reads at most SAMPLED_BYTES of one file."""
+    if not files:
+        what = f"{'/'.join(suffixes)} files" if fmt == "auto" else "files"
+        return [f"no {what} in it (set dataset.format to read files of another suffix)"]
+    first = files[0]
+    if fmt == "auto" and first.suffix not in suffixes:
+        return [
+            f"{first.name}: cannot tell its format from the suffix {first.suffix or '(none)'!r} (known: "
+            f"{', '.join(suffixes)}); set dataset.format (jsonl, txt or parquet)"
+        ]
+    if first.stat().st_size == 0:
+        return [f"{first.name} is empty"]
+    kind = fmt if fmt != "auto" else {".jsonl": "jsonl", ".json": "jsonl"}.get(first.suffix, "other")
+    if kind != "jsonl":
+        return []
+    with first.open("rb") as handle:
+        head = handle.read(SAMPLED_BYTES).decode("utf-8-sig", errors="replace")
+    if first.suffix == ".json" and head.lstrip().startswith("["):
+        return []  # one JSON array: read whole by data preparation, which counts its bad records
+    lines = [line for line in head.splitlines() if line.strip()][:SAMPLED_RECORDS]
+    if len(head) == SAMPLED_BYTES and lines:
+        lines = lines[:-1]  # the last line may be cut off by the sample
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            records.append(None)
+    if not records or any(isinstance(r, dict) and isinstance(r.get(text_field), str) for r in records):
+        return []
+    if all(r is None for r in records):
+        return [f"{first.name}: its first {len(records)} line(s) are not JSON (is it JSON Lines?)"]
+    fields = sorted({key for r in records if isinstance(r, dict) for key in r})
+    found = f"; its records have: {', '.join(fields[:8])}" if fields else ""
+    return [
+        f"{first.name}: none of its first {len(records)} record(s) has a string field {text_field!r}{found}; "
+        "set dataset.text_field"
+    ]

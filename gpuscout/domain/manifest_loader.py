@@ -6,7 +6,7 @@ Loading is defensive because manifests arrive from an S3 bucket: at most 256 KiB
 SafeLoader subclass that refuses anchors/aliases (alias bombs), duplicate keys, non-string keys, keys with control
 characters and deep nesting; JSON is accepted by extension or content.
 
-May import: gpuscout.domain's catalog, manifest and manifest_* section modules, PyYAML, pydantic."""
+May import: gpuscout.domain's catalog, dataset_checks, manifest and manifest_* section modules, PyYAML, pydantic."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from yaml.events import AliasEvent
 
 from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.dataset_checks import source_content_problems
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_fields import CONTROL_RE, ManifestProblemsError
 from gpuscout.errors import ManifestError, Problem
@@ -332,5 +333,25 @@ def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
         raise ManifestError(
             str(path), [Problem("dataset.source", f"{resolved}: not readable inside it: {names}{more}")]
         )
+    files = _source_files(resolved, manifest.dataset.format)
+    problems = source_content_problems(
+        files, fmt=manifest.dataset.format, text_field=manifest.dataset.text_field, suffixes=TEXT_SUFFIXES
+    )
+    if problems:
+        raise ManifestError(str(path), [Problem("dataset.source", f"{resolved}: {p}") for p in problems])
     dataset = manifest.dataset.model_copy(update={"source": str(resolved)})
     return manifest.model_copy(update={"dataset": dataset})
+
+
+def _source_files(root: Path, fmt: str) -> list[Path]:
+    """The files data preparation reads (training/data_sources.py ``_files``): ``root`` itself, or under it those
+    not hidden with a known suffix (any suffix with dataset.format set), sorted."""
+    if root.is_file():
+        return [root]
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        and (fmt != "auto" or p.suffix in TEXT_SUFFIXES)
+    )

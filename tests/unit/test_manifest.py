@@ -260,3 +260,50 @@ def test_the_loader_reads_a_folder_as_data_preparation_does():
     finally:
         sys.path.remove(str(paths.TRAINING_DIR))
     assert TEXT_SUFFIXES == data_sources.TEXT_SUFFIXES
+
+
+@pytest.mark.parametrize(
+    ("files", "text_field", "says"),
+    [
+        ({}, "text", "no .jsonl/.json/.txt/.parquet files in it"),
+        ({"data.csv": "text,label\nshalom,1\n"}, "text", "no .jsonl/.json/.txt/.parquet files in it"),
+        ({"a.jsonl": ""}, "text", "a.jsonl is empty"),
+        ({"a.jsonl": '{"body": "shalom olam"}\n{"body": "boker tov"}\n'}, "text",
+         "none of its first 2 record(s) has a string field 'text'; its records have: body; set dataset.text_field"),
+        ({"a.jsonl": "shalom olam\nboker tov\n"}, "text", "its first 2 line(s) are not JSON"),
+    ],
+)  # fmt: skip
+def test_validate_looks_into_a_local_source_before_anything_runs(
+    tmp_path: Path, files: dict[str, str], text_field: str, says: str
+) -> None:
+    # Given a source folder data preparation could not use
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    data = yaml.safe_load((MANIFESTS_DIR / "quickstart.yaml").read_text())
+    data["dataset"] = {"source": str(folder), "text_field": text_field}
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(data))
+    # Then validate (and plan, and local: the same loader) names it, before a run exists
+    with pytest.raises(ManifestError) as info:
+        load_manifest(manifest)
+    (problem,) = info.value.problems
+    assert problem.path == "dataset.source" and says in problem.message, problem.message
+
+
+def test_a_suffixless_file_is_refused_and_a_good_source_passes(tmp_path: Path) -> None:
+    data = yaml.safe_load((MANIFESTS_DIR / "quickstart.yaml").read_text())
+    bare = tmp_path / "corpus"
+    bare.write_text('{"text": "shalom olam"}\n')
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump({**data, "dataset": {"source": str(bare)}}))
+    with pytest.raises(ManifestError, match=r"cannot tell its format from the suffix '\(none\)'"):
+        load_manifest(manifest)
+    # with the format stated it is read as such, and a record with the field passes
+    manifest.write_text(yaml.safe_dump({**data, "dataset": {"source": str(bare), "format": "jsonl"}}))
+    assert load_manifest(manifest).dataset.format == "jsonl"
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": 1}\n{"text": "shalom olam"}\n')  # one record with the field is enough to go on
+    manifest.write_text(yaml.safe_dump({**data, "dataset": {"source": str(good)}}))
+    assert load_manifest(manifest).dataset.source == str(good)
