@@ -137,18 +137,31 @@ def main(
 
 @app.command()
 def validate(file: ManifestArg) -> None:
-    """Check a manifest against the schema and the instance catalog; list every problem with its field path."""
+    """Check a manifest in one pass: every problem with its field path, then what this machine and the planner
+    would refuse, and variants that repeat each other."""
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.domain.manifest_loader import parse_document, read_manifest_file, resolve_paths
+    from gpuscout.domain.manifest_review import review_manifest
 
     catalog = load_catalog()
-    manifest = load_manifest(file, catalog=catalog)
-    _refused_on_this_machine(file, manifest, catalog)
-    _refused_by_the_planner(file, manifest, catalog)
-    _warn_duplicate_variants(manifest)
-    targets = len(manifest.targets)
-    variants = len(manifest.variants)
-    repetitions = manifest.repetitions
+    review = review_manifest(parse_document(read_manifest_file(file), str(file)), str(file), catalog)
+    problems, manifest = [str(p) for p in review.problems], review.manifest
+    if manifest is not None:
+        try:
+            manifest = resolve_paths(manifest, file)
+        except ManifestError as err:
+            problems += [str(p) for p in err.problems]
+    refusals = _machine_refusals(manifest, catalog) if manifest is not None else []
+    planned = manifest is not None and not problems and not refusals and not review.set_aside
+    if planned:
+        refusals += _planner_refusals(manifest, catalog)
+    if manifest is not None:
+        _warn_duplicate_variants(manifest)
+    if problems or refusals:
+        _print_validation(file, problems, refusals, planner_skipped=not planned and manifest is not None)
+        raise typer.Exit(2 if problems else BUDGET_EXIT_CODE)
+    assert manifest is not None
+    targets, variants, repetitions = len(manifest.targets), len(manifest.variants), manifest.repetitions
     if manifest.search is not None:
         console.print(
             f"[green]ok[/] {escape(str(file))}: a settings search on {targets} target(s), up to "
@@ -163,12 +176,32 @@ def validate(file: ManifestArg) -> None:
     )
 
 
-def _refused_by_the_planner(file: Path, manifest: Any, catalog: Any) -> None:
-    """Every job the planner would refuse (does not fit, a GPU it cannot predict, max_tokens too short), all listed
-    now, exit 3, as `gpuscout plan` would refuse them. A job section's plan may time the user's code, and a search's
-    candidates are screened by the search itself: `gpuscout plan` checks those."""
+def _print_validation(file: Path, problems: list[str], refusals: list[str], *, planner_skipped: bool) -> None:
+    """One report: the manifest's problems (exit 2), then what this machine or the planner refuses (exit 3)."""
+    if problems:
+        err_console.print(f"[bold red]error:[/] {escape(str(file))}: {len(problems)} problem(s)", soft_wrap=True)
+        for problem in problems:
+            err_console.print(f"  [red]-[/] {escape(problem)}", soft_wrap=True)
+    if refusals:
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(file))}: {len(refusals)} refusal(s): `gpuscout plan` and `gpuscout "
+            "local` refuse them",
+            soft_wrap=True,
+        )
+        for refusal in refusals:
+            err_console.print(f"  [red]-[/] {escape(refusal)}", soft_wrap=True)
+    if planner_skipped:
+        err_console.print(
+            "  (whether each job fits and is long enough to measure is checked once these are fixed)", soft_wrap=True
+        )
+
+
+def _planner_refusals(manifest: Any, catalog: Any) -> list[str]:
+    """Every job the planner would refuse (does not fit, a GPU it cannot predict, max_tokens too short). A job
+    section's plan may time the user's code, and a search's candidates are screened by the search itself:
+    `gpuscout plan` checks those."""
     if manifest.job is not None or manifest.search is not None:
-        return
+        return []
     from gpuscout.errors import PlanError
     from gpuscout.plan.planner import plan
 
@@ -176,15 +209,8 @@ def _refused_by_the_planner(file: Path, manifest: Any, catalog: Any) -> None:
         plan(manifest, catalog, run_id="validate")
     except PlanError as err:
         lines = str(err).splitlines()
-        problems = [line.removeprefix("  - ") for line in lines[1:]] if len(lines) > 1 else lines
-        err_console.print(
-            f"[bold red]error:[/] {escape(str(file))}: {len(problems)} job(s) cannot be planned (`gpuscout plan` and "
-            "`gpuscout local` refuse them)",
-            soft_wrap=True,
-        )
-        for problem in problems:
-            err_console.print(f"  [red]-[/] {escape(problem)}", soft_wrap=True)
-        raise typer.Exit(BUDGET_EXIT_CODE) from err
+        return [line.removeprefix("  - ") for line in lines[1:]] if len(lines) > 1 else lines
+    return []
 
 
 def _warn_duplicate_variants(manifest: Any) -> None:
@@ -196,24 +222,15 @@ def _warn_duplicate_variants(manifest: Any) -> None:
         )
 
 
-def _refused_on_this_machine(file: Path, manifest: Any, catalog: Any) -> None:
-    """A ``local`` target is this machine: what it cannot run (a precision, flex attention or ZeRO on a CPU) is listed
-    now with its field path, exit 3, as `gpuscout plan` and `local` would refuse it, not after data preparation."""
+def _machine_refusals(manifest: Any, catalog: Any) -> list[str]:
+    """A ``local`` target is this machine: what it cannot run (a precision, flex attention or ZeRO on a CPU), with
+    field paths, as `gpuscout plan` and `local` would refuse it, not after data preparation."""
     if not any(catalog.get(t.instance_type).is_local for t in manifest.targets):
-        return
+        return []
     from gpuscout.domain.catalog import detect_local_hardware
     from gpuscout.plan.planner import local_refusals
 
-    problems = local_refusals(manifest, catalog, detect_local_hardware())
-    if problems:
-        err_console.print(
-            f"[bold red]error:[/] {escape(str(file))}: {len(problems)} problem(s) on this machine (a `local` target "
-            "runs here; `gpuscout plan` and `gpuscout local` refuse it)",
-            soft_wrap=True,
-        )
-        for problem in problems:
-            err_console.print(f"  [red]-[/] {escape(str(problem))}", soft_wrap=True)
-        raise typer.Exit(BUDGET_EXIT_CODE)
+    return [str(p) for p in local_refusals(manifest, catalog, detect_local_hardware())]
 
 
 @app.command()

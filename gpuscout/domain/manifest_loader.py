@@ -247,8 +247,8 @@ def parse_manifest(data: bytes | str, source: str, catalog: Catalog | None = Non
     return validate_manifest_data(_parse_document(text, source), source, catalog)
 
 
-def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
-    """Read and validate a manifest file."""
+def read_manifest_file(path: Path | str) -> bytes:
+    """A manifest file's bytes: a regular file within MAX_MANIFEST_BYTES, or a ManifestError saying why not."""
     p = Path(path)
     try:
         info = p.stat()
@@ -260,13 +260,23 @@ def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
             raise ManifestError(
                 str(p), [Problem("", f"file is {size:,} bytes; a manifest may be at most {MAX_MANIFEST_BYTES:,}")]
             )
-        raw = p.read_bytes()
+        return p.read_bytes()
     except OSError as err:
         raise ManifestError(str(p), [Problem("", f"cannot read file: {err.strerror or err}")]) from err
-    manifest = parse_manifest(raw, str(p), catalog)
+
+
+def resolve_paths(manifest: Manifest, path: Path | str) -> Manifest:
+    """A manifest's local paths (a job's source_dir, a local dataset source) resolved against its file's folder
+    and checked: ManifestError when one is missing, unreadable or unusable."""
+    p = Path(path)
     if manifest.job is not None:
         return _resolve_job(manifest, p)
     return _resolve_local_source(manifest, p)
+
+
+def load_manifest(path: Path | str, catalog: Catalog | None = None) -> Manifest:
+    """Read and validate a manifest file."""
+    return resolve_paths(parse_manifest(read_manifest_file(path), str(path), catalog), path)
 
 
 def _resolve_job(manifest: Manifest, path: Path) -> Manifest:

@@ -202,13 +202,49 @@ def test_validate_refuses_what_the_jobs_would_fail_on_and_warns_on_duplicates(tm
     path = tmp_path / "big.yaml"
     path.write_text(yaml.safe_dump(big))
     code, out, err = invoke("validate", str(path))
-    assert code == 3 and "4 job(s) cannot be planned" in err, err
+    assert code == 3 and "4 refusal(s)" in err, err
     assert err.count("  - targets[0] ml.g5.8xlarge, variant") == 4
     # and once they fit, the two variants with the same settings are a warning (paid twice), not an error
     path.write_text(yaml.safe_dump({**big, "model": {"preset": "qwen2-tiny"}, "targets": yaml.safe_load(
         QUICKSTART.read_text())["targets"]}))  # fmt: skip
     code, out, err = invoke("validate", str(path))
     assert code == 0 and "warning: variants 'b4-a1', 'b4-a1-again' have the same settings" in " ".join(out.split())
+
+
+def test_validate_reports_faults_of_every_level_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuscout.domain import catalog
+
+    cpu = catalog.LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
+    monkeypatch.setattr(catalog, "detect_local_hardware", lambda: cpu)
+    # Given 8 faults at four levels: fields (an unknown key, an unknown type), a section's rule (one step), a
+    # cross-section rule (a sequence over the model's positions), this machine (fp16, ZeRO and flex on a CPU), and two
+    # variants with the same settings
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["training"] |= {"max_steps": 1, "learning_rat": 0.1, "precision": "fp16"}
+    data["sequence_length"] = 100_000
+    data["targets"].append({"instance_type": "ml.p9.huge"})
+    data["variants"][0]["deepspeed_stage"] = 3
+    data["variants"][1]["attention"] = "flex"
+    data["variants"].append({**data["variants"][2], "name": "again"})
+    path = tmp_path / "eight.yaml"
+    path.write_text(yaml.safe_dump(data))
+    # When it is validated once
+    code, out, err = invoke("validate", str(path))
+    said = " ".join((out + err).split())
+    # Then all eight are in the one report, each with the file's own path, exit 2 (the manifest is invalid)
+    assert code == 2, said
+    for expected in (
+        "training.learning_rat: unknown field",
+        "targets[1].instance_type: unknown instance type 'ml.p9.huge'",
+        "training: max_steps: 1 step leaves 1 timed",
+        "sequence_length: 100000 exceeds the model's max_position_embeddings",
+        "training.precision: fp16 is not supported by targets[0] local",
+        "variants[0]: 'b1-a4' on targets[0] local: ZeRO stage 3",
+        "variants[1]: 'b4-a1' on targets[0] local: attention flex",
+        "warning: variants 'b4-a1-nopack', 'again' have the same settings",
+    ):
+        assert expected in said, expected
+    assert "error: " + str(path) + ": 4 problem(s)" in said and ": 3 refusal(s)" in said
 
 
 def test_plan_shows_the_objective_per_job(tmp_path: Path) -> None:
@@ -484,8 +520,7 @@ def test_validate_lists_what_this_machine_refuses_for_a_local_target(
     # Then both are listed with their field paths, exit 3 as `plan` refuses
     assert result.exit_code == 3, result.output
     lines = result.output.splitlines()
-    assert lines[0] == f"error: {path}: 2 problem(s) on this machine (a `local` target runs here; `gpuscout plan` " \
-                       "and `gpuscout local` refuse it)"  # fmt: skip
+    assert lines[0] == f"error: {path}: 2 refusal(s): `gpuscout plan` and `gpuscout local` refuse them"
     assert lines[1].startswith("  - training.precision: bf16 is not supported by targets[0] local")
     assert lines[2].startswith("  - variants[1]: 'b4-a1' on targets[0] local: attention flex has no backward pass")
     # and a manifest this machine can run still validates
