@@ -213,6 +213,9 @@ def test_a_measurement_under_competition_is_never_a_clear_winner() -> None:
     rec = analysis.recommendation
     assert rec.verdict == "provisional" and not rec.clear_winner
     assert "1 of 3 repetitions measured under competition" in _said(rec) and "quiet machine" in _said(rec)
+    # the answer comes first, and no margin is quoted against the contended measurement
+    assert rec.summary.startswith("Pick local / fast (provisional): ") and "Next: " in rec.summary
+    assert rec.margin_fraction is None and "faster than the runner-up" not in rec.summary
     row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
     assert "measured under competition" in row["note"]
 
