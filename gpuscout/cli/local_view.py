@@ -130,10 +130,16 @@ def price_lines(jobs: list[JobSpec]) -> list[str]:
 
 
 def _mfu_text(row: Mapping[str, Any]) -> str:
+    """MFU, or why there is none: a CPU, a job that measured nothing, a GPU without a dense peak at the job's
+    precision, or a GPU no SKU file describes."""
     if row.get("mfu") is not None:
         return f"{row['mfu'] * 100:.1f} %"
     if not row.get("gpus"):
         return "n/a (CPU)"
+    if str(row.get("status") or "").lower() != "completed":
+        return "–"
+    if row.get("gpu_sku"):
+        return f"n/a ({row['gpu_sku']}: no dense peak at this precision)"
     return "n/a (unknown GPU)"
 
 

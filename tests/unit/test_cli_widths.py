@@ -113,3 +113,16 @@ def test_the_closing_next_line_offers_only_what_the_run_has(tmp_path: Path) -> N
         )
         (line,) = [line for line in out.getvalue().splitlines() if line.startswith("next:")]
         assert line == f"next: gpuscout results {RUN_ID}   {expected}"  # a failed run has no report to offer
+
+
+def test_mfu_says_why_it_is_missing() -> None:
+    from gpuscout.cli.local_view import _mfu_text
+
+    assert _mfu_text({"mfu": 0.4213, "gpus": 8}) == "42.1 %"
+    assert _mfu_text({"mfu": None, "gpus": 0, "status": "completed"}) == "n/a (CPU)"
+    # a failed A10G job measured nothing: not "unknown GPU" (its GPU is known)
+    assert _mfu_text({"mfu": None, "gpus": 1, "status": "FAILED", "gpu_sku": None}) == "–"
+    assert _mfu_text({"mfu": None, "gpus": 1, "status": "completed", "gpu_sku": "A10G-24GB"}).startswith(
+        "n/a (A10G-24GB: no dense peak"
+    )
+    assert _mfu_text({"mfu": None, "gpus": 1, "status": "completed", "gpu_sku": None}) == "n/a (unknown GPU)"
