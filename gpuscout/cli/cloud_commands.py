@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuscout.cli.console_style import fit_piped_width, status_markup
+from gpuscout.errors import GpuscoutError, RunNotFoundError
 from gpuscout.store.base import JobRecord, RunRecord
 
 # The same values as gpuscout.cloud.client's (tests check); repeated so that importing this module stays light.
@@ -181,7 +182,14 @@ def status(
     """Show a cloud run's state and every job's status from the stack's results table."""
     from gpuscout.cloud.client import CloudStack
 
-    run, jobs = CloudStack(stack_name).status(run_id)
+    try:
+        run, jobs = CloudStack(stack_name).status(run_id)
+    except RunNotFoundError as err:
+        raise GpuscoutError(
+            f"no run {run_id!r} in stack {stack_name}'s table yet: a run's row is written by its Validate step, "
+            "within about a minute of `gpuscout submit`; try again shortly. If it never appears, the execution "
+            f"link submit printed says why (or `gpuscout runs --stack-name {stack_name}` lists the runs)"
+        ) from err
     if fmt is StatusFormat.JSON:
         sys.stdout.write(json.dumps(status_payload(run, jobs), indent=2, default=str) + "\n")
         return

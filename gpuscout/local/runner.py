@@ -229,8 +229,9 @@ def _run_planned(
                     nonlocal current, trials
                     current, trials = spec, trials + 1
                     max_steps = job_max_steps(spec)
-                    observer.job_started(trials if the_plan.search else specs.index(spec) + 1, total, spec,
-                                         max_steps)  # fmt: skip
+                    # a re-measurement joins specs as it starts: "job 4/4", never "job 4/3"
+                    observer.job_started(trials if the_plan.search else specs.index(spec) + 1,
+                                         total if the_plan.search else len(specs), spec, max_steps)  # fmt: skip
                     store.put_job(job_record(spec, JobStatus.TRAINING))
                     job_dir = run_dir / "jobs" / spec.job_name
                     progress = partial(observer.job_progress, spec, max_steps=max_steps)

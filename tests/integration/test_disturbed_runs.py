@@ -72,12 +72,19 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     store = SqliteStore(tmp_path / "results.db")
     messages: list[str] = []
 
+    started: list[tuple[int, int]] = []
+
     class Observer(SilentObserver):
         def message(self, text, *, warning=False):
             messages.append(str(text))
 
+        def job_started(self, index, total, spec, max_steps):
+            started.append((index, total))
+
     run = run_local(_manifest(tmp_path), store=store, runs_dir=tmp_path / "runs", observer=Observer())
     assert run.status is RunStatus.SUCCEEDED
+    # the live lines count the re-measurements in: job 4/4 and 5/5, never 4/3
+    assert started == [(1, 3), (2, 3), (3, 3), (4, 4), (5, 5)]
     jobs = {j.variant_name + ("-m2" if j.job_name.endswith("-m2") else ""): j for j in store.list_jobs(run.run_id)}
     assert set(jobs) == {"steady", "once", "once-m2", "always", "always-m2"}
     assert all(j.status is JobStatus.COMPLETED for j in jobs.values())
