@@ -5,7 +5,8 @@ results table and the recommendation line. The runner (gpuscout.local.runner) re
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -210,14 +211,20 @@ def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
     return f"[bold]Recommendation:[/] {escape(summary)}{notes}"
 
 
-class RichRunObserver:
-    """Draws a local run on a rich console: plan table, one progress bar per job, ranked results."""
+PLAIN_PROGRESS_EVERY_S = 30.0  # outside a terminal (output to a file or a pipe): one progress line this often
 
-    def __init__(self, console: Console | None = None) -> None:
+
+class RichRunObserver:
+    """Draws a local run on a rich console: plan table, one progress bar per job, ranked results. Outside a terminal,
+    where a bar is drawn only when it ends, each job says where it is in a plain line every PLAIN_PROGRESS_EVERY_S."""
+
+    def __init__(self, console: Console | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.console = console or Console()
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
         self._labels: dict[str, str] = {}
+        self._clock = clock
+        self._last_line: dict[str, float] = {}
 
     def planned(self, the_plan: Any) -> None:
         print_plan(self.console, the_plan)
@@ -247,12 +254,21 @@ class RichRunObserver:
         self._labels[spec.job_name] = label
         if self._progress is not None:
             self._tasks[spec.job_name] = self._progress.add_task(label, total=max_steps)
+        if not self.console.is_terminal:
+            self._last_line[spec.job_name] = self._clock()
+            self.console.print(f"{escape(label)} started ({escape(spec.job_name)})", soft_wrap=True)
 
     def job_progress(self, spec: JobSpec, progress: JobProgress, max_steps: int | None) -> None:
         task = self._tasks.get(spec.job_name)
+        label = self._labels.get(spec.job_name, spec.job_name)
+        if not self.console.is_terminal:
+            now = self._clock()
+            if now - self._last_line.get(spec.job_name, now) >= PLAIN_PROGRESS_EVERY_S:
+                self._last_line[spec.job_name] = now
+                console = self._progress.console if self._progress is not None else self.console
+                console.print(f"{escape(label)}  {escape(progress.describe(max_steps))}", soft_wrap=True)
         if self._progress is None or task is None:
             return
-        label = self._labels.get(spec.job_name, spec.job_name)
         self._progress.update(
             task, completed=progress.step or 0, description=f"{label}  {progress.describe(max_steps)}"
         )

@@ -126,3 +126,29 @@ def test_mfu_says_why_it_is_missing() -> None:
         "n/a (A10G-24GB: no dense peak"
     )
     assert _mfu_text({"mfu": None, "gpus": 1, "status": "completed", "gpu_sku": None}) == "n/a (unknown GPU)"
+
+
+def test_outside_a_terminal_a_running_job_says_where_it_is_every_30_seconds() -> None:
+    import io
+
+    from rich.console import Console
+
+    from gpuscout.cli import local_view
+    from gpuscout.cli.local_view import RichRunObserver
+    from gpuscout.domain.jobspec import JobSpec
+    from gpuscout.local.job_process import JobProgress
+
+    now = [0.0]
+    out = io.StringIO()  # a file, not a terminal: a progress bar would show only when it ends
+    observer = RichRunObserver(Console(file=out, width=120), clock=lambda: now[0])
+    spec = JobSpec.model_construct(job_name="gs-t0v1", variant_name="b4")
+    with observer.jobs_running():
+        observer.job_started(1, 3, spec, 100)
+        for second in range(0, 95, 5):  # a metric line every 5 s for 95 s
+            now[0] = float(second)
+            observer.job_progress(spec, JobProgress(step=second, tokens_per_s=1234.0), 100)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("job 1/3 b4")]
+    assert lines[0] == "job 1/3 b4 started (gs-t0v1)"
+    progress = [line for line in lines[1:] if "step" in line and "━" not in line]  # not the bar drawn at the end
+    assert len(progress) == 3 and local_view.PLAIN_PROGRESS_EVERY_S == 30.0  # at 30, 60 and 90 s
+    assert "step 30" in progress[0] and "step 90" in progress[2]
