@@ -105,3 +105,24 @@ def test_one_run_per_runs_folder_names_the_holder(tmp_path: Path) -> None:
     # And once the holder is gone (even killed), the folder is free again
     with RunsFolderLock(tmp_path, run_id="run-c", host="box"):
         pass
+
+
+def test_a_busy_runs_folder_refuses_before_the_plan_is_shown(tmp_path: Path) -> None:
+    from gpuscout.local.observer import SilentObserver
+    from gpuscout.local.runner import run_local
+    from gpuscout.paths import MANIFESTS_DIR
+    from gpuscout.store.sqlite import SqliteStore
+
+    shown: list[str] = []
+
+    class Observer(SilentObserver):
+        def planned(self, the_plan):  # type: ignore[no-untyped-def]
+            shown.append(the_plan.run_id)
+
+    runs = tmp_path / "runs"
+    store = SqliteStore(tmp_path / "g.db")
+    # Given the runs folder held (flock: a second open file, even in this process, is another holder)
+    with RunsFolderLock(runs, run_id="run-a", host="box"), pytest.raises(RunsFolderBusyError):
+        run_local(MANIFESTS_DIR / "quickstart.yaml", store=store, runs_dir=runs, observer=Observer())
+    # Then no plan (with a run id that would never exist) was printed, and no run was recorded
+    assert shown == [] and store.list_runs() == []
