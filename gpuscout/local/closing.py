@@ -146,6 +146,10 @@ def local_job_logs(run_dir: Path) -> dict[str, list[Path]]:
     return logs
 
 
+QUIT_UNANALYSED = "quit before its analysis"  # a STOPPED run's error when Ctrl-C twice ended it unanalysed
+QUIT_ANALYSED_LATER = "quit (Ctrl-C twice); analysed afterwards"
+
+
 def close_abandoned_run(
     run: RunRecord, store: ResultStore, *, observer: RunObserver | None = None, catalog: Catalog | None = None
 ) -> RunRecord:
@@ -172,6 +176,8 @@ def close_abandoned_run(
             analysis = analyze_and_report(
                 run, store, manifest, catalog, report_dir=run_dir / "report", observer=observer
             )
+        if analysis is not None and (run.error or "").startswith(QUIT_UNANALYSED):  # not unanalysed any more
+            store.update_run(run.run_id, error=f"{QUIT_ANALYSED_LATER} (`gpuscout analyze`)")
         final = store.get_run(run.run_id)
     else:
         where = f"pid {run.pid} on {run.host}" if run.pid is not None else "its process"

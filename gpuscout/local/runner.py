@@ -42,7 +42,13 @@ from gpuscout.errors import (
     Problem,
     is_disk_full,
 )
-from gpuscout.local.closing import FINISHED_TRIAL_STATUSES, close_run, is_abandoned, stop_unfinished_jobs
+from gpuscout.local.closing import (
+    FINISHED_TRIAL_STATUSES,
+    QUIT_UNANALYSED,
+    close_run,
+    is_abandoned,
+    stop_unfinished_jobs,
+)
 from gpuscout.local.data_cache import check_prepared_data, prepare_data
 from gpuscout.local.job_process import JobFolders, JobOutcome, JobProgress, job_max_steps, job_record, run_job
 from gpuscout.local.lock import RunsFolderLock
@@ -345,7 +351,7 @@ def _quit_unanalysed(store: ResultStore, run_id: str, observer: RunObserver) -> 
     that its analysis was not made and which command makes it."""
     stop_unfinished_jobs(store, run_id, "run interrupted (Ctrl-C)")
     how = f"`gpuscout analyze {run_id}` analyses what was measured and writes the report"
-    store.update_run(run_id, status=RunStatus.STOPPED, error=f"quit before its analysis (Ctrl-C twice); {how}")
+    store.update_run(run_id, status=RunStatus.STOPPED, error=f"{QUIT_UNANALYSED} (Ctrl-C twice); {how}")
     observer.message(f"quit: run {run_id} STOPPED before its analysis; {how}", warning=True)
 
 

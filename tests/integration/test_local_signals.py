@@ -246,6 +246,16 @@ def test_ctrl_c_twice_during_the_final_analysis_quits_and_says_how_to_finish(
                         "was measured and writes the report"  # fmt: skip
     assert f"quit: run {run.run_id} STOPPED before its analysis" in out
     assert {j.status for j in store.list_jobs(run.run_id)} == {JobStatus.COMPLETED}  # what was measured is kept
+    # and once `gpuscout analyze` made the analysis, the run no longer says it has none
+    from gpuscout.local.closing import close_abandoned_run
+
+    monkeypatch.undo()  # the analysis as it really runs
+    closed = close_abandoned_run(run, store)
+    assert (
+        closed.status is RunStatus.STOPPED
+        and closed.error == "quit (Ctrl-C twice); analysed afterwards (`gpuscout analyze`)"
+    )
+    assert store.get_result(run.run_id) is not None
 
 
 def test_a_deferred_signal_is_told_once_and_only_a_second_ctrl_c_forces() -> None:
