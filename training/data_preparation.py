@@ -210,6 +210,16 @@ def cut_long_documents(documents: Sequence[str], max_characters: int) -> tuple[l
     return out, cut
 
 
+DROPPED_WORDS = {"empty": "empty", "too_short": "shorter than dataset.min_characters", "duplicate": "duplicates",
+                 "invalid": "invalid"}  # fmt: skip
+
+
+def _dropped_text(dropped: Mapping[str, int], read: int) -> str:
+    """What cleaning dropped, in words: "read 0 documents" or "read 12: 10 empty, 2 duplicates"."""
+    parts = [f"{dropped[key]:,} {words}" for key, words in DROPPED_WORDS.items() if dropped.get(key)]
+    return f"read {read:,} document{'' if read == 1 else 's'}" + (": " + ", ".join(parts) if parts else "")
+
+
 def _empty_hint(config: PrepareConfig, dropped: Mapping[str, int], firsts: Mapping[str, str]) -> str:
     biggest = max(dropped.values())
     if dropped["too_short"] and dropped["too_short"] >= biggest:
@@ -533,7 +543,8 @@ def prepare(config: PrepareConfig) -> DatasetSummary:
     read += dropped["invalid"]
     if not documents:
         raise DataPreparationError(
-            f"{config.input}: no documents left after cleaning ({dict(dropped)}){_empty_hint(config, dropped, firsts)}"
+            f"{config.input}: no documents left after cleaning ({_dropped_text(dropped, read)})"
+            f"{_empty_hint(config, dropped, firsts)}"
         )
     log(config, f"read {read} documents, kept {len(documents)}, dropped {dict(dropped)}")
     for line in invalid_lines(dropped, firsts, text_field=config.text_field):

@@ -140,3 +140,18 @@ def test_a_validation_split_larger_than_training_is_flagged() -> None:
                "validation_fraction": 0.05}  # fmt: skip
     [problem] = dataset_problems(summary)
     assert problem.severity == "warn" and "validation split holds more tokens (600)" in problem.message
+
+
+def test_an_empty_or_all_short_corpus_says_so_in_words(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataPreparationError) as err:
+        dp.prepare(_config(empty, tmp_path / "e"))
+    assert f"{empty}: no documents left after cleaning (read 0 documents)" in str(err.value)
+    assert "{" not in str(err.value)  # not a Python dict of counters
+    short = tmp_path / "short.txt"
+    short.write_text("ab\n\ncd\n\nab\n")
+    with pytest.raises(DataPreparationError) as err:
+        dp.prepare(_config(short, tmp_path / "s", min_characters=20))
+    assert "(read 3 documents: 3 shorter than dataset.min_characters)" in str(err.value)
+    assert "lower it" in str(err.value)
