@@ -163,6 +163,12 @@ class SqliteStore:
                 with conn:
                     yield conn
         except sqlite3.Error as err:
+            if "no such table" in str(err):  # the file was deleted or replaced after it was opened
+                raise StoreError(
+                    f"result database {self.path}: its tables are gone ({err}); was the file deleted or replaced "
+                    "while gpuscout used it? A running run's files in its runs folder are kept; `gpuscout runs` "
+                    "lists what this database holds"
+                ) from err
             raise StoreError(f"result database {self.path}: {err}") from err
 
     # Runs

@@ -168,3 +168,17 @@ def test_on_media_where_even_a_read_only_open_fails_the_file_is_read_immutable(
     monkeypatch.setattr(sqlite_module.sqlite3, "connect", no_shm_beside_it)
     store = SqliteStore(path, create=False)
     assert store._read_only_uri().endswith("&immutable=1") and store.get_run("kept").run_id == "kept"
+
+
+def test_a_database_deleted_while_in_use_says_so(tmp_path: Path) -> None:
+    from gpuscout.errors import StoreError
+
+    db = tmp_path / "g.db"
+    store = SqliteStore(db)
+    assert store.list_runs() == []
+    # Given the file deleted while the store is in use (what `rm ~/.gpuscout/gpuscout.db` mid-run does)
+    for path in tmp_path.glob("g.db*"):
+        path.unlink()
+    # Then the next read says what happened, not "no such table: runs"
+    with pytest.raises(StoreError, match=r"its tables are gone .*deleted or replaced while gpuscout used it"):
+        store.list_runs()
