@@ -108,7 +108,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # click's plain help: no "<bool>" beside flags, arguments in capitals
 )
 
 

@@ -26,7 +26,7 @@ DbOption = Annotated[
         dir_okay=False,
     ),
 ]
-ManifestArg = Annotated[Path, typer.Argument(help="Manifest file (YAML or JSON).", dir_okay=False)]
+ManifestArg = Annotated[Path, typer.Argument(help="Manifest file (YAML or JSON).", dir_okay=False, metavar="FILE")]
 CloudStackOption = Annotated[
     str | None,
     typer.Option(

@@ -481,8 +481,13 @@ def test_python_dash_m_gpuscout_works() -> None:
         [sys.executable, "-m", "gpuscout", "--help"], capture_output=True, text=True, check=False, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    for command in ("validate", "plan", "local", "runs", "results", "report", "catalog"):
+    for command in ("validate", "plan", "local", "runs", "results", "report", "catalog", "compare", "delete"):
         assert command in proc.stdout
+    # flags are shown as flags (not "--debug <bool>"), a manifest argument as FILE
+    assert "<bool>" not in proc.stdout and "--debug    Show full tracebacks" in proc.stdout
+    usage = subprocess.run([sys.executable, "-m", "gpuscout", "validate", "--help"], capture_output=True, text=True,
+                           check=False, timeout=60).stdout  # fmt: skip
+    assert "FILE" in usage and "{file}" not in usage and "<bool>" not in usage
 
 
 def test_a_runs_dir_the_file_system_refuses_is_a_clear_error_and_no_database_is_made(tmp_path: Path) -> None:
