@@ -148,16 +148,17 @@ def run_local(
         host=this_host(),
         pid=os.getpid(),
     )
+    try:
+        the_plan.check_budget()
+    except BudgetExceededError as err:  # refused: the plan says what costs; the runs folder is not touched
+        observer.planned(the_plan)
+        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err), "run_dir": None}))
+        raise
     # the runs folder is taken before the plan is shown: a busy folder refuses before printing a run id that will
     # never exist
     lock = nullcontext() if allow_concurrent else RunsFolderLock(runs_dir, run_id=run_id, host=this_host())
     with lock:
         observer.planned(the_plan)
-        try:
-            the_plan.check_budget()
-        except BudgetExceededError as err:
-            store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err), "run_dir": None}))
-            raise
         return _run_planned(
             run, manifest, the_plan, manifest_path, store=store, observer=observer, catalog=catalog,
             data_cache_dir=data_cache_dir or runs_dir / ".cache" / "data", canary=canary,
