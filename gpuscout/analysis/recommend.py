@@ -365,9 +365,8 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: boo
             firm = "set repetitions: 2 or more (they run interleaved)"
         else:
             firm = "let the steady-state rule settle"
-        return Judgement(
-            "provisional", "; ".join(reasons), f"to make it firm, {firm} and compare again", tuple(reasons)
-        )
+        notes = tuple(_capitalized(r) for r in reasons)
+        return Judgement("provisional", "; ".join(reasons), f"to make it firm, {firm} and compare again", notes)
     return Judgement("clear", "between-repetition intervals do not overlap")
 
 
