@@ -10,8 +10,8 @@ export MPLBACKEND := Agg
 
 .PHONY: demo test check lint format types synth install clean gpu-check gpu-wheels gpu-memory-probe warm-bytecode lock lock-image
 
-## --no-compile: pip would compile all ~20,000 files it installs to bytecode, one at a time (45 of the install's 70 s on
-## a 2-core Xeon, 2026-11-25; compileall on both cores still took 29 s). Python compiles a module the first time it is
+## --no-compile: pip would compile all ~20,000 files it installs to bytecode, one at a time (most of the install's
+## time). Python compiles a module the first time it is
 ## imported and keeps it in __pycache__, so only what runs is compiled, once. That needs bytecode writing on: these
 ## machines' environment sets PYTHONDONTWRITEBYTECODE=1, so make passes it to no recipe (unexport above).
 ## Everything the install runs is pinned: pip; constraints.txt (make lock) holds every package the requirements
@@ -30,9 +30,9 @@ $(VENV)/.stamp-install: requirements.txt requirements-dev.txt constraints.txt bu
 	touch $@
 
 ## The heavy stacks' modules compiled once, at install, one process per core. Left to the first imports, processes
-## that start together (the two test workers, torchrun's ranks, a search's trials) each compiled the same modules:
-## fresh-clone tests took 406 s with cold bytecode and 384 s with this step, which took 10-14 s (2-core Xeon, the
-## suite's kernels, 2026-11-26; docs/testing.md). The modules are imported, not compiled wholesale: only what runs is compiled.
+## that start together (the two test workers, torchrun's ranks, a search's trials) each compiled the same modules,
+## which cost more than this step's seconds. The modules are imported, not compiled wholesale: only what runs is
+## compiled.
 ## aws_cdk stays out: importing it starts Node.js (jsii), which `make demo` does not need. MLflow's telemetry is off
 ## here (it would write an install id). tests/unit/test_suite_environment.py checks that each name here exists.
 WARM_TRAINING := torch._dynamo transformers.models.qwen2.modeling_qwen2 transformers.trainer deepspeed
@@ -98,8 +98,7 @@ demo: $(VENV)/.stamp-install
 test: export ONEDNN_MAX_CPU_ISA := AVX2
 test: export ATEN_CPU_CAPABILITY := avx2
 ## Two workers on two cores: one OpenMP thread per training process (the jobs gpuscout local starts would take two
-## each, and their threads' spin-waits cost CPU under contention: test_local_e2e took 56 s against 46 s beside a busy
-## core, measured on a 2-core AMD EPYC).
+## each, and their threads' spin-waits cost CPU when both cores are busy).
 test: export OMP_NUM_THREADS := 1
 ## --max-worker-restart=0: a worker ended by the per-test timeout fails the run naming its test (xdist 3.8 re-runs a
 ## crashed worker's file on a replacement under --dist loadfile and then hangs). --no-loadscope-reorder keeps the

@@ -1,5 +1,5 @@
 """The scheduled budget check (lambdas/budget_guard) against moto: a run whose one long job has not ended is stopped
-once its projected spend crosses the budget (issue 54 item 2, the hard budget cap).
+once its projected spend crosses the budget.
 
 moto's SageMaker has no StopTrainingJob: a botocore Stubber on the handlers' SageMaker client takes the stop and
 fails the test on any call it was not told to expect."""

@@ -1,4 +1,4 @@
-"""Data read as the user wrote it (issue: honest off the happy path): JSON Lines split on "\n" only and decoded with
+"""Data read as the user wrote it: JSON Lines split on "\n" only and decoded with
 an optional byte-order mark, dataset.format honoured, invalid lines named by kind and place, and one huge document
 cut into pieces before the train/validation split, with warnings where the data is lopsided."""
 

@@ -1,4 +1,4 @@
-"""The hard budget cap (issue 54 item 2): a run's spend projected to a fixed clock, and the scheduled check that stops
+"""The hard budget cap: a run's spend projected to a fixed clock, and the scheduled check that stops
 a running run whose projection crossed its budget. Runs against every ResultStore (SQLite, DynamoDB via moto).
 
 Before the scheduled check, the guard counted only the billed seconds of finished jobs: a run whose one job trains on

@@ -1,4 +1,4 @@
-"""Terminal output that holds at any width (issue: honest off the happy path, item 3): `runs` and `results` rendered
+"""Terminal output that holds at any width: `runs` and `results` rendered
 at 60, 80 and 120 columns keep every status, id and number whole; notes wrap below the table."""
 
 from __future__ import annotations

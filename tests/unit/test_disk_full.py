@@ -1,4 +1,4 @@
-"""A full disk (issue: honest off the happy path, item 8): wherever it strikes (the run folder, data preparation, a
+"""A full disk: wherever it strikes (the run folder, data preparation, a
 job's files, its log), the user reads one line naming the disk's folder and the space left, nothing half-written is
 left behind, and what was measured before is kept and analysed. /dev/full stands for a full disk: every write to it
 fails with ENOSPC, as on a disk with no space left."""

@@ -1,5 +1,5 @@
 """Job events delivered at least once and in any order: the row always ends at the true latest state and never
-moves backwards (issue 6). Runs against every ResultStore (SQLite, DynamoDB via moto)."""
+moves backwards. Runs against every ResultStore (SQLite, DynamoDB via moto)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The training image runs the library versions the tests run, can prepare every bundled corpus, and builds
-without a registry login (issue: production parity; cloud first deploy)."""
+without a registry login."""
 
 from __future__ import annotations
 

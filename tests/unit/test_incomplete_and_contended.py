@@ -1,5 +1,5 @@
 """Verdicts that tell the truth off the happy path: a run that did not finish everything, a variant compared with
-nothing, and measurements taken on a busy machine (issue: honest off the happy path, items 1 and 2)."""
+nothing, and measurements taken on a busy machine."""
 
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ SINGLE_CHANGES = {
 
 
 def test_the_memory_refusal_says_what_would_fit_and_it_does():
-    # the HF Trainer baseline of the issue: Qwen2.5-1.5B, micro-batch 4 x 4,096 tokens, plain loss, no checkpointing
+    # an HF Trainer baseline: Qwen2.5-1.5B, micro-batch 4 x 4,096 tokens, plain loss, no checkpointing
     big = {"name": "b4", "per_device_batch_size": 4, "gradient_accumulation_steps": 4}
 
     def planned(**change):

@@ -1,4 +1,4 @@
-"""Bounded jobs (issue: honest off the happy path, item 5): a user's script that goes on after gpuscout's helper
+"""Bounded jobs: a user's script that goes on after gpuscout's helper
 answered "stop" is ended within the grace period, with the reason, and what it measured up to the stop stands; the
 helper says when it answered; the log replay counts only the steps before the stop."""
 

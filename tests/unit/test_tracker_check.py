@@ -1,4 +1,4 @@
-"""Trackers checked once before a local run's first job (issue: honest off the happy path, item 6): a server that
+"""Trackers checked once before a local run's first job: a server that
 accepts and never answers costs seconds once, not minutes per job; tracking to it is off for the run, or the run is
 refused when the manifest says so."""
 
