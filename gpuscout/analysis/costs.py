@@ -247,23 +247,6 @@ def _thinned(n: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.linspace(0, n - 1, MAX_FIT_POINTS).round().astype(int))
 
 
-def fit_power_laws(tails: Sequence[Any]) -> list[PowerLaw | None]:
-    """Fit L = a + b x^-c to each list/array of (tokens, s, loss) rows; None where the best c is on the grid's edge."""
-    if not tails:
-        return []
-    x = np.zeros((len(tails), MAX_FIT_POINTS))
-    y = np.zeros((len(tails), MAX_FIT_POINTS))
-    w = np.zeros((len(tails), MAX_FIT_POINTS))
-    for i, tail in enumerate(tails):
-        points = np.asarray(tail, dtype=float).reshape(-1, 3)
-        if points.shape[0] > MAX_FIT_POINTS:  # thin evenly
-            points = points[list(_thinned(points.shape[0]))]
-        n = points.shape[0]
-        x[i, :n], y[i, :n], w[i, :n] = points[:, 0], points[:, 2], 1.0
-        x[i, n:] = points[:, 0].max()  # padding: log(x / scale) = 0, weight 0
-    return _fit_power_law_rows(x, y, w, x.max(axis=1))
-
-
 def _fit_power_law_rows(x: Any, y: Any, w: Any, scales: Any) -> list[PowerLaw | None]:
     """Power-law fits of (G, MAX_FIT_POINTS) arrays of tokens, loss and weight (0 = padding), _FIT_CHUNK rows at once.
 

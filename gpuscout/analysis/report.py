@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuscout.analysis.recommend import duration_text, usd_text
-from gpuscout.analysis.report_charts import MAX_BARS, write_charts
+from gpuscout.analysis.report_charts import write_charts
 from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.analysis.settings_table import settings_table
 from gpuscout.domain.catalog import LOCAL
@@ -62,11 +62,6 @@ def _loss_target(job: JobAnalysis) -> str:
     if job.target_loss_hours is None:
         return f"{job.target_loss_method or 'not projected'}"
     return f"{_hours_usd(job.target_loss_hours, job.target_loss_usd)} ({job.target_loss_method})"
-
-
-def _shown(analysis: RunAnalysis) -> tuple[list[JobAnalysis], int]:
-    jobs = analysis.jobs[:MAX_BARS]
-    return jobs, len(analysis.jobs) - len(jobs)
 
 
 def _memory(allocated: float | None, reserved: float | None) -> str:
