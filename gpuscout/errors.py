@@ -58,6 +58,17 @@ class PlanError(GpuscoutError):
     exit_code = 3
 
 
+class JobsRefusedError(PlanError):
+    """The planner refused one or more jobs; ``refusals`` holds each one's line (where, variant, why)."""
+
+    def __init__(self, refusals: list[str]) -> None:
+        self.refusals = refusals
+        if len(refusals) == 1:
+            super().__init__(refusals[0])
+        else:
+            super().__init__(f"{len(refusals)} jobs cannot be planned:\n" + "\n".join(f"  - {r}" for r in refusals))
+
+
 class BudgetExceededError(PlanError):
     """The predicted cost of a plan exceeds the manifest's budget."""
 

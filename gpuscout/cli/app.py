@@ -202,14 +202,15 @@ def _planner_refusals(manifest: Any, catalog: Any) -> list[str]:
     `gpuscout plan` checks those."""
     if manifest.job is not None or manifest.search is not None:
         return []
-    from gpuscout.errors import PlanError
+    from gpuscout.errors import JobsRefusedError, PlanError
     from gpuscout.plan.planner import plan
 
     try:
         plan(manifest, catalog, run_id="validate")
-    except PlanError as err:
-        lines = str(err).splitlines()
-        return [line.removeprefix("  - ") for line in lines[1:]] if len(lines) > 1 else lines
+    except JobsRefusedError as err:
+        return err.refusals
+    except PlanError as err:  # one refusal the planner does not collect (a price it cannot find)
+        return [str(err)]
     return []
 
 

@@ -36,7 +36,7 @@ from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant, fewest_max_steps, timed_steps_problem
 from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
-from gpuscout.errors import PlanError, Problem
+from gpuscout.errors import JobsRefusedError, PlanError, Problem
 from gpuscout.plan import memory, search
 from gpuscout.plan.device_fit import device_refusal
 from gpuscout.plan.job_section import Calibration, plan_job_section
@@ -497,10 +497,8 @@ def plan(
                     method=method,
                 ),
             )  # fmt: skip
-    if len(refusals) == 1:
-        raise PlanError(refusals[0])
     if refusals:
-        raise PlanError(f"{len(refusals)} jobs cannot be planned:\n" + "\n".join(f"  - {r}" for r in refusals))
+        raise JobsRefusedError(refusals)
     names = [j.job_name for j in jobs]
     if len(set(names)) != len(names):  # unique by construction (t/v/r indices in the head); guards the contract
         raise PlanError("job names are not unique")
