@@ -174,9 +174,8 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
         instance_count=best.instance_count,
         variant_name=best.variant_name,
     )
-    measured = f"measured lowest on the mean: {best.label}: {facts}, {other}"
-    if objective not in COST_OBJECTIVES:
-        measured = measured.replace("lowest", "fastest", 1)
+    lead = "lowest" if objective in COST_OBJECTIVES else "fastest"
+    measured = f"measured {lead} on the mean: {best.label}: {facts}, {other}"
     if len(ranked) == 1 and best.disturbed:
         return Recommendation(
             **base,
@@ -279,19 +278,20 @@ def _disturbed_advice(jobs: Sequence[JobAnalysis]) -> str:
 
 
 def _separate_advice(best: JobAnalysis, runner: JobAnalysis, *, search: bool) -> str:
-    """What would separate two overlapping measurements: a quiet machine when either was contended (repetitions on a
-    busy machine only widen the intervals), else more repetitions, which a search's candidates get as plain variants."""
+    """What would separate two overlapping measurements, as the summary's "Next:" clause: a quiet machine when either
+    was contended (repetitions on a busy machine only widen the intervals), else more repetitions, which a search's
+    candidates get as plain variants."""
     if best.contention_note or runner.contention_note:
         return (
-            "They were measured while other processes competed for the machine: a quiet machine, not more "
-            "repetitions, would separate them."
+            "they were measured while other processes competed for the machine: a quiet machine, not more "
+            "repetitions, would separate them"
         )
     if search:
         return (
-            f"Re-running {best.variant_name} and {runner.variant_name} as plain variants with repetitions: 2 would "
-            "separate them (a search runs each candidate once)."
+            f"re-running {best.variant_name} and {runner.variant_name} as plain variants with repetitions: 2 would "
+            "separate them (a search runs each candidate once)"
         )
-    return "More repetitions would separate them."
+    return "more repetitions would separate them"
 
 
 def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: bool = False) -> Judgement:
@@ -333,11 +333,10 @@ def judge(best: JobAnalysis, runner: JobAnalysis, objective: str, *, search: boo
         )
     assert mine is not None and theirs is not None
     if mine[0] <= theirs[1] and theirs[0] <= mine[1]:
-        advice = _separate_advice(best, runner, search=search)
         return Judgement(
             "no_clear_winner",
             f"the 95 % confidence intervals of {best.label} and {runner.label} overlap",
-            advice[:1].lower() + advice[1:].rstrip("."),
+            _separate_advice(best, runner, search=search),
         )
     within = [j for j in (best, runner) if j.ci_kind != "between_repetitions"]
     unsettled = [j for j in (best, runner) if j.tolerance_reached is False]
