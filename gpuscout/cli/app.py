@@ -25,7 +25,7 @@ from typer.exceptions import TyperException
 from gpuscout import __version__
 from gpuscout.cli.catalog_commands import register as register_catalog_command
 from gpuscout.cli.cloud_commands import register as register_cloud_commands
-from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table, status_markup
+from gpuscout.cli.console_style import Column, fit_piped_width, number_cell, responsive_table, status_markup
 from gpuscout.cli.options import (
     CloudStackOption,
     DbOption,
@@ -297,10 +297,6 @@ def plan(
             console.print(f"[yellow]quotas not checked[/]: see the quota lines above ({stack.outputs.region})")
 
 
-def _num(value: float | int | None, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 # local
 
 
@@ -422,7 +418,7 @@ def runs(
             status_markup(row["status"]),
             row["created_at"][:19].replace("T", " "),
             str(row["jobs"]),
-            _num(row["predicted_cost_usd"], "{:.4f}"),
+            number_cell(row["predicted_cost_usd"], "{:.4f}"),
             escape(row["note"]),
         ]
         for row in rows

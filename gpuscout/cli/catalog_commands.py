@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpuscout.cli.console_style import Column, fit_piped_width, responsive_table
+from gpuscout.cli.console_style import Column, fit_piped_width, number_cell, responsive_table
 from gpuscout.domain.prices import REFRESH_COMMAND, STALE_AFTER_DAYS, CatalogPrice
 from gpuscout.errors import PricingError
 
@@ -79,13 +79,13 @@ def catalog_cmd(
             inst.instance_type,
             str(inst.gpu_count),
             escape(sku.model) if sku else "-",
-            _num(inst.gpu_memory_gb, "{:.0f}"),
-            _num(peak, "{:.0f}") if sku else "-",
-            _num(inst.vcpus, "{}"),
-            _num(inst.memory_gib, "{:.0f}"),
+            number_cell(inst.gpu_memory_gb, "{:.0f}"),
+            number_cell(peak, "{:.0f}") if sku else "-",
+            number_cell(inst.vcpus, "{}"),
+            number_cell(inst.memory_gib, "{:.0f}"),
             links or "-",
             _sold_as(inst),
-            _num(price.usd_per_hour, "{:.3f}") if price else "-",
+            number_cell(price.usd_per_hour, "{:.3f}") if price else "-",
             _price_label(price, inst.is_local),
         ])  # fmt: skip
     responsive_table(console, "Instance catalog", columns, cells, key=0)
@@ -185,10 +185,6 @@ def _refresh_prices(catalog: Any, region: str) -> Any:
     for instance_type, why in snapshot.unpriced.items():
         console.print(f"  [yellow]{instance_type}[/]: {escape(why)}", soft_wrap=True)
     return load_catalog()
-
-
-def _num(value: float | int | None, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
 
 
 def register(app: typer.Typer) -> None:

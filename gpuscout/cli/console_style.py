@@ -30,6 +30,11 @@ STATUS_COLOURS = {
 }
 
 
+def number_cell(value: float | None, fmt: str) -> str:
+    """A table cell for a number that may be missing: ``fmt`` applied, or "-"."""
+    return "-" if value is None else fmt.format(value)
+
+
 def status_markup(status: str) -> str:
     """A run or job status in its colour (rich markup)."""
     colour = STATUS_COLOURS.get(status)

@@ -16,16 +16,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from gpuscout.analysis.recommend import seconds_text
-from gpuscout.cli.console_style import Column, responsive_table
+from gpuscout.cli.console_style import Column, number_cell, responsive_table
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.prices import REFRESH_COMMAND
 from gpuscout.local.job_process import JobOutcome, JobProgress
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
 
 
 def _fmt_duration(seconds: float | None) -> str:
@@ -64,7 +60,7 @@ def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None
                 f"{p.rate:,.0f}",
                 _fmt_duration(p.training_seconds + p.overhead_seconds),
                 f"{p.cost_usd:,.4f}",
-                _num(spec.predicted_usd_per_million, "{:,.4f}"),
+                number_cell(spec.predicted_usd_per_million, "{:,.4f}"),
             ]
         )
     total_s = the_plan.predicted_sequential_seconds
