@@ -299,6 +299,7 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         parts += [f"> **{note}**", ""]
     if analysis.description:
         parts += [_md_text(analysis.description), ""]
+    notes = recommendation_notes(analysis)
     parts += [
         f"Run `{analysis.run_id}` · {' · '.join(_constraints_text(analysis))} · "
         f"benchmark billed {_usd(analysis.total_billed_usd)} · generated {analysis.generated_at:%Y-%m-%d %H:%M UTC}",
@@ -307,8 +308,8 @@ def render_markdown(analysis: RunAnalysis, charts: Sequence[tuple[str, Path]], *
         "",
         _md_text(analysis.recommendation.summary),
         "",
-        *[f"- {_md_text(n)}" for n in recommendation_notes(analysis)],
-        *([""] if recommendation_notes(analysis) else []),
+        *[f"- {_md_text(n)}" for n in notes],
+        *([""] if notes else []),
         *[f"> **{_md_text(banner)}**\n" for banner in banners(analysis)],
         "## Ranked results",
         "",
