@@ -304,9 +304,13 @@ def _resolve_job(manifest: Manifest, path: Path) -> Manifest:
 TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")  # what data preparation reads from a folder (format auto)
 
 
-def _unreadable_inside(root: Path, fmt: str) -> list[Path]:
-    """The files data preparation would read under ``root`` (training/data_sources.py's choice: not hidden, a known
-    suffix unless ``dataset.format`` is set) that this user cannot read, and the folders it cannot list."""
+def _source_files(root: Path, fmt: str) -> tuple[list[Path], list[Path]]:
+    """The files data preparation would read (training/data_sources.py ``_files``: ``root`` itself, or under it
+    those not hidden with a known suffix, any suffix with ``dataset.format`` set), sorted; and, of those, the files
+    this user cannot read with the folders it cannot list. One walk of the folder serves both."""
+    if root.is_file():
+        return [root], []
+    wanted: list[Path] = []
     bad: list[Path] = []
     for folder, subfolders, files in os.walk(root, onerror=lambda err: bad.append(Path(err.filename))):
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
@@ -316,7 +320,9 @@ def _unreadable_inside(root: Path, fmt: str) -> list[Path]:
                 continue
             if not os.access(file, os.R_OK):
                 bad.append(file)
-    return sorted(bad)
+            elif file.is_file():
+                wanted.append(file)
+    return sorted(wanted), sorted(bad)
 
 
 def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
@@ -337,13 +343,13 @@ def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
         )
     if resolved.is_file() and not os.access(resolved, os.R_OK):
         raise ManifestError(str(path), [Problem("dataset.source", f"{resolved}: not readable")])
-    if resolved.is_dir() and (unreadable := _unreadable_inside(resolved, manifest.dataset.format)):
+    files, unreadable = _source_files(resolved, manifest.dataset.format)
+    if unreadable:
         more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
         names = ", ".join(str(p.relative_to(resolved)) for p in unreadable[:3])
         raise ManifestError(
             str(path), [Problem("dataset.source", f"{resolved}: not readable inside it: {names}{more}")]
         )
-    files = _source_files(resolved, manifest.dataset.format)
     problems = source_content_problems(
         files, fmt=manifest.dataset.format, text_field=manifest.dataset.text_field, suffixes=TEXT_SUFFIXES
     )
@@ -351,17 +357,3 @@ def _resolve_local_source(manifest: Manifest, path: Path) -> Manifest:
         raise ManifestError(str(path), [Problem("dataset.source", f"{resolved}: {p}") for p in problems])
     dataset = manifest.dataset.model_copy(update={"source": str(resolved)})
     return manifest.model_copy(update={"dataset": dataset})
-
-
-def _source_files(root: Path, fmt: str) -> list[Path]:
-    """The files data preparation reads (training/data_sources.py ``_files``): ``root`` itself, or under it those
-    not hidden with a known suffix (any suffix with dataset.format set), sorted."""
-    if root.is_file():
-        return [root]
-    return sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-        and (fmt != "auto" or p.suffix in TEXT_SUFFIXES)
-    )
