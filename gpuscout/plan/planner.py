@@ -358,13 +358,16 @@ def _memory_refusal(
     device: str,
     capacity: float | None,
 ) -> str | None:
-    """Why a variant does not fit one GPU (or this host) by the memory model, with what would fit; None if it fits."""
+    """Why a variant does not fit one GPU (or this host) by the memory model, with what would fit; None if it fits
+    (or when the capacity is unknown)."""
+    if capacity is None:
+        return None
     estimate = memory_estimate(
         arch, seq=seq, batch=batch, precision=precision, stage=variant.deepspeed_stage, world=world,
         variant=variant, device=device, accumulation=accum,
     )  # fmt: skip
-    need, usable = estimate.total_gb, None if capacity is None else MEMORY_USABLE_FRACTION * capacity
-    if capacity is None or usable is None or need <= usable:
+    need, usable = estimate.total_gb, MEMORY_USABLE_FRACTION * capacity
+    if need <= usable:
         return None
     fixes = what_fits(arch, seq=seq, batch=batch, precision=precision, world=world, variant=variant,
                       device=device, limit_gb=usable, accumulation=accum)  # fmt: skip
