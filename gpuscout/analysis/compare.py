@@ -153,12 +153,13 @@ def _price_notes(jobs: Sequence[ComparedJob]) -> list[str]:
     ]
 
 
-def _versus(best: ComparedJob, other: ComparedJob) -> str:
-    best_ci, other_ci = best.job.effective_usd_per_million_units_ci95, other.job.effective_usd_per_million_units_ci95
+def _versus(best: JobAnalysis, other: JobAnalysis) -> str:
+    best_ci, other_ci = best.effective_usd_per_million_units_ci95, other.effective_usd_per_million_units_ci95
     if best_ci is None or other_ci is None or other_ci[0] <= best_ci[1]:
         return "within noise (95 % intervals overlap)"
-    assert best.usd_per_million is not None and other.usd_per_million is not None  # ranked jobs are priced
-    return f"+{(other.usd_per_million / best.usd_per_million - 1) * 100:.1f} %"
+    best_usd, other_usd = best.effective_usd_per_million_units, other.effective_usd_per_million_units
+    assert best_usd is not None and other_usd is not None  # ranked jobs are priced
+    return f"+{(other_usd / best_usd - 1) * 100:.1f} %"
 
 
 def compare_runs(runs: Sequence[tuple[RunRecord, ResultRecord | None]]) -> Comparison:
@@ -180,13 +181,10 @@ def compare_runs(runs: Sequence[tuple[RunRecord, ResultRecord | None]]) -> Compa
         else:
             unranked.append(_compared(run, job, rank=None, why=reason, versus=None))
     ranked.sort(key=lambda pair: pair[1].effective_usd_per_million_units or 0.0)
-    compared = [_compared(run, job, rank=i + 1, why=None, versus=None) for i, (run, job) in enumerate(ranked)]
-    if compared:
-        best = compared[0]
-        compared = [best] + [
-            _compared(c_run, c.job, rank=c.rank, why=None, versus=_versus(best, c))
-            for c, (c_run, _) in zip(compared[1:], ranked[1:], strict=True)
-        ]
+    compared = [
+        _compared(run, job, rank=i + 1, why=None, versus=_versus(ranked[0][1], job) if i else None)
+        for i, (run, job) in enumerate(ranked)
+    ]
     jobs = compared + unranked
     notes = _machine_notes(runs) + _price_notes(jobs)
     if not compared:
