@@ -118,18 +118,18 @@ def delete_cmd(
             f"{', '.join(live)} still running (its process is alive); stop it first (Ctrl-C in its terminal), then "
             "delete it"
         )
+    folders = {run.run_id: None if keep_files else _run_folder(run) for run in runs}
     for run in runs:
-        folder = _run_folder(run)
-        where = f" and {folder}" if folder is not None and not keep_files else ""
+        folder = folders[run.run_id]
+        where = f" and {folder}" if folder is not None else ""
         console.print(f"delete {escape(run.run_id)} ({escape(run.name)}, {run.status.value}){escape(where)}")
     if not yes:
         if not sys.stdin.isatty():
             raise GpuscoutError("not a terminal, so nothing to confirm with: pass --yes to delete")
         typer.confirm(f"Delete {len(runs)} run(s)?", abort=True)
     for run in runs:
-        folder = _run_folder(run)
         store.delete_run(run.run_id)  # the rows first: a folder left behind is harmless, a row without it is not
-        if folder is not None and not keep_files:
+        if (folder := folders[run.run_id]) is not None:
             shutil.rmtree(folder)
     console.print(f"[green]deleted[/] {len(runs)} run(s)")
 
