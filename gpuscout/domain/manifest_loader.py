@@ -175,7 +175,8 @@ def _parse_document(text: str, source: str) -> Any:
         raise ManifestError(source, [Problem("", f"invalid YAML: {err}")]) from err
 
 
-def _format_loc(loc: tuple[int | str, ...]) -> str:
+def format_loc(loc: tuple[int | str, ...] | list[int | str]) -> str:
+    """A field's location as a problem path: ``targets[1].instance_type``."""
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -206,7 +207,7 @@ def _problems_from(err: ValidationError) -> list[Problem]:
         loc = tuple(e["loc"])
         ctx_err = (e.get("ctx") or {}).get("error")
         if isinstance(ctx_err, ManifestProblemsError):
-            prefix = _format_loc(loc)
+            prefix = format_loc(loc)
             for p in ctx_err.problems:
                 sep = "" if not prefix or not p.path or p.path.startswith("[") else "."
                 problems.append(Problem(f"{prefix}{sep}{p.path}", p.message))
@@ -220,7 +221,7 @@ def _problems_from(err: ValidationError) -> list[Problem]:
             msg = "must be 1-40 lowercase letters, digits and inner hyphens (e.g. 'qwen7b-p5')"
         elif e["type"] == "missing":
             msg = "required field is missing"
-        problems.append(Problem(_format_loc(loc), msg))
+        problems.append(Problem(format_loc(loc), msg))
     return problems
 
 

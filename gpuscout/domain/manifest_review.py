@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuscout.domain.catalog import Catalog
 from gpuscout.domain.manifest import Manifest
-from gpuscout.domain.manifest_loader import validate_manifest_data
+from gpuscout.domain.manifest_loader import format_loc, validate_manifest_data
 from gpuscout.errors import ManifestError, Problem
 
 MAX_ROUNDS = 8
@@ -54,13 +54,6 @@ def _parts(path: str) -> list[str | int]:
     return [name if name else int(index) for name, index in _PART.findall(path)]
 
 
-def _path(parts: list[str | int]) -> str:
-    out = ""
-    for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out
-
-
 @dataclass
 class _Working:
     data: dict[str, Any]
@@ -85,7 +78,7 @@ class _Working:
             indices = self.origin[str(parts[0])]
             if parts[1] < len(indices):
                 parts[1] = indices[parts[1]]
-        return _path(parts)
+        return format_loc(parts)
 
     def set_aside(self, problems: list[Problem]) -> bool:
         """Remove what each problem (paths as in ``data``) is about; False when nothing could be (a root problem, or
