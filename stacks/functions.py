@@ -67,6 +67,10 @@ FUNCTION_SPECS = (
         "Expand a manifest into priced SageMaker job requests; refuse over budget",
         timeout_minutes=2,
     ),
+    FunctionSpec(
+        "run_role",
+        "Create a run's own SageMaker role before its first job (its output and checkpoints only); delete it after",
+    ),
     FunctionSpec("record_job_failure", "Classify a failed job (capacity, quota, failure) into its JOB row"),
     FunctionSpec(
         "record_job_result",

@@ -24,6 +24,8 @@ from gpuscout.domain.names import (
     RAW_PREFIX,
     REJECTED_PREFIX,
     REPORTS_PREFIX,
+    RUN_ROLE_NAME_PREFIX,
+    RUN_ROLE_PATH_PREFIX,
     SEARCH_PREFIX,
 )
 from gpuscout.plan.jobs import MAX_RUNTIME_S
@@ -47,6 +49,7 @@ SEARCH_READERS = (*JOB_RECORDERS, "record_job_failure")
 WORKFLOW_FUNCTIONS = (
     "validate_manifest",
     "plan_jobs",
+    "run_role",
     "record_job_failure",
     "record_job_result",
     "mark_run_failed",
@@ -98,8 +101,10 @@ class GpuscoutStack(Stack):
             "TABLE_NAME": self.results.table.table_name,
             "DATA_BUCKET": self.storage.data.bucket_name,
             "ARTIFACTS_BUCKET": self.storage.artifacts.bucket_name,
-            "SAGEMAKER_ROLE_ARN": self.roles.sagemaker.role_arn,
             "PROCESSING_ROLE_ARN": self.roles.processing.role_arn,
+            "RUN_ROLE_PATH": self.roles.run_role_path,
+            "RUN_ROLE_BOUNDARY_ARN": self.roles.run_role_boundary.managed_policy_arn,
+            "JOB_RUNTIME_POLICY_ARN": self.roles.job_runtime_policy.managed_policy_arn,
             "TRAINING_IMAGE_URI": self.image.image_uri,
             "PROCESSING_INSTANCE_TYPE": config.processing_instance_type,
             "CANARY_INSTANCE_TYPE": config.canary_instance_type or "",
@@ -129,7 +134,6 @@ class GpuscoutStack(Stack):
             table=self.results.table,
             plan_bucket=self.storage.artifacts,
             role=self.roles.state_machine,
-            job_role_arn=self.roles.sagemaker.role_arn,
             processing_role_arn=self.roles.processing.role_arn,
             map_max_concurrency=config.map_max_concurrency,
             quota_wait_hours=config.quota_wait_hours,
@@ -331,6 +335,13 @@ class GpuscoutStack(Stack):
         lambdas["analyze_run"].add_to_policy(
             iam.PolicyStatement(sid="PriceList", actions=["pricing:GetProducts"], resources=["*"])
         )
+        # Each run's own role for its SageMaker jobs (gpuscout.cloud.run_roles): run_role creates it (with the
+        # boundary, the runtime policy attached) and deletes it after the analysis; mark_run_failed deletes it when the
+        # run ends any other way.
+        for statement in self.roles.run_role_statements(create=True):
+            lambdas["run_role"].add_to_policy(statement)
+        for statement in self.roles.run_role_statements(create=False):
+            lambdas["mark_run_failed"].add_to_policy(statement)
         # The run summary: analyze_run for an analysed run, mark_run_failed for a run that failed before it.
         for name in RUN_SUMMARY_PUBLISHERS:
             self.notifications.topic.grant_publish(lambdas[name])
@@ -367,61 +378,7 @@ class GpuscoutStack(Stack):
                 "same pins; move runtime and layer together (stacks/functions.py PYTHON_VERSION).",
             )
 
-        sagemaker_policy, processing_policy = self.roles.sagemaker_policy, self.roles.processing_policy
-        for prefix in (RAW_PREFIX, PROCESSED_PREFIX):
-            acknowledge(
-                sagemaker_policy,
-                f"AwsSolutions-IAM5[Resource::{data_ref}/{prefix}*]",
-                f"Training jobs read dataset, model and code objects under {prefix} of the data bucket (read only); "
-                "object keys are content hashes known only at run time, so the grant is scoped to the prefix.",
-            )
-        for prefix, what in ((OUTPUT_PREFIX, "upload their output archive"), (CHECKPOINTS_PREFIX, "sync checkpoints")):
-            acknowledge(
-                sagemaker_policy,
-                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{prefix}*]",
-                f"Training jobs {what} under {prefix}<run_id>/<job_name>/, named at run time; the role can write "
-                "nothing else in the artifacts bucket (not the workflow's plans/ or search/ requests).",
-            )
-        acknowledge(
-            processing_policy,
-            f"AwsSolutions-IAM5[Resource::{data_ref}/{RAW_PREFIX}*]",
-            f"Data preparation reads the user's sources under {RAW_PREFIX} (read only), named in the manifest.",
-        )
-        acknowledge(
-            processing_policy,
-            f"AwsSolutions-IAM5[Resource::{data_ref}/{PROCESSED_PREFIX}*]",
-            f"Data preparation writes the prepared-data cache under {PROCESSED_PREFIX}<cache key>/, a hash computed at "
-            "run time; only this role writes it (training jobs read it).",
-        )
-        if self.config.mlflow_tracking_servers:
-            acknowledge(
-                sagemaker_policy,
-                "AwsSolutions-IAM5[Action::sagemaker-mlflow:*]",
-                "The MLflow client calls many sagemaker-mlflow actions (runs, metrics, params, artifacts' presigned "
-                "URLs); AWS documents sagemaker-mlflow:* for a job that logs to a tracking server, limited here to the "
-                "tracking servers named in context mlflow_tracking_servers.",
-            )
-        for policy, group in ((sagemaker_policy, "TrainingJobs"), (processing_policy, "ProcessingJobs")):
-            acknowledge(
-                policy,
-                f"AwsSolutions-IAM5[Resource::{account_arn.format(service='logs')}:log-group:/aws/sagemaker/{group}:*]",
-                f"SageMaker writes job logs to the fixed log group /aws/sagemaker/{group} with one stream per job "
-                "host, named at run time; the grant is limited to that group.",
-            )
-            acknowledge(
-                policy,
-                "AwsSolutions-IAM5[Resource::*]",
-                "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
-                "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
-                "cloudwatch:namespace condition to SageMaker's job namespaces."
-                + (
-                    " With the vpc setting, SageMaker's EC2 network-interface calls (Create/Delete/Describe "
-                    "NetworkInterfaces, DescribeVpcs/Subnets/SecurityGroups/DhcpOptions) act on interfaces it creates "
-                    "at run time, so they cannot be scoped to known ARNs."
-                    if self.config.vpc is not None
-                    else ""
-                ),
-            )
+        self._acknowledge_job_policies(data_ref, artifacts_ref, account_arn)
 
         lambdas = self.roles.lambdas
         for name, role in lambdas.items():
@@ -522,6 +479,28 @@ class GpuscoutStack(Stack):
                 "GenerateDataKey* family), on the topic key only.",
             )
 
+        run_roles = (
+            "Resource::arn:<AWS::Partition>:iam::<AWS::AccountId>:"
+            f"role{RUN_ROLE_PATH_PREFIX}<AWS::StackName>/{RUN_ROLE_NAME_PREFIX}*"
+        )
+        acknowledge(
+            lambdas["run_role"],
+            f"AwsSolutions-IAM5[{run_roles}]",
+            "Creates and deletes each run's own role for its SageMaker jobs, named from the run id at run time, "
+            "under this stack's path only; CreateRole only with the stack's permissions boundary, AttachRolePolicy "
+            "only of the job runtime policy.",
+        )
+        acknowledge(
+            lambdas["mark_run_failed"],
+            f"AwsSolutions-IAM5[{run_roles}]",
+            "Deletes the own role of a run that ended failed, timed out or aborted (named from the run id at run "
+            "time, under this stack's path only): DeleteRolePolicy, DetachRolePolicy and DeleteRole only.",
+        )
+        acknowledge(
+            self.roles.state_machine,
+            f"AwsSolutions-IAM5[{run_roles}]",
+            "Passes each run's own role, created at run time, to SageMaker only (iam:PassedToService).",
+        )
         state_machine_role = self.roles.state_machine
         acknowledge(
             state_machine_role,
@@ -580,6 +559,73 @@ class GpuscoutStack(Stack):
                 state_machine_role,
                 f"AwsSolutions-IAM5[Resource::<{self.get_logical_id(_cfn(function))}.Arn>:*]",
                 f"Invoke permission on versions and aliases of {name} only (CDK's LambdaInvoke grant).",
+            )
+
+    def _acknowledge_job_policies(self, data_ref: str, artifacts_ref: str, account_arn: str) -> None:
+        """The SageMaker jobs' policies: each run role's runtime policy and boundary, data preparation's."""
+        runtime_policy, boundary = self.roles.job_runtime_policy, self.roles.run_role_boundary
+        processing_policy = self.roles.processing_policy
+        for managed in (runtime_policy, boundary):
+            for prefix in (RAW_PREFIX, PROCESSED_PREFIX):
+                acknowledge(
+                    managed,
+                    f"AwsSolutions-IAM5[Resource::{data_ref}/{prefix}*]",
+                    f"Training jobs read dataset, model and code objects under {prefix} of the data bucket (read "
+                    "only); object keys are content hashes known only at run time, so the grant is scoped to the "
+                    "prefix.",
+                )
+        for prefix, what in ((OUTPUT_PREFIX, "upload their output archive"), (CHECKPOINTS_PREFIX, "sync checkpoints")):
+            acknowledge(
+                boundary,
+                f"AwsSolutions-IAM5[Resource::{artifacts_ref}/{prefix}*]",
+                f"The boundary of every run's role: training jobs {what} under {prefix}<run_id>/<job_name>/, named at "
+                "run time. Each run role's own inline policy narrows this to its run's prefix; nothing else in the "
+                "artifacts bucket (not the workflow's plans/ or search/ requests) is within the boundary.",
+            )
+        acknowledge(
+            processing_policy,
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{RAW_PREFIX}*]",
+            f"Data preparation reads the user's sources under {RAW_PREFIX} (read only), named in the manifest.",
+        )
+        acknowledge(
+            processing_policy,
+            f"AwsSolutions-IAM5[Resource::{data_ref}/{PROCESSED_PREFIX}*]",
+            f"Data preparation writes the prepared-data cache under {PROCESSED_PREFIX}<cache key>/, a hash computed at "
+            "run time; only this role writes it (training jobs read it).",
+        )
+        for managed in (runtime_policy, boundary) if self.config.mlflow_tracking_servers else ():
+            acknowledge(
+                managed,
+                "AwsSolutions-IAM5[Action::sagemaker-mlflow:*]",
+                "The MLflow client calls many sagemaker-mlflow actions (runs, metrics, params, artifacts' presigned "
+                "URLs); AWS documents sagemaker-mlflow:* for a job that logs to a tracking server, limited here to the "
+                "tracking servers named in context mlflow_tracking_servers.",
+            )
+        job_policies = (
+            (runtime_policy, "TrainingJobs"),
+            (boundary, "TrainingJobs"),
+            (processing_policy, "ProcessingJobs"),
+        )
+        for policy, group in job_policies:
+            acknowledge(
+                policy,
+                f"AwsSolutions-IAM5[Resource::{account_arn.format(service='logs')}:log-group:/aws/sagemaker/{group}:*]",
+                f"SageMaker writes job logs to the fixed log group /aws/sagemaker/{group} with one stream per job "
+                "host, named at run time; the grant is limited to that group.",
+            )
+            acknowledge(
+                policy,
+                "AwsSolutions-IAM5[Resource::*]",
+                "ecr:GetAuthorizationToken has no resource-level permissions (image pulls themselves are limited to "
+                "the training image repository); cloudwatch:PutMetricData has none either and is restricted by a "
+                "cloudwatch:namespace condition to SageMaker's job namespaces."
+                + (
+                    " With the vpc setting, SageMaker's EC2 network-interface calls (Create/Delete/Describe "
+                    "NetworkInterfaces, DescribeVpcs/Subnets/SecurityGroups/DhcpOptions) act on interfaces it creates "
+                    "at run time, so they cannot be scoped to known ARNs."
+                    if self.config.vpc is not None
+                    else ""
+                ),
             )
 
 

@@ -1,5 +1,5 @@
-"""IAM roles: the SageMaker training jobs' role (untrusted code), the data-preparation job's role, one role per
-Lambda function and the state machine's role.
+"""IAM roles: what each run's own role for its SageMaker training jobs (untrusted code) is made of, the
+data-preparation job's role, one role per Lambda function and the state machine's role.
 
 Each role gets only what its principal calls, scoped to this stack's resources and to job names starting with
 ``gs-`` (gpuscout.domain.names.JOB_NAME_PREFIX). Data-plane grants to the Lambda roles (table, bucket prefixes) are
@@ -18,7 +18,15 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from gpuscout.domain.names import CHECKPOINTS_PREFIX, JOB_NAME_PREFIX, OUTPUT_PREFIX, PROCESSED_PREFIX, RAW_PREFIX
+from gpuscout.domain.names import (
+    CHECKPOINTS_PREFIX,
+    JOB_NAME_PREFIX,
+    OUTPUT_PREFIX,
+    PROCESSED_PREFIX,
+    RAW_PREFIX,
+    RUN_ROLE_NAME_PREFIX,
+    RUN_ROLE_PATH_PREFIX,
+)
 
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
@@ -52,8 +60,8 @@ TRAINING_PLAN_ARNS = (sagemaker_arn("training-plan", "*"), sagemaker_arn("reserv
 
 
 class Roles(Construct):
-    """`sagemaker` (training jobs), `processing` (data preparation), `lambdas[name]` (one per function),
-    `state_machine`."""
+    """`job_runtime_policy` and `run_role_boundary` (each run's role for its jobs, created at run time under
+    `run_role_path`), `processing` (data preparation), `lambdas[name]` (one per function), `state_machine`."""
 
     def __init__(
         self,
@@ -70,7 +78,12 @@ class Roles(Construct):
         mlflow_tracking_servers: Sequence[str] = (),
     ) -> None:
         super().__init__(scope, construct_id)
-        self.sagemaker = self._sagemaker_role(
+        # each run's own role for its SageMaker jobs (gpuscout.cloud.run_roles): created per run under this path
+        self.run_role_path = f"{RUN_ROLE_PATH_PREFIX}{Aws.STACK_NAME}/"
+        self.run_roles_arn = (
+            f"arn:{Aws.PARTITION}:iam::{Aws.ACCOUNT_ID}:role{self.run_role_path}{RUN_ROLE_NAME_PREFIX}*"
+        )
+        self._run_role_policies(
             data_bucket, artifacts_bucket, image_repository, use_vpc=use_vpc, mlflow_servers=mlflow_tracking_servers
         )
         self.processing = self._processing_role(data_bucket, image_repository, use_vpc=use_vpc)
@@ -160,7 +173,7 @@ class Roles(Construct):
             )
         return statements
 
-    def _sagemaker_role(
+    def _run_role_policies(
         self,
         data: s3.IBucket,
         artifacts: s3.IBucket,
@@ -168,31 +181,21 @@ class Roles(Construct):
         *,
         use_vpc: bool,
         mlflow_servers: Sequence[str],
-    ) -> iam.Role:
-        """The training jobs' role (canaries, jobs, search trials): the untrusted code of a run. It reads the data
-        bucket's sources and prepared data and writes only job output and checkpoints: not the prepared-data cache
-        (the processing role's), not plans/ or search/ (the workflow's launch requests), not reports."""
-        role = self._job_role("SageMakerExecution", "gpuscout SageMaker training jobs (untrusted code)")
-        job_prefixes = (OUTPUT_PREFIX, CHECKPOINTS_PREFIX)
-        statements = [
+    ) -> None:
+        """What each run's own role (gpuscout.cloud.run_roles, created by the run_role function) is made of: the job
+        runtime managed policy every run role has attached (the image, logs, metrics, reading sources and prepared
+        data, VPC interfaces, MLflow), and the permissions boundary every run role must carry, which caps it at that
+        plus job output and checkpoints of any run. The role's inline policy, written per run, narrows the latter to
+        the run's own ``output/<run_id>/`` and ``checkpoints/<run_id>/``. The runs' jobs are the untrusted code: none
+        of this writes the prepared-data cache (the processing role's), plans/ or search/ (the workflow's launch
+        requests), or reports."""
+        runtime = [
             iam.PolicyStatement(
                 sid="ReadDatasets",
                 actions=["s3:GetObject"],
                 resources=[data.arn_for_objects(f"{RAW_PREFIX}*"), data.arn_for_objects(f"{PROCESSED_PREFIX}*")],
             ),
             self._list_datasets(data),
-            # Job output and checkpoints (SageMaker uploads the first, syncs the second both ways): only there.
-            iam.PolicyStatement(
-                sid="JobArtifacts",
-                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
-                resources=[artifacts.arn_for_objects(f"{prefix}*") for prefix in job_prefixes],
-            ),
-            iam.PolicyStatement(
-                sid="ListJobArtifacts",
-                actions=["s3:ListBucket"],
-                resources=[artifacts.bucket_arn],
-                conditions={"StringLike": {"s3:prefix": [f"{prefix}*" for prefix in job_prefixes]}},
-            ),
             *self._job_runtime_statements(repository, log_group=SAGEMAKER_LOG_GROUPS[0], use_vpc=use_vpc),
         ]
         if mlflow_servers:
@@ -200,15 +203,76 @@ class Roles(Construct):
             # a manifest's tracking.mlflow.tracking_uri may name only these (the validation refuses others), and a
             # job's code can reach no other. Artifacts go through the server's presigned URLs
             # (SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED), so no grant on its artifact bucket.
-            statements.append(
+            runtime.append(
                 iam.PolicyStatement(
                     sid="ExperimentTracking",
                     actions=["sagemaker-mlflow:*"],
                     resources=[sagemaker_arn("mlflow-tracking-server", name) for name in mlflow_servers],
                 )
             )
-        self.sagemaker_policy = iam.Policy(self, "SageMakerExecutionPolicy", roles=[role], statements=statements)
-        return role
+        job_prefixes = (OUTPUT_PREFIX, CHECKPOINTS_PREFIX)
+        any_run_artifacts = [
+            # Job output and checkpoints (SageMaker uploads the first, syncs the second both ways): only there, and
+            # per run only under the run's own prefixes (the run role's inline policy).
+            iam.PolicyStatement(
+                sid="RunArtifacts",
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                resources=[artifacts.arn_for_objects(f"{prefix}*") for prefix in job_prefixes],
+            ),
+            iam.PolicyStatement(
+                sid="ListRunArtifacts",
+                actions=["s3:ListBucket"],
+                resources=[artifacts.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{prefix}*" for prefix in job_prefixes]}},
+            ),
+        ]
+        self.job_runtime_policy = iam.ManagedPolicy(
+            self,
+            "JobRuntimePolicy",
+            description="gpuscout: what every run's SageMaker jobs need besides their run's own artifacts",
+            statements=runtime,
+        )
+        self.run_role_boundary = iam.ManagedPolicy(
+            self,
+            "RunRoleBoundary",
+            description="gpuscout: the permissions boundary of every run's role (the most a run role may be granted)",
+            statements=[*(iam.PolicyStatement.from_json(st.to_json()) for st in runtime), *any_run_artifacts],
+        )
+
+    def run_role_statements(self, *, create: bool) -> list[iam.PolicyStatement]:
+        """IAM calls on this stack's run roles (path /gpuscout/<stack name>/, names gs-run-*): deleting them (the
+        run_role function and mark_run_failed), and with ``create`` creating them (the run_role function), only
+        with the boundary and attaching only the job runtime policy. Neither a boundary's removal nor a trust
+        policy's update is granted."""
+        statements = [
+            iam.PolicyStatement(
+                sid="DeleteRunRoles",
+                actions=["iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole"],
+                resources=[self.run_roles_arn],
+            )
+        ]
+        if create:
+            statements += [
+                iam.PolicyStatement(
+                    sid="CreateRunRolesWithTheBoundary",
+                    actions=["iam:CreateRole"],
+                    resources=[self.run_roles_arn],
+                    conditions={"StringEquals": {"iam:PermissionsBoundary": self.run_role_boundary.managed_policy_arn}},
+                ),
+                iam.PolicyStatement(
+                    sid="WriteRunRoles",
+                    # TagRole: CreateRole's Tags; GetRole: a retried create checks the role it finds
+                    actions=["iam:PutRolePolicy", "iam:TagRole", "iam:GetRole"],
+                    resources=[self.run_roles_arn],
+                ),
+                iam.PolicyStatement(
+                    sid="AttachTheJobRuntimePolicyOnly",
+                    actions=["iam:AttachRolePolicy"],
+                    resources=[self.run_roles_arn],
+                    conditions={"ArnEquals": {"iam:PolicyARN": self.job_runtime_policy.managed_policy_arn}},
+                ),
+            ]
+        return statements
 
     def _processing_role(self, data: s3.IBucket, repository: ecr.IRepository, *, use_vpc: bool) -> iam.Role:
         """The data-preparation job's role (gpuscout's own script, no user code): reads raw sources, writes the
@@ -248,7 +312,7 @@ class Roles(Construct):
             iam.PolicyStatement(
                 sid="PassSageMakerRoleToSageMakerOnly",
                 actions=["iam:PassRole"],
-                resources=[self.sagemaker.role_arn, self.processing.role_arn],
+                resources=[self.run_roles_arn, self.processing.role_arn],
                 conditions={"StringEquals": {"iam:PassedToService": SAGEMAKER_SERVICE}},
             )
         )

@@ -1,5 +1,5 @@
-"""The benchmark state machine: Validate -> Plan -> [Prepare data] -> Map(canary) -> Map(train) -> Map(tune) ->
-Analyze.
+"""The benchmark state machine: Validate -> Plan -> Create run role -> [Prepare data] -> Map(canary) -> Map(train) ->
+Map(tune) -> Analyze -> Delete run role.
 
 SageMaker jobs run through Step Functions' optimized `.sync` integrations, so no Lambda ever polls. The SageMaker
 states are raw ASL (CustomState) that copy each top-level field of the request plan_jobs built (docs/internals.md,
@@ -29,7 +29,8 @@ from gpuscout.domain.names import PLANS_PREFIX
 from stacks.config import QUOTA_RETRY_MINUTES, VpcSettings
 
 # The fields of plan_jobs' requests the SageMaker tasks copy. RoleArn is not among them: each task names its role
-# itself (the training jobs' or data preparation's), so a request, even a forged one, cannot choose another role.
+# itself (the run's own role, which the "Create run role" step returned, or data preparation's literal role), so a
+# request, even a forged one, cannot choose another role.
 TRAINING_REQUEST_FIELDS = (
     "TrainingJobName",
     "AlgorithmSpecification",
@@ -147,8 +148,13 @@ def _copy_fields(fields: tuple[str, ...], prefix: str) -> dict[str, str]:
     return {f"{field}.$": f"{prefix}.{field}" for field in fields}
 
 
-def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24, *, role_arn: str) -> dict[str, Any]:
-    parameters: dict[str, Any] = {**_copy_fields(TRAINING_REQUEST_FIELDS, "$.request"), "RoleArn": role_arn}
+# Where a Map iteration holds its run's own role (gpuscout.cloud.run_roles): the Map's ItemSelector copies it from
+# the "Create run role" step's output, never from the item (a plan request).
+RUN_ROLE_PATH = "$.role_arn"
+
+
+def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
+    parameters: dict[str, Any] = {**_copy_fields(TRAINING_REQUEST_FIELDS, "$.request"), "RoleArn.$": RUN_ROLE_PATH}
     if vpc is not None:
         parameters["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
     return {
@@ -164,12 +170,12 @@ def training_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24, *, 
     }
 
 
-def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24, *, role_arn: str) -> dict[str, Any]:
+def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24) -> dict[str, Any]:
     """One search target's tuning job; waits for it to end (.sync). The training job definition is copied field by
     field (like a training job's request) so the stack's VPC can be added to it."""
     definition: dict[str, Any] = {
         **_copy_fields(TUNING_DEFINITION_FIELDS, "$.request.TrainingJobDefinition"),
-        "RoleArn": role_arn,
+        "RoleArn.$": RUN_ROLE_PATH,
     }
     if vpc is not None:
         definition["VpcConfig"] = {"Subnets": list(vpc.subnet_ids), "SecurityGroupIds": list(vpc.security_group_ids)}
@@ -185,10 +191,10 @@ def tuning_state_json(vpc: VpcSettings | None, quota_wait_hours: int = 24, *, ro
     }
 
 
-def canary_state_json(vpc: VpcSettings | None, *, role_arn: str) -> dict[str, Any]:
+def canary_state_json(vpc: VpcSettings | None) -> dict[str, Any]:
     """One canary: the training task with the canary's request; an hour of quota retries (the canary instance is
     cheap and usually has quota); any failure marks the run FAILED with the canary's cause and fails the Map."""
-    state = training_state_json(vpc, quota_wait_hours=1, role_arn=role_arn)
+    state = training_state_json(vpc, quota_wait_hours=1)
     state["Comment"] = "A 2-step, 2-layer run of one configuration on the canary instance (.sync)"
     state["ResultPath"] = "$.job"
     # A Distributed Map gathers every child's output even when its ResultPath drops them (States.DataLimitExceeded
@@ -271,7 +277,6 @@ class BenchmarkWorkflow(Construct):
         table: dynamodb.ITable,
         plan_bucket: s3.IBucket,
         role: iam.IRole,
-        job_role_arn: str,
         processing_role_arn: str,
         map_max_concurrency: int,
         quota_wait_hours: int,
@@ -321,9 +326,7 @@ class BenchmarkWorkflow(Construct):
         )
         prepare.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
-        train = sfn.CustomState(
-            self, "Train", state_json=training_state_json(vpc, quota_wait_hours, role_arn=job_role_arn)
-        )
+        train = sfn.CustomState(self, "Train", state_json=training_state_json(vpc, quota_wait_hours))
         record_failure = self._record_failure_step(
             "Record job failure",
             function=functions["record_job_failure"],
@@ -397,7 +400,7 @@ class BenchmarkWorkflow(Construct):
         jobs.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         searches = self._search_map(
             functions=functions, table=table, vpc=vpc, map_max_concurrency=map_max_concurrency,
-            quota_wait_hours=quota_wait_hours, plan_bucket=plan_bucket, job_role_arn=job_role_arn,
+            quota_wait_hours=quota_wait_hours, plan_bucket=plan_bucket,
         )  # fmt: skip
         searches.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
 
@@ -412,7 +415,7 @@ class BenchmarkWorkflow(Construct):
         # model on the canary instance (plan_jobs builds the requests; gpuscout.plan.canary). A failure marks the run
         # FAILED with the canary's own cause (a Distributed Map reports only that a child failed) and fails the Map,
         # whose Catch then leaves the run as it is (mark_run_failed changes no final run).
-        canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc, role_arn=job_role_arn))
+        canary = sfn.CustomState(self, "Canary", state_json=canary_state_json(vpc))
         canary_failed = self._mark_failed_step(
             "Mark run failed (canary)",
             function=functions["mark_run_failed"],
@@ -429,7 +432,15 @@ class BenchmarkWorkflow(Construct):
         canaries.item_processor(canary)
         canaries.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
         done = sfn.Succeed(self, "Done")
-        analyze.next(done)
+        # The run has ended: its jobs' own role goes (mark_run_failed deletes it on every other ending). A role
+        # left behind (this step failed after its retries) grants no more than its boundary; the run stays analysed.
+        delete_role = self._run_role_step(
+            "Delete run role", function=functions["run_role"], action="delete", result_path=sfn.JsonPath.DISCARD,
+            comment="The run's own SageMaker role is deleted now that its jobs have ended",
+        )  # fmt: skip
+        left = sfn.Pass(self, "Run role left", comment="The role could not be deleted; the run stays analysed")
+        delete_role.add_catch(left.next(done), errors=["States.ALL"], result_path="$.role_error")
+        analyze.next(delete_role.next(done))
         after_jobs = self._when_any("tunings", searches, analyze)
         after_canaries = self._when_any("jobs", jobs, after_jobs)
         start_fan_out = self._when_any("canaries", canaries, after_canaries)
@@ -443,7 +454,16 @@ class BenchmarkWorkflow(Construct):
         definition = validate.next(
             self._unless_refused("Manifest valid?", "Manifest rejected", MANIFEST_REJECTED, then=plan)
         )
-        plan.next(self._unless_refused("Plan accepted?", "Plan refused", PLAN_REFUSED, then=prepare_needed))
+        # The run's own role for its SageMaker jobs (gpuscout.cloud.run_roles): every Map iteration passes it to its
+        # job, canary or tuning job; it writes only this run's output and checkpoints.
+        create_role = self._run_role_step(
+            "Create run role", function=functions["run_role"], action="create", result_path="$.run_role",
+            comment="A SageMaker role of the run's own: its jobs write only its output and checkpoints",
+        )  # fmt: skip
+        create_role.add_catch(mark_failed, errors=["States.ALL"], result_path="$.error")
+        plan.next(
+            self._unless_refused("Plan accepted?", "Plan refused", PLAN_REFUSED, then=create_role.next(prepare_needed))
+        )
 
         self.log_group = logs.LogGroup(self, "Logs", retention=log_retention, removal_policy=removal_policy)
         self.state_machine = sfn.StateMachine(
@@ -469,12 +489,11 @@ class BenchmarkWorkflow(Construct):
         map_max_concurrency: int,
         quota_wait_hours: int,
         plan_bucket: s3.IBucket,
-        job_role_arn: str,
     ) -> sfn.DistributedMap:
         """A Map over plan_jobs' tunings (empty unless the manifest has a search section): per target, read the run
         status (a stopped run launches nothing more), run the tuning job, then record every trial it ran. A failed
         tuning job is recorded (its own row, why) and its trials are recorded all the same."""
-        tune = sfn.CustomState(self, "Tune", state_json=tuning_state_json(vpc, quota_wait_hours, role_arn=job_role_arn))
+        tune = sfn.CustomState(self, "Tune", state_json=tuning_state_json(vpc, quota_wait_hours))
         record_trials = self._lambda_step(
             "Record trials",
             function=functions["record_job_result"],
@@ -591,6 +610,7 @@ class BenchmarkWorkflow(Construct):
             "run_id": sfn.JsonPath.string_at("$.run_id"),
             "job_name": sfn.JsonPath.string_at("$$.Map.Item.Value.job_name"),
             "request": sfn.JsonPath.object_at("$$.Map.Item.Value.request"),
+            "role_arn": sfn.JsonPath.string_at("$.run_role.role_arn"),  # the run's own role, not an item's field
         }
         if with_execution:
             selector["execution_arn"] = sfn.JsonPath.execution_id
@@ -657,6 +677,11 @@ class BenchmarkWorkflow(Construct):
             result_path=sfn.JsonPath.DISCARD,
             **kwargs,
         )
+
+    def _run_role_step(self, name: str, *, function: lambda_.IFunction, action: str, **kw: Any) -> tasks.LambdaInvoke:
+        """The run_role function with the run's id and ``action`` (create, delete)."""
+        payload = sfn.TaskInput.from_object({"run_id": sfn.JsonPath.string_at("$.run_id"), "action": action})
+        return self._lambda_step(name, function=function, payload=payload, **kw)
 
     def _lambda_step(self, construct_id: str, *, function: lambda_.IFunction, **kwargs: Any) -> tasks.LambdaInvoke:
         """A Lambda Task returning the function's payload, retried on Lambda's own transient errors (throttling

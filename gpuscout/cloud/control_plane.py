@@ -31,6 +31,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
+from gpuscout.cloud import run_roles
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import publish, refusal_notice, run_summary
 from gpuscout.cloud.plan_items import (
@@ -90,6 +91,7 @@ class Services:
     pricing: Any  # AWS Price List API client (its endpoint is in us-east-1)
     sns: Any = None  # the run-summary notification (analyze)
     service_quotas: Any = None  # the account's SageMaker quotas (validate's pre-flight, quotas.py)
+    iam: Any = None  # the runs' own roles (run_roles: run_role creates and deletes them, mark_run_failed deletes)
 
 
 @lru_cache(maxsize=1)
@@ -102,6 +104,7 @@ def services() -> Services:
         sagemaker=boto3.client("sagemaker"),
         pricing=boto3.client("pricing", region_name=PRICE_LIST_REGION),
         sns=boto3.client("sns"),
+        iam=boto3.client("iam"),
         # short timeouts and 2 attempts: the quota pre-flight must not eat Validate's minute (quotas.py warns instead)
         service_quotas=boto3.client(
             "service-quotas",
@@ -350,11 +353,28 @@ def mark_run_failed(
     if run.status in FINAL_RUN_STATUSES:
         ignored = f"already final ({run.status.value})"
     elif execution_arn and run.execution_arn and run.execution_arn != execution_arn:
-        ignored = "planned by another execution"
+        ignored = PLANNED_BY_ANOTHER_EXECUTION
     if ignored is not None:
         return {"run_id": run_id, "applied": False, "status": run.status.value, "ignored_reason": ignored}
     store.update_run(run_id, status=RunStatus.FAILED, error=reason[:MAX_ERROR_CHARS])
     return {"run_id": run_id, "applied": True, "status": RunStatus.FAILED.value, "ignored_reason": None}
+
+
+PLANNED_BY_ANOTHER_EXECUTION = "planned by another execution"
+
+
+def delete_run_roles(outcomes: list[dict[str, Any]], *, iam: Any, settings: LambdaSettings) -> None:
+    """Delete the own role (run_roles) of each run in mark_run_failed's ``outcomes`` that ended with this execution
+    (a run another execution planned keeps its role). Each outcome gets ``role_deleted``: True, False (none left),
+    or why it could not be deleted (a role left behind grants no more than its boundary; the run stays FAILED)."""
+    for outcome in outcomes:
+        if outcome.get("ignored_reason") == PLANNED_BY_ANOTHER_EXECUTION:
+            continue
+        try:
+            outcome["role_deleted"] = run_roles.delete_run_role(iam, settings, str(outcome["run_id"]))
+        except CloudStepError as err:
+            logger.error("run role of %s not deleted: %s", outcome["run_id"], err)
+            outcome["role_deleted"] = str(err)
 
 
 def caught_failure_reason(error_name: str, cause: str) -> str:

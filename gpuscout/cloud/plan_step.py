@@ -20,6 +20,7 @@ from gpuscout.cloud.plan_items import (
     oversized_items,
     write_plan_items,
 )
+from gpuscout.cloud.run_roles import run_role_arn
 from gpuscout.cloud.sagemaker_requests import (
     DataSource,
     RequestSettings,
@@ -48,9 +49,11 @@ RETRYABLE_RUN_STATUSES = frozenset({RunStatus.FAILED, RunStatus.REFUSED})
 MAX_ATTEMPTS = 20
 
 
-def request_settings(settings: LambdaSettings) -> RequestSettings:
+def request_settings(settings: LambdaSettings, run_id: str) -> RequestSettings:
+    """The account's parts of run ``run_id``'s requests; their RoleArn is the run's own role (run_roles), which the
+    workflow creates after planning (the SageMaker tasks pass the role that step returns, never a request's)."""
     return RequestSettings(
-        role_arn=settings.sagemaker_role_arn,
+        role_arn=run_role_arn(settings, run_id),
         processing_role_arn=settings.processing_role_arn,
         training_image_uri=settings.training_image_uri,
         data_bucket=settings.data_bucket,
@@ -174,7 +177,7 @@ def plan_jobs(
 
     # The user's own code (a job section) reads its own data: nothing to prepare.
     data = data_source_of(manifest) if manifest.job is None else None
-    req_settings = request_settings(settings)
+    req_settings = request_settings(settings, run_id)
     skip_prepare = data is None or _object_exists(s3, settings.data_bucket, data.dataset_manifest_key())
     jobs_out: list[dict[str, Any]] = []
     try:

@@ -42,7 +42,8 @@ RUN_ID_TAG = "gpuscout:run-id"
 class RequestSettings:
     """The account-specific parts of every request (from the Lambda environment, see gpuscout.cloud.settings)."""
 
-    role_arn: str  # training jobs' role: reads sources and prepared data, writes only output/ and checkpoints/
+    # the run's own role (gpuscout.cloud.run_roles): reads sources and prepared data, writes its run's artifacts only
+    role_arn: str
     training_image_uri: str
     data_bucket: str
     artifacts_bucket: str

@@ -25,10 +25,15 @@ class LambdaSettings(BaseModel):
     table_name: str = Field(alias="TABLE_NAME", min_length=3)
     data_bucket: str = Field(alias="DATA_BUCKET", min_length=3)
     artifacts_bucket: str = Field(alias="ARTIFACTS_BUCKET", min_length=3)
-    # training jobs (the untrusted code: writes only job output and checkpoints) and data preparation (writes the
-    # prepared-data cache) run under two roles (stacks/roles.py)
-    sagemaker_role_arn: str = Field(alias="SAGEMAKER_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
+    # data preparation (writes the prepared-data cache) has the stack's role; each run's training jobs (the untrusted
+    # code) get a role of their own, created under this path with this boundary and runtime policy
+    # (gpuscout.cloud.run_roles, stacks/roles.py)
     processing_role_arn: str = Field(alias="PROCESSING_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
+    run_role_path: str = Field(alias="RUN_ROLE_PATH", pattern=r"^/gpuscout/[A-Za-z][A-Za-z0-9-]{0,127}/$")
+    run_role_boundary_arn: str = Field(alias="RUN_ROLE_BOUNDARY_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:policy/.+")
+    job_runtime_policy_arn: str = Field(
+        alias="JOB_RUNTIME_POLICY_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:policy/.+"
+    )
     training_image_uri: str = Field(alias="TRAINING_IMAGE_URI", min_length=1)
     processing_instance_type: str = Field(alias="PROCESSING_INSTANCE_TYPE", default="ml.m5.xlarge")
     # the instance every distinct configuration's canary runs on before the fan-out; empty: no canary
@@ -60,7 +65,12 @@ class LambdaSettings(BaseModel):
     @property
     def account(self) -> str:
         """This deployment's account (its roles' ARNs name it)."""
-        return self.sagemaker_role_arn.split(":")[4]
+        return self.processing_role_arn.split(":")[4]
+
+    @property
+    def partition(self) -> str:
+        """aws, aws-cn or aws-us-gov: the partition of this deployment's ARNs."""
+        return self.processing_role_arn.split(":")[1]
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LambdaSettings:

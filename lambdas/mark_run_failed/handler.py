@@ -2,7 +2,8 @@
 
 Two callers, one rule (gpuscout.cloud.control_plane.mark_run_failed: only a non-final run of this execution moves to
 FAILED, idempotently); each run it moves to FAILED gets the same run summary on the stack's SNS topic as an analysed
-run (control_plane.tell_run_failed), and counts in the RunsMarkedFailed metric (the FailedRuns alarm):
+run (control_plane.tell_run_failed), and counts in the RunsMarkedFailed metric (the FailedRuns alarm). The run's own
+role (gpuscout.cloud.run_roles) is deleted, as the success path's "Delete run role" step does:
 
 - the state machine's Catch after planning: ``{"run_id", "execution_arn", "error": {"Error", "Cause"}}``;
 - EventBridge "Step Functions Execution Status Change" (FAILED, TIMED_OUT, ABORTED) for what no Catch sees
@@ -74,6 +75,8 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
                 caught.run_id, reason, store=services.store, execution_arn=caught.execution_arn
             )
         ]
+    # the run has ended: its jobs' own role goes (the success path's "Delete run role" step does the same)
+    control_plane.delete_run_roles(outcomes, iam=services.iam, settings=services.settings)
     applied = sum(1 for o in outcomes if o["applied"])
     metrics.add_metric(name="RunsMarkedFailed", unit=MetricUnit.Count, value=applied)  # the FailedRuns alarm's metric
     for outcome in outcomes:  # each run this call ended is told, once (a second call applies nothing)

@@ -77,5 +77,21 @@ def policy_statements(synthesized: Synthesized, role_construct: Any) -> list[dic
     return statements
 
 
+def managed_policy_statements(synthesized: Synthesized, policy_construct: Any) -> list[dict[str, Any]]:
+    """The statements of one AWS::IAM::ManagedPolicy (the run roles' runtime policy or boundary)."""
+    policy = synthesized.template_json["Resources"][synthesized.logical_id(policy_construct)]
+    assert policy["Type"] == "AWS::IAM::ManagedPolicy"
+    return list(policy["Properties"]["PolicyDocument"]["Statement"])
+
+
+def every_policy_document(synthesized: Synthesized) -> list[tuple[str, dict[str, Any]]]:
+    """(logical id, properties) of every identity policy in the template: inline AWS::IAM::Policy and managed."""
+    return [
+        (logical_id, resource["Properties"])
+        for kind in ("AWS::IAM::Policy", "AWS::IAM::ManagedPolicy")
+        for logical_id, resource in synthesized.resources(kind).items()
+    ]
+
+
 def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.infra.conftest import Synthesized, as_list, policy_statements
+from gpuscout.cloud import run_roles
+from gpuscout.cloud.settings import LambdaSettings
+from tests.infra.conftest import (
+    Synthesized,
+    as_list,
+    every_policy_document,
+    managed_policy_statements,
+    policy_statements,
+)
 
 # Actions whose APIs offer no resource-level permissions (Service Authorization Reference), and so may use "*".
 NO_RESOURCE_LEVEL = {
@@ -31,6 +39,22 @@ NO_RESOURCE_LEVEL = {
 }
 
 
+# this stack's run roles (gpuscout.cloud.run_roles): the path names the stack, the names start gs-run-
+RUN_ROLES_ARN = {
+    "Fn::Join": [
+        "",
+        [
+            "arn:",
+            {"Ref": "AWS::Partition"},
+            ":iam::",
+            {"Ref": "AWS::AccountId"},
+            ":role/gpuscout/",
+            {"Ref": "AWS::StackName"},
+            "/gs-run-*",
+        ],
+    ]
+}
+
 TABLE_LOGS_AND_TRACES = {
     "dynamodb:GetItem",
     "dynamodb:PutItem",
@@ -44,38 +68,40 @@ TABLE_LOGS_AND_TRACES = {
 }
 
 
-def _all_roles(synthesized: Synthesized) -> dict[str, Any]:
-    roles = synthesized.stack.roles
-    return {"sagemaker": roles.sagemaker, "state_machine": roles.state_machine, **roles.lambdas}
-
-
 def test_star_resources_only_for_actions_without_resource_level_permissions(synthesized: Synthesized) -> None:
-    for policy in synthesized.resources("AWS::IAM::Policy").values():
-        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+    for logical_id, policy in every_policy_document(synthesized):
+        for statement in policy["PolicyDocument"]["Statement"]:
             if "*" in as_list(statement["Resource"]):
                 actions = set(as_list(statement["Action"]))
-                assert actions <= NO_RESOURCE_LEVEL, (policy["Properties"]["PolicyName"], actions)
+                assert actions <= NO_RESOURCE_LEVEL, (logical_id, actions)
 
 
 def test_cloudwatch_put_metric_data_is_namespace_conditioned(synthesized: Synthesized) -> None:
     roles = synthesized.stack.roles
-    job_roles = {synthesized.logical_id(roles.sagemaker), synthesized.logical_id(roles.processing)}
-    for policy in synthesized.resources("AWS::IAM::Policy").values():
-        attached = {ref["Ref"] for ref in policy["Properties"].get("Roles", [])}
-        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+    # the jobs' policies: the processing role's, and the run roles' runtime policy and boundary (managed)
+    processing = synthesized.logical_id(roles.processing)
+    for _, policy in every_policy_document(synthesized):
+        for_jobs = "Roles" not in policy or {"Ref": processing} in policy["Roles"]
+        for statement in policy["PolicyDocument"]["Statement"]:
             if "cloudwatch:PutMetricData" in as_list(statement["Action"]):
                 namespaces = set(as_list(statement["Condition"]["StringEquals"]["cloudwatch:namespace"]))
-                if attached & job_roles:  # a job's code may not write gpuscout's metrics (alarm, dashboard)
+                if for_jobs:  # a job's code may not write gpuscout's metrics (alarm, dashboard)
                     assert namespaces == {"/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs"}
                 else:
                     assert namespaces == {"gpuscout"}
 
 
 def test_no_managed_policies_and_no_admin_actions(synthesized: Synthesized) -> None:
+    # no role of the stack has a managed policy; the two the stack defines are the run roles' (attached at run time)
     for role in synthesized.resources("AWS::IAM::Role").values():
         assert "ManagedPolicyArns" not in role["Properties"]
-    for policy in synthesized.resources("AWS::IAM::Policy").values():
-        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+    roles = synthesized.stack.roles
+    assert set(synthesized.resources("AWS::IAM::ManagedPolicy")) == {
+        synthesized.logical_id(roles.job_runtime_policy),
+        synthesized.logical_id(roles.run_role_boundary),
+    }
+    for _, policy in every_policy_document(synthesized):
+        for statement in policy["PolicyDocument"]["Statement"]:
             for action in as_list(statement["Action"]):
                 if action == "sagemaker-mlflow:*":  # the MLflow client's calls, on tracking servers only
                     assert ":mlflow-tracking-server/" in json.dumps(statement["Resource"])
@@ -83,8 +109,7 @@ def test_no_managed_policies_and_no_admin_actions(synthesized: Synthesized) -> N
                 assert action != "*" and not action.endswith(":*"), action
 
 
-def test_pass_role_only_on_the_sagemaker_role_only_to_sagemaker(synthesized: Synthesized) -> None:
-    sagemaker_role = synthesized.logical_id(synthesized.stack.roles.sagemaker)
+def test_pass_role_only_on_the_run_roles_and_data_preparations_only_to_sagemaker(synthesized: Synthesized) -> None:
     processing_role = synthesized.logical_id(synthesized.stack.roles.processing)
     passes = []
     for policy in synthesized.resources("AWS::IAM::Policy").values():
@@ -94,7 +119,9 @@ def test_pass_role_only_on_the_sagemaker_role_only_to_sagemaker(synthesized: Syn
     assert len(passes) == 1
     policy, statement = passes[0]
     assert policy["Properties"]["Roles"] == [{"Ref": synthesized.logical_id(synthesized.stack.roles.state_machine)}]
-    assert statement["Resource"] == [{"Fn::GetAtt": [sagemaker_role, "Arn"]}, {"Fn::GetAtt": [processing_role, "Arn"]}]
+    run_roles_arn, processing = statement["Resource"]
+    assert processing == {"Fn::GetAtt": [processing_role, "Arn"]}
+    assert run_roles_arn == RUN_ROLES_ARN
     assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}
 
 
@@ -193,50 +220,126 @@ def test_state_machine_role_trusts_states_of_this_account_only(synthesized: Synt
     assert ":stateMachine:*" in json.dumps(trust["Condition"]["ArnLike"]["aws:SourceArn"])
 
 
-def test_sagemaker_role_trusts_sagemaker_jobs_of_this_account_only(synthesized: Synthesized) -> None:
-    role = synthesized.template_json["Resources"][synthesized.logical_id(synthesized.stack.roles.sagemaker)]
-    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
-    assert trust["Principal"] == {"Service": "sagemaker.amazonaws.com"}
-    assert trust["Condition"]["StringEquals"] == {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}
-    source_arn = json.dumps(trust["Condition"]["ArnLike"]["aws:SourceArn"])
-    assert "AWS::Partition" in source_arn and ":sagemaker:" in source_arn and "AWS::Region" in source_arn
+SETTINGS = LambdaSettings.model_validate(
+    {
+        "TABLE_NAME": "gs-table",
+        "DATA_BUCKET": "gs-data",
+        "ARTIFACTS_BUCKET": "gs-artifacts",
+        "PROCESSING_ROLE_ARN": "arn:aws:iam::123456789012:role/gs-processing",
+        "RUN_ROLE_PATH": "/gpuscout/Gpuscout/",
+        "RUN_ROLE_BOUNDARY_ARN": "arn:aws:iam::123456789012:policy/gs-boundary",
+        "JOB_RUNTIME_POLICY_ARN": "arn:aws:iam::123456789012:policy/gs-runtime",
+        "TRAINING_IMAGE_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout:latest",
+        "AWS_REGION": "eu-west-1",
+    }
+)
 
 
-def test_sagemaker_role_is_scoped_to_stack_resources(synthesized: Synthesized) -> None:
-    # the training jobs' role: the untrusted code of a run (a user's script, any package it installs)
-    statements = {s["Sid"]: s for s in policy_statements(synthesized, synthesized.stack.roles.sagemaker)}
+def test_a_run_role_trusts_sagemaker_jobs_of_this_account_and_region_only() -> None:
+    (trust,) = run_roles.trust_policy(SETTINGS)["Statement"]
+    assert trust["Principal"] == {"Service": "sagemaker.amazonaws.com"} and trust["Action"] == "sts:AssumeRole"
+    assert trust["Condition"] == {
+        "StringEquals": {"aws:SourceAccount": "123456789012"},
+        "ArnLike": {"aws:SourceArn": "arn:aws:sagemaker:eu-west-1:123456789012:*"},
+    }
+
+
+def test_run_roles_are_the_runtime_policy_within_the_boundary_plus_their_runs_own_prefixes(
+    synthesized: Synthesized,
+) -> None:
+    # a run's role: the untrusted code of that run (a user's script, any package it installs)
+    roles = synthesized.stack.roles
+    runtime = {s["Sid"]: s for s in managed_policy_statements(synthesized, roles.job_runtime_policy)}
+    boundary = {s["Sid"]: s for s in managed_policy_statements(synthesized, roles.run_role_boundary)}
     data = synthesized.logical_id(synthesized.stack.storage.data)
     artifacts = synthesized.logical_id(synthesized.stack.storage.artifacts)
-    read = json.dumps(statements["ReadDatasets"]["Resource"])
+    read = json.dumps(runtime["ReadDatasets"]["Resource"])
     assert data in read and "/raw/*" in read and "/processed/*" in read and artifacts not in read
-    assert statements["ReadDatasets"]["Action"] == "s3:GetObject"
-    assert statements["ListDatasets"]["Condition"] == {"StringLike": {"s3:prefix": ["raw/*", "processed/*"]}}
-    # it writes job output and checkpoints only: not the prepared-data cache, not plans/ or search/ (launches)
-    assert "WriteProcessedDatasets" not in statements
-    written = [s for s in statements.values() if {"s3:PutObject", "s3:DeleteObject"} & set(as_list(s["Action"]))]
-    assert [s["Sid"] for s in written] == ["JobArtifacts"]
-    rendered = json.dumps(statements["JobArtifacts"]["Resource"])
+    assert runtime["ReadDatasets"]["Action"] == "s3:GetObject"
+    assert runtime["ListDatasets"]["Condition"] == {"StringLike": {"s3:prefix": ["raw/*", "processed/*"]}}
+    # the runtime policy writes nothing in S3; the boundary allows job output and checkpoints only (any run's): not
+    # the prepared-data cache, not plans/ or search/ (launches), not reports
+    for policy, writers in ((runtime, []), (boundary, ["RunArtifacts"])):
+        written = [s for s in policy.values() if {"s3:PutObject", "s3:DeleteObject"} & set(as_list(s["Action"]))]
+        assert [s["Sid"] for s in written] == writers
+    assert {sid: st for sid, st in boundary.items() if sid not in ("RunArtifacts", "ListRunArtifacts")} == runtime
+    rendered = json.dumps(boundary["RunArtifacts"]["Resource"])
     assert artifacts in rendered and data not in rendered
     assert (
-        '"/output/*"' in rendered
-        and '"/checkpoints/*"' in rendered
-        and len(statements["JobArtifacts"]["Resource"]) == 2
+        '"/output/*"' in rendered and '"/checkpoints/*"' in rendered and len(boundary["RunArtifacts"]["Resource"]) == 2
     )
-    assert statements["ListJobArtifacts"]["Condition"] == {"StringLike": {"s3:prefix": ["output/*", "checkpoints/*"]}}
-    pull = statements["PullTrainingImage"]
+    assert boundary["ListRunArtifacts"]["Condition"] == {"StringLike": {"s3:prefix": ["output/*", "checkpoints/*"]}}
+    pull = runtime["PullTrainingImage"]
     assert "ecr:BatchGetImage" in pull["Action"] and "*" not in as_list(pull["Resource"])
-    logs = json.dumps(statements["JobLogs"]["Resource"])
+    logs = json.dumps(runtime["JobLogs"]["Resource"])
     assert "log-group:/aws/sagemaker/TrainingJobs:*" in logs and "ProcessingJobs" not in logs
     # logs:CreateLogGroup is authorized on the group's own ARN (no ":*")
     assert 'log-group:/aws/sagemaker/TrainingJobs"' in logs
-    assert "VpcNetworkInterfaces" not in statements  # only with the vpc context set
+    assert "VpcNetworkInterfaces" not in runtime  # only with the vpc context set
     # no MLflow tracking server named in the context (cdk.json's default): no MLflow grant at all
     # (test_nag_lint_config's variant names two and finds exactly those)
-    assert "ExperimentTracking" not in statements
+    assert "ExperimentTracking" not in runtime
     # nothing here grants access to the manifests, reports, plans, searches or the table
-    everything = json.dumps(list(statements.values()))
+    everything = json.dumps([*runtime.values(), *boundary.values()])
     for prefix in ("manifests/", "reports/", "plans/", "search/", "rejected/", "dynamodb"):
         assert prefix not in everything, prefix
+    # each run role's inline policy: its own run's output and checkpoints, in the artifacts bucket only
+    run = run_roles.run_policy(SETTINGS, "demo-0123abcd-r2")["Statement"]
+    assert run == [
+        {
+            "Sid": "RunArtifacts",
+            "Effect": "Allow",
+            "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+            "Resource": [
+                "arn:aws:s3:::gs-artifacts/output/demo-0123abcd-r2/*",
+                "arn:aws:s3:::gs-artifacts/checkpoints/demo-0123abcd-r2/*",
+            ],
+        },
+        {
+            "Sid": "ListRunArtifacts",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": "arn:aws:s3:::gs-artifacts",
+            "Condition": {"StringLike": {"s3:prefix": ["output/demo-0123abcd-r2/*", "checkpoints/demo-0123abcd-r2/*"]}},
+        },
+    ]
+
+
+def test_only_the_run_role_function_creates_run_roles_with_the_boundary_and_the_runtime_policy(
+    synthesized: Synthesized,
+) -> None:
+    roles = synthesized.stack.roles
+    boundary = {"Ref": synthesized.logical_id(roles.run_role_boundary)}
+    runtime = {"Ref": synthesized.logical_id(roles.job_runtime_policy)}
+    iam_grants: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, role in {"state_machine": roles.state_machine, **roles.lambdas}.items():
+        for statement in policy_statements(synthesized, role):
+            if any(a.startswith("iam:") for a in as_list(statement["Action"])):
+                iam_grants.setdefault(name, {})[statement["Sid"]] = statement
+    assert set(iam_grants) == {"run_role", "mark_run_failed", "state_machine"}
+    create = iam_grants["run_role"]
+    assert create["CreateRunRolesWithTheBoundary"]["Action"] == "iam:CreateRole"
+    assert create["CreateRunRolesWithTheBoundary"]["Condition"] == {
+        "StringEquals": {"iam:PermissionsBoundary": boundary}
+    }
+    assert create["AttachTheJobRuntimePolicyOnly"]["Action"] == "iam:AttachRolePolicy"
+    assert create["AttachTheJobRuntimePolicyOnly"]["Condition"] == {"ArnEquals": {"iam:PolicyARN": runtime}}
+    granted = {a for s in create.values() for a in as_list(s["Action"])}
+    assert granted == {
+        "iam:CreateRole",
+        "iam:PutRolePolicy",
+        "iam:TagRole",
+        "iam:GetRole",
+        "iam:AttachRolePolicy",
+        "iam:DeleteRolePolicy",
+        "iam:DetachRolePolicy",
+        "iam:DeleteRole",
+    }  # fmt: skip  (no boundary removal, no trust policy update, no other role)
+    deleting = {a for s in iam_grants["mark_run_failed"].values() for a in as_list(s["Action"])}
+    assert deleting == {"iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole"}
+    for statements in (create, iam_grants["mark_run_failed"]):
+        assert all(s["Resource"] == RUN_ROLES_ARN for s in statements.values())
+    assert [s["Action"] for s in iam_grants["state_machine"].values()] == ["iam:PassRole"]
 
 
 def test_data_preparation_has_its_own_role_which_alone_writes_the_cache(synthesized: Synthesized) -> None:
@@ -313,9 +416,11 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     assert set(failure) <= TABLE_LOGS_AND_TRACES | {"s3:GetObject"}
     assert "/search/*" in failure["s3:GetObject"] and "/output/" not in failure["s3:GetObject"]
     # mark_run_failed is also an EventBridge target: its failed async invocations go to the functions' DLQ; it
-    # publishes the run summary of a run that failed before its analysis (the topic and its key only).
+    # publishes the run summary of a run that failed before its analysis (the topic and its key only) and deletes
+    # the run's own role (test_only_the_run_role_function_creates_run_roles_... checks on which roles).
     publish = {"sns:Publish", "kms:Decrypt", "kms:GenerateDataKey*"}
-    assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | publish
+    delete_role = {"iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole"}
+    assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | publish | delete_role
     topic = synthesized.logical_id(synthesized.stack.notifications.topic)
     assert actions_of("mark_run_failed")["sns:Publish"] == json.dumps({"Ref": topic})
     # the scheduled budget check: the table, and stopping gpuscout's training and tuning jobs, nothing more (no
@@ -345,7 +450,7 @@ def test_every_service_role_but_lambdas_is_assumable_for_this_account_only(synth
             condition = statement.get("Condition", {})
             assert condition.get("StringEquals", {}).get("aws:SourceAccount") == {"Ref": "AWS::AccountId"}, logical_id
     assert services.get("events.amazonaws.com") == 1 and services.get("states.amazonaws.com") == 1
-    assert services.get("sagemaker.amazonaws.com") == 2
+    assert services.get("sagemaker.amazonaws.com") == 1  # data preparation; the runs' roles: run_roles.trust_policy
     start = synthesized.logical_id(synthesized.stack.events.start_run_role)
     policies = [p["Properties"] for p in synthesized.resources("AWS::IAM::Policy").values()]
     statements = [s for p in policies if {"Ref": start} in p["Roles"] for s in p["PolicyDocument"]["Statement"]]

@@ -187,13 +187,15 @@ def test_vpc_destroy_and_email_variant_synthesizes_cleanly(tmp_path_factory: pyt
     }
     assert "ec2:CreateNetworkInterface" in actions
     # the named MLflow tracking servers, and only they, are the jobs' tracking grant; the validation learns them
-    (tracking,) = [
+    # (the run roles' runtime policy grants it, and their boundary allows the same)
+    tracking, within_boundary = [
         s
         for r in resources
-        if r["Type"] == "AWS::IAM::Policy"
+        if r["Type"] in ("AWS::IAM::Policy", "AWS::IAM::ManagedPolicy")
         for s in r["Properties"]["PolicyDocument"]["Statement"]
         if s.get("Sid") == "ExperimentTracking"
     ]
+    assert tracking == within_boundary
     granted = [json.dumps(arn) for arn in tracking["Resource"]]
     assert len(granted) == 2 and ":mlflow-tracking-server/team" in granted[0] and "/nightly" in granted[1]
     assert "*" not in "".join(granted)

@@ -35,7 +35,7 @@ from gpuscout.domain.names import (
 )
 from gpuscout.plan.planner import plan
 from stacks.gpuscout_stack import JOB_RECORDERS, SEARCH_READERS
-from tests.infra.conftest import Synthesized, as_list, policy_statements
+from tests.infra.conftest import Synthesized, as_list, managed_policy_statements, policy_statements
 
 SAGEMAKER_JOB_KINDS = ("training-job", "processing-job", "hyper-parameter-tuning-job")
 
@@ -78,17 +78,18 @@ def test_the_state_machine_reads_its_request_lists_under_the_plans_prefix(synthe
     assert reads == [_objects(synthesized, synthesized.stack.storage.artifacts, PLANS_PREFIX)]
 
 
-def test_the_sagemaker_role_reads_sources_under_raw_and_processed_only(synthesized: Synthesized) -> None:
-    role, data = synthesized.stack.roles.sagemaker, synthesized.stack.storage.data
-    read = _statement(synthesized, role, "ReadDatasets")["Resource"]
+def test_the_run_roles_read_sources_under_raw_and_processed_only(synthesized: Synthesized) -> None:
+    roles, data = synthesized.stack.roles, synthesized.stack.storage.data
+    runtime = {s["Sid"]: s for s in managed_policy_statements(synthesized, roles.job_runtime_policy)}
+    read = runtime["ReadDatasets"]["Resource"]
     assert read == [_objects(synthesized, data, RAW_PREFIX), _objects(synthesized, data, PROCESSED_PREFIX)]
-    listing = _statement(synthesized, role, "ListDatasets")["Condition"]
+    listing = runtime["ListDatasets"]["Condition"]
     assert listing == {"StringLike": {"s3:prefix": [f"{RAW_PREFIX}*", f"{PROCESSED_PREFIX}*"]}}
-    write = _statement(synthesized, synthesized.stack.roles.processing, "WriteProcessedDatasets")["Resource"]
+    write = _statement(synthesized, roles.processing, "WriteProcessedDatasets")["Resource"]
     assert write == _objects(synthesized, data, PROCESSED_PREFIX)  # data preparation's role, not the jobs'
-    jobs = _statement(synthesized, role, "JobArtifacts")["Resource"]
+    boundary = {s["Sid"]: s for s in managed_policy_statements(synthesized, roles.run_role_boundary)}
     artifacts = synthesized.stack.storage.artifacts
-    assert jobs == [
+    assert boundary["RunArtifacts"]["Resource"] == [
         _objects(synthesized, artifacts, OUTPUT_PREFIX),
         _objects(synthesized, artifacts, CHECKPOINTS_PREFIX),
     ]

@@ -24,8 +24,10 @@ CONTRACT_ENV = {
     "TABLE_NAME",
     "DATA_BUCKET",
     "ARTIFACTS_BUCKET",
-    "SAGEMAKER_ROLE_ARN",
     "PROCESSING_ROLE_ARN",
+    "RUN_ROLE_PATH",
+    "RUN_ROLE_BOUNDARY_ARN",
+    "JOB_RUNTIME_POLICY_ARN",
     "TRAINING_IMAGE_URI",
     "PROCESSING_INSTANCE_TYPE",
     "ALLOWED_INSTANCE_TYPES",
@@ -47,7 +49,13 @@ def test_states_in_order(asl: dict[str, Any]) -> None:
     assert states["Validate manifest"]["Next"] == "Manifest valid?"
     assert states["Manifest valid?"]["Default"] == "Plan jobs"
     assert states["Plan jobs"]["Next"] == "Plan accepted?"
-    assert states["Plan accepted?"]["Default"] == "Processed data cached?"
+    assert states["Plan accepted?"]["Default"] == "Create run role"
+    # the run's own role for its SageMaker jobs (gpuscout.cloud.run_roles), before any of them
+    create = states["Create run role"]
+    assert create["Parameters"] == {"run_id.$": "$.run_id", "action": "create"}
+    assert create["ResultPath"] == "$.run_role" and create["Next"] == "Processed data cached?"
+    assert create["Resource"] == states["Delete run role"]["Resource"]
+    assert create["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "Mark run failed"}]
     choice = states["Processed data cached?"]
     assert choice["Type"] == "Choice"
     assert choice["Choices"] == [{"Variable": "$.prepare.skip", "BooleanEquals": True, "Next": "Any canaries?"}]
@@ -62,7 +70,13 @@ def test_states_in_order(asl: dict[str, Any]) -> None:
         any_items = states[f"Any {kind}?"]
         assert any_items["Choices"] == [{"Variable": f"$.plan.{kind}.count", "NumericGreaterThan": 0, "Next": fan_out}]
         assert any_items["Default"] == after and states[fan_out]["Next"] == after
-    assert states["Analyze run"]["Next"] == "Done"
+    assert states["Analyze run"]["Next"] == "Delete run role"
+    # the run has ended: its role goes; a failure to delete it does not fail the analysed run
+    delete = states["Delete run role"]
+    assert delete["Parameters"] == {"run_id.$": "$.run_id", "action": "delete"}
+    assert delete["ResultPath"] is None and delete["Next"] == "Done"
+    assert delete["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.role_error", "Next": "Run role left"}]
+    assert states["Run role left"]["Next"] == "Done"
     assert states["Done"]["Type"] == "Succeed"
     assert asl["TimeoutSeconds"] == 72 * 3600
 
@@ -104,12 +118,14 @@ def test_the_canary_map_runs_each_configurations_canary_request(asl: dict[str, A
         "run_id.$": "$.run_id",
         "job_name.$": "$$.Map.Item.Value.job_name",
         "request.$": "$$.Map.Item.Value.request",
+        "role_arn.$": "$.run_role.role_arn",  # the run's own role, from "Create run role", never from an item
         "execution_arn.$": "$$.Execution.Id",
     }
     states = canaries["ItemProcessor"]["States"]
     canary = states["Canary"]
     assert canary["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync"
     assert canary["Parameters"]["TrainingJobName.$"] == "$.request.TrainingJobName"
+    assert canary["Parameters"]["RoleArn.$"] == "$.role_arn" and "RoleArn" not in canary["Parameters"]
     # a failed canary marks the run FAILED with its own cause (the Map reports only that a child failed), then fails
     assert canary["End"] is True
     assert canary["Catch"] == [
@@ -148,7 +164,7 @@ def test_lambda_steps_retry_lambdas_transient_errors_and_the_status_read_retries
         for name, state in {**states, **processor}.items()
         if state.get("Type") == "Task" and str(state["Resource"]).startswith("<Functions")
     }
-    assert len(lambda_steps) == 6
+    assert len(lambda_steps) == 8
     canary_mark = asl["States"]["Run canaries"]["ItemProcessor"]["States"]["Mark run failed (canary)"]
     lambda_steps["Mark run failed (canary)"] = canary_mark
     for name, state in lambda_steps.items():
@@ -209,14 +225,17 @@ def test_map_trains_each_job_with_retry_and_records_failures(asl: dict[str, Any]
         "run_id.$": "$.run_id",
         "job_name.$": "$$.Map.Item.Value.job_name",
         "request.$": "$$.Map.Item.Value.request",
+        "role_arn.$": "$.run_role.role_arn",
     }
     processor = jobs["ItemProcessor"]
     assert processor["StartAt"] == "Read run status"
     train = processor["States"]["Train"]
     assert train["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync"
-    # every field of the plan's request but the role, which the task names itself: a request cannot choose it
-    job_role = f"<{synthesized.logical_id(synthesized.stack.roles.sagemaker)}.Arn>"
-    assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS} | {"RoleArn": job_role}
+    # every field of the plan's request but the role: the run's own, which the Map's ItemSelector took from "Create
+    # run role" (a request cannot choose it)
+    assert train["Parameters"] == {f"{f}.$": f"$.request.{f}" for f in TRAINING_REQUEST_FIELDS} | {
+        "RoleArn.$": "$.role_arn"
+    }
     assert train["ResultSelector"] == {"TrainingJobArn.$": "$.TrainingJobArn"} and train["ResultPath"] == "$.job"
     # A finished job is recorded inside the Map (not only by job_events, which runs asynchronously).
     assert train["Next"] == "Record job result"
@@ -292,6 +311,7 @@ def test_the_search_map_runs_one_sync_tuning_job_per_target_and_records_its_tria
         "run_id.$": "$.run_id",
         "job_name.$": "$$.Map.Item.Value.job_name",
         "request.$": "$$.Map.Item.Value.request",
+        "role_arn.$": "$.run_role.role_arn",
     }
     states = searches["ItemProcessor"]["States"]
     assert searches["ItemProcessor"]["StartAt"] == "Read run status (search)"
@@ -304,7 +324,7 @@ def test_the_search_map_runs_one_sync_tuning_job_per_target_and_records_its_tria
     assert tune["Resource"] == "arn:<AWS::Partition>:states:::sagemaker:createHyperParameterTuningJob.sync"
     # every field of the plan's request, the training job definition field by field (room for the stack's VPC)
     definition = {f"{f}.$": f"$.request.TrainingJobDefinition.{f}" for f in TUNING_DEFINITION_FIELDS}
-    definition["RoleArn"] = f"<{synthesized.logical_id(synthesized.stack.roles.sagemaker)}.Arn>"
+    definition["RoleArn.$"] = "$.role_arn"  # the run's own role (the Map's ItemSelector), not the request's
     assert tune["Parameters"] == {
         **{f"{f}.$": f"$.request.{f}" for f in TUNING_REQUEST_FIELDS},
         "TrainingJobDefinition": definition,
@@ -430,6 +450,7 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
     assert set(functions) == {
         "validate_manifest",
         "plan_jobs",
+        "run_role",
         "record_job_failure",
         "record_job_result",
         "mark_run_failed",
@@ -451,9 +472,10 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
         assert env["DEFAULT_BUDGET_USD"] == "100"
         assert env["POWERTOOLS_SERVICE_NAME"] == "gpuscout"
         assert env["POWERTOOLS_METRICS_NAMESPACE"] == "gpuscout"
-        assert env["SAGEMAKER_ROLE_ARN"] == {
-            "Fn::GetAtt": [synthesized.logical_id(synthesized.stack.roles.sagemaker), "Arn"]
-        }
+        roles = synthesized.stack.roles
+        assert env["RUN_ROLE_PATH"] == {"Fn::Join": ["", ["/gpuscout/", {"Ref": "AWS::StackName"}, "/"]]}
+        assert env["RUN_ROLE_BOUNDARY_ARN"] == {"Ref": synthesized.logical_id(roles.run_role_boundary)}
+        assert env["JOB_RUNTIME_POLICY_ARN"] == {"Ref": synthesized.logical_id(roles.job_runtime_policy)}
         assert env["PROCESSING_ROLE_ARN"] == {
             "Fn::GetAtt": [synthesized.logical_id(synthesized.stack.roles.processing), "Arn"]
         }
@@ -563,15 +585,13 @@ def test_with_the_vpc_setting_the_tuning_jobs_trials_run_in_its_subnets() -> Non
     from stacks.workflow import tuning_state_json
 
     vpc = VpcSettings(subnet_ids=("subnet-0123456789abcdef0",), security_group_ids=("sg-0123456789abcdef0",))
-    definition = tuning_state_json(vpc, role_arn="arn:aws:iam::123456789012:role/jobs")["Parameters"][
-        "TrainingJobDefinition"
-    ]
-    assert definition["RoleArn"] == "arn:aws:iam::123456789012:role/jobs"
+    definition = tuning_state_json(vpc)["Parameters"]["TrainingJobDefinition"]
+    assert definition["RoleArn.$"] == "$.role_arn"
     assert definition["VpcConfig"] == {
         "Subnets": ["subnet-0123456789abcdef0"],
         "SecurityGroupIds": ["sg-0123456789abcdef0"],
     }
-    assert "VpcConfig" not in tuning_state_json(None, role_arn="r")["Parameters"]["TrainingJobDefinition"]
+    assert "VpcConfig" not in tuning_state_json(None)["Parameters"]["TrainingJobDefinition"]
 
 
 @pytest.mark.parametrize("fan_out", ["Run jobs", "Run searches"])

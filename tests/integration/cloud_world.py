@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuscout.cloud import run_roles
 from gpuscout.cloud.control_plane import Services
 from gpuscout.cloud.plan_items import read_plan_items
+from gpuscout.cloud.settings import LambdaSettings
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 if str(REPO_DIR) not in sys.path:  # the Lambda handlers are imported as lambdas.<name>.handler, like in the bundle
@@ -28,7 +30,7 @@ REGION = "us-east-1"
 TABLE = "gpuscout-results"
 DATA_BUCKET = "gpuscout-data-123456789012"
 ARTIFACTS_BUCKET = "gpuscout-artifacts-123456789012"
-ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-sagemaker"
+RUN_ROLE_PATH = "/gpuscout/Gpuscout/"
 PROCESSING_ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-processing"
 IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout-training:3f2c1a"
 
@@ -40,8 +42,10 @@ ENVIRONMENT = {
     "TABLE_NAME": TABLE,
     "DATA_BUCKET": DATA_BUCKET,
     "ARTIFACTS_BUCKET": ARTIFACTS_BUCKET,
-    "SAGEMAKER_ROLE_ARN": ROLE_ARN,
     "PROCESSING_ROLE_ARN": PROCESSING_ROLE_ARN,
+    "RUN_ROLE_PATH": RUN_ROLE_PATH,
+    "RUN_ROLE_BOUNDARY_ARN": "arn:aws:iam::123456789012:policy/gpuscout-run-role-boundary",
+    "JOB_RUNTIME_POLICY_ARN": "arn:aws:iam::123456789012:policy/gpuscout-job-runtime",
     "TRAINING_IMAGE_URI": IMAGE_URI,
     "PROCESSING_INSTANCE_TYPE": "ml.m5.xlarge",
     "ALLOWED_INSTANCE_TYPES": "ml.g5.8xlarge,ml.g5.12xlarge,ml.p4d.24xlarge,ml.p5.48xlarge",
@@ -170,3 +174,9 @@ def metric_directives(output: str) -> Iterator[tuple[dict[str, Any], dict[str, A
             continue
         for directive in record.get("_aws", {}).get("CloudWatchMetrics", []):
             yield record, directive
+
+
+def run_role_arn(run_id: str) -> str:
+    """The ARN of run ``run_id``'s own role in this world (gpuscout.cloud.run_roles): what its requests name and
+    what the "Create run role" step returns."""
+    return run_roles.run_role_arn(LambdaSettings.model_validate(ENVIRONMENT), run_id)

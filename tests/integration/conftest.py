@@ -7,6 +7,7 @@ events and helpers are in ``tests/integration/cloud_world.py``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import boto3
@@ -46,6 +47,15 @@ def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
         s3 = boto3.client("s3", region_name=REGION)
         s3.create_bucket(Bucket=DATA_BUCKET)
         s3.create_bucket(Bucket=ARTIFACTS_BUCKET)
+        # what the stack deploys for the runs' own roles (run_role creates them with these, mark_run_failed deletes)
+        iam = boto3.client("iam", region_name=REGION)
+        for variable in ("RUN_ROLE_BOUNDARY_ARN", "JOB_RUNTIME_POLICY_ARN"):
+            document = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject",
+                                                                "Resource": "*"}]}  # fmt: skip
+            created = iam.create_policy(
+                PolicyName=ENVIRONMENT[variable].rsplit("/", 1)[-1], PolicyDocument=json.dumps(document)
+            )
+            assert created["Policy"]["Arn"] == ENVIRONMENT[variable]
         yield Cloud(
             services=services(),
             s3=s3,

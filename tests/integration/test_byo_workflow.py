@@ -129,7 +129,7 @@ def test_the_users_code_runs_through_the_deployed_workflow(
                            run_job=jobs)  # fmt: skip
     assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
     order = [name for name, _ in run.lambdas.calls]
-    assert order[:2] == ["validate_manifest", "plan_jobs"] and order[-1] == "analyze_run"
+    assert order[:3] == ["validate_manifest", "plan_jobs", "run_role"] and order[-2:] == ["analyze_run", "run_role"]
     # Then nothing was prepared (the user's code reads its own data),
     assert sm._entered_inputs(run.events, "Prepare data") == []
     assert cloud.sagemaker.list_processing_jobs()["ProcessingJobSummaries"] == []

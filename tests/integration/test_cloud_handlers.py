@@ -20,6 +20,7 @@ from lambdas.job_events import handler as job_events_handler
 from lambdas.mark_run_failed import handler as mark_failed_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
+from lambdas.run_role import handler as run_role_handler
 from lambdas.validate_manifest import handler as validate_handler
 from tests.integration.cloud_world import (
     ARTIFACTS_BUCKET,
@@ -27,13 +28,13 @@ from tests.integration.cloud_world import (
     IMAGE_URI,
     QUOTAS,
     REGION,
-    ROLE_ARN,
     Cloud,
     benchmark_for,
     cloud_manifest,
     job_event,
     load_event,
     metric_directives,
+    run_role_arn,
     wide_manifest,
 )
 from tests.unit.test_pricing import _expected_params, _product
@@ -161,7 +162,7 @@ def test_plan_writes_rows_and_returns_complete_requests(cloud: Cloud) -> None:
     for item in cloud.items(planned):
         request = item["request"]
         assert request["TrainingJobName"] == item["job_name"]
-        assert request["RoleArn"] == ROLE_ARN
+        assert request["RoleArn"] == run_role_arn(run_id)  # the run's own role (gpuscout.cloud.run_roles)
         assert request["AlgorithmSpecification"]["TrainingImage"] == IMAGE_URI
         assert request["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == output
         assert request["OutputDataConfig"]["S3OutputPath"] == f"s3://{ARTIFACTS_BUCKET}/output/{run_id}/"
@@ -574,7 +575,7 @@ def test_the_plans_state_stays_small_and_its_requests_go_to_s3(cloud: Cloud) -> 
         update={
             "training_image_uri": "123456789012.dkr.ecr.ap-southeast-2.amazonaws.com/cdk-hnb659fds-container-assets-"
             "123456789012-ap-southeast-2:" + "f" * 64,
-            "sagemaker_role_arn": "arn:aws:iam::123456789012:role/Gpuscout-RolesSageMakerExecution0A1B2C3D-" + "X" * 12,
+            "run_role_path": "/gpuscout/GpuscoutProductionEuWest1/",
         }
     )
     text = wide_manifest(variants=25, repetitions=3)
@@ -681,10 +682,16 @@ def test_a_timed_out_execution_marks_its_run_failed_once(cloud: Cloud) -> None:
     run_id = _planned_by(cloud, execution_arn)["run_id"]
     store = cloud.services.store
     assert store.get_run(run_id).execution_arn == execution_arn
-    # when mark_run_failed receives it, the run that execution planned ends FAILED with the reason,
+    created = run_role_handler.handler({"run_id": run_id, "action": "create"}, cloud.context)  # "Create run role"
+    iam = boto3.client("iam", region_name=REGION)
+    assert [r["Arn"] for r in iam.list_roles(PathPrefix="/gpuscout/")["Roles"]] == [created["role_arn"]]
+    # when mark_run_failed receives it, the run that execution planned ends FAILED with the reason, and the run's own
+    # role is deleted (the run's jobs have ended with the execution)
     outcome = mark_failed_handler.handler(event, cloud.context)
-    applied = {"run_id": run_id, "applied": True, "status": "FAILED", "ignored_reason": None, "notified": False}
+    applied = {"run_id": run_id, "applied": True, "status": "FAILED", "ignored_reason": None, "role_deleted": True,
+               "notified": False}  # fmt: skip
     assert outcome == {"runs": [applied]}  # (no topic in this stack: nothing to tell)
+    assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []
     run = store.get_run(run_id)
     assert run.status is RunStatus.FAILED and run.error is not None and "TIMED_OUT" in run.error
     # and a second delivery changes nothing.

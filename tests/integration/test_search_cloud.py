@@ -365,7 +365,7 @@ def test_the_workflow_runs_one_tuning_job_per_target_and_ranks_every_trial(
     assert sorted(sent, key=lambda r: r["HyperParameterTuningJobName"]) == [first["request"], second["request"]]
     assert sm._scheduled(run.events, "createTrainingJob") == []
     order = [name for name, _ in run.lambdas.calls]
-    assert order[:2] == ["validate_manifest", "plan_jobs"] and order[-1] == "analyze_run"
+    assert order[:3] == ["validate_manifest", "plan_jobs", "run_role"] and order[-2:] == ["analyze_run", "run_role"]
     assert sorted(p["tuning_job_name"] for p in run.lambdas.called("record_job_result")) == sorted(
         [first["job_name"], second["job_name"]]
     )

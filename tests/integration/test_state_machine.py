@@ -27,12 +27,14 @@ fixture). Four substitutions make it runnable here, and only these:
 - The Distributed Maps' ItemReader: the artifacts bucket's ``Ref`` -> the moto bucket's name, and its resource's
   partition -> ``aws``. The requests it reads are the ones plan_jobs wrote to moto S3.
 
-Three things are added to moto, none of which changes what the definition does:
+Four things are added to moto, none of which changes what the definition does:
 
 - ``EveryEvent`` records the history events of the Distributed Maps' child workflows too (moto, like AWS, keeps them
   out of the parent's history), so the tests see the children's states and measure every payload.
 - ``fail_map_runs_past_their_tolerance``: moto counts a failed child and lets the Distributed Map succeed; AWS fails
   the Map Run (States.ExceedToleratedFailureThreshold) when more children failed than it tolerates (none here).
+- ``role_arn_paths_read_as_paths``: moto's parser reads the key ``"RoleArn.$"`` (the SageMaker tasks' run role, from
+  the Map iteration's ``$.role_arn``) as a literal field; Step Functions, like for any ``<field>.$`` key, as a path.
 - ``quicker_moto_interpreter`` parses each JSONPath once and reuses one boto3 client per service instead of building
   both for every state of every child (same results, a 1,000-child plan in seconds).
 
@@ -76,6 +78,13 @@ from moto.stepfunctions.parser.asl.component.common.error_name.failure_event imp
 from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import StatesErrorName
 from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import StatesErrorNameType
 from moto.stepfunctions.parser.asl.component.common.path import result_path as moto_result_path
+from moto.stepfunctions.parser.asl.component.common.payload.payloadvalue.payloadbinding.payload_binding import (
+    PayloadBindingStringExpressionSimple,
+)
+from moto.stepfunctions.parser.asl.component.common.payload.payloadvalue.payloadvaluelit.payload_value_str import (
+    PayloadValueStr,
+)
+from moto.stepfunctions.parser.asl.component.common.string.string_expression import StringJsonPath
 from moto.stepfunctions.parser.asl.component.state.exec.state_map.item_reader.eval import (
     resource_eval_s3 as moto_item_reader,
 )
@@ -94,6 +103,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service impor
 )
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.eval.event.event_manager import EventManager
+from moto.stepfunctions.parser.asl.parse.preprocessor import Preprocessor
 from moto.stepfunctions.parser.asl.utils import boto_client as moto_boto_client
 from moto.stepfunctions.parser.asl.utils import json_path as moto_json_path
 
@@ -108,11 +118,11 @@ from tests.integration.cloud_world import (
     IMAGE_URI,
     PROCESSING_ROLE_ARN,
     REGION,
-    ROLE_ARN,
     TABLE,
     Cloud,
     benchmark_for,
     cloud_manifest,
+    run_role_arn,
     wide_manifest,
 )
 
@@ -136,7 +146,6 @@ def _walk_states(definition: dict[str, Any], visit: Callable[[str, dict[str, Any
 def runnable_in_moto(
     definition: dict[str, Any],
     results: dict[str, Any],
-    role_arn: str,
     table_name: str = TABLE,
     *,
     invoked: dict[str, str] | None = None,
@@ -146,7 +155,7 @@ def runnable_in_moto(
     """The substitutions of the module docstring. ``results`` maps a Lambda Task's resource placeholder
     ('<LogicalId.Arn>') to the handler output its Pass state returns; ``invoked`` maps a placeholder to a Lambda ARN
     instead: that Task stays a Task (Retry and Catch included) and is invoked in process (``InProcessLambdas``).
-    ``role_arn`` is the value of the training requests' RoleArn, ``processing_role_arn`` the data preparation's;
+    ``processing_role_arn`` replaces data preparation's role (the training tasks pass the run's own role, $.role_arn);
     ``table_name`` replaces the results table's Ref in DynamoDB
     tasks (whose resource ARN's partition pseudo-parameter becomes ``aws``), ``items_bucket`` the artifacts bucket's
     Ref in the Distributed Maps' ItemReader. Returns the new ASL and state name -> placeholder."""
@@ -175,11 +184,13 @@ def runnable_in_moto(
         if resource.startswith("arn:<AWS::Partition>:states:::sagemaker:") and resource.endswith(".sync"):
             parameters = copy.deepcopy(state["Parameters"])
             holder = parameters.get("TrainingJobDefinition", parameters)  # a tuning job's role is in its definition
-            # the task names its role itself (the job role's, or data preparation's), never the request's
-            named = str(holder.pop("RoleArn"))
-            processing = "createProcessingJob" in resource
-            assert named.startswith("<RolesSageMakerProcessing" if processing else "<RolesSageMakerExecution"), named
-            holder["RoleArn"] = processing_role_arn if processing else role_arn
+            # the task names its role itself (the run's own role, or data preparation's), never the request's
+            if "createProcessingJob" in resource:
+                named = str(holder.pop("RoleArn"))
+                assert named.startswith("<RolesSageMakerProcessing"), named
+                holder["RoleArn"] = processing_role_arn
+            else:
+                assert holder["RoleArn.$"] == "$.role_arn" and "RoleArn" not in holder, holder
             return {
                 **state,
                 "Resource": resource.removesuffix(".sync").replace("<AWS::Partition>", "aws"),
@@ -264,6 +275,23 @@ class EveryEvent:
                         size = len(details[field_name].encode())
                         sizes.append((size, str(event["type"]), str(details.get("name", details.get("resource", "")))))
         return sizes
+
+
+def role_arn_paths_read_as_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What moto's ASL parser gets wrong: it lexes the key ``"RoleArn.$"`` as the keyword of a Task's Credentials
+    field and so reads ``"RoleArn.$": "$.role_arn"`` inside Parameters as a literal field named ``RoleArn.$``. Step
+    Functions reads it as every other ``<field>.$`` key: the field RoleArn, from the path. This reads it so too."""
+    literal = Preprocessor.visitPayload_binding_value
+
+    def path_binding(self: Any, ctx: Any) -> Any:
+        binding = literal(self, ctx)
+        if binding.field == "RoleArn.$" and isinstance(binding.payload_value, PayloadValueStr):
+            return PayloadBindingStringExpressionSimple(
+                field="RoleArn", string_expression_simple=StringJsonPath(json_path=binding.payload_value.val)
+            )
+        return binding
+
+    monkeypatch.setattr(Preprocessor, "visitPayload_binding_value", path_binding)
 
 
 def quicker_moto_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,13 +426,18 @@ def _execute(
         placeholder["record_job_result"]: {"run_id": run_id, "job_name": "", "status": "", "applied": False},
         # Reached only through the Catches after planning (and a failed canary's); never entered on this success path.
         placeholder["mark_run_failed"]: {"runs": []},
+        # "Create run role" (the Maps pass its role_arn to every job) and "Delete run role" (output discarded);
+        # creating and deleting run roles is covered by tests/unit/test_run_roles.py and the in-process tests below.
+        placeholder["run_role"]: {"role_arn": run_role_arn(run_id)},
     }
     # data preparation under its own role (it writes the shared cache); every training request under the jobs' role
     assert planned["prepare"]["request"]["RoleArn"] == PROCESSING_ROLE_ARN
-    assert {job["request"]["RoleArn"] for job in cloud.items(planned)} == {ROLE_ARN}
-    definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results, ROLE_ARN)
+    assert {job["request"]["RoleArn"] for job in cloud.items(planned)} == {run_role_arn(run_id)}
+    definition, lambda_states = runnable_in_moto(state_machine_definition(synthesized), results)
     assert sorted(lambda_states) == [
         "Analyze run",
+        "Create run role",
+        "Delete run role",
         "Mark run failed",
         "Mark run failed (canary)",  # inside the canaries' child workflows (no canary here: that list is empty)
         "Plan jobs",
@@ -421,6 +454,7 @@ def _execute(
     recorder = EveryEvent(monkeypatch)
     fail_map_runs_past_their_tolerance(monkeypatch)
     quicker_moto_interpreter(monkeypatch)
+    role_arn_paths_read_as_paths(monkeypatch)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         sfn = boto3.client("stepfunctions", region_name=REGION)
         machine_arn = sfn.create_state_machine(
@@ -493,7 +527,7 @@ def test_the_synthesized_state_machine_creates_every_planned_job(
         target, variant = targets[spec[0]], variants[spec[1]]
 
         assert described_job["AlgorithmSpecification"]["TrainingImage"] == IMAGE_URI
-        assert described_job["RoleArn"] == ROLE_ARN
+        assert described_job["RoleArn"] == run_role_arn(run_id)  # the run's own role
         assert described_job["ResourceConfig"]["InstanceType"] == target["instance_type"]
         assert described_job["ResourceConfig"]["InstanceCount"] == target["instance_count"]
         assert described_job["HyperParameters"] == request["HyperParameters"]
@@ -533,18 +567,18 @@ def test_the_synthesized_state_machine_creates_every_planned_job(
     "resource", ["arn:<AWS::Partition>:states:::sagemaker:createTrainingJob.sync", "arn:aws:lambda:x"]
 )
 def test_the_rewrite_touches_only_lambda_and_sync_tasks(resource: str) -> None:
-    parameters = {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn": "<RolesSageMakerExecution1234.Arn>"}
+    parameters = {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn.$": "$.role_arn"}
     state = {"Type": "Task", "Resource": resource, "Parameters": parameters, "End": True}
     definition = {"StartAt": "A", "States": {"A": state}}
     if resource.startswith("arn:aws:lambda"):
         with pytest.raises(AssertionError, match="no moto substitution"):
-            runnable_in_moto(definition, {}, ROLE_ARN)
+            runnable_in_moto(definition, {})
         return
-    rewritten, lambda_states = runnable_in_moto(definition, {}, ROLE_ARN)
+    rewritten, lambda_states = runnable_in_moto(definition, {})
     assert rewritten["States"]["A"] == {
         "Type": "Task",
         "Resource": "arn:aws:states:::sagemaker:createTrainingJob",
-        "Parameters": {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn": ROLE_ARN},
+        "Parameters": {"TrainingJobName.$": "$.request.TrainingJobName", "RoleArn.$": "$.role_arn"},
         "End": True,
     }
     assert lambda_states == {}
@@ -648,7 +682,7 @@ def _execute_live(
     synthesized_definition = state_machine_definition(synthesized)
     if rewrite is not None:
         rewrite(synthesized_definition)
-    definition, lambda_states = runnable_in_moto(synthesized_definition, {}, ROLE_ARN, invoked=invoked)
+    definition, lambda_states = runnable_in_moto(synthesized_definition, {}, invoked=invoked)
     assert "Record job result" in lambda_states
     lambdas = InProcessLambdas(cloud.context)
     assert callable(lambda_eval_utils._invoke_lambda_function)  # the one moto function replaced here
@@ -672,6 +706,7 @@ def _execute_live(
     recorder = EveryEvent(monkeypatch)
     fail_map_runs_past_their_tolerance(monkeypatch)
     quicker_moto_interpreter(monkeypatch)
+    role_arn_paths_read_as_paths(monkeypatch)
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}}):
         sfn = boto3.client("stepfunctions", region_name=REGION)
         machine_arn = sfn.create_state_machine(
@@ -682,6 +717,12 @@ def _execute_live(
         ]
         described = _wait_for(sfn, execution_arn)
     return LiveRun(execution_input, described, recorder.events, lambdas)
+
+
+def _run_roles() -> list[str]:
+    """The run roles left in the moto account."""
+    roles = boto3.client("iam", region_name=REGION).list_roles(PathPrefix="/gpuscout/")["Roles"]
+    return [str(role["RoleName"]) for role in roles]
 
 
 def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not_run(
@@ -695,7 +736,16 @@ def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not
     assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
     assert run.lambdas.called("job_events") == []
     order = [name for name, _ in run.lambdas.calls]
-    assert order == ["validate_manifest", "plan_jobs", "record_job_result", "analyze_run"]
+    assert order == ["validate_manifest", "plan_jobs", "run_role", "record_job_result", "analyze_run", "run_role"]
+    # the run's own role: created before its first job, which ran with it; deleted once the run was analysed
+    assert [call["action"] for call in run.lambdas.called("run_role")] == ["create", "delete"]
+    [(_, created), (_, deleted)] = [out for out in run.lambdas.outputs if out[0] == "run_role"]
+    assert created == {"role_arn": run_role_arn(run.run_id)} and deleted == {"deleted": True}
+    [job] = cloud.sagemaker.list_training_jobs(MaxResults=10)["TrainingJobSummaries"]
+    assert (
+        cloud.sagemaker.describe_training_job(TrainingJobName=job["TrainingJobName"])["RoleArn"] == created["role_arn"]
+    )
+    assert _run_roles() == []
 
     # then the Map recorded the job as COMPLETED with its benchmark before Analyze read it,
     store = cloud.services.store
@@ -722,7 +772,12 @@ def test_a_failed_data_preparation_marks_the_run_failed_and_fails_the_execution(
     run = _execute_live(cloud, synthesized, monkeypatch, ONE_JOB_MANIFEST)
     # then the Catch marked the run FAILED with the error and cause before the execution failed with that cause,
     assert run.described["status"] == "FAILED", json.dumps(run.events[-3:], default=str)[-3000:]
-    assert [name for name, _ in run.lambdas.calls] == ["validate_manifest", "plan_jobs", "mark_run_failed"]
+    calls = ["validate_manifest", "plan_jobs", "run_role", "mark_run_failed"]
+    assert [name for name, _ in run.lambdas.calls] == calls
+    # (the run's own role was created before data preparation, and deleted when the run was marked failed)
+    [(_, failed)] = [out for out in run.lambdas.outputs if out[0] == "mark_run_failed"]
+    assert [outcome["role_deleted"] for outcome in failed["runs"]] == [True]
+    assert _run_roles() == []
     [caught] = run.lambdas.called("mark_run_failed")
     assert caught["run_id"] == run.run_id and caught["execution_arn"] == run.described["executionArn"]
     stored = cloud.services.store.get_run(run.run_id)

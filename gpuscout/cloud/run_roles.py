@@ -1,0 +1,164 @@
+"""Each run's own SageMaker execution role: a run's jobs write only that run's output and checkpoints.
+
+A bring-your-own training script (or any package it installs) runs with its job's role and network access. With one
+role for every run, a job could overwrite another run's output archive (the results its recorder reads) or plant a
+checkpoint another run's job resumes from. So the workflow creates a role per run (the "Create run role" step,
+before the first job) and deletes it when the run ends ("Delete run role" after the analysis, and mark_run_failed
+for every other ending):
+
+- its inline policy (RUN_POLICY_NAME) grants the artifacts bucket's ``output/<run_id>/`` and
+  ``checkpoints/<run_id>/`` only;
+- everything else a job needs (the image, logs, metrics, reading sources and prepared data, VPC interfaces, MLflow)
+  is the stack's job runtime managed policy, attached to every run role;
+- the stack's permissions boundary caps the role at what one shared job role would have, so even the function
+  that creates run roles cannot grant a run role more (its CreateRole grant requires that boundary, and it may
+  attach no other managed policy).
+
+Why not one role with session tags (SageMaker's ABAC for multi-tenant training): SageMaker chains session tags from
+the session that calls CreateTrainingJob, and here that is Step Functions' ``.sync`` integration, which passes none;
+hyperparameter tuning jobs take no SessionChainingConfig at all. A role per run covers canaries, jobs and a
+search's trials alike and keeps the ``.sync`` integrations (which stop a run's jobs when its execution is stopped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from gpuscout.cloud.settings import LambdaSettings
+from gpuscout.cloud.step_errors import CloudStepError
+from gpuscout.domain.names import CHECKPOINTS_PREFIX, OUTPUT_PREFIX, RUN_ROLE_NAME_PREFIX
+
+RUN_POLICY_NAME = "run-artifacts"
+SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
+# make_run_id's alphabet (plan.jobs): nothing in a run id can act as an IAM wildcard (* ?) or end a path segment.
+_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_MISSING = {"NoSuchEntity", "NoSuchEntityException"}
+
+
+def _checked_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise CloudStepError(f"run id {run_id!r} is not a gpuscout run id (lowercase letters, digits, hyphens)")
+    return run_id
+
+
+def run_role_name(settings: LambdaSettings, run_id: str) -> str:
+    """``gs-run-<hash>``: IAM role names are unique per account, so the hash covers the stack's role path (one per
+    stack) and the run id; 39 characters, within IAM's 64."""
+    digest = hashlib.sha256(f"{settings.run_role_path}\x00{_checked_run_id(run_id)}".encode()).hexdigest()
+    return f"{RUN_ROLE_NAME_PREFIX}{digest[:32]}"
+
+
+def run_role_arn(settings: LambdaSettings, run_id: str) -> str:
+    name = run_role_name(settings, run_id)
+    return f"arn:{settings.partition}:iam::{settings.account}:role{settings.run_role_path}{name}"
+
+
+def trust_policy(settings: LambdaSettings) -> dict[str, Any]:
+    """SageMaker may assume the role, for jobs of this account and region only (confused-deputy guard)."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": {"Service": SAGEMAKER_SERVICE},
+                "Action": "sts:AssumeRole",
+                "Condition": {
+                    "StringEquals": {"aws:SourceAccount": settings.account},
+                    "ArnLike": {
+                        "aws:SourceArn": f"arn:{settings.partition}:sagemaker:{settings.region}:{settings.account}:*"
+                    },
+                },
+            }
+        ],
+    }
+
+
+def run_policy(settings: LambdaSettings, run_id: str) -> dict[str, Any]:
+    """The run's own prefixes of the artifacts bucket: SageMaker uploads job output under ``output/<run_id>/`` and
+    syncs checkpoints under ``checkpoints/<run_id>/`` both ways (read, write, delete, list)."""
+    run_id = _checked_run_id(run_id)
+    bucket = f"arn:{settings.partition}:s3:::{settings.artifacts_bucket}"
+    prefixes = [f"{prefix}{run_id}/" for prefix in (OUTPUT_PREFIX, CHECKPOINTS_PREFIX)]
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Sid": "RunArtifacts",
+                "Effect": "Allow",
+                "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                "Resource": [f"{bucket}/{prefix}*" for prefix in prefixes],
+            },
+            {
+                "Sid": "ListRunArtifacts",
+                "Effect": "Allow",
+                "Action": "s3:ListBucket",
+                "Resource": bucket,
+                "Condition": {"StringLike": {"s3:prefix": [f"{prefix}*" for prefix in prefixes]}},
+            },
+        ],
+    }
+
+
+def _code(err: ClientError) -> str:
+    return str(err.response.get("Error", {}).get("Code", ""))
+
+
+def create_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> str:
+    """Create the run's role (boundary, runtime policy, the run's prefixes) and return its ARN. Idempotent: a retried
+    step finds the role it created and puts the same policies again."""
+    name = run_role_name(settings, run_id)
+    try:
+        try:
+            iam.create_role(
+                Path=settings.run_role_path,
+                RoleName=name,
+                AssumeRolePolicyDocument=json.dumps(trust_policy(settings)),
+                Description=f"gpuscout run {run_id}: its SageMaker jobs (untrusted code)",
+                MaxSessionDuration=3600,
+                PermissionsBoundary=settings.run_role_boundary_arn,
+                Tags=[{"Key": "gpuscout:run_id", "Value": run_id}],
+            )
+        except ClientError as err:
+            if _code(err) != "EntityAlreadyExists":
+                raise
+            # a retry of this step, or a name clash; the role must be this stack's run role, boundary included
+            existing = iam.get_role(RoleName=name)["Role"]
+            boundary = existing.get("PermissionsBoundary", {}).get("PermissionsBoundaryArn")
+            if existing.get("Path") != settings.run_role_path or boundary != settings.run_role_boundary_arn:
+                raise CloudStepError(
+                    f"role {name} exists but is not this stack's run role for {run_id} (path "
+                    f"{existing.get('Path')}, boundary {boundary})"
+                ) from err
+        iam.attach_role_policy(RoleName=name, PolicyArn=settings.job_runtime_policy_arn)
+        policy = json.dumps(run_policy(settings, run_id))
+        iam.put_role_policy(RoleName=name, PolicyName=RUN_POLICY_NAME, PolicyDocument=policy)
+    except (ClientError, BotoCoreError) as err:
+        raise CloudStepError(f"cannot create the role of run {run_id}: {err}") from err
+    return run_role_arn(settings, run_id)
+
+
+def delete_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> bool:
+    """Delete the run's role (its inline policy, the runtime policy's attachment, the role). True when a role was
+    deleted, False when there was none (never created, or deleted already)."""
+    name = run_role_name(settings, run_id)
+    steps = (
+        lambda: iam.delete_role_policy(RoleName=name, PolicyName=RUN_POLICY_NAME),
+        lambda: iam.detach_role_policy(RoleName=name, PolicyArn=settings.job_runtime_policy_arn),
+        lambda: iam.delete_role(RoleName=name),
+    )
+    deleted = False
+    for step in steps:
+        try:
+            step()
+            deleted = step is steps[-1]
+        except ClientError as err:
+            if _code(err) not in _MISSING:
+                raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
+        except BotoCoreError as err:
+            raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
+    return deleted

@@ -1,0 +1,113 @@
+"""Each run's own SageMaker role (gpuscout.cloud.run_roles), created and deleted against moto IAM."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from gpuscout.cloud import run_roles
+from gpuscout.cloud.settings import LambdaSettings
+from gpuscout.cloud.step_errors import CloudStepError
+
+ACCOUNT = "123456789012"
+
+
+def _settings(iam: Any, path: str = "/gpuscout/Gpuscout/") -> LambdaSettings:
+    document = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket",
+                                                                    "Resource": "*"}]})  # fmt: skip
+    arns = {
+        name: iam.create_policy(PolicyName=f"{name}{path.replace('/', '-')}", PolicyDocument=document)["Policy"]["Arn"]
+        for name in ("runtime", "boundary")
+    }
+    return LambdaSettings.model_validate(
+        {
+            "TABLE_NAME": "gs-table",
+            "DATA_BUCKET": "gs-data",
+            "ARTIFACTS_BUCKET": "gs-artifacts",
+            "PROCESSING_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/gs-processing",
+            "RUN_ROLE_PATH": path,
+            "RUN_ROLE_BOUNDARY_ARN": arns["boundary"],
+            "JOB_RUNTIME_POLICY_ARN": arns["runtime"],
+            "TRAINING_IMAGE_URI": f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/gpuscout:latest",
+            "AWS_REGION": "us-east-1",
+        }
+    )
+
+
+@pytest.fixture
+def iam(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "testing")
+    with mock_aws():
+        yield boto3.client("iam", region_name="us-east-1")
+
+
+def test_a_run_role_has_the_boundary_the_runtime_policy_and_its_runs_prefixes_only(iam: Any) -> None:
+    settings = _settings(iam)
+    arn = run_roles.create_run_role(iam, settings, "demo-0123abcd")
+    name = run_roles.run_role_name(settings, "demo-0123abcd")
+    assert (
+        arn
+        == f"arn:aws:iam::{ACCOUNT}:role/gpuscout/Gpuscout/{name}"
+        == run_roles.run_role_arn(settings, "demo-0123abcd")
+    )
+    assert name.startswith("gs-run-") and len(name) == 39
+    role = iam.get_role(RoleName=name)["Role"]
+    assert role["Path"] == "/gpuscout/Gpuscout/"
+    assert role["PermissionsBoundary"]["PermissionsBoundaryArn"] == settings.run_role_boundary_arn
+    assert role["AssumeRolePolicyDocument"] == run_roles.trust_policy(settings)
+    assert {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=name)["Tags"]} == {
+        "gpuscout:run_id": "demo-0123abcd"
+    }
+    attached = iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]
+    assert [p["PolicyArn"] for p in attached] == [settings.job_runtime_policy_arn]
+    assert iam.list_role_policies(RoleName=name)["PolicyNames"] == [run_roles.RUN_POLICY_NAME]
+    inline = iam.get_role_policy(RoleName=name, PolicyName=run_roles.RUN_POLICY_NAME)["PolicyDocument"]
+    assert inline == run_roles.run_policy(settings, "demo-0123abcd")
+    assert "output/demo-0123abcd/" in json.dumps(inline) and "output/*" not in json.dumps(inline)
+
+
+def test_creating_again_is_a_retry_and_deleting_leaves_nothing(iam: Any) -> None:
+    settings = _settings(iam)
+    first = run_roles.create_run_role(iam, settings, "demo-0123abcd")
+    assert run_roles.create_run_role(iam, settings, "demo-0123abcd") == first  # a retried step
+    assert len(iam.list_roles(PathPrefix="/gpuscout/")["Roles"]) == 1
+    assert run_roles.delete_run_role(iam, settings, "demo-0123abcd") is True
+    assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []
+    # deleting again (the analysis' step, then mark_run_failed) or a role never created: nothing to do
+    assert run_roles.delete_run_role(iam, settings, "demo-0123abcd") is False
+    assert run_roles.delete_run_role(iam, settings, "never-created") is False
+    # the runtime policy itself stays (the stack owns it)
+    assert iam.get_policy(PolicyArn=settings.job_runtime_policy_arn)["Policy"]["Arn"] == settings.job_runtime_policy_arn
+
+
+def test_two_stacks_in_one_account_never_share_a_run_role(iam: Any) -> None:
+    one, other = _settings(iam), _settings(iam, path="/gpuscout/GpuscoutStaging/")
+    assert run_roles.run_role_name(one, "demo-0123abcd") != run_roles.run_role_name(other, "demo-0123abcd")
+    run_roles.create_run_role(iam, one, "demo-0123abcd")
+    run_roles.create_run_role(iam, other, "demo-0123abcd")
+    assert len(iam.list_roles(PathPrefix="/gpuscout/")["Roles"]) == 2
+
+
+def test_a_role_of_that_name_without_the_boundary_is_not_taken_over(iam: Any) -> None:
+    settings = _settings(iam)
+    name = run_roles.run_role_name(settings, "demo-0123abcd")
+    iam.create_role(Path="/gpuscout/Gpuscout/", RoleName=name, AssumeRolePolicyDocument=json.dumps({}))
+    with pytest.raises(CloudStepError, match="not this stack's run role"):
+        run_roles.create_run_role(iam, settings, "demo-0123abcd")
+    assert iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"] == []
+
+
+@pytest.mark.parametrize("run_id", ["", "Demo", "demo/../x", "demo*", "demo?", "-demo", "x" * 64])
+def test_only_a_gpuscout_run_id_goes_into_a_policy(iam: Any, run_id: str) -> None:
+    settings = _settings(iam)
+    with pytest.raises(CloudStepError, match="is not a gpuscout run id"):
+        run_roles.run_policy(settings, run_id)
+    with pytest.raises(CloudStepError, match="is not a gpuscout run id"):
+        run_roles.create_run_role(iam, settings, run_id)
+    assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []
