@@ -481,20 +481,21 @@ class GpuscoutStack(Stack):
 
         run_roles = (
             "Resource::arn:<AWS::Partition>:iam::<AWS::AccountId>:"
-            f"role{RUN_ROLE_PATH_PREFIX}<AWS::StackName>/{RUN_ROLE_NAME_PREFIX}*"
+            f"role{RUN_ROLE_PATH_PREFIX}<AWS::Region>/<AWS::StackName>/{RUN_ROLE_NAME_PREFIX}*"
         )
         acknowledge(
             lambdas["run_role"],
             f"AwsSolutions-IAM5[{run_roles}]",
             "Creates and deletes each run's own role for its SageMaker jobs, named from the run id at run time, "
-            "under this stack's path only; CreateRole only with the stack's permissions boundary, AttachRolePolicy "
-            "only of the job runtime policy.",
+            "under this stack's path only; CreateRole, PutRolePolicy and policy removal only on roles with the "
+            "stack's permissions boundary, AttachRolePolicy only of the job runtime policy.",
         )
         acknowledge(
             lambdas["mark_run_failed"],
             f"AwsSolutions-IAM5[{run_roles}]",
             "Deletes the own role of a run that ended failed, timed out or aborted (named from the run id at run "
-            "time, under this stack's path only): DeleteRolePolicy, DetachRolePolicy and DeleteRole only.",
+            "time, under this stack's path only): lists and removes its policies (only of roles with this stack's "
+            "boundary), then DeleteRole.",
         )
         acknowledge(
             self.roles.state_machine,

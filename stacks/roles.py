@@ -79,7 +79,7 @@ class Roles(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         # each run's own role for its SageMaker jobs (gpuscout.cloud.run_roles): created per run under this path
-        self.run_role_path = f"{RUN_ROLE_PATH_PREFIX}{Aws.STACK_NAME}/"
+        self.run_role_path = f"{RUN_ROLE_PATH_PREFIX}{Aws.REGION}/{Aws.STACK_NAME}/"
         self.run_roles_arn = (
             f"arn:{Aws.PARTITION}:iam::{Aws.ACCOUNT_ID}:role{self.run_role_path}{RUN_ROLE_NAME_PREFIX}*"
         )
@@ -240,36 +240,49 @@ class Roles(Construct):
         )
 
     def run_role_statements(self, *, create: bool) -> list[iam.PolicyStatement]:
-        """IAM calls on this stack's run roles (path /gpuscout/<stack name>/, names gs-run-*): deleting them (the
-        run_role function and mark_run_failed), and with ``create`` creating them (the run_role function), only
-        with the boundary and attaching only the job runtime policy. Neither a boundary's removal nor a trust
-        policy's update is granted."""
+        """IAM calls on this stack's run roles (path /gpuscout/<region>/<stack name>/, names gs-run-*): deleting them
+        (the run_role function and mark_run_failed), and with ``create`` creating them (the run_role function), only
+        with the boundary and attaching only the job runtime policy. Every policy change is conditioned on the role
+        carrying this stack's boundary (iam:PermissionsBoundary, as AWS's delegated-administration example does).
+        Neither a boundary's removal nor a trust policy's update is granted."""
+        with_boundary = {"StringEquals": {"iam:PermissionsBoundary": self.run_role_boundary.managed_policy_arn}}
         statements = [
             iam.PolicyStatement(
-                sid="DeleteRunRoles",
-                actions=["iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole"],
+                sid="DeleteRunRolePolicies",
+                actions=["iam:DeleteRolePolicy", "iam:DetachRolePolicy"],
                 resources=[self.run_roles_arn],
-            )
+                conditions=with_boundary,
+            ),
+            iam.PolicyStatement(
+                sid="DeleteRunRoles",
+                # the policies listed to be removed first; DeleteRole takes no boundary condition (it fails while a
+                # policy is left, and only this stack's boundary-carrying roles' policies can be removed)
+                actions=["iam:ListRolePolicies", "iam:ListAttachedRolePolicies", "iam:DeleteRole"],
+                resources=[self.run_roles_arn],
+            ),
         ]
         if create:
             statements += [
                 iam.PolicyStatement(
                     sid="CreateRunRolesWithTheBoundary",
-                    actions=["iam:CreateRole"],
+                    actions=["iam:CreateRole", "iam:PutRolePolicy"],
                     resources=[self.run_roles_arn],
-                    conditions={"StringEquals": {"iam:PermissionsBoundary": self.run_role_boundary.managed_policy_arn}},
+                    conditions=with_boundary,
                 ),
                 iam.PolicyStatement(
-                    sid="WriteRunRoles",
+                    sid="TagAndReadRunRoles",
                     # TagRole: CreateRole's Tags; GetRole: a retried create checks the role it finds
-                    actions=["iam:PutRolePolicy", "iam:TagRole", "iam:GetRole"],
+                    actions=["iam:TagRole", "iam:GetRole"],
                     resources=[self.run_roles_arn],
                 ),
                 iam.PolicyStatement(
                     sid="AttachTheJobRuntimePolicyOnly",
                     actions=["iam:AttachRolePolicy"],
                     resources=[self.run_roles_arn],
-                    conditions={"ArnEquals": {"iam:PolicyARN": self.job_runtime_policy.managed_policy_arn}},
+                    conditions={
+                        **with_boundary,
+                        "ArnEquals": {"iam:PolicyARN": self.job_runtime_policy.managed_policy_arn},
+                    },
                 ),
             ]
         return statements

@@ -25,7 +25,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -47,8 +50,8 @@ def _checked_run_id(run_id: str) -> str:
 
 
 def run_role_name(settings: LambdaSettings, run_id: str) -> str:
-    """``gs-run-<hash>``: IAM role names are unique per account, so the hash covers the stack's role path (one per
-    stack) and the run id; 39 characters, within IAM's 64."""
+    """``gs-run-<hash>``: IAM role names are unique per account (IAM is global), so the hash covers the stack's role
+    path (one per stack and region) and the run id; 39 characters, within IAM's 64."""
     digest = hashlib.sha256(f"{settings.run_role_path}\x00{_checked_run_id(run_id)}".encode()).hexdigest()
     return f"{RUN_ROLE_NAME_PREFIX}{digest[:32]}"
 
@@ -108,10 +111,15 @@ def _code(err: ClientError) -> str:
     return str(err.response.get("Error", {}).get("Code", ""))
 
 
-def create_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> str:
+def create_run_role(
+    iam: Any, settings: LambdaSettings, run_id: str, *, sleep: Callable[[float], None] = time.sleep
+) -> str:
     """Create the run's role (boundary, runtime policy, the run's prefixes) and return its ARN. Idempotent: a retried
-    step finds the role it created and puts the same policies again."""
+    step finds the role it created and puts the same policies again. A new role reaches SageMaker only after IAM's
+    propagation delay (AWS: "not immediately visible"), and the first CreateTrainingJob may follow within seconds, so
+    a newly created role is returned after ``settings.run_role_propagation_s``."""
     name = run_role_name(settings, run_id)
+    created = False
     try:
         try:
             iam.create_role(
@@ -123,42 +131,49 @@ def create_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> str:
                 PermissionsBoundary=settings.run_role_boundary_arn,
                 Tags=[{"Key": "gpuscout:run_id", "Value": run_id}],
             )
+            created = True
         except ClientError as err:
             if _code(err) != "EntityAlreadyExists":
                 raise
-            # a retry of this step, or a name clash; the role must be this stack's run role, boundary included
+            # a retry of this step, or a name clash: the role must be this stack's run role, boundary and trust included
             existing = iam.get_role(RoleName=name)["Role"]
             boundary = existing.get("PermissionsBoundary", {}).get("PermissionsBoundaryArn")
-            if existing.get("Path") != settings.run_role_path or boundary != settings.run_role_boundary_arn:
+            trust = existing.get("AssumeRolePolicyDocument")
+            trust = json.loads(unquote(trust)) if isinstance(trust, str) else trust
+            if (existing.get("Path"), boundary, trust) != (
+                settings.run_role_path,
+                settings.run_role_boundary_arn,
+                trust_policy(settings),
+            ):
                 raise CloudStepError(
                     f"role {name} exists but is not this stack's run role for {run_id} (path "
-                    f"{existing.get('Path')}, boundary {boundary})"
+                    f"{existing.get('Path')}, boundary {boundary}, or its trust policy differs)"
                 ) from err
         iam.attach_role_policy(RoleName=name, PolicyArn=settings.job_runtime_policy_arn)
         policy = json.dumps(run_policy(settings, run_id))
         iam.put_role_policy(RoleName=name, PolicyName=RUN_POLICY_NAME, PolicyDocument=policy)
     except (ClientError, BotoCoreError) as err:
         raise CloudStepError(f"cannot create the role of run {run_id}: {err}") from err
+    if created and settings.run_role_propagation_s > 0:
+        sleep(settings.run_role_propagation_s)
     return run_role_arn(settings, run_id)
 
 
 def delete_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> bool:
-    """Delete the run's role (its inline policy, the runtime policy's attachment, the role). True when a role was
-    deleted, False when there was none (never created, or deleted already)."""
+    """Delete the run's role: every inline policy and managed attachment it has (listed, so a runtime policy the stack
+    replaced since is detached too), then the role. True when a role was deleted, False when there was none (never
+    created, or deleted already)."""
     name = run_role_name(settings, run_id)
-    steps = (
-        lambda: iam.delete_role_policy(RoleName=name, PolicyName=RUN_POLICY_NAME),
-        lambda: iam.detach_role_policy(RoleName=name, PolicyArn=settings.job_runtime_policy_arn),
-        lambda: iam.delete_role(RoleName=name),
-    )
-    deleted = False
-    for step in steps:
-        try:
-            step()
-            deleted = step is steps[-1]
-        except ClientError as err:
-            if _code(err) not in _MISSING:
-                raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
-        except BotoCoreError as err:
-            raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
-    return deleted
+    try:
+        for policy in iam.list_role_policies(RoleName=name)["PolicyNames"]:
+            iam.delete_role_policy(RoleName=name, PolicyName=policy)
+        for attached in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]:
+            iam.detach_role_policy(RoleName=name, PolicyArn=attached["PolicyArn"])
+        iam.delete_role(RoleName=name)
+    except ClientError as err:
+        if _code(err) in _MISSING:
+            return False
+        raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
+    except BotoCoreError as err:
+        raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
+    return True

@@ -29,7 +29,12 @@ class LambdaSettings(BaseModel):
     # code) get a role of their own, created under this path with this boundary and runtime policy
     # (gpuscout.cloud.run_roles, stacks/roles.py)
     processing_role_arn: str = Field(alias="PROCESSING_ROLE_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+")
-    run_role_path: str = Field(alias="RUN_ROLE_PATH", pattern=r"^/gpuscout/[A-Za-z][A-Za-z0-9-]{0,127}/$")
+    # /gpuscout/<region>/<stack name>/: IAM is global, so two stacks of one name in two regions get two paths
+    run_role_path: str = Field(
+        alias="RUN_ROLE_PATH", pattern=r"^/gpuscout/[a-z0-9-]{1,32}/[A-Za-z][A-Za-z0-9-]{0,127}/$"
+    )
+    # seconds a newly created run role is given to propagate before the first job is created with it
+    run_role_propagation_s: float = Field(alias="RUN_ROLE_PROPAGATION_SECONDS", default=15.0, ge=0, le=60)
     run_role_boundary_arn: str = Field(alias="RUN_ROLE_BOUNDARY_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:policy/.+")
     job_runtime_policy_arn: str = Field(
         alias="JOB_RUNTIME_POLICY_ARN", pattern=r"^arn:aws[a-z-]*:iam::\d{12}:policy/.+"

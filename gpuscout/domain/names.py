@@ -29,6 +29,6 @@ SEARCH_PREFIX = "search/"  # search/<run_id>/<tuning job>.json: a settings searc
 JOB_NAME_PREFIX = "gs-"
 
 # -- IAM: each run's own role for its SageMaker jobs (gpuscout.cloud.run_roles) is named so, under the path
-# /gpuscout/<stack name>/; the stack's grants to create, pass and delete run roles cover these names only.
+# /gpuscout/<region>/<stack name>/; the stack's grants to create, pass and delete run roles cover these names only.
 RUN_ROLE_NAME_PREFIX = f"{JOB_NAME_PREFIX}run-"
 RUN_ROLE_PATH_PREFIX = "/gpuscout/"

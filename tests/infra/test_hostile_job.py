@@ -111,9 +111,10 @@ def _settings(*, runtime: str, boundary: str) -> LambdaSettings:
             "DATA_BUCKET": DATA,
             "ARTIFACTS_BUCKET": ARTIFACTS,
             "PROCESSING_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/processing",
-            "RUN_ROLE_PATH": "/gpuscout/Gpuscout/",
+            "RUN_ROLE_PATH": "/gpuscout/us-east-1/Gpuscout/",
             "RUN_ROLE_BOUNDARY_ARN": boundary,
             "JOB_RUNTIME_POLICY_ARN": runtime,
+            "RUN_ROLE_PROPAGATION_SECONDS": "0",
             "TRAINING_IMAGE_URI": f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/gpuscout:latest",
             "AWS_REGION": REGION,
         }

@@ -49,6 +49,8 @@ RUN_ROLES_ARN = {
             ":iam::",
             {"Ref": "AWS::AccountId"},
             ":role/gpuscout/",
+            {"Ref": "AWS::Region"},
+            "/",
             {"Ref": "AWS::StackName"},
             "/gs-run-*",
         ],
@@ -226,7 +228,7 @@ SETTINGS = LambdaSettings.model_validate(
         "DATA_BUCKET": "gs-data",
         "ARTIFACTS_BUCKET": "gs-artifacts",
         "PROCESSING_ROLE_ARN": "arn:aws:iam::123456789012:role/gs-processing",
-        "RUN_ROLE_PATH": "/gpuscout/Gpuscout/",
+        "RUN_ROLE_PATH": "/gpuscout/us-east-1/Gpuscout/",
         "RUN_ROLE_BOUNDARY_ARN": "arn:aws:iam::123456789012:policy/gs-boundary",
         "JOB_RUNTIME_POLICY_ARN": "arn:aws:iam::123456789012:policy/gs-runtime",
         "TRAINING_IMAGE_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout:latest",
@@ -318,13 +320,22 @@ def test_only_the_run_role_function_creates_run_roles_with_the_boundary_and_the_
                 iam_grants.setdefault(name, {})[statement["Sid"]] = statement
     assert set(iam_grants) == {"run_role", "mark_run_failed", "state_machine"}
     create = iam_grants["run_role"]
-    assert create["CreateRunRolesWithTheBoundary"]["Action"] == "iam:CreateRole"
-    assert create["CreateRunRolesWithTheBoundary"]["Condition"] == {
-        "StringEquals": {"iam:PermissionsBoundary": boundary}
-    }
+    with_boundary = {"StringEquals": {"iam:PermissionsBoundary": boundary}}
+    # a role is created, its inline policy put, and any policy removed only where it carries this stack's boundary
+    assert as_list(create["CreateRunRolesWithTheBoundary"]["Action"]) == ["iam:CreateRole", "iam:PutRolePolicy"]
+    assert create["CreateRunRolesWithTheBoundary"]["Condition"] == with_boundary
     assert create["AttachTheJobRuntimePolicyOnly"]["Action"] == "iam:AttachRolePolicy"
-    assert create["AttachTheJobRuntimePolicyOnly"]["Condition"] == {"ArnEquals": {"iam:PolicyARN": runtime}}
+    assert create["AttachTheJobRuntimePolicyOnly"]["Condition"] == {
+        **with_boundary, "ArnEquals": {"iam:PolicyARN": runtime}
+    }  # fmt: skip
+    for grants in (create, iam_grants["mark_run_failed"]):
+        assert grants["DeleteRunRolePolicies"]["Condition"] == with_boundary
+        assert set(as_list(grants["DeleteRunRolePolicies"]["Action"])) == {
+            "iam:DeleteRolePolicy",
+            "iam:DetachRolePolicy",
+        }
     granted = {a for s in create.values() for a in as_list(s["Action"])}
+    listing = {"iam:ListRolePolicies", "iam:ListAttachedRolePolicies"}
     assert granted == {
         "iam:CreateRole",
         "iam:PutRolePolicy",
@@ -334,9 +345,10 @@ def test_only_the_run_role_function_creates_run_roles_with_the_boundary_and_the_
         "iam:DeleteRolePolicy",
         "iam:DetachRolePolicy",
         "iam:DeleteRole",
+        *listing,
     }  # fmt: skip  (no boundary removal, no trust policy update, no other role)
     deleting = {a for s in iam_grants["mark_run_failed"].values() for a in as_list(s["Action"])}
-    assert deleting == {"iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole"}
+    assert deleting == {"iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole", *listing}
     for statements in (create, iam_grants["mark_run_failed"]):
         assert all(s["Resource"] == RUN_ROLES_ARN for s in statements.values())
     assert [s["Action"] for s in iam_grants["state_machine"].values()] == ["iam:PassRole"]
@@ -419,7 +431,10 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     # publishes the run summary of a run that failed before its analysis (the topic and its key only) and deletes
     # the run's own role (test_only_the_run_role_function_creates_run_roles_... checks on which roles).
     publish = {"sns:Publish", "kms:Decrypt", "kms:GenerateDataKey*"}
-    delete_role = {"iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole"}
+    delete_role = {
+        "iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole", "iam:ListRolePolicies",
+        "iam:ListAttachedRolePolicies",
+    }  # fmt: skip
     assert set(actions_of("mark_run_failed")) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | publish | delete_role
     topic = synthesized.logical_id(synthesized.stack.notifications.topic)
     assert actions_of("mark_run_failed")["sns:Publish"] == json.dumps({"Ref": topic})

@@ -473,7 +473,9 @@ def test_functions_runtime_tracing_environment(synthesized: Synthesized) -> None
         assert env["POWERTOOLS_SERVICE_NAME"] == "gpuscout"
         assert env["POWERTOOLS_METRICS_NAMESPACE"] == "gpuscout"
         roles = synthesized.stack.roles
-        assert env["RUN_ROLE_PATH"] == {"Fn::Join": ["", ["/gpuscout/", {"Ref": "AWS::StackName"}, "/"]]}
+        assert env["RUN_ROLE_PATH"] == {
+            "Fn::Join": ["", ["/gpuscout/", {"Ref": "AWS::Region"}, "/", {"Ref": "AWS::StackName"}, "/"]]
+        }
         assert env["RUN_ROLE_BOUNDARY_ARN"] == {"Ref": synthesized.logical_id(roles.run_role_boundary)}
         assert env["JOB_RUNTIME_POLICY_ARN"] == {"Ref": synthesized.logical_id(roles.job_runtime_policy)}
         assert env["PROCESSING_ROLE_ARN"] == {

@@ -30,7 +30,7 @@ REGION = "us-east-1"
 TABLE = "gpuscout-results"
 DATA_BUCKET = "gpuscout-data-123456789012"
 ARTIFACTS_BUCKET = "gpuscout-artifacts-123456789012"
-RUN_ROLE_PATH = "/gpuscout/Gpuscout/"
+RUN_ROLE_PATH = "/gpuscout/us-east-1/Gpuscout/"
 PROCESSING_ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-processing"
 IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/gpuscout-training:3f2c1a"
 
@@ -46,6 +46,7 @@ ENVIRONMENT = {
     "RUN_ROLE_PATH": RUN_ROLE_PATH,
     "RUN_ROLE_BOUNDARY_ARN": "arn:aws:iam::123456789012:policy/gpuscout-run-role-boundary",
     "JOB_RUNTIME_POLICY_ARN": "arn:aws:iam::123456789012:policy/gpuscout-job-runtime",
+    "RUN_ROLE_PROPAGATION_SECONDS": "0",  # moto's IAM is consistent at once
     "TRAINING_IMAGE_URI": IMAGE_URI,
     "PROCESSING_INSTANCE_TYPE": "ml.m5.xlarge",
     "ALLOWED_INSTANCE_TYPES": "ml.g5.8xlarge,ml.g5.12xlarge,ml.p4d.24xlarge,ml.p5.48xlarge",

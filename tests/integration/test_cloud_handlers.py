@@ -575,7 +575,7 @@ def test_the_plans_state_stays_small_and_its_requests_go_to_s3(cloud: Cloud) -> 
         update={
             "training_image_uri": "123456789012.dkr.ecr.ap-southeast-2.amazonaws.com/cdk-hnb659fds-container-assets-"
             "123456789012-ap-southeast-2:" + "f" * 64,
-            "run_role_path": "/gpuscout/GpuscoutProductionEuWest1/",
+            "run_role_path": "/gpuscout/ap-southeast-2/GpuscoutProductionEuWest1/",
         }
     )
     text = wide_manifest(variants=25, repetitions=3)

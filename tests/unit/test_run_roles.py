@@ -17,7 +17,7 @@ from gpuscout.cloud.step_errors import CloudStepError
 ACCOUNT = "123456789012"
 
 
-def _settings(iam: Any, path: str = "/gpuscout/Gpuscout/") -> LambdaSettings:
+def _settings(iam: Any, path: str = "/gpuscout/us-east-1/Gpuscout/") -> LambdaSettings:
     document = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket",
                                                                     "Resource": "*"}]})  # fmt: skip
     arns = {
@@ -49,16 +49,19 @@ def iam(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def test_a_run_role_has_the_boundary_the_runtime_policy_and_its_runs_prefixes_only(iam: Any) -> None:
     settings = _settings(iam)
-    arn = run_roles.create_run_role(iam, settings, "demo-0123abcd")
+    waited: list[float] = []
+    arn = run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=waited.append)
+    # a new role is given IAM's propagation delay before the first job is created with it
+    assert waited == [settings.run_role_propagation_s] == [15.0]
     name = run_roles.run_role_name(settings, "demo-0123abcd")
     assert (
         arn
-        == f"arn:aws:iam::{ACCOUNT}:role/gpuscout/Gpuscout/{name}"
+        == f"arn:aws:iam::{ACCOUNT}:role/gpuscout/us-east-1/Gpuscout/{name}"
         == run_roles.run_role_arn(settings, "demo-0123abcd")
     )
     assert name.startswith("gs-run-") and len(name) == 39
     role = iam.get_role(RoleName=name)["Role"]
-    assert role["Path"] == "/gpuscout/Gpuscout/"
+    assert role["Path"] == "/gpuscout/us-east-1/Gpuscout/"
     assert role["PermissionsBoundary"]["PermissionsBoundaryArn"] == settings.run_role_boundary_arn
     assert role["AssumeRolePolicyDocument"] == run_roles.trust_policy(settings)
     assert {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=name)["Tags"]} == {
@@ -74,31 +77,52 @@ def test_a_run_role_has_the_boundary_the_runtime_policy_and_its_runs_prefixes_on
 
 def test_creating_again_is_a_retry_and_deleting_leaves_nothing(iam: Any) -> None:
     settings = _settings(iam)
-    first = run_roles.create_run_role(iam, settings, "demo-0123abcd")
-    assert run_roles.create_run_role(iam, settings, "demo-0123abcd") == first  # a retried step
+    waited: list[float] = []
+    first = run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=waited.append)
+    assert run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=waited.append) == first  # a retried step
+    assert len(waited) == 1  # the role found by the retry has propagated already
     assert len(iam.list_roles(PathPrefix="/gpuscout/")["Roles"]) == 1
     assert run_roles.delete_run_role(iam, settings, "demo-0123abcd") is True
     assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []
     # deleting again (the analysis' step, then mark_run_failed) or a role never created: nothing to do
     assert run_roles.delete_run_role(iam, settings, "demo-0123abcd") is False
     assert run_roles.delete_run_role(iam, settings, "never-created") is False
+    # a role whose runtime policy the stack has since replaced: what it has attached is detached, whatever its ARN
+    run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=lambda _: None)
+    name = run_roles.run_role_name(settings, "demo-0123abcd")
+    older = iam.create_policy(
+        PolicyName="runtime-before", PolicyDocument=json.dumps(run_roles.run_policy(settings, "x"))
+    )
+    iam.attach_role_policy(RoleName=name, PolicyArn=older["Policy"]["Arn"])
+    assert run_roles.delete_run_role(iam, settings, "demo-0123abcd") is True
     # the runtime policy itself stays (the stack owns it)
     assert iam.get_policy(PolicyArn=settings.job_runtime_policy_arn)["Policy"]["Arn"] == settings.job_runtime_policy_arn
 
 
 def test_two_stacks_in_one_account_never_share_a_run_role(iam: Any) -> None:
-    one, other = _settings(iam), _settings(iam, path="/gpuscout/GpuscoutStaging/")
+    # another stack name, or the same stack name in another region (IAM is global; the path names both)
+    one, other = _settings(iam), _settings(iam, path="/gpuscout/eu-west-1/Gpuscout/")
     assert run_roles.run_role_name(one, "demo-0123abcd") != run_roles.run_role_name(other, "demo-0123abcd")
-    run_roles.create_run_role(iam, one, "demo-0123abcd")
-    run_roles.create_run_role(iam, other, "demo-0123abcd")
+    run_roles.create_run_role(iam, one, "demo-0123abcd", sleep=lambda _: None)
+    run_roles.create_run_role(iam, other, "demo-0123abcd", sleep=lambda _: None)
     assert len(iam.list_roles(PathPrefix="/gpuscout/")["Roles"]) == 2
 
 
 def test_a_role_of_that_name_without_the_boundary_is_not_taken_over(iam: Any) -> None:
     settings = _settings(iam)
     name = run_roles.run_role_name(settings, "demo-0123abcd")
-    iam.create_role(Path="/gpuscout/Gpuscout/", RoleName=name, AssumeRolePolicyDocument=json.dumps({}))
+    iam.create_role(Path="/gpuscout/us-east-1/Gpuscout/", RoleName=name, AssumeRolePolicyDocument=json.dumps({}))
     with pytest.raises(CloudStepError, match="not this stack's run role"):
+        run_roles.create_run_role(iam, settings, "demo-0123abcd")
+    assert iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"] == []
+    # nor one with this stack's boundary that trusts someone else
+    iam.delete_role(RoleName=name)
+    outsider = {"AWS": "arn:aws:iam::999999999999:root"}
+    foreign = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                       "Principal": outsider}]}  # fmt: skip
+    iam.create_role(Path="/gpuscout/us-east-1/Gpuscout/", RoleName=name, AssumeRolePolicyDocument=json.dumps(foreign),
+                    PermissionsBoundary=settings.run_role_boundary_arn)  # fmt: skip
+    with pytest.raises(CloudStepError, match="trust policy differs"):
         run_roles.create_run_role(iam, settings, "demo-0123abcd")
     assert iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"] == []
 
