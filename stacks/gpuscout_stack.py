@@ -342,6 +342,8 @@ class GpuscoutStack(Stack):
             lambdas["run_role"].add_to_policy(statement)
         for statement in self.roles.run_role_statements(create=False):
             lambdas["mark_run_failed"].add_to_policy(statement)
+        for statement in self.roles.sweep_statements():  # what runs leave behind, every budget check
+            lambdas["budget_guard"].add_to_policy(statement)
         # The run summary: analyze_run for an analysed run, mark_run_failed for a run that failed before it.
         for name in RUN_SUMMARY_PUBLISHERS:
             self.notifications.topic.grant_publish(lambdas[name])
@@ -384,6 +386,8 @@ class GpuscoutStack(Stack):
         for name, role in lambdas.items():
             extra = {
                 "analyze_run": "; pricing:GetProducts (AWS Price List API) has no resource-level permissions",
+                "budget_guard": "; iam:ListRoles (the sweep of run roles left behind, listed by this stack's path "
+                "prefix) has no resource-level permissions",
                 "validate_manifest": "; servicequotas:ListServiceQuotas, ListAWSDefaultServiceQuotas and "
                 "GetServiceQuota (the quota pre-flight reads the account's SageMaker quotas) have no resource-level "
                 "permissions",
@@ -496,6 +500,12 @@ class GpuscoutStack(Stack):
             "Deletes the own role of a run that ended failed, timed out or aborted (named from the run id at run "
             "time, under this stack's path only): lists and removes its policies (only of roles with this stack's "
             "boundary), then DeleteRole.",
+        )
+        acknowledge(
+            lambdas["budget_guard"],
+            f"AwsSolutions-IAM5[{run_roles}]",
+            "Sweeps the run roles runs left behind (named from run ids at run time, under this stack's path only): "
+            "reads their tags, removes their policies (only of roles with this stack's boundary), then DeleteRole.",
         )
         acknowledge(
             self.roles.state_machine,

@@ -239,6 +239,16 @@ class Roles(Construct):
             statements=[*(iam.PolicyStatement.from_json(st.to_json()) for st in runtime), *any_run_artifacts],
         )
 
+    def sweep_statements(self) -> list[iam.PolicyStatement]:
+        """The scheduled sweep of run roles left behind (budget_guard): list this stack's run roles and their tags,
+        then delete like mark_run_failed."""
+        return [
+            # ListRoles takes no resource (IAM's service authorization reference): the path prefix is in the call
+            iam.PolicyStatement(sid="ListRoles", actions=["iam:ListRoles"], resources=["*"]),
+            iam.PolicyStatement(sid="ReadRunRoleTags", actions=["iam:ListRoleTags"], resources=[self.run_roles_arn]),
+            *self.run_role_statements(create=False),
+        ]
+
     def run_role_statements(self, *, create: bool) -> list[iam.PolicyStatement]:
         """IAM calls on this stack's run roles (path /gpuscout/<region>/<stack name>/, names gs-run-*): deleting them
         (the run_role function and mark_run_failed), and with ``create`` creating them (the run_role function), only

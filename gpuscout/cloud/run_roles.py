@@ -27,6 +27,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import unquote
 
@@ -35,8 +36,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpuscout.cloud.settings import LambdaSettings
 from gpuscout.cloud.step_errors import CloudStepError
 from gpuscout.domain.names import CHECKPOINTS_PREFIX, OUTPUT_PREFIX, RUN_ROLE_NAME_PREFIX
+from gpuscout.errors import RunNotFoundError
+from gpuscout.store.base import FINAL_RUN_STATUSES, ResultStore
 
 RUN_POLICY_NAME = "run-artifacts"
+RUN_ID_TAG = "gpuscout:run_id"  # on each run role: which run it is (the sweep reads it)
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 # make_run_id's alphabet (plan.jobs): nothing in a run id can act as an IAM wildcard (* ?) or end a path segment.
 _RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -129,7 +133,7 @@ def create_run_role(
                 Description=f"gpuscout run {run_id}: its SageMaker jobs (untrusted code)",
                 MaxSessionDuration=3600,
                 PermissionsBoundary=settings.run_role_boundary_arn,
-                Tags=[{"Key": "gpuscout:run_id", "Value": run_id}],
+                Tags=[{"Key": RUN_ID_TAG, "Value": run_id}],
             )
             created = True
         except ClientError as err:
@@ -177,3 +181,41 @@ def delete_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> bool:
     except BotoCoreError as err:
         raise CloudStepError(f"cannot delete the role of run {run_id}: {err}") from err
     return True
+
+
+# How long after its run ended a run role may still be left before the sweep deletes it: the workflow's own
+# "Delete run role" step and mark_run_failed come first; a run the budget guard STOPPED still stops its jobs.
+LEFT_ROLE_GRACE = timedelta(hours=1)
+
+
+def sweep_run_roles(iam: Any, store: ResultStore, settings: LambdaSettings, *, now: datetime) -> list[str]:
+    """Delete the run roles left behind: those under this stack's path whose run ended (a final status) more than
+    LEFT_ROLE_GRACE ago, or whose run is unknown and that are older than that (what a "Delete run role" that failed
+    after its retries, or an execution stopped while its role was created, leaves). A role left would keep the
+    runtime policy attached, which also keeps ``cdk destroy`` from deleting it. Returns the runs whose role went."""
+    swept: list[str] = []
+    try:
+        for page in iam.get_paginator("list_roles").paginate(PathPrefix=settings.run_role_path):
+            for role in page["Roles"]:
+                tags = {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=role["RoleName"])["Tags"]}
+                run_id = tags.get(RUN_ID_TAG, "")
+                if not _RUN_ID.match(run_id) or run_role_name(settings, run_id) != role["RoleName"]:
+                    continue  # not a run role this code created
+                try:
+                    run = store.get_run(run_id)
+                    ended: datetime | None = run.updated_at if run.status in FINAL_RUN_STATUSES else None
+                except RunNotFoundError:
+                    ended = role["CreateDate"]
+                if (
+                    ended is not None
+                    and now - _aware(ended) > LEFT_ROLE_GRACE
+                    and delete_run_role(iam, settings, run_id)
+                ):
+                    swept.append(run_id)
+    except (ClientError, BotoCoreError) as err:
+        raise CloudStepError(f"cannot list the run roles under {settings.run_role_path}: {err}") from err
+    return swept
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

@@ -5,6 +5,8 @@ it projects every running run's spend to now and stops the jobs of a run whose p
 marking the run STOPPED (gpuscout.cloud.budget_guard.check_budgets; idempotent: a stopped run is not read again).
 Emits RunsStoppedOverBudget (Count: the runs this check stopped) and logs each stop. A run whose jobs could not be
 stopped fails the invocation after every other run was checked, so it is retried and the error alarm fires.
+It then deletes the run roles runs left behind (gpuscout.cloud.run_roles.sweep_run_roles): ``swept_run_roles`` lists
+their runs, or says why the sweep failed (retried at the next check).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Field
 
-from gpuscout.cloud import control_plane
+from gpuscout.cloud import control_plane, run_roles
 from gpuscout.cloud.budget_guard import BudgetCheckError, check_budgets
+from gpuscout.cloud.step_errors import CloudStepError
 
 logger = Logger()
 tracer = Tracer()
@@ -52,6 +55,16 @@ def handler(event: ScheduledEvent, context: LambdaContext) -> dict[str, Any]:
     for run in stopped:
         logger.warning("budget guard stopped a run over budget", extra=run.model_dump(mode="json"))
     logger.info("budget check done", extra={"runs_checked": len(outcome.runs), "runs_stopped": len(stopped)})
+    # the run roles a run left behind (run_roles.sweep_run_roles); a failed sweep is retried at the next check
+    try:
+        swept: list[str] | str = run_roles.sweep_run_roles(
+            services.iam, services.store, services.settings, now=datetime.now(UTC)
+        )
+    except CloudStepError as err:
+        logger.error("run roles not swept", extra={"reason": str(err)})
+        swept = str(err)
+    if isinstance(swept, list) and swept:
+        logger.warning("deleted run roles left behind", extra={"runs": swept})
     if outcome.errors:
         raise BudgetCheckError("; ".join(outcome.errors))
-    return outcome.model_dump(mode="json")
+    return {**outcome.model_dump(mode="json"), "swept_run_roles": swept}

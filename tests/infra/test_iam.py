@@ -36,6 +36,7 @@ NO_RESOURCE_LEVEL = {
     "servicequotas:ListServiceQuotas",
     "servicequotas:ListAWSDefaultServiceQuotas",
     "servicequotas:GetServiceQuota",  # IAM's reference lists no resource type for it: "*" or it is always denied
+    "iam:ListRoles",  # the sweep of run roles left behind lists them by path prefix (a request parameter)
 }
 
 
@@ -318,7 +319,7 @@ def test_only_the_run_role_function_creates_run_roles_with_the_boundary_and_the_
         for statement in policy_statements(synthesized, role):
             if any(a.startswith("iam:") for a in as_list(statement["Action"])):
                 iam_grants.setdefault(name, {})[statement["Sid"]] = statement
-    assert set(iam_grants) == {"run_role", "mark_run_failed", "state_machine"}
+    assert set(iam_grants) == {"run_role", "mark_run_failed", "budget_guard", "state_machine"}
     create = iam_grants["run_role"]
     with_boundary = {"StringEquals": {"iam:PermissionsBoundary": boundary}}
     # a role is created, its inline policy put, and any policy removed only where it carries this stack's boundary
@@ -349,7 +350,12 @@ def test_only_the_run_role_function_creates_run_roles_with_the_boundary_and_the_
     }  # fmt: skip  (no boundary removal, no trust policy update, no other role)
     deleting = {a for s in iam_grants["mark_run_failed"].values() for a in as_list(s["Action"])}
     assert deleting == {"iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteRole", *listing}
-    for statements in (create, iam_grants["mark_run_failed"]):
+    # the scheduled sweep of roles runs left behind: the same deletion, and reading the roles' run tags
+    sweep = iam_grants["budget_guard"]
+    assert {a for s in sweep.values() for a in as_list(s["Action"])} == deleting | {"iam:ListRoles", "iam:ListRoleTags"}
+    assert sweep["ListRoles"]["Resource"] == "*"  # no resource type (IAM's reference); the path is in the request
+    del sweep["ListRoles"]
+    for statements in (create, iam_grants["mark_run_failed"], sweep):
         assert all(s["Resource"] == RUN_ROLES_ARN for s in statements.values())
     assert [s["Action"] for s in iam_grants["state_machine"].values()] == ["iam:PassRole"]
 
@@ -442,7 +448,8 @@ def test_each_lambda_has_its_own_role_with_only_what_it_calls(synthesized: Synth
     # Describe, no job output, no Create); its failed async invocations go to the functions' DLQ
     guard = actions_of("budget_guard")
     stops = {"sagemaker:StopTrainingJob", "sagemaker:StopHyperParameterTuningJob"}
-    assert stops <= set(guard) and set(guard) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | stops
+    sweep = {"iam:ListRoles", "iam:ListRoleTags", *delete_role}  # run roles left behind (checked above)
+    assert stops <= set(guard) and set(guard) <= TABLE_LOGS_AND_TRACES | {"sqs:SendMessage"} | stops | sweep
     assert ":training-job/gs-*" in guard["sagemaker:StopTrainingJob"]
     assert "hyper-parameter-tuning-job" not in guard["sagemaker:StopTrainingJob"]
     assert ":hyper-parameter-tuning-job/gs-*" in guard["sagemaker:StopHyperParameterTuningJob"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import boto3
 import pytest
 from botocore.stub import Stubber
 from pydantic import ValidationError
@@ -17,8 +18,9 @@ from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.budget_guard import handler as budget_guard_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
+from lambdas.run_role import handler as run_role_handler
 from lambdas.validate_manifest import handler as validate_handler
-from tests.integration.cloud_world import Cloud, cloud_manifest, job_event, load_event, metric_directives
+from tests.integration.cloud_world import REGION, Cloud, cloud_manifest, job_event, load_event, metric_directives
 
 
 def _emitted(output: str, metric: str) -> list[float]:
@@ -131,3 +133,22 @@ def test_a_job_that_starts_after_its_run_was_stopped_is_stopped_when_it_is_seen(
     # Then it is stopped (nothing else would: the scheduled check reads RUNNING runs only) and the run stays STOPPED
     assert out["applied"] is True and out["stopped_jobs"] == [name]
     assert store.get_run(run_id).status is RunStatus.STOPPED
+
+
+def test_the_scheduled_check_deletes_the_role_a_run_left_behind(cloud: Cloud) -> None:
+    # Given a run that ended over an hour ago whose "Delete run role" step failed: its role is still there
+    run_id, _, _ = _started_hours_ago(cloud, hours=3)
+    created = run_role_handler.handler({"run_id": run_id, "action": "create"}, cloud.context)
+    store = cloud.services.store
+    store.put_run(
+        store.get_run(run_id).model_copy(
+            update={"status": RunStatus.SUCCEEDED, "updated_at": datetime.now(UTC) - timedelta(hours=2)}
+        )
+    )
+    iam = boto3.client("iam", region_name=REGION)
+    assert [r["Arn"] for r in iam.list_roles(PathPrefix="/gpuscout/")["Roles"]] == [created["role_arn"]]
+    # When EventBridge's schedule invokes the budget check
+    out = budget_guard_handler.handler(load_event("scheduled_event"), cloud.context)
+    # Then the run's role is gone, and the check says so
+    assert out["swept_run_roles"] == [run_id] and out["runs"] == []
+    assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -13,6 +15,8 @@ from moto import mock_aws
 from gpuscout.cloud import run_roles
 from gpuscout.cloud.settings import LambdaSettings
 from gpuscout.cloud.step_errors import CloudStepError
+from gpuscout.store.base import RunRecord, RunStatus
+from gpuscout.store.sqlite import SqliteStore
 
 ACCOUNT = "123456789012"
 
@@ -135,3 +139,38 @@ def test_only_a_gpuscout_run_id_goes_into_a_policy(iam: Any, run_id: str) -> Non
     with pytest.raises(CloudStepError, match="is not a gpuscout run id"):
         run_roles.create_run_role(iam, settings, run_id)
     assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []
+
+
+def _run(run_id: str, status: RunStatus, updated_at: datetime) -> RunRecord:
+    return RunRecord(run_id=run_id, name=run_id, status=status, manifest_source="s3://gs-data/manifests/x.yaml",
+                     created_at=updated_at, updated_at=updated_at)  # fmt: skip
+
+
+def test_the_sweep_deletes_only_roles_whose_run_ended_over_an_hour_ago(iam: Any, tmp_path: Path) -> None:
+    settings, store = _settings(iam), SqliteStore(tmp_path / "runs.db")
+    now = datetime.now(UTC)
+    ended_long_ago, ended_just_now, running = "demo-aaaa", "demo-bbbb", "demo-cccc"
+    store.put_run(_run(ended_long_ago, RunStatus.SUCCEEDED, now - timedelta(hours=2)))  # "Delete run role" failed
+    store.put_run(_run(ended_just_now, RunStatus.STOPPED, now - timedelta(minutes=10)))  # its jobs are stopping
+    store.put_run(_run(running, RunStatus.RUNNING, now - timedelta(hours=30)))
+    for run_id in (ended_long_ago, ended_just_now, running):
+        run_roles.create_run_role(iam, settings, run_id, sleep=lambda _: None)
+    # a role of another stack (another path) and one under this path this code did not create are not touched
+    other = _settings(iam, path="/gpuscout/eu-west-1/Gpuscout/")
+    run_roles.create_run_role(iam, other, ended_long_ago, sleep=lambda _: None)
+    iam.create_role(Path=settings.run_role_path, RoleName="gs-run-handmade", AssumeRolePolicyDocument="{}",
+                    Tags=[{"Key": run_roles.RUN_ID_TAG, "Value": ended_long_ago}])  # fmt: skip
+
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now) == [ended_long_ago]
+    left = {r["RoleName"] for r in iam.list_roles(PathPrefix="/gpuscout/")["Roles"]}
+    assert left == {
+        run_roles.run_role_name(settings, ended_just_now),
+        run_roles.run_role_name(settings, running),
+        run_roles.run_role_name(other, ended_long_ago),
+        "gs-run-handmade",
+    }
+    # an hour later the stopped run's role goes too; a role whose run is unknown goes once it is over an hour old
+    store.put_run(_run(ended_just_now, RunStatus.STOPPED, now - timedelta(hours=1, minutes=1)))
+    run_roles.create_run_role(iam, settings, "demo-unknown", sleep=lambda _: None)
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now) == [ended_just_now]
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now + timedelta(hours=2)) == ["demo-unknown"]
