@@ -337,7 +337,7 @@ class GpuscoutStack(Stack):
         )
         # Each run's own role for its SageMaker jobs (gpuscout.cloud.run_roles): run_role creates it (with the
         # boundary, the runtime policy attached) and deletes it after the analysis; mark_run_failed deletes it when the
-        # run ends any other way.
+        # run ends any other way; budget_guard sweeps what is left an hour after its run ended.
         for statement in self.roles.run_role_statements(create=True):
             lambdas["run_role"].add_to_policy(statement)
         for statement in self.roles.run_role_statements(create=False):

@@ -251,10 +251,10 @@ class Roles(Construct):
 
     def run_role_statements(self, *, create: bool) -> list[iam.PolicyStatement]:
         """IAM calls on this stack's run roles (path /gpuscout/<region>/<stack name>/, names gs-run-*): deleting them
-        (the run_role function and mark_run_failed), and with ``create`` creating them (the run_role function), only
-        with the boundary and attaching only the job runtime policy. Every policy change is conditioned on the role
-        carrying this stack's boundary (iam:PermissionsBoundary, as AWS's delegated-administration example does).
-        Neither a boundary's removal nor a trust policy's update is granted."""
+        (the run_role function, mark_run_failed and budget_guard's sweep), and with ``create`` creating them (the
+        run_role function), only with the boundary and attaching only the job runtime policy. Every policy change is
+        conditioned on the role carrying this stack's boundary (iam:PermissionsBoundary, as AWS's
+        delegated-administration example does). Neither a boundary's removal nor a trust policy's update is granted."""
         with_boundary = {"StringEquals": {"iam:PermissionsBoundary": self.run_role_boundary.managed_policy_arn}}
         statements = [
             iam.PolicyStatement(

@@ -4,7 +4,7 @@ A bring-your-own training script (or any package it installs) runs with its job'
 role for every run, a job could overwrite another run's output archive (the results its recorder reads) or plant a
 checkpoint another run's job resumes from. So the workflow creates a role per run (the "Create run role" step,
 before the first job) and deletes it when the run ends ("Delete run role" after the analysis, and mark_run_failed
-for every other ending):
+for every other ending; the scheduled budget check sweeps a role left an hour after its run ended):
 
 - its inline policy (RUN_POLICY_NAME) grants the artifacts bucket's ``output/<run_id>/`` and
   ``checkpoints/<run_id>/`` only;
@@ -27,6 +27,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import unquote
@@ -36,7 +37,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpuscout.cloud.settings import LambdaSettings
 from gpuscout.cloud.step_errors import CloudStepError
 from gpuscout.domain.names import CHECKPOINTS_PREFIX, OUTPUT_PREFIX, RUN_ROLE_NAME_PREFIX
-from gpuscout.errors import RunNotFoundError
+from gpuscout.errors import GpuscoutError, RunNotFoundError
 from gpuscout.store.base import FINAL_RUN_STATUSES, ResultStore
 
 RUN_POLICY_NAME = "run-artifacts"
@@ -116,17 +117,22 @@ def _code(err: ClientError) -> str:
 
 
 def create_run_role(
-    iam: Any, settings: LambdaSettings, run_id: str, *, sleep: Callable[[float], None] = time.sleep
+    iam: Any,
+    settings: LambdaSettings,
+    run_id: str,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> str:
     """Create the run's role (boundary, runtime policy, the run's prefixes) and return its ARN. Idempotent: a retried
     step finds the role it created and puts the same policies again. A new role reaches SageMaker only after IAM's
     propagation delay (AWS: "not immediately visible"), and the first CreateTrainingJob may follow within seconds, so
-    a newly created role is returned after ``settings.run_role_propagation_s``."""
+    the role is returned once it is ``settings.run_role_propagation_s`` old (a retried step waits only what is left);
+    attaching and putting its policies right after the create are retried on the same delay."""
     name = run_role_name(settings, run_id)
-    created = False
     try:
         try:
-            iam.create_role(
+            role = iam.create_role(
                 Path=settings.run_role_path,
                 RoleName=name,
                 AssumeRolePolicyDocument=json.dumps(trust_policy(settings)),
@@ -134,33 +140,51 @@ def create_run_role(
                 MaxSessionDuration=3600,
                 PermissionsBoundary=settings.run_role_boundary_arn,
                 Tags=[{"Key": RUN_ID_TAG, "Value": run_id}],
-            )
-            created = True
+            )["Role"]
         except ClientError as err:
             if _code(err) != "EntityAlreadyExists":
                 raise
-            # a retry of this step, or a name clash: the role must be this stack's run role, boundary and trust included
-            existing = iam.get_role(RoleName=name)["Role"]
-            boundary = existing.get("PermissionsBoundary", {}).get("PermissionsBoundaryArn")
-            trust = existing.get("AssumeRolePolicyDocument")
-            trust = json.loads(unquote(trust)) if isinstance(trust, str) else trust
-            if (existing.get("Path"), boundary, trust) != (
-                settings.run_role_path,
-                settings.run_role_boundary_arn,
-                trust_policy(settings),
-            ):
-                raise CloudStepError(
-                    f"role {name} exists but is not this stack's run role for {run_id} (path "
-                    f"{existing.get('Path')}, boundary {boundary}, or its trust policy differs)"
-                ) from err
-        iam.attach_role_policy(RoleName=name, PolicyArn=settings.job_runtime_policy_arn)
+            role = iam.get_role(RoleName=name)["Role"]
+            _check_is_ours(role, settings, run_id, name, err)
         policy = json.dumps(run_policy(settings, run_id))
-        iam.put_role_policy(RoleName=name, PolicyName=RUN_POLICY_NAME, PolicyDocument=policy)
+        for attempt in range(POLICY_ATTEMPTS):
+            try:
+                iam.attach_role_policy(RoleName=name, PolicyArn=settings.job_runtime_policy_arn)
+                iam.put_role_policy(RoleName=name, PolicyName=RUN_POLICY_NAME, PolicyDocument=policy)
+                break
+            except ClientError as err:  # the new role (or its boundary) not visible to IAM's next call yet
+                if _code(err) not in {*_MISSING, "AccessDenied"} or attempt == POLICY_ATTEMPTS - 1:
+                    raise
+                sleep(2.0**attempt)
     except (ClientError, BotoCoreError) as err:
         raise CloudStepError(f"cannot create the role of run {run_id}: {err}") from err
-    if created and settings.run_role_propagation_s > 0:
-        sleep(settings.run_role_propagation_s)
+    age = (now() - _aware(role["CreateDate"])).total_seconds()
+    if age < settings.run_role_propagation_s:
+        sleep(settings.run_role_propagation_s - max(age, 0.0))
     return run_role_arn(settings, run_id)
+
+
+POLICY_ATTEMPTS = 4  # attach + put right after CreateRole: waits of 1, 2 and 4 s between them
+
+
+def _check_is_ours(role: dict[str, Any], settings: LambdaSettings, run_id: str, name: str, err: Exception) -> None:
+    """A role of the run role's name exists (a retry of this step, or a name clash): it must be this stack's run role,
+    path, boundary and trust included, or it is not touched."""
+    boundary = role.get("PermissionsBoundary", {}).get("PermissionsBoundaryArn")
+    trust = role.get("AssumeRolePolicyDocument")  # botocore decodes it into a dict
+    try:
+        trust = json.loads(unquote(trust)) if isinstance(trust, str) else trust
+    except ValueError:
+        trust = None
+    if (role.get("Path"), boundary, trust) != (
+        settings.run_role_path,
+        settings.run_role_boundary_arn,
+        trust_policy(settings),
+    ):
+        raise CloudStepError(
+            f"role {name} exists but is not this stack's run role for {run_id} (path "
+            f"{role.get('Path')}, boundary {boundary}, or its trust policy differs)"
+        ) from err
 
 
 def delete_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> bool:
@@ -188,33 +212,54 @@ def delete_run_role(iam: Any, settings: LambdaSettings, run_id: str) -> bool:
 LEFT_ROLE_GRACE = timedelta(hours=1)
 
 
-def sweep_run_roles(iam: Any, store: ResultStore, settings: LambdaSettings, *, now: datetime) -> list[str]:
+@dataclass
+class RoleSweep:
+    """What one sweep did: the runs whose role it deleted, and why any role could not be looked at or deleted."""
+
+    swept: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def sweep_run_roles(iam: Any, store: ResultStore, settings: LambdaSettings, *, now: datetime) -> RoleSweep:
     """Delete the run roles left behind: those under this stack's path whose run ended (a final status) more than
     LEFT_ROLE_GRACE ago, or whose run is unknown and that are older than that (what a "Delete run role" that failed
     after its retries, or an execution stopped while its role was created, leaves). A role left would keep the
-    runtime policy attached, which also keeps ``cdk destroy`` from deleting it. Returns the runs whose role went."""
-    swept: list[str] = []
+    runtime policy attached, which also keeps ``cdk destroy`` from deleting it. One role that fails does not stop
+    the others; a role deleted meanwhile (the workflow's own deletion) is skipped."""
+    sweep = RoleSweep()
     try:
-        for page in iam.get_paginator("list_roles").paginate(PathPrefix=settings.run_role_path):
-            for role in page["Roles"]:
-                tags = {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=role["RoleName"])["Tags"]}
-                run_id = tags.get(RUN_ID_TAG, "")
-                if not _RUN_ID.match(run_id) or run_role_name(settings, run_id) != role["RoleName"]:
-                    continue  # not a run role this code created
-                try:
-                    run = store.get_run(run_id)
-                    ended: datetime | None = run.updated_at if run.status in FINAL_RUN_STATUSES else None
-                except RunNotFoundError:
-                    ended = role["CreateDate"]
-                if (
-                    ended is not None
-                    and now - _aware(ended) > LEFT_ROLE_GRACE
-                    and delete_run_role(iam, settings, run_id)
-                ):
-                    swept.append(run_id)
+        roles = [r for page in iam.get_paginator("list_roles").paginate(PathPrefix=settings.run_role_path)
+                 for r in page["Roles"]]  # fmt: skip
     except (ClientError, BotoCoreError) as err:
-        raise CloudStepError(f"cannot list the run roles under {settings.run_role_path}: {err}") from err
-    return swept
+        sweep.errors.append(f"cannot list the run roles under {settings.run_role_path}: {err}")
+        return sweep
+    for role in roles:
+        try:
+            run_id = _left_behind(iam, store, settings, role, now=now)
+            if run_id is not None and delete_run_role(iam, settings, run_id):
+                sweep.swept.append(run_id)
+        except ClientError as err:
+            if _code(err) not in _MISSING:
+                sweep.errors.append(f"role {role['RoleName']}: {err}")
+        except (BotoCoreError, GpuscoutError) as err:
+            sweep.errors.append(f"role {role['RoleName']}: {err}")
+    return sweep
+
+
+def _left_behind(
+    iam: Any, store: ResultStore, settings: LambdaSettings, role: dict[str, Any], *, now: datetime
+) -> str | None:
+    """The run id of ``role`` when it is a run role this code created whose run ended over LEFT_ROLE_GRACE ago."""
+    tags = {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=role["RoleName"])["Tags"]}
+    run_id = tags.get(RUN_ID_TAG, "")
+    if not _RUN_ID.match(run_id) or run_role_name(settings, run_id) != role["RoleName"]:
+        return None  # not a run role this code created
+    try:
+        run = store.get_run(run_id)
+        ended: datetime | None = run.updated_at if run.status in FINAL_RUN_STATUSES else None
+    except RunNotFoundError:
+        ended = role["CreateDate"]
+    return run_id if ended is not None and now - _aware(ended) > LEFT_ROLE_GRACE else None
 
 
 def _aware(moment: datetime) -> datetime:

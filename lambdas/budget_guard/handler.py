@@ -6,7 +6,7 @@ marking the run STOPPED (gpuscout.cloud.budget_guard.check_budgets; idempotent: 
 Emits RunsStoppedOverBudget (Count: the runs this check stopped) and logs each stop. A run whose jobs could not be
 stopped fails the invocation after every other run was checked, so it is retried and the error alarm fires.
 It then deletes the run roles runs left behind (gpuscout.cloud.run_roles.sweep_run_roles): ``swept_run_roles`` lists
-their runs, or says why the sweep failed (retried at the next check).
+their runs, ``sweep_errors`` what could not be swept (logged as errors; retried at the next check).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pydantic import Field
 
 from gpuscout.cloud import control_plane, run_roles
 from gpuscout.cloud.budget_guard import BudgetCheckError, check_budgets
-from gpuscout.cloud.step_errors import CloudStepError
 
 logger = Logger()
 tracer = Tracer()
@@ -55,16 +54,12 @@ def handler(event: ScheduledEvent, context: LambdaContext) -> dict[str, Any]:
     for run in stopped:
         logger.warning("budget guard stopped a run over budget", extra=run.model_dump(mode="json"))
     logger.info("budget check done", extra={"runs_checked": len(outcome.runs), "runs_stopped": len(stopped)})
-    # the run roles a run left behind (run_roles.sweep_run_roles); a failed sweep is retried at the next check
-    try:
-        swept: list[str] | str = run_roles.sweep_run_roles(
-            services.iam, services.store, services.settings, now=datetime.now(UTC)
-        )
-    except CloudStepError as err:
-        logger.error("run roles not swept", extra={"reason": str(err)})
-        swept = str(err)
-    if isinstance(swept, list) and swept:
-        logger.warning("deleted run roles left behind", extra={"runs": swept})
+    # the run roles runs left behind (run_roles.sweep_run_roles); what failed is retried at the next check
+    sweep = run_roles.sweep_run_roles(services.iam, services.store, services.settings, now=datetime.now(UTC))
+    if sweep.swept:
+        logger.warning("deleted run roles left behind", extra={"runs": sweep.swept})
+    for error in sweep.errors:
+        logger.error("run role not swept", extra={"reason": error})
     if outcome.errors:
         raise BudgetCheckError("; ".join(outcome.errors))
-    return {**outcome.model_dump(mode="json"), "swept_run_roles": swept}
+    return {**outcome.model_dump(mode="json"), "swept_run_roles": sweep.swept, "sweep_errors": sweep.errors}

@@ -10,6 +10,7 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from gpuscout.cloud import run_roles
@@ -56,7 +57,7 @@ def test_a_run_role_has_the_boundary_the_runtime_policy_and_its_runs_prefixes_on
     waited: list[float] = []
     arn = run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=waited.append)
     # a new role is given IAM's propagation delay before the first job is created with it
-    assert waited == [settings.run_role_propagation_s] == [15.0]
+    assert settings.run_role_propagation_s == 15.0 and len(waited) == 1 and 14.0 < waited[0] <= 15.0
     name = run_roles.run_role_name(settings, "demo-0123abcd")
     assert (
         arn
@@ -83,8 +84,14 @@ def test_creating_again_is_a_retry_and_deleting_leaves_nothing(iam: Any) -> None
     settings = _settings(iam)
     waited: list[float] = []
     first = run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=waited.append)
-    assert run_roles.create_run_role(iam, settings, "demo-0123abcd", sleep=waited.append) == first  # a retried step
-    assert len(waited) == 1  # the role found by the retry has propagated already
+    # a retried step 10 s later waits only what is left of the delay; 20 s later, not at all
+    for later, left in ((10, 5.0), (20, None)):
+        again = run_roles.create_run_role(
+            iam, settings, "demo-0123abcd", sleep=waited.append,
+            now=lambda later=later: datetime.now(UTC) + timedelta(seconds=later),
+        )  # fmt: skip
+        assert again == first
+        assert (waited[-1] == pytest.approx(left, abs=1.0)) if left else len(waited) == 2
     assert len(iam.list_roles(PathPrefix="/gpuscout/")["Roles"]) == 1
     assert run_roles.delete_run_role(iam, settings, "demo-0123abcd") is True
     assert iam.list_roles(PathPrefix="/gpuscout/")["Roles"] == []
@@ -161,7 +168,7 @@ def test_the_sweep_deletes_only_roles_whose_run_ended_over_an_hour_ago(iam: Any,
     iam.create_role(Path=settings.run_role_path, RoleName="gs-run-handmade", AssumeRolePolicyDocument="{}",
                     Tags=[{"Key": run_roles.RUN_ID_TAG, "Value": ended_long_ago}])  # fmt: skip
 
-    assert run_roles.sweep_run_roles(iam, store, settings, now=now) == [ended_long_ago]
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now) == run_roles.RoleSweep(swept=[ended_long_ago])
     left = {r["RoleName"] for r in iam.list_roles(PathPrefix="/gpuscout/")["Roles"]}
     assert left == {
         run_roles.run_role_name(settings, ended_just_now),
@@ -172,5 +179,36 @@ def test_the_sweep_deletes_only_roles_whose_run_ended_over_an_hour_ago(iam: Any,
     # an hour later the stopped run's role goes too; a role whose run is unknown goes once it is over an hour old
     store.put_run(_run(ended_just_now, RunStatus.STOPPED, now - timedelta(hours=1, minutes=1)))
     run_roles.create_run_role(iam, settings, "demo-unknown", sleep=lambda _: None)
-    assert run_roles.sweep_run_roles(iam, store, settings, now=now) == [ended_just_now]
-    assert run_roles.sweep_run_roles(iam, store, settings, now=now + timedelta(hours=2)) == ["demo-unknown"]
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now).swept == [ended_just_now]
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now + timedelta(hours=2)).swept == ["demo-unknown"]
+
+
+class _FailingDelete:
+    """The IAM client, except that deleting ``role`` fails as an IAM outage would."""
+
+    def __init__(self, iam: Any, role: str) -> None:
+        self._iam, self._role = iam, role
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iam, name)
+
+    def delete_role(self, **kwargs: Any) -> Any:
+        if kwargs["RoleName"] == self._role:
+            raise ClientError({"Error": {"Code": "ServiceFailure", "Message": "try later"}}, "DeleteRole")
+        return self._iam.delete_role(**kwargs)
+
+
+def test_one_role_that_cannot_be_deleted_does_not_stop_the_sweep(iam: Any, tmp_path: Path) -> None:
+    settings, store = _settings(iam), SqliteStore(tmp_path / "runs.db")
+    now = datetime.now(UTC)
+    for run_id in ("demo-aaaa", "demo-bbbb"):
+        store.put_run(_run(run_id, RunStatus.FAILED, now - timedelta(hours=2)))
+        run_roles.create_run_role(iam, settings, run_id, sleep=lambda _: None)
+    stuck = run_roles.run_role_name(settings, "demo-aaaa")
+    sweep = run_roles.sweep_run_roles(_FailingDelete(iam, stuck), store, settings, now=now)
+    assert sweep.swept == ["demo-bbbb"]
+    [error] = sweep.errors
+    assert stuck in error and "try later" in error
+    assert [r["RoleName"] for r in iam.list_roles(PathPrefix="/gpuscout/")["Roles"]] == [stuck]
+    # the next check deletes it
+    assert run_roles.sweep_run_roles(iam, store, settings, now=now) == run_roles.RoleSweep(swept=["demo-aaaa"])
