@@ -103,9 +103,9 @@ test: export OMP_NUM_THREADS := 1
 ## --max-worker-restart=0: a worker ended by the per-test timeout fails the run naming its test (xdist 3.8 re-runs a
 ## crashed worker's file on a replacement under --dist loadfile and then hangs). --no-loadscope-reorder keeps the
 ## longest-first file order of tests/conftest.py (xdist would put files with the most tests first).
-## Lint first (ruff: seconds), so CI (.ci/run runs `make test`) gates it. Types stay in `make check`: mypy's cold run
-## on a fresh clone takes about two minutes on these 2-core machines, which the 12-minute bar cannot spare.
-test: install lint
+## Lint (ruff: seconds) and types (mypy: under a minute cold, seconds with its cache) first, so CI (.ci/run runs
+## `make test`) gates what `make check` gates.
+test: install lint types
 	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -q --durations=15
 
 lint: install
@@ -120,7 +120,7 @@ types: install
 	$(BIN)/mypy
 	MYPYPATH=training $(BIN)/mypy training/*.py benchmarks/*.py app.py
 
-## Lint + types + tests.
+## Lint + types + tests (what `make test` runs; kept for habit).
 check: install lint types test
 
 ## Wheels for `make gpu-check` on a GPU machine with no package index (benchmarks/gpu_wheels.py): the dependency
