@@ -1,7 +1,8 @@
 """train.py's timed loop (the ``Benchmark`` class): set-up (data, model, optimizer, DeepSpeed or DDP, resume from the
 newest complete checkpoint), the steps (micro-batches, accumulation, warm-up excluded from timing, GPU work
 synchronized before the clock is read), validation on every rank, checkpoints, the stop rules (fixed steps or steady
-state, decided on rank 0 for every rank) and the measured result (tokens/s of non-padding tokens, MFU, memory, loss).
+state, decided on rank 0 for every rank); the measured result is train_result.py's, from the facts set-up fills in
+(``self.facts``) and the steps' records.
 
 Imported by train.py; may import gpuscout.domain and gpuscout.errors, and the train_* components beside it."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import resource
 import sys
 import tempfile
 import time
@@ -29,38 +29,27 @@ from benchmark_callback import (
     StepStats,
     Stopwatch,
     default_warmup_steps,
-    step_accounts,
 )
 from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
-from data_preparation import DatasetSummary, load_split, load_summary, piece_lengths
+from data_preparation import load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
 from packing import IGNORE_INDEX, CausalLMWithLoss, eager_validation, make_inputs, unpack_blocks
 from stop_signal import StopSignal
 from train_args import Hyperparameters
 from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_batches
 from train_distributed import Dist
-from train_facts import CPU_NOTE, hardware_info, process_age_s, resolve_precision, software_info
+from train_facts import hardware_info, process_age_s, resolve_precision, software_info
 from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config, import_deepspeed
+from train_result import Outcome, RunFacts, build_result, failed_result, memory, write_result
 from train_state import Parts, Progress, Splits, StepWork
 
 from gpuscout.domain import flops
 from gpuscout.domain.benchmark import (
     BenchmarkResult,
-    DatasetInfo,
-    Disturbance,
-    Efficiency,
-    Loss,
     LossPoint,
     Memory,
-    StepAccount,
-    StopInfo,
-    Throughput,
-    Timing,
-    TrainConfig,
 )
-from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
-from gpuscout.domain.models import Architecture
 from gpuscout.errors import TrainingError
 
 
@@ -77,26 +66,28 @@ class Benchmark:
         self.hp = hp
         self.dist = dist
         self.tracker = tracker or JobTracker(None)  # experiment tracking (experiment_tracking.py); rank 0 only
-        # one clock from the process's start: wall and start-up times include the interpreter and the imports
-        self.started = time.perf_counter() - (process_age_s() or 0.0)
-        self.import_time_s = import_time_s  # process start to main(): the interpreter and train.py's imports
         self.stop = stop or StopSignal()  # SIGTERM (stop_signal.py): installed by train.py for one-process jobs
         self.data_dir = Path(os.environ.get("SM_CHANNEL_TRAIN", "/opt/ml/input/data/train"))
         self.output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data"))
         self.model_dir = Path(os.environ.get("SM_MODEL_DIR", "/opt/ml/model"))
-        self.sampler = GpuSampler([dist.local_rank]) if dist.device.type == "cuda" else GpuSampler([])
-        self.precision, self.precision_note = resolve_precision(hp.precision, dist.device)
-        self.hardware = hardware_info(dist, self.precision, self.sampler)
-        self.software = software_info(host_allocator.configure(hp.host_allocator))
-        self.summary: DatasetSummary | None = None
-        self.arch: Architecture | None = None
-        self.model_name = hp.model_preset or hp.model_name_or_path
-        self.params_total = 0
-        self.optimizations: list[str] = []
+        sampler = GpuSampler([dist.local_rank]) if dist.device.type == "cuda" else GpuSampler([])
+        precision, self.precision_note = resolve_precision(hp.precision, dist.device)
+        # what the result reports beside its measurements (train_result.py); set-up fills the model's and data's part
+        self.facts = RunFacts(
+            hp=hp,
+            dist=dist,
+            precision=precision,
+            hardware=hardware_info(dist, precision, sampler),
+            software=software_info(host_allocator.configure(hp.host_allocator)),
+            sampler=sampler,
+            # one clock from the process's start: wall and start-up times include the interpreter and the imports
+            started=time.perf_counter() - (process_age_s() or 0.0),
+            import_time_s=import_time_s,
+            model_name=hp.model_preset or hp.model_name_or_path,
+            sequence_length=hp.sequence_length,
+        )
         self.progress = Progress()
         self.resumed_from: int | None = None
-        self.sequence_length = hp.sequence_length
-        self.t_eff = 0.0
         self.validation_error: str | None = None
         self.trained_memory: Memory | None = None  # read before the final validation (_final_validation)
 
@@ -104,79 +95,13 @@ class Benchmark:
         if self.dist.is_main:
             print(f"[train] {message}", flush=True)
 
-    # ------------------------------------------------------------ result
-
-    def train_config(self) -> TrainConfig:
-        arch = self.arch
-        hp = self.hp
-        return TrainConfig(
-            model=self.model_name,
-            params_total=self.params_total,
-            params_matmul=flops.matmul_params(arch) if arch else 0,
-            num_layers=arch.num_hidden_layers if arch else 0,
-            num_heads=arch.num_attention_heads if arch else 0,
-            head_dim=arch.attention_head_dim if arch else 0,
-            sequence_length=self.sequence_length,
-            per_device_batch_size=hp.per_device_train_batch_size,
-            gradient_accumulation_steps=hp.gradient_accumulation_steps,
-            global_batch_size=hp.per_device_train_batch_size * hp.gradient_accumulation_steps * self.dist.world_size,
-            precision=self.precision,
-            packing=hp.packing,
-            attention=hp.attention_implementation,
-            torch_compile=hp.torch_compile,
-            gradient_checkpointing=hp.gradient_checkpointing,
-            deepspeed_stage=hp.deepspeed_stage,
-            dataloader_workers=hp.dataloader_num_workers,
-            learning_rate=hp.learning_rate,
-            seed=hp.seed,
-            optimizations=self.optimizations,
-        )
-
-    def dataset_info(self) -> DatasetInfo:
-        s = self.summary
-        if s is None:
-            return DatasetInfo(sha256="", documents=0, tokens=0, padding_fraction=0.0, tokenizer="")
-        return DatasetInfo(
-            sha256=s.sha256,
-            documents=s.documents,
-            tokens=s.splits["train"].tokens,
-            padding_fraction=s.splits["train"].padding_fraction,
-            tokenizer=str(s.tokenizer["id"]),
-        )
-
-    def memory(self) -> Memory:
-        util, power = self.sampler.stop()
-        host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux -> GB
-        if self.dist.device.type != "cuda":
-            return Memory(host_rss_peak_gb=round(host, 3))
-        return Memory(
-            peak_allocated_gb=torch.cuda.max_memory_allocated(self.dist.device) / 1e9,
-            peak_reserved_gb=torch.cuda.max_memory_reserved(self.dist.device) / 1e9,
-            gpu_utilization_mean=util,
-            power_w_mean=power,
-            host_rss_peak_gb=round(host, 3),
-        )
-
     def write(self, result: BenchmarkResult) -> None:
-        if not self.dist.is_main:
-            return
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "benchmark.json").write_text(result.model_dump_json(indent=2) + "\n")
-        self.log(f"wrote {self.output_dir / 'benchmark.json'} ({result.status})")
+        path = write_result(self.dist, self.output_dir, result)
+        if path is not None:
+            self.log(f"wrote {path} ({result.status})")
 
     def failed(self, reason: str) -> BenchmarkResult:
-        return BenchmarkResult(
-            status="failed",
-            job_name=self.hp.job_name,
-            run_id=self.hp.run_id or None,
-            instance_type=self.hp.instance_type,
-            failure_reason=reason[:4000],
-            hardware=self.hardware,
-            software=self.software,
-            config=self.train_config(),
-            dataset=self.dataset_info(),
-            memory=self.memory(),
-        )
+        return failed_result(self.facts, reason)
 
     # ------------------------------------------------------------ run
 
@@ -193,14 +118,14 @@ class Benchmark:
         first_step = self.progress.step + 1
         loader = self._loader(data, first_step)
         self.log(
-            f"model {self.model_name}: {self.params_total / 1e6:.2f} M parameters, {self.precision}, "
+            f"model {self.facts.model_name}: {self.facts.params_total / 1e6:.2f} M parameters, {self.facts.precision}, "
             f"{self.dist.world_size} rank(s) on {self.dist.device.type}; {len(data.train_ids)} train blocks of "
-            f"{self.sequence_length}; T_eff {self.t_eff:.1f}; warmup {parts.warmup} steps; "
+            f"{self.facts.sequence_length}; T_eff {self.facts.t_eff:.1f}; warmup {parts.warmup} steps; "
             f"steps {first_step}..{self.hp.max_steps}"
         )
         startup_gc.resume()  # set-up is done: start-up's objects frozen, collection on for the steps (startup_gc.py)
-        startup_s = time.perf_counter() - self.started
-        self.sampler.start()
+        startup_s = time.perf_counter() - self.facts.started
+        self.facts.sampler.start()
         self.stop.in_loop = True
         stop_reason = self._train(parts, data, stats, iter(loader), ckpt_root)
         if self.stop.received is not None:  # stopping on SIGTERM: no validation, the result as measured
@@ -219,26 +144,26 @@ class Benchmark:
         torch.manual_seed(hp.seed)
         random.seed(hp.seed)
         if dist.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = self.precision != "fp32"
-            torch.backends.cudnn.allow_tf32 = self.precision != "fp32"
+            torch.backends.cuda.matmul.allow_tf32 = self.facts.precision != "fp32"
+            torch.backends.cudnn.allow_tf32 = self.facts.precision != "fp32"
         if self.precision_note:
             self.log(self.precision_note)
 
     def _load_data(self) -> Splits:
         hp = self.hp
-        self.summary = load_summary(self.data_dir)
+        self.facts.summary = load_summary(self.data_dir)
         train_ids, train_seg = load_split(self.data_dir, "train")
         val_ids, val_seg = load_split(self.data_dir, "validation")
-        self.sequence_length = hp.sequence_length or self.summary.sequence_length
-        train_ids, train_seg = split_blocks(train_ids, train_seg, self.sequence_length)
-        val_ids, val_seg = split_blocks(val_ids, val_seg, self.sequence_length)
+        self.facts.sequence_length = hp.sequence_length or self.facts.summary.sequence_length
+        train_ids, train_seg = split_blocks(train_ids, train_seg, self.facts.sequence_length)
+        val_ids, val_seg = split_blocks(val_ids, val_seg, self.facts.sequence_length)
         if not hp.packing:  # one padded row per document piece; padding is neither counted nor a target
             train_ids, train_seg = unpack_blocks(train_ids, train_seg)
             val_ids, val_seg = unpack_blocks(val_ids, val_seg)
         if len(train_ids) == 0:
             raise TrainingError(f"{self.data_dir}: the train split is empty")
         # Each token attends within its own document piece either way (document mask or a row of its own).
-        self.t_eff = flops.effective_context(piece_lengths(train_seg))
+        self.facts.t_eff = flops.effective_context(piece_lengths(train_seg))
         return Splits(train_ids, train_seg, val_ids, val_seg)
 
     def _set_up(self) -> Parts:
@@ -248,21 +173,23 @@ class Benchmark:
             raise TrainingError(f"warmup_steps={warmup} leaves no timed step with max_steps={self.hp.max_steps}")
         optimizer, scheduler = self._optimizer(model, warmup)
         parts = self._wrap(model, optimizer, scheduler, warmup)
-        cuda_autocast = self.dist.device.type == "cuda" and self.precision != "fp32" and parts.engine is None
+        cuda_autocast = self.dist.device.type == "cuda" and self.facts.precision != "fp32" and parts.engine is None
         if cuda_autocast:
-            parts.autocast = torch.autocast("cuda", dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
-        parts.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+            parts.autocast = torch.autocast(
+                "cuda", dtype=torch.bfloat16 if self.facts.precision == "bf16" else torch.float16
+            )
+        parts.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.facts.precision, torch.float32)
         return parts
 
     def _build_model(self) -> CausalLMWithLoss:
         hp, dist = self.hp, self.dist
-        assert self.summary is not None
+        assert self.facts.summary is not None
         with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
-            lm, self.arch, self.model_name = build_model(hp, self.summary, Path(work))
-        self.params_total = sum(p.numel() for p in lm.parameters())
+            lm, self.facts.arch, self.facts.model_name = build_model(hp, self.facts.summary, Path(work))
+        self.facts.params_total = sum(p.numel() for p in lm.parameters())
         if hp.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.optimizations.append("gradient_checkpointing")
+            self.facts.optimizations.append("gradient_checkpointing")
         loss_kind = "plain"
         if hp.fused_cross_entropy:
             from packing import fused_loss
@@ -272,11 +199,11 @@ class Benchmark:
                                        zero3=hp.deepspeed_stage == 3)  # fmt: skip
             except ValueError as err:
                 raise TrainingError(str(err)) from err
-            self.optimizations.append(f"{loss_kind}_cross_entropy")
+            self.facts.optimizations.append(f"{loss_kind}_cross_entropy")
         model = CausalLMWithLoss(lm, loss=loss_kind).to(dist.device)
         if hp.torch_compile:
             model.compile()
-            self.optimizations.append("torch_compile")
+            self.facts.optimizations.append("torch_compile")
         return model
 
     def _optimizer(self, model: CausalLMWithLoss, warmup: int) -> tuple[Any, Any]:
@@ -286,7 +213,7 @@ class Benchmark:
         adam_kwargs: dict[str, Any] = {"lr": hp.learning_rate, "betas": (0.9, 0.95), "eps": 1e-8}
         if hp.fused_adamw:
             adam_kwargs["fused" if cuda else "foreach"] = True
-            self.optimizations.append("fused_adamw" if cuda else "foreach_adamw")
+            self.facts.optimizations.append("fused_adamw" if cuda else "foreach_adamw")
         else:
             adam_kwargs["foreach"] = False
         optimizer = torch.optim.AdamW(
@@ -304,9 +231,9 @@ class Benchmark:
             deepspeed = import_deepspeed()
             if dist.device.type == "cpu":
                 deepspeed_collectives_through_torch()
-            assert self.arch is not None
-            self.optimizations.append(f"deepspeed_zero{hp.deepspeed_stage}")
-            ds_config = deepspeed_config(hp, self.precision, dist.world_size, self.arch.hidden_size)
+            assert self.facts.arch is not None
+            self.facts.optimizations.append(f"deepspeed_zero{hp.deepspeed_stage}")
+            ds_config = deepspeed_config(hp, self.facts.precision, dist.world_size, self.facts.arch.hidden_size)
             engine, optimizer, _, scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
             )
@@ -316,14 +243,14 @@ class Benchmark:
             # gradients as views of DDP's buckets: no second copy (4 B/param), as plan/memory.py state_bytes assumes
             devices = [dist.local_rank] if dist.device.type == "cuda" else None
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=devices, gradient_as_bucket_view=True)
-        scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        scaler = torch.amp.GradScaler("cuda") if self.facts.precision == "fp16" else None
         return Parts(model, wrapped, optimizer, scheduler, warmup, scaler=scaler)
 
     def _loader(self, data: Splits, first_step: int) -> torch.utils.data.DataLoader[Any]:
         hp = self.hp
         pinned = hp.pin_memory and self.dist.device.type == "cuda"
         if pinned:  # with pageable memory a non_blocking host-to-device copy is synchronous
-            self.optimizations.append("pinned_memory")
+            self.facts.optimizations.append("pinned_memory")
         return torch.utils.data.DataLoader(
             Blocks(data.train_ids, data.train_seg),
             batch_sampler=StepBatches(len(data.train_ids), hp, self.dist, first_step),
@@ -342,18 +269,18 @@ class Benchmark:
         exit_after = int(os.environ.get("GPUSCOUT_EXIT_AFTER_STEP", "0"))
         parts.model.train()
         first_step = self.progress.step + 1
-        meter = ResourceMeter(self.sampler)
+        meter = ResourceMeter(self.facts.sampler)
         for steps_here, step in enumerate(range(first_step, hp.max_steps + 1), start=1):
             timed = not stats.is_warmup(steps_here)
             t0 = watch.now()
-            self.sampler.timing(timed)  # GPU utilization and power means cover the timed steps only
+            self.facts.sampler.timing(timed)  # GPU utilization and power means cover the timed steps only
             used = meter.read()
             lr = float(parts.scheduler.get_last_lr()[0])  # this step's: the scheduler steps after the update
             work = self._micro_batches(parts, batches)
             work.lr = lr
             work.grad_norm = self._optimizer_step(parts)
             seconds = watch.now() - t0
-            self.sampler.timing(False)
+            self.facts.sampler.timing(False)
             work.usage = meter.since(used)
             self._record_step(step, work, stats, parts, seconds=seconds, timed=timed)
             if hp.eval_interval and step % hp.eval_interval == 0 and step < hp.max_steps:
@@ -466,7 +393,9 @@ class Benchmark:
             if hp.price_per_hour_usd and timed and len(timed_records) >= hp.objective_min_timed_steps:
                 metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, totals[0] / totals[2])
             print(format_metric_line(metrics), flush=True)
-            metrics["gpu_util_pct"] = self.sampler.recent_utilization()  # trackers: their rates are the timed steps'
+            metrics["gpu_util_pct"] = (
+                self.facts.sampler.recent_utilization()
+            )  # trackers: their rates are the timed steps'
             self.tracker.log_step(step, metrics, timed_totals=totals if timed and totals[2] > 0 else None)
 
     def _steady_state(self, stats: StepStats) -> str | None:
@@ -484,115 +413,20 @@ class Benchmark:
             done = bool(flag.item())
         return (reason or "throughput steady on rank 0") if done else None
 
-    # ------------------------------------------------------------ the result
-
-    def _efficiency(self, tokens_per_s: float, positions_per_token: float) -> Efficiency:
-        """MFU from the useful work (T_eff, real tokens); HFU from what the kernels execute: attention over the whole
-        block unless flex skips the masked blocks, every padded position (``positions_per_token`` = positions computed
-        per real token in the timed steps), and the forward pass again under gradient checkpointing."""
-        hp, dist = self.hp, self.dist
-        assert self.arch is not None
-        flops_per_token = flops.model_flops_per_token(self.arch, self.t_eff)
-        executed_context = self.t_eff if hp.packing and hp.attention_implementation == "flex" else self.sequence_length
-        hw_flops = positions_per_token * flops.hardware_flops_per_token(
-            self.arch, float(executed_context), activation_recompute=hp.gradient_checkpointing
-        )
-        peak = self.hardware.peak_tflops_per_gpu
-        gpus = dist.world_size if dist.device.type == "cuda" else 0
-        if gpus and peak:
-            mfu: float | None = flops.mfu(tokens_per_s, flops_per_token, gpus, peak)
-            hfu: float | None = flops.mfu(tokens_per_s, hw_flops, gpus, peak)
-            note = None
-        else:
-            mfu = hfu = None
-            note = CPU_NOTE if dist.device.type != "cuda" else f"no dense peak known for {self.hardware.gpu_name}"
-        return Efficiency(
-            flops_per_token=flops_per_token,
-            hardware_flops_per_token=hw_flops,
-            t_eff=self.t_eff,
-            mfu=mfu,
-            hfu=hfu,
-            note=note,
-        )
-
     def _result(
         self, stats: StepStats, warmup: int, startup_s: float, stop_reason: str, *, provisional: bool = False
     ) -> BenchmarkResult:
-        """The benchmark result; ``provisional``: written before the final validation (no final validation loss
-        yet, nothing printed: the final result prints its lines once)."""
-        hp = self.hp
-        s = stats.summary()
-        tokens_per_s = float(s["tokens_per_s"])
-        gpus = self.dist.world_size if self.dist.device.type == "cuda" else 0
-        timed_tokens = sum(r.tokens for r in stats.timed)
-        positions = sum(r.samples for r in stats.timed) * self.sequence_length
-        efficiency = self._efficiency(tokens_per_s, positions / timed_tokens if timed_tokens else 1.0)
-        progress = self.progress
-        steps = step_accounts(stats.records)  # benchmark.json's steps and what the detector judges
-        disturbance = Disturbance(**detect(steps))
-        result = BenchmarkResult(
-            status="completed",
-            job_name=hp.job_name,
-            run_id=hp.run_id or None,
-            instance_type=hp.instance_type,
-            hardware=self.hardware,
-            software=self.software,
-            config=self.train_config(),
-            dataset=self.dataset_info(),
-            timing=Timing(
-                warmup_steps=warmup,
-                timed_steps=int(s["timed_steps"]),
-                total_steps=progress.step,
-                step_time_mean_s=s["step_time_mean_s"],
-                step_time_p50_s=s["step_time_p50_s"],
-                step_time_p90_s=s["step_time_p90_s"],
-                wall_time_s=time.perf_counter() - self.started,
-                train_time_s=s["train_time_s"],
-                dataloader_wait_fraction=s["dataloader_wait_fraction"],
-                startup_time_s=startup_s,
-                import_time_s=self.import_time_s,
-            ),
-            throughput=Throughput(
-                tokens_per_s=tokens_per_s,
-                tokens_per_s_ci95=s["tokens_per_s_ci95"],
-                tokens_per_s_per_gpu=tokens_per_s / gpus if gpus else None,
-                samples_per_s=s["samples_per_s"],
-                tokens_timed=int(s["tokens_timed"]),
-            ),
-            efficiency=efficiency,
-            memory=self.trained_memory or self.memory(),
-            loss=Loss(
-                train=progress.train_loss,
-                validation=progress.validation_loss,
-                final_train_loss=progress.train_loss[-1].loss if progress.train_loss else None,
-                final_validation_loss=None
-                if provisional or self.validation_error or not progress.validation_loss
-                else progress.validation_loss[-1].loss,
-                validation_error=self.validation_error,
-            ),
-            stop=StopInfo(
-                rule=hp.stop_rule, reason=stop_reason, steps=progress.step, resumed_from_step=self.resumed_from
-            ),
-            steps=[StepAccount(**row) for row in steps],
-            disturbance=disturbance,
+        """The result of the timed steps (train_result.build_result)."""
+        outcome = Outcome(
+            progress=self.progress,
+            warmup=warmup,
+            startup_s=startup_s,
+            stop_reason=stop_reason,
+            resumed_from=self.resumed_from,
+            validation_error=self.validation_error,
+            trained_memory=self.trained_memory,
         )
-        if provisional:
-            return result
-        if disturbance.disturbed:
-            self.log(f"disturbed measurement: {disturbance.evidence}")
-        if self.dist.is_main:
-            summary = {
-                "tokens_per_s": tokens_per_s,
-                "mfu": efficiency.mfu,
-                "hfu": efficiency.hfu,
-                "step_time_p50_s": s["step_time_p50_s"],
-                "step_time_p90_s": s["step_time_p90_s"],
-                "peak_gpu_mem_gb": result.memory.peak_allocated_gb,
-                "final_loss": result.loss.final_train_loss if result.loss else None,
-                "final_val_loss": result.loss.final_validation_loss if result.loss else None,
-            }
-            print(format_metric_line(summary, summary=True), flush=True)
-        return result
+        return build_result(self.facts, stats, outcome, provisional=provisional)
 
     # ------------------------------------------------------------ validation and checkpoints
 
@@ -600,7 +434,7 @@ class Benchmark:
         """Validate after the timed steps. The measurement (its memory peaks the steps', not validation's) is written
         first; on one process a failure here is a note in the result. With several ranks it fails the job (a rank left
         waiting in a collective would hang), and the launcher stops them all; the measurement stays on disk."""
-        self.trained_memory = self.memory()
+        self.trained_memory = memory(self.facts)
         self.write(self._result(stats, parts.warmup, startup_s, reason, provisional=True))
         try:
             self._validate(parts, data)
