@@ -30,18 +30,19 @@ from benchmark_callback import (
     Stopwatch,
     default_warmup_steps,
 )
-from checkpoints import DEEPSPEED, STATE, Checkpointer, PartlyLoadedError, checkpoint_root
+from checkpoints import Checkpointer, checkpoint_root
 from data_preparation import load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
-from packing import IGNORE_INDEX, CausalLMWithLoss, eager_validation, make_inputs, unpack_blocks
+from packing import CausalLMWithLoss, make_inputs, unpack_blocks
 from stop_signal import StopSignal
 from train_args import Hyperparameters
-from train_data import Blocks, StepBatches, collate, split_blocks, token_counts, validation_batches
+from train_data import Blocks, StepBatches, collate, split_blocks, token_counts
 from train_distributed import Dist
 from train_facts import hardware_info, process_age_s, resolve_precision, software_info
 from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config, import_deepspeed
 from train_result import Outcome, RunFacts, build_result, failed_result, memory, write_result
-from train_state import Parts, Progress, Splits, StepWork
+from train_state import Parts, Progress, Splits, StepWork, load_training_state, restore_rng, training_state
+from train_validation import validation_loss
 
 from gpuscout.domain import flops
 from gpuscout.domain.benchmark import (
@@ -447,88 +448,26 @@ class Benchmark:
             self.log(f"the final validation failed; the measurement stands: {self.validation_error}")
 
     def _validate(self, parts: Parts, data: Splits) -> None:
-        hp, dist = self.hp, self.dist
-        wrapped, ids, seg = parts.wrapped, data.val_ids, data.val_seg
-        if hp.validation_batches == 0 or len(ids) == 0:
+        value = validation_loss(parts, data, self.hp, self.dist)
+        if value is None:
             return
-        b = hp.per_device_train_batch_size
-        loss_sum, target_sum = 0.0, 0
-        wrapped.eval()
-        with torch.no_grad(), eager_validation(hp.attention_implementation):
-            # Every rank runs the same number of forwards (DDP broadcasts buffers and ZeRO-3 gathers parameters in
-            # each forward: a rank that stops early leaves the others waiting for ever); a rank without a real
-            # batch of its own runs the split's first blocks and counts nothing.
-            batches = validation_batches(ids, seg, b, world=dist.world_size, rank=dist.rank,
-                                         max_batches=hp.validation_batches)  # fmt: skip
-            for real, ids_b, seg_b, counted in batches:
-                _, targets = token_counts(seg_b[:counted], hp.packing)
-                inputs = make_inputs(
-                    ids_b.to(dist.device), seg_b.to(dist.device), packing=hp.packing,
-                    attention=hp.attention_implementation, dtype=parts.compute_dtype,
-                )  # fmt: skip
-                inputs.labels[counted:] = IGNORE_INDEX  # the rows that fill up a short batch count for nothing
-                with parts.autocast:
-                    loss = wrapped(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
-                if real and targets > 0:
-                    loss_sum += float(loss) * targets
-                    target_sum += targets
-        wrapped.train()
-        total_loss, total_targets = self.dist.all_reduce_sum([loss_sum, float(target_sum)])
-        if total_targets:
-            value = total_loss / total_targets
-            p = self.progress
-            p.validation_loss.append(LossPoint(step=p.step, tokens=p.tokens, elapsed_s=p.train_time_s, loss=value))
-            if dist.is_main:
-                print(format_metric_line({"step": p.step, "val_loss": value}), flush=True)
-                self.tracker.log_step(p.step, {"val_loss": value})
+        p = self.progress
+        p.validation_loss.append(LossPoint(step=p.step, tokens=p.tokens, elapsed_s=p.train_time_s, loss=value))
+        if self.dist.is_main:
+            print(format_metric_line({"step": p.step, "val_loss": value}), flush=True)
+            self.tracker.log_step(p.step, {"val_loss": value})
 
     def _checkpointer(self, root: Path) -> Checkpointer:
         return Checkpointer(root, self.dist, self.hp.checkpoint_keep, self.log)
 
     def _save(self, root: Path, parts: Parts) -> None:
-        state: dict[str, Any] = {
-            "progress": self.progress.to_state(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "python": random.getstate(),
-            },
-        }
-        if parts.engine is None:  # under DeepSpeed its engine saves model, optimizer and scheduler (every rank)
-            state["model"] = parts.model.state_dict()
-            state["optimizer"] = parts.optimizer.state_dict()
-            state["scheduler"] = parts.scheduler.state_dict()
-            state["scaler"] = parts.scaler.state_dict() if parts.scaler else None
-        self._checkpointer(root).save(self.progress.step, state, parts.engine)
+        self._checkpointer(root).save(self.progress.step, training_state(self.progress, parts), parts.engine)
 
     def _resume(self, root: Path, parts: Parts) -> None:
         """Continue from the newest checkpoint under ``root`` that verifies and loads, if any."""
-        state = self._checkpointer(root).resume(lambda folder: self._load(folder, parts))
+        state = self._checkpointer(root).resume(lambda folder: load_training_state(folder, parts))
         if state is None:
             return
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        random.setstate(state["rng"]["python"])
+        restore_rng(state)
         self.progress = Progress.from_state(state["progress"])
         self.resumed_from = self.progress.step
-
-    @staticmethod
-    def _load(folder: Path, parts: Parts) -> dict[str, Any]:
-        """Read checkpoint ``folder`` into the model, optimizer and scheduler (or the engine); state.pt's content."""
-        state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=True)  # jobs write these
-        # a corrupt or truncated state.pt raises above, before anything changed; from here on the model changes
-        try:
-            if parts.engine is not None:
-                loaded, _ = parts.engine.load_checkpoint(str(folder.parent / DEEPSPEED), tag=folder.name)
-                if loaded is None:  # DeepSpeed warns and returns None for a missing tag folder
-                    raise TrainingError(f"DeepSpeed found no checkpoint {folder.name} in {folder.parent / DEEPSPEED}")
-            else:
-                parts.model.load_state_dict(state["model"])
-                parts.optimizer.load_state_dict(state["optimizer"])
-                parts.scheduler.load_state_dict(state["scheduler"])
-                if parts.scaler is not None and state.get("scaler"):
-                    parts.scaler.load_state_dict(state["scaler"])
-        except Exception as err:
-            raise PartlyLoadedError(f"{type(err).__name__}: {err}") from err
-        return state

@@ -1,21 +1,26 @@
 """The records train.py's timed loop keeps: the progress a checkpoint saves and a resume restores (steps, tokens, loss
-points, step records), the prepared splits, the parts the step loop drives, and one step's counters.
+points, step records), the prepared splits, the parts the step loop drives, and one step's counters; and what a
+checkpoint holds beside them (``training_state``, ``load_training_state``, ``restore_rng``).
 
-Imported by train_loop; may import benchmark_callback and gpuscout.domain."""
+Imported by train_loop; may import benchmark_callback, checkpoints, packing and gpuscout.domain."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from benchmark_callback import StepRecord
+from checkpoints import DEEPSPEED, STATE, PartlyLoadedError
 from packing import CausalLMWithLoss
 
 from gpuscout.domain.benchmark import LossPoint
+from gpuscout.errors import TrainingError
 
 
 @dataclass
@@ -85,3 +90,54 @@ class StepWork:
     grad_norm: float | None = None
     lr: float | None = None  # the learning rate this step's update used (read before the scheduler steps)
     usage: dict[str, Any] = field(default_factory=dict)  # rank 0's StepRecord usage fields (ResourceMeter.since)
+
+
+# -- what a checkpoint holds beside the model (checkpoints.py writes and verifies the folders)
+
+
+def training_state(progress: Progress, parts: Parts) -> dict[str, Any]:
+    """state.pt's content: the progress, the random generators, and without DeepSpeed the model, optimizer, scheduler
+    and scaler (under DeepSpeed its engine saves those itself, on every rank)."""
+    state: dict[str, Any] = {
+        "progress": progress.to_state(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "python": random.getstate(),
+        },
+    }
+    if parts.engine is None:
+        state["model"] = parts.model.state_dict()
+        state["optimizer"] = parts.optimizer.state_dict()
+        state["scheduler"] = parts.scheduler.state_dict()
+        state["scaler"] = parts.scaler.state_dict() if parts.scaler else None
+    return state
+
+
+def load_training_state(folder: Path, parts: Parts) -> dict[str, Any]:
+    """Read checkpoint ``folder`` into the model, optimizer and scheduler (or the engine); state.pt's content.
+    Raises PartlyLoadedError once the model may have changed."""
+    state: dict[str, Any] = torch.load(folder / STATE, map_location="cpu", weights_only=True)  # jobs write these
+    # a corrupt or truncated state.pt raises above, before anything changed; from here on the model changes
+    try:
+        if parts.engine is not None:
+            loaded, _ = parts.engine.load_checkpoint(str(folder.parent / DEEPSPEED), tag=folder.name)
+            if loaded is None:  # DeepSpeed warns and returns None for a missing tag folder
+                raise TrainingError(f"DeepSpeed found no checkpoint {folder.name} in {folder.parent / DEEPSPEED}")
+        else:
+            parts.model.load_state_dict(state["model"])
+            parts.optimizer.load_state_dict(state["optimizer"])
+            parts.scheduler.load_state_dict(state["scheduler"])
+            if parts.scaler is not None and state.get("scaler"):
+                parts.scaler.load_state_dict(state["scaler"])
+    except Exception as err:
+        raise PartlyLoadedError(f"{type(err).__name__}: {err}") from err
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """The random generators as the checkpoint left them."""
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(state["rng"]["python"])

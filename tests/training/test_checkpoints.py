@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import pytest
 import torch
 import train
@@ -314,8 +315,8 @@ def test_a_checkpoint_state_that_would_run_code_is_refused_not_run(tmp_path: Pat
     folder = tmp_path / "step-00000010"
     folder.mkdir()
     marker = tmp_path / "ran"
-    torch.save({"progress": _Payload(marker)}, folder / train_loop.STATE)
+    torch.save({"progress": _Payload(marker)}, folder / checkpoints.STATE)
     # When the trainer loads it, Then loading fails before anything runs (weights_only) and nothing was touched
     with pytest.raises(Exception, match=r"(?i)weights_only|unsupported|global"):
-        train_loop.Benchmark._load(folder, parts=None)  # type: ignore[arg-type]
+        train_state.load_training_state(folder, parts=None)  # type: ignore[arg-type]
     assert not marker.exists()
