@@ -1,8 +1,9 @@
-"""train.py's timed loop (the ``Benchmark`` class): set-up (data, model, optimizer, DeepSpeed or DDP, resume from the
-newest complete checkpoint), the steps (micro-batches, accumulation, warm-up excluded from timing, GPU work
-synchronized before the clock is read), validation on every rank, checkpoints, the stop rules (fixed steps or steady
-state, decided on rank 0 for every rank); the measured result is train_result.py's, from the facts set-up fills in
-(``self.facts``) and the steps' records.
+"""train.py's timed loop (the ``Benchmark`` class): it composes its components (train_setup.py builds the data
+splits, the model with its loss, the optimizer and schedule, the engine and the loader; train_validation.py the
+validation loss; train_state.py what a checkpoint holds; train_result.py the measured result from the facts set-up
+fills in, ``self.facts``) around what stays here: resume from the newest complete checkpoint, the steps
+(micro-batches, accumulation, warm-up excluded from timing, GPU work synchronized before the clock is read), when to
+validate and checkpoint, and the stop rules (fixed steps or steady state, decided on rank 0 for every rank).
 
 Imported by train.py; may import gpuscout.domain and gpuscout.errors, and the train_* components beside it."""
 
@@ -12,7 +13,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -28,23 +28,20 @@ from benchmark_callback import (
     StepRecord,
     StepStats,
     Stopwatch,
-    default_warmup_steps,
 )
 from checkpoints import Checkpointer, checkpoint_root
-from data_preparation import load_split, load_summary, piece_lengths
 from experiment_tracking import JobTracker
-from packing import CausalLMWithLoss, make_inputs, unpack_blocks
+from packing import make_inputs
 from stop_signal import StopSignal
 from train_args import Hyperparameters
-from train_data import Blocks, StepBatches, collate, split_blocks, token_counts
+from train_data import token_counts
 from train_distributed import Dist
 from train_facts import hardware_info, process_age_s, resolve_precision, software_info
-from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config, import_deepspeed
 from train_result import Outcome, RunFacts, build_result, failed_result, memory, write_result
+from train_setup import build_loader, build_model_with_loss, build_optimizer, build_parts, build_splits, warmup_steps
 from train_state import Parts, Progress, Splits, StepWork, load_training_state, restore_rng, training_state
 from train_validation import validation_loss
 
-from gpuscout.domain import flops
 from gpuscout.domain.benchmark import (
     BenchmarkResult,
     LossPoint,
@@ -117,7 +114,7 @@ class Benchmark:
         self._resume(ckpt_root, parts)
         stats = StepStats(warmup_steps=parts.warmup, records=list(self.progress.records))
         first_step = self.progress.step + 1
-        loader = self._loader(data, first_step)
+        loader = build_loader(data, self.hp, self.dist, self.facts, first_step)
         self.log(
             f"model {self.facts.model_name}: {self.facts.params_total / 1e6:.2f} M parameters, {self.facts.precision}, "
             f"{self.dist.world_size} rank(s) on {self.dist.device.type}; {len(data.train_ids)} train blocks of "
@@ -151,115 +148,15 @@ class Benchmark:
             self.log(self.precision_note)
 
     def _load_data(self) -> Splits:
-        hp = self.hp
-        self.facts.summary = load_summary(self.data_dir)
-        train_ids, train_seg = load_split(self.data_dir, "train")
-        val_ids, val_seg = load_split(self.data_dir, "validation")
-        self.facts.sequence_length = hp.sequence_length or self.facts.summary.sequence_length
-        train_ids, train_seg = split_blocks(train_ids, train_seg, self.facts.sequence_length)
-        val_ids, val_seg = split_blocks(val_ids, val_seg, self.facts.sequence_length)
-        if not hp.packing:  # one padded row per document piece; padding is neither counted nor a target
-            train_ids, train_seg = unpack_blocks(train_ids, train_seg)
-            val_ids, val_seg = unpack_blocks(val_ids, val_seg)
-        if len(train_ids) == 0:
-            raise TrainingError(f"{self.data_dir}: the train split is empty")
-        # Each token attends within its own document piece either way (document mask or a row of its own).
-        self.facts.t_eff = flops.effective_context(piece_lengths(train_seg))
-        return Splits(train_ids, train_seg, val_ids, val_seg)
+        return build_splits(self.data_dir, self.hp, self.facts)
 
     def _set_up(self) -> Parts:
-        model = self._build_model()
-        warmup = self.hp.warmup_steps if self.hp.warmup_steps is not None else default_warmup_steps(self.hp.max_steps)
-        if warmup >= self.hp.max_steps:
-            raise TrainingError(f"warmup_steps={warmup} leaves no timed step with max_steps={self.hp.max_steps}")
-        optimizer, scheduler = self._optimizer(model, warmup)
-        parts = self._wrap(model, optimizer, scheduler, warmup)
-        cuda_autocast = self.dist.device.type == "cuda" and self.facts.precision != "fp32" and parts.engine is None
-        if cuda_autocast:
-            parts.autocast = torch.autocast(
-                "cuda", dtype=torch.bfloat16 if self.facts.precision == "bf16" else torch.float16
-            )
-        parts.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.facts.precision, torch.float32)
-        return parts
-
-    def _build_model(self) -> CausalLMWithLoss:
-        hp, dist = self.hp, self.dist
-        assert self.facts.summary is not None
-        with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
-            lm, self.facts.arch, self.facts.model_name = build_model(hp, self.facts.summary, Path(work))
-        self.facts.params_total = sum(p.numel() for p in lm.parameters())
-        if hp.gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.facts.optimizations.append("gradient_checkpointing")
-        loss_kind = "plain"
-        if hp.fused_cross_entropy:
-            from packing import fused_loss
-
-            try:
-                loss_kind = fused_loss(hp.cross_entropy_kernel, device_type=dist.device.type,
-                                       zero3=hp.deepspeed_stage == 3)  # fmt: skip
-            except ValueError as err:
-                raise TrainingError(str(err)) from err
-            self.facts.optimizations.append(f"{loss_kind}_cross_entropy")
-        model = CausalLMWithLoss(lm, loss=loss_kind).to(dist.device)
-        if hp.torch_compile:
-            model.compile()
-            self.facts.optimizations.append("torch_compile")
-        return model
-
-    def _optimizer(self, model: CausalLMWithLoss, warmup: int) -> tuple[Any, Any]:
-        hp, cuda = self.hp, self.dist.device.type == "cuda"
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
-        adam_kwargs: dict[str, Any] = {"lr": hp.learning_rate, "betas": (0.9, 0.95), "eps": 1e-8}
-        if hp.fused_adamw:
-            adam_kwargs["fused" if cuda else "foreach"] = True
-            self.facts.optimizations.append("fused_adamw" if cuda else "foreach_adamw")
-        else:
-            adam_kwargs["foreach"] = False
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            **adam_kwargs,
-        )
-        lr_warmup = max(1, warmup)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / lr_warmup))
-        return optimizer, scheduler
-
-    def _wrap(self, model: CausalLMWithLoss, optimizer: Any, scheduler: Any, warmup: int) -> Parts:
-        """DeepSpeed's engine (it owns optimizer and scheduler), DDP across ranks, or the model itself."""
-        hp, dist = self.hp, self.dist
-        if hp.deepspeed_stage:
-            deepspeed = import_deepspeed()
-            if dist.device.type == "cpu":
-                deepspeed_collectives_through_torch()
-            assert self.facts.arch is not None
-            self.facts.optimizations.append(f"deepspeed_zero{hp.deepspeed_stage}")
-            ds_config = deepspeed_config(hp, self.facts.precision, dist.world_size, self.facts.arch.hidden_size)
-            engine, optimizer, _, scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-            )
-            return Parts(model, engine, optimizer, scheduler, warmup, engine=engine)
-        wrapped: Any = model
-        if dist.world_size > 1:
-            # gradients as views of DDP's buckets: no second copy (4 B/param), as plan/memory.py state_bytes assumes
-            devices = [dist.local_rank] if dist.device.type == "cuda" else None
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=devices, gradient_as_bucket_view=True)
-        scaler = torch.amp.GradScaler("cuda") if self.facts.precision == "fp16" else None
-        return Parts(model, wrapped, optimizer, scheduler, warmup, scaler=scaler)
-
-    def _loader(self, data: Splits, first_step: int) -> torch.utils.data.DataLoader[Any]:
-        hp = self.hp
-        pinned = hp.pin_memory and self.dist.device.type == "cuda"
-        if pinned:  # with pageable memory a non_blocking host-to-device copy is synchronous
-            self.facts.optimizations.append("pinned_memory")
-        return torch.utils.data.DataLoader(
-            Blocks(data.train_ids, data.train_seg),
-            batch_sampler=StepBatches(len(data.train_ids), hp, self.dist, first_step),
-            num_workers=hp.dataloader_num_workers,
-            collate_fn=collate,
-            pin_memory=pinned,
-            persistent_workers=False,
-        )
+        """The model with its loss, the optimizer and schedule, and the engine that drives them (train_setup.py)."""
+        hp, dist, facts = self.hp, self.dist, self.facts
+        model = build_model_with_loss(hp, dist, facts)
+        warmup = warmup_steps(hp)
+        optimizer, scheduler = build_optimizer(model, hp, dist, facts, warmup)
+        return build_parts(model, optimizer, scheduler, warmup, hp=hp, dist=dist, facts=facts)
 
     # ------------------------------------------------------------ the timed step loop
 
