@@ -37,7 +37,7 @@ from train_args import Hyperparameters
 from train_data import token_counts
 from train_distributed import Dist
 from train_facts import hardware_info, process_age_s, resolve_precision, software_info
-from train_result import Outcome, RunFacts, build_result, failed_result, memory, write_result
+from train_result import Outcome, RunFacts, build_result, failed_result, memory, report_step, write_result
 from train_setup import build_loader, build_model_with_loss, build_optimizer, build_parts, build_splits, warmup_steps
 from train_state import Parts, Progress, Splits, StepWork, load_training_state, restore_rng, training_state
 from train_validation import validation_loss
@@ -47,7 +47,7 @@ from gpuscout.domain.benchmark import (
     LossPoint,
     Memory,
 )
-from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
+from gpuscout.domain.metric_lines import format_metric_line
 from gpuscout.errors import TrainingError
 
 
@@ -275,26 +275,8 @@ class Benchmark:
         prog.train_time_s += seconds
         prog.train_loss.append(LossPoint(step=step, tokens=prog.tokens, elapsed_s=prog.train_time_s, loss=mean_loss))
         if dist.is_main:
-            mem = torch.cuda.max_memory_allocated(dist.device) / 1e9 if dist.device.type == "cuda" else None
-            metrics = {
-                "step": step,
-                "loss": mean_loss,
-                "tokens_per_s": total_tokens / seconds,
-                "samples_per_s": total_samples / seconds,
-                "step_time_s": seconds,
-                "lr": work.lr,
-                "grad_norm": work.grad_norm,  # None under DeepSpeed (it clips internally)
-                "gpu_mem_gb": mem,
-            }
-            timed_records = [r for r in stats.timed if r.seconds > 0]
-            totals = tuple(float(sum(getattr(r, n) for r in timed_records)) for n in ("tokens", "samples", "seconds"))
-            if hp.price_per_hour_usd and timed and len(timed_records) >= hp.objective_min_timed_steps:
-                metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, totals[0] / totals[2])
-            print(format_metric_line(metrics), flush=True)
-            metrics["gpu_util_pct"] = (
-                self.facts.sampler.recent_utilization()
-            )  # trackers: their rates are the timed steps'
-            self.tracker.log_step(step, metrics, timed_totals=totals if timed and totals[2] > 0 else None)
+            totals = (total_tokens, total_samples, mean_loss)
+            report_step(self.facts, self.tracker, stats, step, work, totals=totals, seconds=seconds, timed=timed)
 
     def _steady_state(self, stats: StepStats) -> str | None:
         """Why to stop now under stop_rule=steady_state (every rank follows rank 0's decision), else None."""

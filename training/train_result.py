@@ -2,8 +2,9 @@
 (``RunFacts``: hardware, software, model, data, precision, optimizations) and how the timed steps become the
 result (throughput of non-padding tokens, MFU and HFU, memory, loss, the stop, the disturbance verdict).
 
-The timed loop (train_loop.py) fills the facts as set-up learns them and calls ``build_result`` after its steps, or
-``failed_result`` when the job failed; ``write_result`` writes benchmark.json on rank 0.
+The timed loop (train_loop.py) fills the facts as set-up learns them, has ``report_step`` print each step's metric
+line on rank 0, and calls ``build_result`` after its steps, or ``failed_result`` when the job failed;
+``write_result`` writes benchmark.json on rank 0.
 
 Imported by train_loop.py and train.py; may import gpuscout.domain and the train_* components beside it."""
 
@@ -17,10 +18,11 @@ from pathlib import Path
 import torch
 from benchmark_callback import GpuSampler, StepStats, step_accounts
 from data_preparation import DatasetSummary
+from experiment_tracking import JobTracker
 from train_args import Hyperparameters
 from train_distributed import Dist
 from train_facts import CPU_NOTE
-from train_state import Progress
+from train_state import Progress, StepWork
 
 from gpuscout.domain import flops
 from gpuscout.domain.benchmark import (
@@ -39,7 +41,7 @@ from gpuscout.domain.benchmark import (
     TrainConfig,
 )
 from gpuscout.domain.disturbance import detect
-from gpuscout.domain.metric_lines import format_metric_line
+from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
 from gpuscout.domain.models import Architecture
 
 
@@ -75,6 +77,34 @@ class Outcome:
     resumed_from: int | None = None
     validation_error: str | None = None
     trained_memory: Memory | None = None  # read before the final validation (its peaks are the steps')
+
+
+def report_step(
+    facts: RunFacts, tracker: JobTracker, stats: StepStats, step: int, work: StepWork, *,
+    totals: tuple[float, float, float], seconds: float, timed: bool,
+) -> None:  # fmt: skip
+    """Rank 0's metric line of one step (``totals``: its tokens, samples and mean loss over the ranks), with the
+    running $ per 1M tokens once enough steps were timed (a search's objective), and the trackers' record of it."""
+    hp, dist = facts.hp, facts.dist
+    tokens, samples, loss = totals
+    mem = torch.cuda.max_memory_allocated(dist.device) / 1e9 if dist.device.type == "cuda" else None
+    metrics: dict[str, float | int | None] = {
+        "step": step,
+        "loss": loss,
+        "tokens_per_s": tokens / seconds,
+        "samples_per_s": samples / seconds,
+        "step_time_s": seconds,
+        "lr": work.lr,
+        "grad_norm": work.grad_norm,  # None under DeepSpeed (it clips internally)
+        "gpu_mem_gb": mem,
+    }
+    timed_records = [r for r in stats.timed if r.seconds > 0]
+    timed_totals = tuple(float(sum(getattr(r, n) for r in timed_records)) for n in ("tokens", "samples", "seconds"))
+    if hp.price_per_hour_usd and timed and len(timed_records) >= hp.objective_min_timed_steps:
+        metrics[OBJECTIVE_KEY] = usd_per_million_tokens(hp.price_per_hour_usd, timed_totals[0] / timed_totals[2])
+    print(format_metric_line(metrics), flush=True)
+    metrics["gpu_util_pct"] = facts.sampler.recent_utilization()  # for the trackers; rates are the timed steps'
+    tracker.log_step(step, metrics, timed_totals=timed_totals if timed and timed_totals[2] > 0 else None)
 
 
 def train_config(facts: RunFacts) -> TrainConfig:
