@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 
 
 class AnalyzeRequest(BaseModel):
@@ -23,9 +19,7 @@ class AnalyzeRequest(BaseModel):
     run_id: str = Field(min_length=1)
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=AnalyzeRequest)
 def handler(event: AnalyzeRequest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()

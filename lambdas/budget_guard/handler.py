@@ -14,7 +14,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
@@ -23,10 +22,7 @@ from pydantic import Field
 
 from gpuscout.cloud import control_plane, run_roles
 from gpuscout.cloud.budget_guard import BudgetCheckError, check_budgets
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 
 
 class ScheduledEvent(EventBridgeModel):
@@ -36,9 +32,7 @@ class ScheduledEvent(EventBridgeModel):
     detail_type: Literal["Scheduled Event"] = Field(alias="detail-type")
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=ScheduledEvent)
 def handler(event: ScheduledEvent, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Tracer
 from aws_lambda_powertools.metrics import MetricUnit, single_metric
 from aws_lambda_powertools.utilities.parser import envelopes, parse
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
@@ -17,14 +16,12 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from gpuscout.cloud import control_plane
 from gpuscout.cloud.events import EventError, TrainingJobStateChange, handle_training_job_event
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger
 
-logger = Logger()
-tracer = Tracer()
 NAMESPACE = "gpuscout"  # each metric is a single_metric (no Metrics flush: it would warn on every event)
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
+@lambda_handler(flush_metrics=False)
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     detail = parse(event=event, model=TrainingJobStateChange, envelope=envelopes.EventBridgeEnvelope)
     if not isinstance(detail, TrainingJobStateChange):

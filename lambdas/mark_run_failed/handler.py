@@ -14,18 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import envelopes, parse
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 from gpuscout.cloud.payloads import CaughtError
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
 
 
 class CaughtRunFailure(BaseModel):
@@ -50,9 +46,7 @@ class ExecutionStatusChange(BaseModel):
     cause: str | None = None
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
     if "detail-type" in event:

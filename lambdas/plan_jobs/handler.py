@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane, plan_step
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 from gpuscout.cloud.step_errors import PlanRefused, refusal
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
 
 
 class ValidatedManifest(BaseModel):
@@ -37,9 +33,7 @@ class ValidatedManifest(BaseModel):
     quota_warnings: list[str] = Field(default_factory=list)  # Validate's quota pre-flight (logged there)
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=ValidatedManifest)
 def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()

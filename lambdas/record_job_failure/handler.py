@@ -9,18 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 from gpuscout.cloud.payloads import CaughtError
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
 
 
 class JobFailure(BaseModel):
@@ -31,9 +27,7 @@ class JobFailure(BaseModel):
     error: CaughtError
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=JobFailure)
 def handler(event: JobFailure, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
@@ -19,10 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpuscout.cloud import control_plane
 from gpuscout.cloud.events import JobEventOutcome, record_described_job, record_tuning_trials
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 
 
 class FinishedJob(BaseModel):
@@ -41,9 +37,7 @@ class FinishedJob(BaseModel):
         return self
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=FinishedJob)
 def handler(event: FinishedJob, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane, run_roles
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 
 
 class RunRoleRequest(BaseModel):
@@ -30,9 +26,7 @@ class RunRoleRequest(BaseModel):
     action: Literal["create", "delete"]
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=RunRoleRequest)
 def handler(event: RunRoleRequest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics, Tracer
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 from gpuscout.cloud.quotas import QuotaBook
 from gpuscout.cloud.step_errors import ManifestRejected, refusal
-
-logger = Logger()
-tracer = Tracer()
-metrics = Metrics(namespace="gpuscout")
 
 
 class ExecutionInput(BaseModel):
@@ -34,9 +30,7 @@ class ExecutionInput(BaseModel):
     etag: str = ""
 
 
-@logger.inject_lambda_context
-@tracer.capture_lambda_handler
-@metrics.log_metrics
+@lambda_handler()
 @event_parser(model=ExecutionInput)
 def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
