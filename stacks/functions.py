@@ -103,6 +103,25 @@ FUNCTION_SPECS = (
 )
 FUNCTION_NAMES = tuple(spec.name for spec in FUNCTION_SPECS)
 
+# The functions that record a finished training job (same code path, same grants).
+JOB_RECORDERS = ("job_events", "record_job_result")
+# The functions that read a settings search's candidates, which plan_jobs writes per tuning job under SEARCH_PREFIX
+# (gpuscout.cloud.tuning_requests), to give a tuning job's trials (or its failure) their rows.
+SEARCH_READERS = (*JOB_RECORDERS, "record_job_failure")
+# The functions the state machine invokes (everything but the EventBridge targets).
+WORKFLOW_FUNCTIONS = (
+    "validate_manifest",
+    "plan_jobs",
+    "run_role",
+    "record_job_failure",
+    "record_job_result",
+    "mark_run_failed",
+    "analyze_run",
+)
+
+# publish to the topic: the run summary (analyze_run, mark_run_failed) or why a run never started (the other two)
+RUN_SUMMARY_PUBLISHERS = ("analyze_run", "mark_run_failed", "validate_manifest", "plan_jobs")
+
 
 def _source_files(root: Path) -> Iterator[Path]:
     for path in sorted(root.rglob("*")):

@@ -4,7 +4,7 @@ data-preparation job's role, one role per Lambda function and the state machine'
 Each role gets only what its principal calls, scoped to this stack's resources and to job names starting with
 ``gs-`` (gpuscout.domain.names.JOB_NAME_PREFIX). Data-plane grants to the Lambda roles (table, bucket prefixes) are
 made by the stack, which sees every resource; this file defines the roles and the statements that follow from the
-SageMaker/Step Functions contracts. Every wildcard that remains is acknowledged in gpuscout_stack.py with the
+SageMaker/Step Functions contracts. Every wildcard that remains is acknowledged in stacks/acknowledgments.py with the
 reason, and listed in docs/architecture.md.
 """
 
