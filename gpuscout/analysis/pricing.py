@@ -86,9 +86,6 @@ class InstancePrice(BaseModel):
     region: str
     kind: PriceKind | None = None  # None in results stored before kinds: read from on_demand_source
 
-    def for_spot(self, spot: bool) -> float:
-        return self.spot_usd_per_hour if spot else self.on_demand_usd_per_hour
-
     @property
     def price_kind(self) -> PriceKind:
         return self.kind or kind_of(self.on_demand_source)
