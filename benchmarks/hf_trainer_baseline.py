@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuscout.analysis.intervals import ratio_ci95
 from gpuscout.domain import flops
 from gpuscout.domain.disturbance import detect
 from gpuscout.domain.hardware import detect_sku
+from gpuscout.domain.intervals import ratio_ci95
 from gpuscout.domain.models import PRESETS, Architecture
 from gpuscout.paths import TRAINING_DIR
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuscout.analysis.intervals import ratio_ci95  # the project's one implementation of the t statistics
+from gpuscout.domain.intervals import ratio_ci95  # the project's one implementation of the t statistics
 
 
 def default_warmup_steps(max_steps: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
 
-from gpuscout.analysis import costs, intervals, step_series
+from gpuscout.analysis import costs, step_series
 from gpuscout.analysis.caveats import contention_note, incomplete_note, validation_note
 from gpuscout.analysis.costs import TimeBreakdown
 from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
@@ -42,6 +42,7 @@ from gpuscout.analysis.results import (
     SearchTrial,
 )
 from gpuscout.analysis.step_series import downsample
+from gpuscout.domain import intervals
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS

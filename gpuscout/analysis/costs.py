@@ -21,7 +21,7 @@ from gpuscout.errors import GpuscoutError
 SECONDS_PER_HOUR = 3600.0
 MAX_EXTRAPOLATION = 10.0  # never project a loss curve past 10x the tokens it measured
 FIT_FROM_FRACTION = 0.25  # loss fits use the points past 25 % of the measured tokens
-# confidence intervals (Student t over repetitions, the ratio estimator of a run) live in gpuscout.analysis.intervals
+# confidence intervals (Student t over repetitions, the ratio estimator of a run) live in gpuscout.domain.intervals
 
 
 # -- money and time ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from gpuscout.analysis.intervals import ratio_ci95
+from gpuscout.domain.intervals import ratio_ci95
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest_training import default_warmup_steps
 from gpuscout.plan.search import SearchPlan, TargetSearch

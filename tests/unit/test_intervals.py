@@ -1,11 +1,11 @@
-"""Student t quantiles, the mean of repetitions and the ratio estimator (gpuscout.analysis.intervals) against tables and
+"""Student t quantiles, the mean of repetitions and the ratio estimator (gpuscout.domain.intervals) against tables and
 hand-computed numbers; the arithmetic is in the comments."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuscout.analysis import intervals
+from gpuscout.domain import intervals
 
 
 # -- Student t ------------------------------------------------------------------------------------------------
