@@ -42,7 +42,7 @@ from gpuscout.cloud.quotas import QuotaBook, plan_needs
 from gpuscout.cloud.quotas import check as check_quotas
 from gpuscout.cloud.settings import LambdaSettings, get_settings
 from gpuscout.cloud.sources import TrackingServers, cloud_problems
-from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected
+from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected, PlanRefused, refusal
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import parse_manifest
@@ -397,6 +397,15 @@ def tell_refusal(refused: dict[str, Any], *, sns: Any, topic_arn: str | None) ->
     detail = refused.get("refused") or {}
     notice = refusal_notice(refused.get("run_id"), str(detail.get("Error", "")), str(detail.get("Cause", "")))
     return publish(sns, topic_arn, notice) or True
+
+
+def refuse(
+    run_id: str | None, error: ManifestRejected | PlanRefused, *, sns: Any, topic_arn: str | None
+) -> tuple[dict[str, Any], bool | str]:
+    """What the Validate or Plan handler returns for ``error`` (a refusal is a result: step_errors.refusal), once
+    whoever dropped the manifest was told (tell_refusal); and whether they were, or why not."""
+    refused = refusal(run_id, error)
+    return refused, tell_refusal(refused, sns=sns, topic_arn=topic_arn)
 
 
 def tell_run_failed(run_id: str, *, store: ResultStore, sns: Any, topic_arn: str | None) -> bool | str:

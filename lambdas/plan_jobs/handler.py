@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane, plan_step
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
-from gpuscout.cloud.step_errors import PlanRefused, refusal
+from gpuscout.cloud.step_errors import PlanRefused
 
 
 class ValidatedManifest(BaseModel):
@@ -44,9 +44,8 @@ def handler(event: ValidatedManifest, context: LambdaContext) -> dict[str, Any]:
         )
     except PlanRefused as err:
         metrics.add_metric(name="PlansRefused", unit=MetricUnit.Count, value=1)
-        refused = refusal(event.run_id, err)
-        notified = control_plane.tell_refusal(
-            refused, sns=services.sns, topic_arn=services.settings.notification_topic_arn
+        refused, notified = control_plane.refuse(
+            event.run_id, err, sns=services.sns, topic_arn=services.settings.notification_topic_arn
         )
         logger.info("plan refused", extra={"reason": str(err), "notified": notified})
         return refused

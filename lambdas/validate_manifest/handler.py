@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpuscout.cloud import control_plane
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 from gpuscout.cloud.quotas import QuotaBook
-from gpuscout.cloud.step_errors import ManifestRejected, refusal
+from gpuscout.cloud.step_errors import ManifestRejected
 
 
 class ExecutionInput(BaseModel):
@@ -45,9 +45,8 @@ def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
         )
     except ManifestRejected as err:
         metrics.add_metric(name="ManifestsRejected", unit=MetricUnit.Count, value=1)
-        refused = refusal(err.run_id, err)
-        notified = control_plane.tell_refusal(
-            refused, sns=services.sns, topic_arn=services.settings.notification_topic_arn
+        refused, notified = control_plane.refuse(
+            err.run_id, err, sns=services.sns, topic_arn=services.settings.notification_topic_arn
         )
         logger.info("manifest rejected", extra={"run_id": err.run_id, "reason": str(err), "notified": notified})
         return refused
