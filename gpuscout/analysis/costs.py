@@ -58,15 +58,11 @@ class LossTarget(BaseModel):
     seconds: float | None = None
 
 
-def time_to_target_loss(curve: Sequence[tuple[float, float, float]], target: float, tokens_per_s: float) -> LossTarget:
-    """``curve`` = (cumulative tokens, elapsed training s, train loss) points in step order (one repetition)."""
-    return pooled_time_to_target_loss([curve], target, [tokens_per_s])
-
-
 def pooled_time_to_target_loss(
     curves: Sequence[Sequence[tuple[float, float, float]]], target: float, tokens_per_s: Sequence[float]
 ) -> LossTarget:
-    """Tokens and training seconds to reach ``target`` for repetitions of one job (means over repetitions).
+    """Tokens and training seconds to reach ``target`` for repetitions of one job (means over repetitions); each
+    curve is one repetition's (cumulative tokens, elapsed training s, train loss) points in step order.
 
     Measured when every repetition's curve reaches ``target``: its first point at or below it. Otherwise one fit
     on the pooled points past FIT_FROM_FRACTION of each curve's measured tokens: L(x) = a + b x^-c (x = tokens;

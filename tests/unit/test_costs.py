@@ -49,7 +49,7 @@ def _power_law_curve(a: float, b: float, c: float, tps: float) -> list[tuple[flo
 
 def test_time_to_loss_measured_when_reached() -> None:
     curve = [(1000, 1.0, 5.0), (2000, 2.0, 4.0), (3000, 3.5, 2.9), (4000, 4.5, 2.5)]
-    result = costs.time_to_target_loss(curve, 3.0, 1000.0)
+    result = costs.pooled_time_to_target_loss([curve], 3.0, [1000.0])
     # first point at or below 3.0 is (3000 tokens, 3.5 s)
     assert (result.method, result.tokens, result.seconds) == ("measured", 3000, 3.5)
 
@@ -57,7 +57,7 @@ def test_time_to_loss_measured_when_reached() -> None:
 def test_time_to_loss_projected_with_a_power_law() -> None:
     # L = 2 + 4 (x/1M)^-0.5: L = 3 at (1/4)^-2 = 16 -> 16M tokens, twice the 8M measured (within 10x).
     # seconds = 800 s at the last point + (16M - 8M) / 10,000 tokens/s = 800 + 800 = 1,600 s
-    result = costs.time_to_target_loss(_power_law_curve(2.0, 4.0, 0.5, 10_000.0), 3.0, 10_000.0)
+    result = costs.pooled_time_to_target_loss([_power_law_curve(2.0, 4.0, 0.5, 10_000.0)], 3.0, [10_000.0])
     assert result.method == "power-law fit"
     assert result.tokens == pytest.approx(16e6, rel=0.02)
     assert result.seconds == pytest.approx(1_600, rel=0.02)
@@ -66,7 +66,7 @@ def test_time_to_loss_projected_with_a_power_law() -> None:
 
 def test_time_to_loss_refuses_far_extrapolation() -> None:
     # L = 2.2 needs (0.2/4)^-2 = 400 -> 400M tokens, 50x the 8M measured: not projected
-    result = costs.time_to_target_loss(_power_law_curve(2.0, 4.0, 0.5, 10_000.0), 2.2, 10_000.0)
+    result = costs.pooled_time_to_target_loss([_power_law_curve(2.0, 4.0, 0.5, 10_000.0)], 2.2, [10_000.0])
     assert result.method == "not projected"
     assert result.tokens is None and result.seconds is None
     assert "10x" in result.detail
@@ -74,16 +74,16 @@ def test_time_to_loss_refuses_far_extrapolation() -> None:
 
 def test_time_to_loss_below_the_asymptote_is_not_projected() -> None:
     # the fitted floor is a ~ 2, so a target of 1.5 is never reached
-    result = costs.time_to_target_loss(_power_law_curve(2.0, 4.0, 0.5, 10_000.0), 1.5, 10_000.0)
+    result = costs.pooled_time_to_target_loss([_power_law_curve(2.0, 4.0, 0.5, 10_000.0)], 1.5, [10_000.0])
     assert result.method == "not projected"
     assert "never reaches" in result.detail
 
 
 def test_time_to_loss_needs_a_falling_curve() -> None:
     flat = [(1000.0 * i, float(i), 3.0 + 0.01 * i) for i in range(1, 20)]
-    assert costs.time_to_target_loss(flat, 2.0, 1000.0).method == "not projected"
-    assert costs.time_to_target_loss(flat[:3], 2.0, 1000.0).detail.startswith("only 3")
-    assert costs.time_to_target_loss([], 2.0, 1000.0).detail == "no loss curve"
+    assert costs.pooled_time_to_target_loss([flat], 2.0, [1000.0]).method == "not projected"
+    assert costs.pooled_time_to_target_loss([flat[:3]], 2.0, [1000.0]).detail.startswith("only 3")
+    assert costs.pooled_time_to_target_loss([[]], 2.0, [1000.0]).detail == "no loss curve"
 
 
 def test_log_linear_fit_solves_exactly() -> None:
