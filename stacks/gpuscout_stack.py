@@ -15,6 +15,7 @@ from constructs import Construct
 
 from gpuscout.domain.names import (
     MANIFESTS_PREFIX,
+    METRIC_NAMESPACE,
     OUTPUT_PREFIX,
     PLANS_PREFIX,
     PROCESSED_PREFIX,
@@ -37,7 +38,7 @@ from stacks.functions import (
 from stacks.monitoring import Monitoring
 from stacks.notifications import Notifications
 from stacks.results_table import JOB_INDEX, RUNS_INDEX, ResultsTable
-from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME, TRAINING_JOBS_ARN, TUNING_JOBS_ARN, Roles
+from stacks.roles import SERVICE_NAME, TRAINING_JOBS_ARN, TUNING_JOBS_ARN, Roles
 from stacks.storage import Storage
 from stacks.training_image import TrainingImage
 from stacks.workflow import BenchmarkWorkflow

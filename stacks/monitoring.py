@@ -13,7 +13,8 @@ from aws_cdk import aws_sqs as sqs
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
-from stacks.roles import METRIC_NAMESPACE, SERVICE_NAME
+from gpuscout.domain.names import METRIC_NAMESPACE
+from stacks.roles import SERVICE_NAME
 
 # Emitted by lambdas/job_events with Powertools Metrics (namespace "gpuscout"); Powertools adds the "service"
 # dimension to every metric, so a widget that leaves it out shows nothing. The dashboard queries exactly these

@@ -24,14 +24,13 @@ from gpuscout.domain.names import (
     OUTPUT_PREFIX,
     PROCESSED_PREFIX,
     RAW_PREFIX,
+    RUN_ARTIFACT_ACTIONS,
     RUN_ROLE_NAME_PREFIX,
     RUN_ROLE_PATH_PREFIX,
+    SAGEMAKER_SERVICE,
 )
 
-SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 SAGEMAKER_LOG_GROUPS = ("/aws/sagemaker/TrainingJobs", "/aws/sagemaker/ProcessingJobs")
-# gpuscout's own metrics (the Lambdas': runs marked failed, which an alarm watches; the dashboard's figures).
-METRIC_NAMESPACE = "gpuscout"
 # POWERTOOLS_SERVICE_NAME of every Lambda: Powertools adds it as the "service" dimension of every metric it emits.
 SERVICE_NAME = "gpuscout"
 # Namespaces the job roles may write metrics to: SageMaker's own (MetricDefinitions) only. Not gpuscout's, where a
@@ -216,7 +215,7 @@ class Roles(Construct):
             # per run only under the run's own prefixes (the run role's inline policy).
             iam.PolicyStatement(
                 sid="RunArtifacts",
-                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                actions=list(RUN_ARTIFACT_ACTIONS),
                 resources=[artifacts.arn_for_objects(f"{prefix}*") for prefix in job_prefixes],
             ),
             iam.PolicyStatement(

@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast
 
 from aws_lambda_powertools import Logger, Metrics, Tracer
 
-METRIC_NAMESPACE = "gpuscout"  # stacks/roles.py METRIC_NAMESPACE: the alarms and the dashboard read it
+from gpuscout.domain.names import METRIC_NAMESPACE
 
 logger = Logger()
 tracer = Tracer()

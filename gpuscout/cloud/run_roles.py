@@ -36,13 +36,18 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.cloud.settings import LambdaSettings
 from gpuscout.cloud.step_errors import CloudStepError
-from gpuscout.domain.names import CHECKPOINTS_PREFIX, OUTPUT_PREFIX, RUN_ROLE_NAME_PREFIX
+from gpuscout.domain.names import (
+    CHECKPOINTS_PREFIX,
+    OUTPUT_PREFIX,
+    RUN_ARTIFACT_ACTIONS,
+    RUN_ROLE_NAME_PREFIX,
+    SAGEMAKER_SERVICE,
+)
 from gpuscout.errors import GpuscoutError, RunNotFoundError
-from gpuscout.store.base import FINAL_RUN_STATUSES, ResultStore
+from gpuscout.store.base import FINAL_RUN_STATUSES, ResultStore, as_utc
 
 RUN_POLICY_NAME = "run-artifacts"
 RUN_ID_TAG = "gpuscout:run_id"  # on each run role: which run it is (the sweep reads it)
-SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 # make_run_id's alphabet (plan.jobs): nothing in a run id can act as an IAM wildcard (* ?) or end a path segment.
 _RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MISSING = {"NoSuchEntity", "NoSuchEntityException"}
@@ -98,7 +103,7 @@ def run_policy(settings: LambdaSettings, run_id: str) -> dict[str, Any]:
             {
                 "Sid": "RunArtifacts",
                 "Effect": "Allow",
-                "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                "Action": list(RUN_ARTIFACT_ACTIONS),
                 "Resource": [f"{bucket}/{prefix}*" for prefix in prefixes],
             },
             {
@@ -158,7 +163,7 @@ def create_run_role(
                 sleep(2.0**attempt)
     except (ClientError, BotoCoreError) as err:
         raise CloudStepError(f"cannot create the role of run {run_id}: {err}") from err
-    age = (now() - _aware(role["CreateDate"])).total_seconds()
+    age = (now() - as_utc(role["CreateDate"])).total_seconds()
     if age < settings.run_role_propagation_s:
         sleep(settings.run_role_propagation_s - max(age, 0.0))
     return run_role_arn(settings, run_id)
@@ -259,8 +264,4 @@ def _left_behind(
         ended: datetime | None = run.updated_at if run.status in FINAL_RUN_STATUSES else None
     except RunNotFoundError:
         ended = role["CreateDate"]
-    return run_id if ended is not None and now - _aware(ended) > LEFT_ROLE_GRACE else None
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return run_id if ended is not None and now - as_utc(ended) > LEFT_ROLE_GRACE else None

@@ -32,3 +32,11 @@ JOB_NAME_PREFIX = "gs-"
 # /gpuscout/<region>/<stack name>/; the stack's grants to create, pass and delete run roles cover these names only.
 RUN_ROLE_NAME_PREFIX = f"{JOB_NAME_PREFIX}run-"
 RUN_ROLE_PATH_PREFIX = "/gpuscout/"
+# The service principal that assumes the jobs' roles (run roles, data preparation's), and what a run's jobs may do
+# with their own output and checkpoints (SageMaker uploads the first and syncs the second both ways): the run roles'
+# boundary (stacks/roles.py) and each run role's inline policy (gpuscout.cloud.run_roles) grant exactly these.
+SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
+RUN_ARTIFACT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload")
+
+# -- CloudWatch: gpuscout's own metrics (the Lambdas emit them; the failed-runs alarm and the dashboard read them)
+METRIC_NAMESPACE = "gpuscout"

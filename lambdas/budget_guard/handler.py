@@ -36,11 +36,12 @@ class ScheduledEvent(EventBridgeModel):
 @event_parser(model=ScheduledEvent)
 def handler(event: ScheduledEvent, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
+    now = datetime.now(UTC)  # not the event's time: a retried delivery projects to when it runs
     logger.append_keys(scheduled_time=event.time.isoformat())
     outcome = check_budgets(
         services.store,
         services.sagemaker,
-        now=datetime.now(UTC),  # not the event's time: a retried delivery projects to when it runs
+        now=now,
         default_budget_usd=services.settings.default_budget_usd,
     )
     stopped = outcome.stopped_runs
@@ -49,7 +50,7 @@ def handler(event: ScheduledEvent, context: LambdaContext) -> dict[str, Any]:
         logger.warning("budget guard stopped a run over budget", extra=run.model_dump(mode="json"))
     logger.info("budget check done", extra={"runs_checked": len(outcome.runs), "runs_stopped": len(stopped)})
     # the run roles runs left behind (run_roles.sweep_run_roles); what failed is retried at the next check
-    sweep = run_roles.sweep_run_roles(services.iam, services.store, services.settings, now=datetime.now(UTC))
+    sweep = run_roles.sweep_run_roles(services.iam, services.store, services.settings, now=now)
     if sweep.swept:
         logger.warning("deleted run roles left behind", extra={"runs": sweep.swept})
     for error in sweep.errors:

@@ -17,11 +17,10 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from gpuscout.cloud import control_plane
 from gpuscout.cloud.events import EventError, TrainingJobStateChange, handle_training_job_event
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger
+from gpuscout.domain.names import METRIC_NAMESPACE
 
-NAMESPACE = "gpuscout"  # each metric is a single_metric (no Metrics flush: it would warn on every event)
 
-
-@lambda_handler(flush_metrics=False)
+@lambda_handler(flush_metrics=False)  # each metric is a single_metric: a Metrics flush would warn on every event
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     detail = parse(event=event, model=TrainingJobStateChange, envelope=envelopes.EventBridgeEnvelope)
     if not isinstance(detail, TrainingJobStateChange):
@@ -43,11 +42,14 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         artifacts_bucket=services.settings.artifacts_bucket,
         default_budget_usd=services.settings.default_budget_usd,
     )
-    with single_metric(name="TrainingJobStatus", unit=MetricUnit.Count, value=1, namespace=NAMESPACE) as metric:
+    with single_metric(name="TrainingJobStatus", unit=MetricUnit.Count, value=1, namespace=METRIC_NAMESPACE) as metric:
         metric.add_dimension(name="Status", value=detail.training_job_status)
     if outcome.tokens_per_s is not None and outcome.instance_type:
         with single_metric(
-            name="TokensPerSecond", unit=MetricUnit.CountPerSecond, value=outcome.tokens_per_s, namespace=NAMESPACE
+            name="TokensPerSecond",
+            unit=MetricUnit.CountPerSecond,
+            value=outcome.tokens_per_s,
+            namespace=METRIC_NAMESPACE,
         ) as metric:
             metric.add_dimension(name="InstanceType", value=outcome.instance_type)
     if outcome.stopped_jobs:
