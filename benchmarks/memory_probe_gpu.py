@@ -1,6 +1,6 @@
-"""Measure training peak memory on a CUDA GPU for a grid of configurations, the way training/train.py trains.
+"""Measure training peak memory on a CUDA GPU for a grid of configurations, the way gpuscout_train/train.py trains.
 
-The planner's memory model (gpuscout/plan/memory.py) is calibrated on CPU (training/memory_probe.py counts the bytes
+The planner's memory model (gpuscout/plan/memory.py) is calibrated on CPU (benchmarks/memory_probe.py counts the bytes
 saved for backward); this probe measures what CUDA really holds (flex attention, Liger, the CUDA SDPA kernels), so a
 GPU session can check or recalibrate the model. `make gpu-check` runs it and keeps the JSON; each row also carries
 the planner's prediction for the same configuration.
@@ -29,10 +29,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "training"), str(REPO)]
+from gpuscout.domain.models import PRESETS, Architecture
 
-from gpuscout.domain.models import PRESETS, Architecture  # noqa: E402 - after the path set-up above
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class Probe:
     batch: int
     seq: int
     attention: str  # "sdpa" (dense 4D document mask), "flex" (block mask), "sdpa-unpacked" (no mask)
-    loss: str  # "plain" or a fused kernel: "chunked", "liger", "torch" (training/packing.py)
+    loss: str  # "plain" or a fused kernel: "chunked", "liger", "torch" (training/gpuscout_train/packing.py)
     checkpointing: bool
     layers: int | None = None  # None: the preset's
 
@@ -96,7 +95,7 @@ def predicted(probe: Probe) -> dict[str, float]:
 
 def measure(probe: Probe) -> dict[str, Any]:
     import torch
-    from packing import CausalLMWithLoss, _missing_library, install_flex_autocast_cast, make_inputs
+    from gpuscout_train.packing import CausalLMWithLoss, _missing_library, install_flex_autocast_cast, make_inputs
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     missing = _missing_library(probe.loss)

@@ -20,7 +20,7 @@ train.py resumes from the newest checkpoint there, /opt/ml/checkpoints by defaul
    ``optimizer.step()``: here a step is one optimizer step, with all its gradient-accumulation micro-batches (from
    just after one ``optimizer.step()`` to just after the next; the first waiting step also holds train.py's set-up,
    so keep ``--wait`` past torch.compile's first steps);
-2. runs training/train.py in this process (its ``__main__``, training/ on sys.path, sys.argv as given after ``--``);
+2. runs gpuscout_train.train in this process (as ``__main__``, sys.argv as given after ``--``);
 3. when the active steps are done, prints the table (sorted by self CUDA time on a GPU, self CPU time on a CPU) and
    writes ``<out>/profile-<time>.txt`` (a header line with the device, torch version and window, then the table)
    and ``<out>/profile-<time>.json`` (the top ``--rows`` entries and the totals).
@@ -51,9 +51,8 @@ from torch.autograd import DeviceType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import REPO_DIR, TRAIN_MODULE
 
-TRAIN_SCRIPT = TRAINING_DIR / "train.py"
 WARMUP = 1  # the profiler's warm-up steps (recorded, then dropped) between waiting and the active window
 
 
@@ -87,7 +86,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="profile_train.py",
-        description="Profile a few optimizer steps of training/train.py; train.py's arguments follow --.",
+        description="Profile a few optimizer steps of gpuscout_train/train.py; train.py's arguments follow --.",
     )
     parser.add_argument("--wait", type=int, default=5, help="optimizer steps before the profiler warms up (default 5)")
     parser.add_argument("--active", type=int, default=3, help="optimizer steps recorded (default 3)")
@@ -182,15 +181,11 @@ def write_profile(prof: profile, window: Window, train_argv: Sequence[str]) -> N
 
 
 def run_train(train_argv: Sequence[str]) -> int:
-    """training/train.py as ``__main__`` in this process; its exit status."""
-    if str(TRAINING_DIR) not in sys.path:  # train.py imports its sibling modules top-level (as in /opt/ml/code)
-        sys.path.insert(0, str(TRAINING_DIR))
-    if str(REPO_DIR) not in sys.path:  # and gpuscout.domain / gpuscout.errors (hopper.py sets PYTHONPATH to this)
-        sys.path.insert(1, str(REPO_DIR))
+    """gpuscout_train.train as ``__main__`` in this process (``python -m`` would run it so); its exit status."""
     saved = sys.argv
-    sys.argv = [str(TRAIN_SCRIPT), *train_argv]
+    sys.argv = [TRAIN_MODULE, *train_argv]
     try:
-        runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
+        runpy.run_module(TRAIN_MODULE, run_name="__main__", alter_sys=True)
     except SystemExit as done:
         code = done.code
         return code if isinstance(code, int) else (0 if code is None else 1)

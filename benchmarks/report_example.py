@@ -1,22 +1,19 @@
 """Regenerate docs/report-example/ (the README's example report) from the fixture run, with the current code.
 
-    .venv/bin/python benchmarks/report_example.py
+    .venv/bin/python -m benchmarks.report_example    (from the repository's root: it reads tests/unit's fixture run)
 
 The numbers are synthetic (tests/fixtures/benchmarks): the page shows what a report looks like, not a measurement.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.report import write_report
+from tests.unit.example_run import load_example_run  # the fixture run the report tests use
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit")]
-
-from example_run import load_example_run  # noqa: E402  (tests/unit: the fixture run the report tests use)
-
-from gpuscout.analysis.analyze import analyze_run  # noqa: E402
-from gpuscout.analysis.report import write_report  # noqa: E402
 
 NOTE = (
     "Example from fixture data, not a measurement: synthetic benchmark results and example prices "

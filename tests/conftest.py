@@ -40,7 +40,7 @@ def pytest_collection(session: pytest.Session) -> Iterator[None]:
 
     Each worker imports every test file (torch, transformers, moto, the CDK app, ...), and the collections that those
     imports' allocations set off walk all that was loaded so far: `pytest --collect-only` took 11.1 CPU-seconds with
-    them, 7.0 without (median of five paired runs, 2-core Xeon, 2026-11-26; training/startup_gc.py pauses the same
+    them, 7.0 without (median of five paired runs, 2-core Xeon, 2026-11-26; gpuscout_train/startup_gc.py pauses the same
     collector in a training job). When collection is done, its cycles are freed once and what survives is frozen: a
     full collection then walks only what the tests allocate, and the worker's exit does not walk it again.
 

@@ -9,6 +9,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+REPO_DIR = Path(__file__).resolve().parents[1]
+# The training image's PYTHONPATH (training/Dockerfile: /opt/ml/code:/opt/ml/code/training) in this checkout: a test
+# that runs a job the way the image does resolves gpuscout and the training packages from the same two roots
+IMAGE_PYTHONPATH = os.pathsep.join([str(REPO_DIR), str(REPO_DIR / "training")])
+LAUNCHER_COMMAND = ("-m", "gpuscout_train.launcher")  # the image's entry point, less its python (training/Dockerfile)
+
 
 def job_environment(
     root: Path,

@@ -1,5 +1,5 @@
 """A run's results in its experiment trackers: after the analysis, one tracker run per benchmark run holds the ranked
-results and the report, beside the job runs training/experiment_tracking.py logged.
+results and the report, beside the job runs training/gpuscout_train/tracking.py logged.
 
 - MLflow: a run named after the run id (tags ``gpuscout.run_id``, ``gpuscout.level=run``) in the manifest's experiment,
   created once and reused when logged again. Its params are the run's settings (the manifest flattened:

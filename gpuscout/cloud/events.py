@@ -53,7 +53,7 @@ MAX_BENCHMARK_BYTES = 32 * 1024 * 1024
 OOM_MARKERS = ("OutOfMemory", "CUDA out of memory", "out of memory")
 CAPACITY_MARKERS = ("CapacityError", "InsufficientCapacity", "Insufficient capacity")
 QUOTA_MARKERS = ("ResourceLimitExceeded",)
-STDERR_MARK = "; stderr: "  # training/launcher.py's failure reason: what follows is the user's script's stderr
+STDERR_MARK = "; stderr: "  # gpuscout_train/launcher.py's failure reason: what follows is the user's script's stderr
 STARTING_SECONDARY = frozenset(
     {
         "Starting",
@@ -139,7 +139,7 @@ class TrainingJobStateChange(_Detail):
 
 def classify_failure(reason: str | None) -> JobStatus:
     """A SageMaker failure reason or Step Functions error -> CAPACITY / QUOTA / OOM / FAILED. The stderr a user's
-    script left in its reason (training/launcher.py, after STDERR_MARK) counts for OOM only: a quota or capacity
+    script left in its reason (gpuscout_train/launcher.py, after STDERR_MARK) counts for OOM only: a quota or capacity
     word in the script's own output (its boto3 error, a log line) is not SageMaker's."""
     text = reason or ""
     own = text.split(STDERR_MARK, 1)[0].lower()

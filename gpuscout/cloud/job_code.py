@@ -4,7 +4,7 @@
 digest is over every file's path and bytes, so changed code is a new folder and a running job's code never changes
 under it), then submits a copy of the manifest whose ``job.source_dir`` is that S3 folder. The training job gets the
 folder as its ``code`` input channel (gpuscout.cloud.sagemaker_requests); the image's launcher runs the entry point
-from there (training/launcher.py).
+from there (training/gpuscout_train/launcher.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A cloud run's results in its experiment trackers, logged from the user's machine: ``gpuscout track RUN_ID
 --stack-name NAME``.
 
-The training jobs log themselves from SageMaker (training/experiment_tracking.py): to the run's MLflow server, and
+The training jobs log themselves from SageMaker (training/gpuscout_train/tracking.py): to the run's MLflow server, and
 to W&B offline, each job's run folder coming back in its ``output.tar.gz``. The run level (ranked results, report,
 nesting; gpuscout.analysis.tracking) is not logged by the analyze Lambda: its layer holds neither MLflow nor W&B (the
 layer is near Lambda's 250 MB limit), and an online W&B run would need a secret in the stack. So after a run has

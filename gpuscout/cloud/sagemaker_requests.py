@@ -21,12 +21,13 @@ from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
 from gpuscout.domain.names import CHECKPOINTS_PREFIX, JOB_NAME_PREFIX, OUTPUT_PREFIX, PROCESSED_PREFIX
 from gpuscout.domain.tracking import tracking_environment
 from gpuscout.errors import GpuscoutError
+from gpuscout.paths import DATA_PREPARATION_MODULE
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 PROCESSING_INPUT_DIR = "/opt/ml/processing/input/raw"
 PROCESSING_OUTPUT_DIR = "/opt/ml/processing/output"
-# The training image carries the repository's training/ folder here (training/Dockerfile).
-DATA_PREPARATION_SCRIPT = "/opt/ml/code/training/data_preparation.py"  # where training/Dockerfile copies it
+# The data preparation job's entry point in the training image, whose PYTHONPATH holds training/ (training/Dockerfile)
+DATA_PREPARATION_ENTRYPOINT = ("python3", "-m", DATA_PREPARATION_MODULE)
 DATASET_MANIFEST = "dataset.json"
 DEFAULT_VOLUME_SIZE_GB = 100
 PROCESSING_VOLUME_SIZE_GB = 50
@@ -126,8 +127,9 @@ def _model_channel(spec: JobSpec, *, isolated: bool) -> list[dict[str, Any]]:
     the container starts (train.py reads SM_CHANNEL_MODEL), so it loads under network isolation too.
 
     A canary with network (a ``canary_layers`` cut, not ``isolated``) gets no channel: the channel would download
-    the whole checkpoint, and train.py reads only the part its layers need from S3 (training/partial_checkpoint.py).
-    Under network isolation the channel is the only way in, so its canary downloads all of it."""
+    the whole checkpoint, and train.py reads only the part its layers need from S3
+    (gpuscout_train/partial_checkpoint.py). Under network isolation the channel is the only way in, so its canary
+    downloads all of it."""
     uri = spec.hyperparameters.get("model_name_or_path", "")
     if not uri.startswith("s3://") or (int(spec.hyperparameters.get("canary_layers") or 0) > 0 and not isolated):
         return []
@@ -136,7 +138,7 @@ def _model_channel(spec: JobSpec, *, isolated: bool) -> list[dict[str, Any]]:
 
 
 def job_code_environment(spec: JobSpec) -> dict[str, str]:
-    """What the image's launcher needs to run the user's code instead of train.py (training/launcher.py
+    """What the image's launcher needs to run the user's code instead of train.py (training/gpuscout_train/launcher.py
     ``run_job_code``), and the gpuscout_report helper's settings."""
     code = spec.job_code
     assert code is not None
@@ -228,7 +230,7 @@ def processing_job_name(run_id: str, data: DataSource) -> str:
 
 
 def processing_job_request(run_id: str, settings: RequestSettings, data: DataSource) -> dict[str, Any]:
-    """The CreateProcessingJob request that runs training/data_preparation.py on a CPU instance."""
+    """The CreateProcessingJob request that runs training/gpuscout_data/prepare.py on a CPU instance."""
     arguments = [
         "--input",
         PROCESSING_INPUT_DIR if data.source.startswith("s3://") else data.source,
@@ -278,7 +280,7 @@ def processing_job_request(run_id: str, settings: RequestSettings, data: DataSou
         },
         "AppSpecification": {
             "ImageUri": settings.training_image_uri,
-            "ContainerEntrypoint": ["python3", DATA_PREPARATION_SCRIPT],
+            "ContainerEntrypoint": list(DATA_PREPARATION_ENTRYPOINT),
             "ContainerArguments": arguments,
         },
         "RoleArn": _processing_role(settings),

@@ -9,7 +9,7 @@ and by the workflow's Validate step), each with the fix in the message.
 - ``network_isolation: true`` gives the training container no network: a hub model (``model.hf_id``) cannot
   download. An S3 ``model.path`` works either way: it reaches the job as the ``model`` input channel, which
   SageMaker downloads with the role before the container starts (sagemaker_requests.training_job_request). A canary
-  with network reads only its layers' part of it instead (training/partial_checkpoint.py); under isolation it too
+  with network reads only its layers' part of it instead (gpuscout_train/partial_checkpoint.py); under isolation it too
   downloads the whole checkpoint.
 - ``tracking`` (tracking_problems): a job reaches MLflow only at a server (an ARN or http(s) URI, and not under
   network isolation; an ARN must be a tracking server the deployment grants, context mlflow_tracking_servers), W&B

@@ -42,8 +42,8 @@ MAX_CATEGORICAL_VALUES = 30
 CANDIDATE_HYPERPARAMETER = "search_candidate"
 PRICE_HYPERPARAMETER = "price_per_hour_usd"
 OBJECTIVE_STEPS_HYPERPARAMETER = "objective_min_timed_steps"
-# train.py's hyperparameters that a candidate's name sets (training/train.py CANDIDATE_HYPERPARAMETERS), and the job
-# name, which SageMaker gives each trial: only these may differ between the candidates of one target.
+# train.py's hyperparameters that a candidate's name sets (gpuscout_train/args.py CANDIDATE_HYPERPARAMETERS), and
+# the job name, which SageMaker gives each trial: only these may differ between the candidates of one target.
 CANDIDATE_KEYS = frozenset(
     {
         "job_name",

@@ -1,4 +1,4 @@
-"""benchmark.json: what one training job measured. Written by training/train.py, read by the store and analysis.
+"""benchmark.json: what one training job measured. Written by gpuscout_train/train.py, read by the store and analysis.
 
 The schema is versioned (SCHEMA_VERSION); docs/metrics.md documents every field and
 ``BenchmarkResult.model_json_schema()`` is the machine-readable form. Bump the minor version for added optional
@@ -145,7 +145,7 @@ SIGNAL_STOP_PREFIX = "stopped on SIG"  # a stop reason that starts so: the job s
 
 
 def signal_stop_reason(signal_name: str, when: str) -> str:
-    """``stop.reason`` (or the failure) of a job that stopped itself on a signal (training/stop_signal.py)."""
+    """``stop.reason`` (or the failure) of a job that stopped itself on a signal (gpuscout_train/stop_signal.py)."""
     assert signal_name.startswith("SIG")
     return f"stopped on {signal_name} {when}"
 
@@ -219,7 +219,7 @@ class BenchmarkResult(_Strict):
     schema_version: str = SCHEMA_VERSION
     status: Literal["completed", "failed"]
     unit: Literal["tokens", "samples"] = "tokens"  # what the ranking counts as work
-    job: JobInfo | None = None  # the user's own code; None = training/train.py
+    job: JobInfo | None = None  # the user's own code; None = training/gpuscout_train/train.py
     job_name: str
     run_id: str | None = None
     instance_type: str

@@ -1,4 +1,4 @@
-"""Degenerate prepared data, found before anything is measured (dataset.json from training/data_preparation.py).
+"""Degenerate prepared data, found before anything is measured (dataset.json from training/gpuscout_data/prepare.py).
 
 A benchmark on degenerate data measures nothing useful: a training split smaller than one global batch repeats the
 same blocks every step, an empty validation split gives no validation loss, a trained BPE vocabulary far below the

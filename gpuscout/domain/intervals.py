@@ -1,7 +1,7 @@
 """Confidence intervals: Student's t distribution, the mean of repetitions and the ratio estimator of a run.
 
 One implementation for the whole project: gpuscout.analysis.analyze (mean of repetitions), the local search's pruner
-and training/benchmark_callback.py (throughput over timed steps, the steady-state stop rule) all use it. Standard
+and training/gpuscout_train/metrics.py (throughput over timed steps, the steady-state stop rule) all use it. Standard
 library only, in the lowest layer, so the training container and the Lambdas import it without numpy or pydantic.
 """
 

@@ -1,6 +1,6 @@
 """JobSpec: one training job to run (a target x variant x repetition), the planner's output.
 
-The same spec drives a SageMaker CreateTrainingJob in the cloud and a subprocess of training/train.py locally.
+The same spec drives a SageMaker CreateTrainingJob in the cloud and a subprocess of gpuscout_train/train.py locally.
 ``hyperparameters`` is the contract with train.py: string values, as SageMaker passes them (it writes them to
 /opt/ml/input/config/hyperparameters.json); train.py parses them with its dataclass arguments.
 """
@@ -104,7 +104,7 @@ class JobSpec(BaseModel):
     max_runtime_seconds: int = Field(ge=60)
     hyperparameters: dict[str, str]
     prediction: Prediction
-    job_code: JobCode | None = None  # the user's own code; None = training/train.py
+    job_code: JobCode | None = None  # the user's own code; None = training/gpuscout_train/train.py
     # the manifest's experiment trackers, defaults resolved (gpuscout.domain.tracking); None = not tracked
     tracking: TrackingSection | None = None
 

@@ -306,7 +306,7 @@ TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")  # what data preparation
 
 
 def _source_files(root: Path, fmt: str) -> tuple[list[Path], list[Path]]:
-    """The files data preparation would read (training/data_sources.py ``_files``: ``root`` itself, or under it
+    """The files data preparation would read (training/gpuscout_data/sources.py ``_files``: ``root`` itself, or under it
     those not hidden with a known suffix, any suffix with ``dataset.format`` set), sorted; and, of those, the files
     this user cannot read with the folders it cannot list. One walk of the folder serves both."""
     if root.is_file():

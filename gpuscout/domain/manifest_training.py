@@ -22,7 +22,7 @@ MIN_TIMED_STEPS = 2
 
 
 def default_warmup_steps(max_steps: int) -> int:
-    """train.py's warm-up when none is set (training/benchmark_callback.default_warmup_steps): max(3, 10 %), always
+    """train.py's warm-up when none is set (gpuscout_train.metrics.default_warmup_steps): max(3, 10 %), always
     leaving one step to time."""
     return max(0, min(max(3, math.ceil(0.1 * max_steps)), max_steps - 1))
 
@@ -291,7 +291,7 @@ class Variant(StrictModel):
     cross_entropy_kernel: Literal["auto", "chunked", "liger", "torch"] = "auto"
     fused_adamw: bool = False
     # train.py's host memory allocator: "training" keeps freed memory for the next step, "system" leaves malloc as
-    # the environment set it (training/host_allocator.py, docs/metrics.md "Host allocator")
+    # the environment set it (training/gpuscout_train/host_allocator.py, docs/metrics.md "Host allocator")
     host_allocator: Literal["training", "system"] = "training"
 
     @field_validator("hyperparameters")

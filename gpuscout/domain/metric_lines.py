@@ -1,6 +1,6 @@
 """Metric lines on stdout and the regexes SageMaker uses to turn them into CloudWatch metrics.
 
-training/train.py prints one line per logged optimizer step (and one summary line at the end)::
+training/gpuscout_train/train.py prints one line per logged optimizer step (and one summary line at the end)::
 
     gpuscout_metric step=12 loss=4.1234 tokens_per_s=12345.6 step_time_s=0.0812 lr=0.0003
 

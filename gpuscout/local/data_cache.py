@@ -1,4 +1,4 @@
-"""The prepared-data cache of local runs: ``training/data_preparation.py`` run once per (source, tokenizer, sequence
+"""The prepared-data cache of local runs: ``gpuscout_data/prepare.py`` run once per (source, tokenizer, sequence
 length) into ``runs/.cache/data/<key>``, verified against its own file list, staging folders of interrupted runs
 removed; and the checks of degenerate prepared data before any job runs.
 
@@ -7,6 +7,7 @@ May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process / obs
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -41,12 +42,22 @@ from gpuscout.store.base import (
 )
 
 SMALL_CORPUS_DOCUMENTS = 2000
-# the code that makes the prepared data: a change to either prepares it again
-PREPARATION_SCRIPTS = ("data_preparation.py", "data_sources.py")
 
 
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def preparation_code_sha256() -> str:
+    """One hash over the data preparation package's modules (gpuscout_data), found the way its job imports it: a
+    change to any of them prepares the data again."""
+    spec = importlib.util.find_spec(paths.DATA_PREPARATION_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataPreparationError(
+            f"the data preparation package {paths.DATA_PREPARATION_MODULE} is not importable here: install gpuscout "
+            "(make install) or put the checkout's source roots on PYTHONPATH"
+        )
+    digest = hashlib.sha256()
+    for folder in spec.submodule_search_locations:
+        for module in sorted(Path(folder).glob("*.py")):
+            digest.update(module.name.encode() + b"\0" + module.read_bytes())
+    return digest.hexdigest()
 
 
 def data_cache_key(manifest: Any) -> str:
@@ -55,7 +66,6 @@ def data_cache_key(manifest: Any) -> str:
     source = dataset.source
     if dataset.kind == "local":
         source = str(Path(source).expanduser().resolve())
-    scripts = [paths.TRAINING_DIR / name for name in PREPARATION_SCRIPTS]
     key = {
         "source": source,
         "format": dataset.format,
@@ -67,7 +77,7 @@ def data_cache_key(manifest: Any) -> str:
         "tokenizer_path": tokenizer.path,
         "vocab_size": tokenizer.resolved_vocab_size,
         "sequence_length": manifest.sequence_length,
-        "script_sha256": [_file_sha256(script) if script.is_file() else None for script in scripts],
+        "code_sha256": preparation_code_sha256(),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -76,7 +86,8 @@ def data_preparation_command(manifest: Any, output: Path, *, workers: int) -> li
     dataset, tokenizer = manifest.dataset, manifest.tokenizer
     command = [
         sys.executable,
-        str(paths.TRAINING_DIR / "data_preparation.py"),
+        "-m",
+        paths.DATA_PREPARATION_MODULE,
         "--input",
         dataset.source,
         "--output",
@@ -117,7 +128,7 @@ def prep_workers(max_documents: int | None) -> int:
 
 def verify_prepared(folder: Path) -> str | None:
     """Why a prepared dataset cannot be reused (a shard missing or changed: its sha256 over the shards, in the
-    order data_preparation.py hashed them, differs from dataset.json's), or None when it is intact."""
+    order gpuscout_data/prepare.py hashed them, differs from dataset.json's), or None when it is intact."""
     try:
         summary = json.loads((folder / "dataset.json").read_text(encoding="utf-8"))
         digest = hashlib.sha256()

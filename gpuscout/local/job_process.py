@@ -192,8 +192,9 @@ class JobOutcome:
 
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:
     env = dict(os.environ)
-    pythonpath = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(paths.REPO_DIR) + (os.pathsep + pythonpath if pythonpath else "")
+    # gpuscout and the jobs' packages from this checkout's source roots where gpuscout is not installed (an install
+    # finds them either way); what this process's PYTHONPATH names comes first
+    env["PYTHONPATH"] = paths.source_pythonpath(env.get("PYTHONPATH"))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra)
@@ -272,7 +273,7 @@ def run_job(
     """Run train.py (or a job section's entry point) for one job; never raises for a failing job
     (KeyboardInterrupt propagates after cleanup). ``should_stop`` (a settings search's pruner) is asked at every
     poll; the job it names a reason for is stopped and returned PRUNED with that reason."""
-    command = [sys.executable, str(paths.TRAINING_DIR / "train.py")]
+    command = [sys.executable, "-m", paths.TRAIN_MODULE]
     cwd, env = folders.root, folders.environment(spec)
     if spec.job_code is not None:
         command, cwd, env = job_code_command(spec, folders)
@@ -377,8 +378,8 @@ def _code_ignore(target: Path) -> Callable[[str, list[str]], set[str]]:
 def job_code_command(spec: JobSpec, folders: JobFolders) -> tuple[list[str], Path, dict[str, str]]:
     """A job section's command, folder and environment: a copy of the user's folder in the job folder
     (``code/``, as SageMaker puts source_dir in /opt/ml/code), ``python ENTRY_POINT --key value ...`` with the
-    variant's hyperparameters, training/ on PYTHONPATH (``import gpuscout_report``) and the helper's GPUSCOUT_*
-    settings."""
+    variant's hyperparameters and the helper's GPUSCOUT_* settings (``import gpuscout_report`` resolves as gpuscout's
+    own packages do)."""
     code = spec.job_code
     assert code is not None
     target = folders.root / "code"
@@ -388,18 +389,15 @@ def job_code_command(spec: JobSpec, folders: JobFolders) -> tuple[list[str], Pat
     for key, value in spec.hyperparameters.items():
         command += [f"--{key}", value]
     env = folders.environment(spec) | code.environment | {"GPUSCOUT_ENTRY_POINT": code.entry_point}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(paths.TRAINING_DIR), str(paths.REPO_DIR), os.environ.get("PYTHONPATH", "")]
-    )
     return command, target, env
 
 
 def benchmark_from_log(spec: JobSpec, folders: JobFolders, env: Mapping[str, str]) -> None:
     """A job section's script that printed metric lines instead of calling the helper: the helper builds
-    benchmark.json from its log (training/gpuscout_report.py --from-log); its error, if any, lands in stderr."""
+    benchmark.json from its log (``python -m gpuscout_report --from-log``); its error, if any, lands in stderr."""
     if (folders.output_data / "benchmark.json").is_file():
         return
-    command = [sys.executable, str(paths.TRAINING_DIR / "gpuscout_report.py"), "--from-log", str(folders.stdout_log)]
+    command = [sys.executable, "-m", paths.REPORT_MODULE, "--from-log", str(folders.stdout_log)]
     with open(folders.stderr_log, "a", encoding="utf-8") as stderr:
         subprocess.run(command, env=child_env(env), stdout=stderr, stderr=stderr, check=False, timeout=120)
 

@@ -5,7 +5,7 @@
 - The final bookkeeping (status, analysis of finished jobs, report) runs after ``SignalGuard.defer()``: a second
   Ctrl-C, SIGTERM or SIGHUP is recorded, not raised, so it cannot leave a run ANALYZING with half a report; the
   guard says so at once (``on_deferred``), and one more Ctrl-C after that quits on purpose (``QuitNow``).
-- Children (train.py, data_preparation.py) start in their own process group and get SIGTERM when the parent dies
+- Children (train.py, gpuscout_data/prepare.py) start in their own process group and get SIGTERM when the parent dies
   (Linux ``PR_SET_PDEATHSIG``), so a SIGKILLed ``gpuscout local`` never leaves a training process holding a GPU;
   ``stop_process_group`` stops the child with everything it started (dataloader workers, torchrun ranks).
 """

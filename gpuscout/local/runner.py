@@ -3,11 +3,11 @@ cloud workflow's states. Each step lives in the module its name says:
 
 - Validate and Plan: ``planning.plan_manifest`` (the manifest planned against this machine; calibration of a job
   section's variants without an estimate), refused over budget before anything runs;
-- Prepare data: ``data_cache.prepare_data`` (``training/data_preparation.py`` once per source, tokenizer and
+- Prepare data: ``data_cache.prepare_data`` (``training/gpuscout_data/prepare.py`` once per source, tokenizer and
   sequence length, cached under ``runs/.cache/data/<key>``) and ``data_cache.check_prepared_data``;
 - Canary: ``run_canaries`` below, a few steps of each distinct configuration;
 - Train and Record: for every job (or every trial of a settings search, ``search``), ``job_process.run_job``: a
-  SageMaker-like ``opt/ml`` folder tree and ``training/train.py`` as a subprocess with the same SM_* variables
+  SageMaker-like ``opt/ml`` folder tree and ``gpuscout_train/train.py`` as a subprocess with the same SM_* variables
   SageMaker sets, its benchmark.json into the store;
 - Analyze and report: ``closing.close_run`` (the analysis, the report and the run's final status, ``results``).
 

@@ -37,7 +37,7 @@ def argument_text(value: object) -> str:
 
 
 def job_section_environment(manifest: Manifest, *, max_steps: int) -> dict[str, str]:
-    """What the gpuscout_report helper reads (training/gpuscout_report.py): the unit, warm-up and stop rule."""
+    """What the gpuscout_report helper reads (training/gpuscout_report): the unit, warm-up and stop rule."""
     t = manifest.training
     assert manifest.job is not None
     env = {

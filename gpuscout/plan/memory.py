@@ -1,6 +1,6 @@
 """Peak memory of one training step per GPU, from coefficients measured on the real model code.
 
-The activation and loss bytes come from configs/memory/calibration.json, which training/memory_probe.py writes: it
+The activation and loss bytes come from configs/memory/calibration.json, which benchmarks/memory_probe.py writes: it
 runs train.py's model wrapping (CausalLMWithLoss, make_inputs with packing and the dense 4D document mask, fp32
 master weights under bf16 autocast, non-reentrant checkpointing) on CPU and counts the bytes autograd saves for
 backward. docs/performance.md ("Memory model") says how, on what, and what still needs a GPU to confirm.
@@ -72,7 +72,7 @@ CUDA_CONTEXT_GB = 1.5
 CUDA_CONTEXT_UNCERTAINTY_GB = 0.75
 NCCL_GB = 1.0  # per GPU, with more than one (module docstring)
 NCCL_UNCERTAINTY_GB = 1.0
-CHUNK_TOKENS = 4096  # training/packing.py chunked_cross_entropy's chunk_tokens
+CHUNK_TOKENS = 4096  # training/gpuscout_train/packing.py chunked_cross_entropy's chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def saved_logit_bytes(arch: Architecture, *, seq: int, batch: int, settings: Ste
 
 
 def liger_chunk_rows(rows: int, hidden: int, vocab: int, *, chunk_rows: int = CHUNK_TOKENS) -> int:
-    """Rows per chunk of Liger 0.8.5's fused linear cross-entropy as train.py calls it: training/packing.py's
+    """Rows per chunk of Liger 0.8.5's fused linear cross-entropy as train.py calls it: gpuscout_train/packing.py's
     liger_chunk_mem_const (tests/training/test_loss_paths.py holds the two equal), then Liger's own split,
     next_pow2(rows / ceil(vocab / (c x hidden))), at most ``rows``."""
     wanted = max(1, -(-rows // chunk_rows))

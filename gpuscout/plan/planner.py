@@ -11,7 +11,7 @@ Prediction (docs/manifest.md "How the planner predicts"):
 * ``local`` on CPU (or a GPU gpuscout has no SKU for) times a short matmul on the device (~0.3 s) and assumes
   :data:`MEASURED_EFFICIENCY` of that rate for training; ``mfu_assumed`` is None there.
 * Memory: :mod:`gpuscout.plan.memory` (states at 16 bytes/parameter sharded by ZeRO, autocast weight copies,
-  activations and loss bytes measured on the model code by training/memory_probe.py, the dense mask, 1.5 GB CUDA
+  activations and loss bytes measured on the model code by benchmarks/memory_probe.py, the dense mask, 1.5 GB CUDA
   context). Must fit in 90 % of the GPU memory (host memory on CPU), else PlanError, which says what would fit.
 * Cost = (training + overhead) / 3600 x price x instance_count; overhead = 360 s in the cloud (provisioning, image
   pull, data download, upload), 0 locally. A spot target without a spot price is planned at the on-demand price.

@@ -5,17 +5,12 @@ in benchmarks/results/ (benchmarks/gpu_check_report.py) when GPUSCOUT_GPU_CHECK_
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-for folder in (REPO / "training", REPO / "benchmarks"):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
 from gpu_check_report import CheckOutcome, machine, write_checks, write_report  # noqa: E402
 
 _OUTCOMES: list[CheckOutcome] = []

@@ -27,13 +27,14 @@ BF16 = torch.bfloat16
 @pytest.fixture(scope="module")
 def real_blocks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, int]:
     """Packed blocks of real Hebrew text (bundled:hebrew-bible, 1,024-token BPE, 1,024-token blocks)."""
-    import data_preparation as dp
+    from gpuscout_data import dataset as ds
+    from gpuscout_data import prepare as dp
 
     out = tmp_path_factory.mktemp("data")
     dp.prepare(dp.PrepareConfig(input="bundled:hebrew-bible", output=str(out), tokenizer="bpe", vocab_size=1024,
                                 sequence_length=1024, max_documents=200, workers=1, quiet=True))  # fmt: skip
-    ids, seg = dp.load_split(str(out), "train")
-    summary = dp.load_summary(out)
+    ids, seg = ds.load_split(str(out), "train")
+    summary = ds.load_summary(out)
     return torch.as_tensor(ids[:2]).cuda(), torch.as_tensor(seg[:2]).long().cuda(), int(summary.tokenizer["vocab_size"])
 
 
@@ -49,7 +50,7 @@ def _model(attention: str, vocab: int, *, layers: int = 4, hidden: int = 512) ->
 
 
 def _loss_and_grads(model: Any, loss: str, ids: Any, seg: Any, attention: str) -> tuple[float, dict[str, Any]]:
-    from packing import CausalLMWithLoss, make_inputs
+    from gpuscout_train.packing import CausalLMWithLoss, make_inputs
 
     wrapper = CausalLMWithLoss(model, loss=loss)
     inputs = make_inputs(ids, seg, packing=True, attention=attention, dtype=BF16)
@@ -84,7 +85,7 @@ def test_the_block_mask_is_built_by_one_compiled_function_without_the_deprecated
     # "will be removed in the future"; packing now compiles create_block_mask once per process instead
     import warnings
 
-    from packing import _flex_block_mask, compiled_create_block_mask
+    from gpuscout_train.packing import _flex_block_mask, compiled_create_block_mask
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -108,7 +109,7 @@ def test_the_block_mask_is_built_by_one_compiled_function_without_the_deprecated
 
 
 def test_liger_matches_the_chunked_loss_and_gradients(real_blocks: Any, record: Any) -> None:
-    from packing import liger_available
+    from gpuscout_train.packing import liger_available
 
     if not liger_available():
         pytest.fail("liger-kernel is not installed: the fused cross-entropy path cannot be checked")
@@ -138,7 +139,7 @@ def test_each_fused_loss_compiled_equals_eager_and_the_full_logits_with_ignored_
     """train.py compiles the whole CausalLMWithLoss; a fused loss inside the compiled region must give the eager
     loss and gradients when labels hold -100 (Liger-Kernel PR #1338: wrong or NaN under compile). Every
     cross_entropy_kernel choice, the full-logits loss as the reference."""
-    from packing import CausalLMWithLoss, fused_loss, make_inputs, torch_linear_cross_entropy_available
+    from gpuscout_train.packing import CausalLMWithLoss, fused_loss, make_inputs, torch_linear_cross_entropy_available
 
     if loss == "torch" and not torch_linear_cross_entropy_available():
         pytest.skip(f"torch {torch.__version__} has no linear_cross_entropy (2.13+): cross_entropy_kernel torch is out")
@@ -174,7 +175,7 @@ def test_each_fused_loss_compiled_equals_eager_and_the_full_logits_with_ignored_
 
 
 def test_nvml_fills_utilization_and_power() -> None:
-    from benchmark_callback import GpuSampler
+    from gpuscout_train.metrics import GpuSampler
 
     sampler = GpuSampler([torch.cuda.current_device()], interval_s=0.1)
     assert sampler.available, "NVML is not available (pip install nvidia-ml-py)"
@@ -206,7 +207,7 @@ def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
     """Two optimizer steps as train.py runs them on one GPU (forward under autocast, backward outside it, fused
     AdamW, gradients set to None): torch's peak allocated against the planner's estimate less the CUDA context,
     within the uncertainty the estimate states for this case (gpuscout.plan.memory)."""
-    from packing import CausalLMWithLoss, liger_available
+    from gpuscout_train.packing import CausalLMWithLoss, liger_available
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from gpuscout.domain.manifest_training import Variant

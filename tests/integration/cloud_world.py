@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import sys
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from gpuscout.cloud.plan_items import read_plan_items
 from gpuscout.cloud.settings import LambdaSettings
 
 REPO_DIR = Path(__file__).resolve().parents[2]
-if str(REPO_DIR) not in sys.path:  # the Lambda handlers are imported as lambdas.<name>.handler, like in the bundle
-    sys.path.insert(0, str(REPO_DIR))
 FIXTURES = REPO_DIR / "tests" / "fixtures"
 REGION = "us-east-1"
 TABLE = "gpuscout-results"

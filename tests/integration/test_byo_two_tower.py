@@ -80,13 +80,11 @@ def test_the_hf_trainer_callback_reports_every_step_and_writes_the_benchmark(tmp
     import subprocess
     import sys
 
-    from gpuscout.paths import TRAINING_DIR
-
     # Given a plain HF Trainer script with the drop-in callback (transformers' real Trainer, on the CPU)
     (tmp_path / "train.py").write_text(HF_TRAINER_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRAINING_DIR), os.environ.get("PYTHONPATH", "")]),
-           "SM_OUTPUT_DATA_DIR": str(tmp_path / "out"), "GPUSCOUT_UNIT": "samples", "GPUSCOUT_MAX_STEPS": "20",
-           "GPUSCOUT_STOP_RULE": "fixed", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    env = {**os.environ, "SM_OUTPUT_DATA_DIR": str(tmp_path / "out"), "GPUSCOUT_UNIT": "samples",
+           "GPUSCOUT_MAX_STEPS": "20", "GPUSCOUT_STOP_RULE": "fixed", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
     # When it trains
     done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240, check=False)  # fmt: skip

@@ -1,6 +1,6 @@
 """A job section (the user's own code) through the deployed workflow: `gpuscout submit`'s code upload, the
 synthesized state machine on moto with every Lambda served by its real handler (test_state_machine's harness), and
-each training job SageMaker starts run for real: the image's launcher (training/launcher.py) in a SageMaker-shaped
+each training job SageMaker starts run for real: the image's launcher (gpuscout_train/launcher.py) in a SageMaker-shaped
 folder, with the code channel downloaded from S3, the request's hyperparameters and Environment, on this CPU."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 import test_state_machine as sm
 
 from gpuscout.cloud.job_code import code_digest, code_files, code_prefix
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import REPO_DIR
 from gpuscout.store.base import JobStatus, RunStatus
 from tests.infra.conftest import Synthesized, synthesized  # noqa: F401 - fixture
 from tests.integration.cloud_world import DATA_BUCKET, Cloud
+from tests.sagemaker_job import LAUNCHER_COMMAND
 
 TWO_TOWER = REPO_DIR / "examples" / "two-tower"
 # The two-tower job on one 4 x A10G instance, on-demand and spot, two batch sizes; sized for a CPU (arguments), with
@@ -105,7 +106,7 @@ class LauncherJobs:
             "OMP_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "",
         }
-        done = subprocess.run([sys.executable, str(TRAINING_DIR / "launcher.py"), "train"], cwd=ml, env=env,
+        done = subprocess.run([sys.executable, *LAUNCHER_COMMAND, "train"], cwd=ml, env=env,
                               capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         benchmark: dict[str, Any] = json.loads((ml / "output" / "data" / "benchmark.json").read_text())

@@ -1,6 +1,6 @@
 """A local run always ends in a final state, and never leaves an orphan: real signals to a real `gpuscout local`.
 
-The child scripts are stand-ins (GPUSCOUT_TRAINING_DIR): data preparation writes an empty dataset at once and
+The jobs are stand-ins (tests/stand_ins.py, first on PYTHONPATH): data preparation writes an empty dataset at once and
 train.py records its pid and sleeps, so each test takes seconds while exercising the real process handling.
 """
 
@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from gpuscout.local.process_control import QuitNow, SignalGuard, process_alive
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from tests.stand_ins import stand_in_packages
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 # the dataset.json fields the runner's data checks read
@@ -62,17 +62,13 @@ time.sleep(600)
 
 @pytest.fixture
 def stand_ins(tmp_path: Path) -> dict[str, str]:
-    training = tmp_path / "training"
-    training.mkdir()
-    (training / "data_preparation.py").write_text(textwrap.dedent(DATA_PREPARATION))
-    (training / "train.py").write_text(textwrap.dedent(TRAIN))
+    packages = stand_in_packages(tmp_path / "stand-ins", train=TRAIN, prepare=DATA_PREPARATION)
     pids = tmp_path / "pids"
     pids.mkdir()
     return {
         **os.environ,
-        "GPUSCOUT_TRAINING_DIR": str(training),
         "PIDS_DIR": str(pids),
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": os.pathsep.join([str(packages), str(REPO)]),
         "DATASET_SUMMARY": json.dumps(DATASET_SUMMARY),
     }
 

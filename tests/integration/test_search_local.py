@@ -96,7 +96,7 @@ def test_a_search_launches_every_candidate_once_prunes_with_why_and_reports_it(
                for j in pruned)  # fmt: skip
     assert {j.status for j in trials} <= {JobStatus.COMPLETED, JobStatus.PRUNED}
     # a pruned trial ran fewer steps than its full run: killed, or stopped on the runner's SIGTERM at a step boundary,
-    # its partial benchmark.json saying so (training/stop_signal.py)
+    # its partial benchmark.json saying so (training/gpuscout_train/stop_signal.py)
     assert all(
         j.benchmark is None
         or j.benchmark.get("status") != "completed"

@@ -1,7 +1,7 @@
 """`gpuscout track RUN_ID --stack-name`: a cloud run's results logged to its trackers from the user's machine.
 
 The run is made the way production makes it: the manifest goes through the Validate and Plan handlers (moto), each
-completed job's tracker is training/experiment_tracking.py's JobTracker configured from the planned request's own
+completed job's tracker is training/gpuscout_train/tracking.py's JobTracker configured from the planned request's own
 GPUSCOUT_TRACKING variable (only W&B's folder moved from /opt/ml/output/data into the test's folder) and fed the
 planned HyperParameters, its SM_OUTPUT_DATA_DIR is tarred into output.tar.gz where SageMaker puts it, the job events
 and the Analyze handler store the analysis and upload the report. MLflow is MLflow's own tracking server over HTTP
@@ -11,7 +11,6 @@ in a child process (tests/mlflow_http_server.py); W&B is offline, read back reco
 from __future__ import annotations
 
 import json
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,6 @@ from gpuscout.cli import app as cli
 from gpuscout.cloud.sagemaker_requests import output_tar_key
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.tracking import JOB_NAME_TAG, LEVEL_TAG, MLFLOW_PARENT_TAG, RUN_ID_TAG, TRACKING_ENV, JobTracking
-from gpuscout.paths import TRAINING_DIR
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
@@ -43,9 +41,6 @@ from tests.integration.cloud_world import (
     job_event,
 )
 from tests.mlflow_http_server import mlflow_server
-
-if str(TRAINING_DIR) not in sys.path:  # train.py's modules are top-level, as in the container's /opt/ml/code
-    sys.path.insert(0, str(TRAINING_DIR))
 
 EXPERIMENT = "tracked-cloud"
 STEPS = 3
@@ -94,7 +89,7 @@ def _plan(cloud: Cloud, text: str, name: str) -> dict[str, Any]:
 def _run_tracked_job(cloud: Cloud, run_id: str, job: dict[str, Any], folder: Path) -> None:
     """One SageMaker job as far as tracking goes: its tracker (from its request's environment) logs the job's
     parameters, STEPS steps and the benchmark; SageMaker then tars SM_OUTPUT_DATA_DIR into output.tar.gz."""
-    from experiment_tracking import JobTracker
+    from gpuscout_train.tracking import JobTracker
 
     request = job["request"]
     config = JobTracking.model_validate_json(request["Environment"][TRACKING_ENV])

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import REPO_DIR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if str(TRAINING_DIR) not in sys.path:
-    sys.path.insert(0, str(TRAINING_DIR))
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +33,7 @@ CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small prepared dataset (the test corpus, 64-token blocks, a 400-token BPE vocabulary, 20 % validation),
     prepared once per test module."""
-    import data_preparation as dp
+    from gpuscout_data import prepare as dp
 
     out = tmp_path_factory.mktemp("data") / "train"
     dp.prepare(

@@ -14,14 +14,13 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import checkpoints
 import pytest
 import torch
-import train
-import train_args
-import train_distributed
-import train_loop
-import train_state
+from gpuscout_train import args as train_args
+from gpuscout_train import checkpoints, train
+from gpuscout_train import distributed as train_distributed
+from gpuscout_train import state as train_state
+from gpuscout_train import trainer as train_loop
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.errors import TrainingError
@@ -120,9 +119,9 @@ class FakeDeepSpeedEngine:
         return str(folder), {}
 
 
-def _deepspeed_bench() -> tuple[train_loop.Benchmark, train_state.Parts, FakeDeepSpeedEngine]:
+def _deepspeed_bench() -> tuple[train_loop.Trainer, train_state.Parts, FakeDeepSpeedEngine]:
     hp = train_args.Hyperparameters(model_preset="qwen2-tiny", checkpoint_interval=2)
-    bench = train_loop.Benchmark(hp, train_distributed.Dist(1, 0, 0, 1, torch.device("cpu")))
+    bench = train_loop.Trainer(hp, train_distributed.Dist(1, 0, 0, 1, torch.device("cpu")))
     engine = FakeDeepSpeedEngine()
     parts = train_state.Parts(model=None, wrapped=engine, optimizer=None, scheduler=None, warmup=3, engine=engine)  # type: ignore[arg-type]
     return bench, parts, engine
@@ -287,7 +286,7 @@ def test_checkpoint_keep_goes_from_the_manifest_to_train_py_and_is_validated() -
     ids=["old-train-py-marker", "entry-without-size", "unreadable"],
 )
 def test_a_marker_without_a_usable_manifest_is_not_trusted(tmp_path: Path, marker: Any) -> None:
-    import checkpoints
+    from gpuscout_train import checkpoints
 
     # Given a checkpoint whose files are all there but whose marker lists no usable manifest
     folder = tmp_path / "step-00000004"

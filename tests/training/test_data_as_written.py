@@ -8,9 +8,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import data_preparation as dp
-import data_sources
 import pytest
+from gpuscout_data import prepare as dp
+from gpuscout_data import sources as data_sources
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -9,15 +9,18 @@ import sys
 from pathlib import Path
 
 import boto3
-import data_preparation as dp
 import numpy as np
 import pytest
+from gpuscout_data import dataset as ds
+from gpuscout_data import prepare as dp
+from gpuscout_data import tokenizer as tk
 from moto import mock_aws
 from tokenizers.pre_tokenizers import ByteLevel
 
 from gpuscout.domain.dataset_checks import dataset_problems
 from gpuscout.errors import DataPreparationError
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import DATA_PREPARATION_MODULE, REPO_DIR
+from tests.sagemaker_job import IMAGE_PYTHONPATH
 
 CORPUS = REPO_DIR / "tests" / "fixtures" / "corpus"
 
@@ -59,7 +62,7 @@ def test_fixture_corpus_counts_are_exact(tmp_path: Path) -> None:
     assert s.splits["train"].documents == 9
     # every kept document contributes its tokens plus one EOS; nothing else is non-padding
     assert s.tokens == s.splits["train"].tokens + s.splits["validation"].tokens == 817
-    ids, seg = dp.load_split(tmp_path / "a", "train")
+    ids, seg = ds.load_split(tmp_path / "a", "train")
     assert ids.shape == (8, 64)
     assert int((seg > 0).sum()) == s.splits["train"].tokens == 496
     assert int((ids[seg > 0] == s.tokenizer["eos_token_id"]).sum()) == 9  # one EOS per train document
@@ -80,11 +83,11 @@ def test_workers_that_cannot_start_stop_the_preparation_with_the_reason(tmp_path
     """A script on stdin (no main module a spawned worker can import) used to leave multiprocessing.Pool replacing
     its dying workers until killed: ten minutes of an H100 call on 2026-11-25. Now it stops, saying why."""
     script = (
-        "import data_preparation as dp\n"
+        "from gpuscout_data import prepare as dp\n"
         f"dp.prepare(dp.PrepareConfig(input={str(CORPUS)!r}, output={str(tmp_path / 'out')!r}, tokenizer='bpe', "
         "vocab_size=400, sequence_length=64, workers=2, quiet=True))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRAINING_DIR), str(REPO_DIR)])}
+    env = {**os.environ, "PYTHONPATH": IMAGE_PYTHONPATH}
     done = subprocess.run([sys.executable, "-"], input=script, env=env, capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
     assert done.returncode != 0
@@ -92,10 +95,10 @@ def test_workers_that_cannot_start_stop_the_preparation_with_the_reason(tmp_path
 
 
 def test_pack_keeps_document_boundaries() -> None:
-    ids, seg = dp.pack([[1, 2, 3], [4, 5, 6, 7, 8], [9]], sequence_length=4, pad_id=0)
+    ids, seg = ds.pack([[1, 2, 3], [4, 5, 6, 7, 8], [9]], sequence_length=4, pad_id=0)
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
     assert seg.tolist() == [[1, 1, 1, 2], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert dp.piece_lengths(seg) == [3, 1, 4, 1]
+    assert ds.piece_lengths(seg) == [3, 1, 4, 1]
 
 
 def test_qwen_tokenizer_tokenizes_hebrew_offline(tmp_path: Path) -> None:
@@ -160,7 +163,8 @@ def test_cli_matches_function(tmp_path: Path) -> None:
     dp.prepare(_config(tmp_path / "fn"))
     cmd = [
         sys.executable,
-        str(TRAINING_DIR / "data_preparation.py"),
+        "-m",
+        DATA_PREPARATION_MODULE,
         "--input",
         str(CORPUS),
         "--output",
@@ -182,7 +186,7 @@ def test_cli_matches_function(tmp_path: Path) -> None:
     a = json.loads((tmp_path / "fn" / "dataset.json").read_text())
     b = json.loads((tmp_path / "cli" / "dataset.json").read_text())
     assert a == b
-    bad = subprocess.run([*cmd[:3], str(tmp_path / "none"), *cmd[4:]], capture_output=True, text=True, check=False)
+    bad = subprocess.run([*cmd[:4], str(tmp_path / "none"), *cmd[5:]], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     shutil.rmtree(tmp_path / "cli")
     assert np.load(tmp_path / "fn" / "train-00000.segment_ids.npy").dtype == np.int32
@@ -219,7 +223,7 @@ def test_dataset_problems_are_one_line_naming_what_to_change(tmp_path: Path) -> 
 def test_the_qwen_vocabulary_the_planner_assumes_is_the_one_prepared() -> None:
     from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB
 
-    assert dp.QWEN_BPE_RANKS + len(dp.QWEN_SPECIAL_TOKENS) == QWEN_TOKENIZER_VOCAB
+    assert tk.QWEN_BPE_RANKS + len(tk.QWEN_SPECIAL_TOKENS) == QWEN_TOKENIZER_VOCAB
 
 
 def test_a_full_disk_is_one_error_line_naming_the_file(

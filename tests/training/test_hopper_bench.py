@@ -251,9 +251,9 @@ def test_documents_are_the_pieces_of_the_blocks() -> None:
 
 
 def test_baseline_model_has_train_py_weights_and_default_attention() -> None:
-    import train_args
-    import train_model
-    from data_preparation import DatasetSummary
+    from gpuscout_data.dataset import DatasetSummary
+    from gpuscout_train import args as train_args
+    from gpuscout_train import model as train_model
 
     baseline = _load("hf_trainer_baseline")
     summary = DatasetSummary(
@@ -271,7 +271,7 @@ def test_baseline_model_has_train_py_weights_and_default_attention() -> None:
 
 
 def test_variants_ablate_each_optimization_at_the_same_global_batch() -> None:
-    import train_args
+    from gpuscout_train import args as train_args
 
     hopper = _load("hopper")
     rows = hopper.variants("qwen2.5-1.5b", 4, quick=False)

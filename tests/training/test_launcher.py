@@ -3,8 +3,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import launcher
 import pytest
+from gpuscout_train import launcher
 
 from gpuscout.domain import catalog as catalog_module
 from gpuscout.domain.catalog import load_catalog
@@ -24,7 +24,7 @@ def test_two_hosts_of_eight_gpus_run_torchrun(tmp_path: Path) -> None:
     cmd = launcher.build_command(topo, ["--max_steps", "5"], python="/usr/bin/python3")
     assert cmd == [
         "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--nproc_per_node=8",
-        "--master_addr=algo-1", "--master_port=29500", str(launcher.TRAIN_SCRIPT), "--max_steps", "5",
+        "--master_addr=algo-1", "--master_port=29500", "-m", launcher.TRAIN_MODULE, "--max_steps", "5",
     ]  # fmt: skip
 
 
@@ -34,13 +34,13 @@ def test_sagemaker_train_argument_is_dropped(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("SM_NUM_GPUS", "0")
     monkeypatch.setattr(launcher.os, "execv", lambda path, cmd: seen.append(cmd))
     assert launcher.main(["train", "--max_steps", "3"]) == 0
-    assert seen[0][-3:] == [str(launcher.TRAIN_SCRIPT), "--max_steps", "3"]
+    assert seen[0][-4:] == ["-m", launcher.TRAIN_MODULE, "--max_steps", "3"]
 
 
 def test_single_device_runs_train_directly(tmp_path: Path) -> None:
     for gpus in ("0", "1"):
         topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": gpus})
-        assert launcher.build_command(topo, [], python="py") == ["py", str(launcher.TRAIN_SCRIPT)]
+        assert launcher.build_command(topo, [], python="py") == ["py", "-m", launcher.TRAIN_MODULE]
 
 
 @pytest.mark.parametrize(
@@ -146,14 +146,14 @@ def test_processes_per_host_hyperparameter_starts_torchrun_on_a_cpu_host(tmp_pat
     assert topo.processes_per_host == 2 and topo.world_size == 2
     assert cmd == [
         "py", "-m", "torch.distributed.run", "--nnodes=1", "--node_rank=0", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", "--master_port=29500", str(launcher.TRAIN_SCRIPT),
+        "--master_addr=127.0.0.1", "--master_port=29500", "-m", launcher.TRAIN_MODULE,
     ]  # fmt: skip
 
 
 def test_cpu_host_without_the_hyperparameter_runs_one_process(tmp_path: Path) -> None:
     topo = _cpu_host(tmp_path, {"max_steps": "5"})
     assert topo.processes_per_host == 1
-    assert launcher.build_command(topo, [], python="py", environ={}) == ["py", str(launcher.TRAIN_SCRIPT)]
+    assert launcher.build_command(topo, [], python="py", environ={}) == ["py", "-m", launcher.TRAIN_MODULE]
 
 
 def test_sm_hps_overrides_hyperparameters_json_for_processes_per_host(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The image's launcher running the user's own code (a job section) the way a SageMaker training job starts it:
-``python launcher.py train`` in a SageMaker-shaped tree (config/, the ``code`` channel, output/), with the
-Environment and HyperParameters that gpuscout.cloud.sagemaker_requests puts in the CreateTrainingJob request."""
+``python -m gpuscout_train.launcher train`` in a SageMaker-shaped tree (config/, the ``code`` channel, output/), with
+the Environment and HyperParameters that gpuscout.cloud.sagemaker_requests puts in the CreateTrainingJob request."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher import failure_reason
+from gpuscout_train.job_code import failure_reason
 
 from gpuscout.cloud.sagemaker_requests import RequestSettings, training_job_request
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.manifest_loader import parse_manifest
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import REPO_DIR
 from gpuscout.plan.canary import plan_cloud_canaries
 from gpuscout.plan.planner import plan
+from tests.sagemaker_job import LAUNCHER_COMMAND
 
-LAUNCHER = TRAINING_DIR / "launcher.py"
 TWO_TOWER = REPO_DIR / "examples" / "two-tower"
 SETTINGS = RequestSettings(
     role_arn="arn:aws:iam::123456789012:role/gs-sagemaker",
@@ -79,7 +79,7 @@ def _sagemaker_tree(tmp_path: Path, request: dict[str, object], *, code: Path, p
 
 
 def _launch(tmp_path: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(LAUNCHER), "train"], cwd=tmp_path, env=env, capture_output=True,
+    return subprocess.run([sys.executable, *LAUNCHER_COMMAND, "train"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)  # fmt: skip
 
 
@@ -234,7 +234,7 @@ def test_stop_training_job_sigterm_reaches_the_users_script(tmp_path: Path) -> N
     )
     code, request = _own_code(tmp_path, script)
     env = _sagemaker_tree(tmp_path / "ml", request, code=code)
-    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "train"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, *LAUNCHER_COMMAND, "train"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None
     deadline = time.monotonic() + 30

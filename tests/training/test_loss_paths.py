@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from packing import (
+from gpuscout_train.packing import (
     IGNORE_INDEX,
     chunked_cross_entropy,
     fused_loss,

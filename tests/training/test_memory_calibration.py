@@ -1,4 +1,4 @@
-"""The planner's memory model against the bytes the real model code saves for backward (training/memory_probe.py),
+"""The planner's memory model against the bytes the real model code saves for backward (benchmarks/memory_probe.py),
 re-measured here on CPU with the presets' layer shapes (two layers, short sequences: bytes are per token per layer),
 and configs/memory/calibration.json against what the probe produces today.
 
@@ -81,7 +81,7 @@ def micro_batch_peak(
     the first of a step (no gradients yet; they are counted as they appear) or a later one (gradients already there,
     as under gradient accumulation; not counted)."""
     import torch
-    from packing import make_inputs
+    from gpuscout_train.packing import make_inputs
 
     with memory_probe.kernels(real=real_arithmetic):
         model = memory_probe.build_model(shape, layers=LAYERS, vocab=vocab, setting=setting)

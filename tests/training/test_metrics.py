@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from benchmark_callback import StepRecord, StepStats, default_warmup_steps, percentile
+from gpuscout_train.metrics import StepRecord, StepStats, default_warmup_steps, percentile
 
 from gpuscout.domain import flops
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS, format_metric_line, parse_metric_line

@@ -2,8 +2,8 @@
 
 Each job gets the folder tree and the variables a SageMaker training container has (opt/ml/input/config with
 hyperparameters.json and resourceconfig.json, SM_* as the training toolkit sets them) and runs
-``python training/launcher.py train``, as the image's ENTRYPOINT does. The launcher starts torchrun, torchrun starts
-the ranks. Every job runs under a deadline: a hang kills every process of the job and fails the test.
+``python -m gpuscout_train.launcher train``, as the image's ENTRYPOINT does. The launcher starts torchrun, torchrun
+starts the ranks. Every job runs under a deadline: a hang kills every process of the job and fails the test.
 
 A "kill" is a spot interruption: every process of the job gets SIGKILL at once (torchrun starts each rank in a
 session of its own, so the launcher's process group alone is not the whole job; the job's processes are found by a
@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import data_preparation as dp
 import pytest
+from gpuscout_data import dataset as ds
 
 from gpuscout.domain.benchmark import BenchmarkResult
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import TRAIN_MODULE
+from tests.sagemaker_job import IMAGE_PYTHONPATH, LAUNCHER_COMMAND
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a job's processes in /proc")
 
-LAUNCHER = TRAINING_DIR / "launcher.py"
 JOB_TIMEOUT_S = 150  # one launch; the slowest (ZeRO-3, 2 ranks, 12 steps) takes ~20 s on 2 busy cores
 MAX_STEPS = 12
 # ZeRO-2/3 run on CPU with gloo (DeepSpeed's CPU accelerator, fp32, torch AdamW): the same engine code as on GPUs.
@@ -67,7 +67,7 @@ STEADY_STATE = {"stop_rule": "steady_state", "max_steps": "40", "min_timed_steps
 def dataset(dataset: Path) -> Path:
     """The training tests' dataset (conftest), whose split the uneven-validation cases below rely on."""
     out = dataset
-    summary = dp.load_summary(out)
+    summary = ds.load_summary(out)
     assert (summary.splits["train"].blocks, summary.splits["validation"].blocks) == (8, 6)  # the split above
     return out
 
@@ -156,7 +156,7 @@ class Host:
             "SM_FRAMEWORK_PARAMS": json.dumps(framework),
             "SM_TRAINING_ENV": json.dumps(training_env),
             "GPUSCOUT_CHECKPOINT_DIR": str(self.checkpoints),
-            "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{TRAINING_DIR}",  # the image's /opt/ml/code:/opt/ml/code/training
+            "PYTHONPATH": IMAGE_PYTHONPATH,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
@@ -167,11 +167,12 @@ class Host:
         }
 
     def start(self) -> subprocess.Popen[bytes]:
-        """``docker run IMAGE train``: the ENTRYPOINT ``python training/launcher.py`` with the argument ``train``."""
+        """``docker run IMAGE train``: the ENTRYPOINT ``python -m gpuscout_train.launcher`` with the argument
+        ``train``."""
         self.write_config()
         with self.log.open("ab") as log:
             return subprocess.Popen(
-                [sys.executable, str(LAUNCHER), "train"], cwd=self.root, env=self.environment(),
+                [sys.executable, *LAUNCHER_COMMAND, "train"], cwd=self.root, env=self.environment(),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
@@ -414,7 +415,7 @@ def test_single_process_deepspeed_resumes_after_a_kill(dataset: Path, tmp_path: 
     assert spot.run_until_checkpoint_then_kill() == [-signal.SIGKILL]
     killed_log = spot.hosts[0].log.read_text()
     launched = next(ln for ln in killed_log.splitlines() if ln.startswith("[launcher]"))
-    assert launched.endswith(str(TRAINING_DIR / "train.py")) and "torch.distributed.run" not in launched
+    assert launched.endswith(f" -m {TRAIN_MODULE}") and "torch.distributed.run" not in launched
     spot.hosts[0].log.rename(spot.hosts[0].root / "killed.log")
     spot.run()
     # Then it resumes from its checkpoint and trains to the end on one rank

@@ -1,4 +1,4 @@
-"""The GPU host's driver and CUDA versions recorded in benchmark.json (training/nvidia_versions.py)."""
+"""The GPU host's driver and CUDA versions recorded in benchmark.json (training/gpuscout_train/nvidia_versions.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from nvidia_versions import _driver_from_proc, nvidia_versions
+from gpuscout_train.nvidia_versions import _driver_from_proc, nvidia_versions
 
 # /proc/driver/nvidia/version's first line, as the open and the proprietary kernel modules write it
 PROC_LINES = [
@@ -50,5 +50,5 @@ def test_without_a_driver_every_version_is_none_and_nothing_raises(monkeypatch: 
 
     monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=no_driver))
     monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(version=SimpleNamespace(cuda=None)))
-    monkeypatch.setattr("nvidia_versions._driver_from_proc", lambda: None)
+    monkeypatch.setattr("gpuscout_train.nvidia_versions._driver_from_proc", lambda: None)
     assert nvidia_versions() == {"nvidia_driver": None, "cuda_driver": None, "cuda_runtime": None}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from packing import CausalLMWithLoss, liger_available, make_inputs, torch_linear_cross_entropy_available
+from gpuscout_train.packing import CausalLMWithLoss, liger_available, make_inputs, torch_linear_cross_entropy_available
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from gpuscout.domain.models import PRESETS

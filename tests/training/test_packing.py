@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from packing import (
+from gpuscout_train.packing import (
     IGNORE_INDEX,
     CausalLMWithLoss,
     chunked_cross_entropy,
@@ -253,7 +253,7 @@ def test_no_packing_trains_on_the_same_targets_as_masked_packing() -> None:
 def test_flex_attention_gets_q_k_v_in_the_autocast_dtype() -> None:
     # Seen on torch 2.8 (the old training image): under bf16 autocast with fp32 master weights transformers hands
     # flex attention q/k in fp32 and v in bf16, and flex_attention raises. train.py wraps the registered function.
-    from packing import install_flex_autocast_cast
+    from gpuscout_train.packing import install_flex_autocast_cast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     original = AttentionInterface._global_mapping["flex_attention"]

@@ -1,5 +1,5 @@
-"""A canary reads only its layers' part of an S3 or hub checkpoint (training/partial_checkpoint.py): over moto's S3
-and over HTTP from a local server that answers as the Hugging Face Hub does (resolve URLs, a redirect for weight
+"""A canary reads only its layers' part of an S3 or hub checkpoint (gpuscout_train/partial_checkpoint.py): over moto's
+S3 and over HTTP from a local server that answers as the Hugging Face Hub does (resolve URLs, a redirect for weight
 files, byte ranges); what it writes loads with from_pretrained and holds exactly the full checkpoint's tensors."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import data_preparation as dp
-import partial_checkpoint as pc
 import pytest
 import torch
-import train_args
-import train_model
+from gpuscout_data import dataset as ds
+from gpuscout_train import args as train_args
+from gpuscout_train import model as train_model
+from gpuscout_train import partial_checkpoint as pc
 from moto import mock_aws
 
 BUCKET = "gpuscout-data-123456789012"
@@ -161,7 +161,7 @@ def test_a_canary_of_an_s3_model_loads_only_its_layers(
     hp = train_args.Hyperparameters(model_name_or_path=f"s3://{BUCKET}/{PREFIX}/", canary_layers=2)
 
     # When train.py builds the canary's model
-    model, arch, name = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
+    model, arch, name = train_model.build_model(hp, ds.load_summary(dataset), tmp_path / "work")
 
     # Then it has the first two layers with the checkpoint's own weights, and the log says what was read
     assert model.config.num_hidden_layers == 2 and arch.num_hidden_layers == 2 and name == hp.model_name_or_path
@@ -171,7 +171,7 @@ def test_a_canary_of_an_s3_model_loads_only_its_layers(
     assert torch.equal(state["lm_head.weight"], full["lm_head.weight"].float())
     assert "train: canary: read " in capsys.readouterr().out
     # and another rank on the same machine loads the same files without reading S3 again
-    again, _, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work-rank1")
+    again, _, _ = train_model.build_model(hp, ds.load_summary(dataset), tmp_path / "work-rank1")
     out = capsys.readouterr().out
     assert "read by another rank" in out and "train: canary: read " not in out
     assert torch.equal(again.state_dict()["lm_head.weight"], state["lm_head.weight"])
@@ -196,7 +196,7 @@ def test_a_canary_of_a_bin_checkpoint_loads_it_whole_and_says_why(
     _a_canary_job_without_a_model_channel(monkeypatch, tmp_path)
     hp = train_args.Hyperparameters(model_name_or_path=f"s3://{BUCKET}/raw/models/old", canary_layers=2)
 
-    model, _, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
+    model, _, _ = train_model.build_model(hp, ds.load_summary(dataset), tmp_path / "work")
 
     assert model.config.num_hidden_layers == 2
     assert list((tmp_path / "shared").glob("*/*/whole/pytorch_model.bin"))  # the whole checkpoint, downloaded once

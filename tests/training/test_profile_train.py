@@ -8,14 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import profile_train
 import pytest
 
 from gpuscout.paths import REPO_DIR
 from tests.sagemaker_job import job_environment
 
 SCRIPT = REPO_DIR / "benchmarks" / "profile_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import profile_train  # noqa: E402
 
 # optimized-row switches that run on a CPU (hopper.py --quick's: no compile, SDPA); two micro-batches per step
 TRAIN_ARGS = [
@@ -60,7 +59,8 @@ def test_a_run_too_short_for_the_window_fails_saying_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # a stand-in for train.py that makes two optimizer steps (the hook and the window are what is under test)
-    script = tmp_path / "two_steps.py"
+    script = tmp_path / "stand_in" / "two_steps.py"
+    script.parent.mkdir()
     script.write_text(
         "import torch\n"
         "w = torch.nn.Parameter(torch.ones(3))\n"
@@ -69,7 +69,8 @@ def test_a_run_too_short_for_the_window_fails_saying_so(
         "    (w * w).sum().backward()\n"
         "    opt.step()\n"
     )
-    monkeypatch.setattr(profile_train, "TRAIN_SCRIPT", script)
+    monkeypatch.syspath_prepend(str(script.parent))  # importable as a module, as gpuscout_train.train is
+    monkeypatch.setattr(profile_train, "TRAIN_MODULE", "two_steps")
     code = profile_train.main(["--wait", "1", "--active", "3", "--out", str(tmp_path / "profile")])
     err = capsys.readouterr().err
     assert code != 0

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import train_args
+from gpuscout_train import args as train_args
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS, OBJECTIVE_METRIC
 from gpuscout.errors import TrainingError
-from gpuscout.paths import TRAINING_DIR
+from gpuscout.paths import TRAIN_MODULE
 from tests.sagemaker_job import job_environment
 from tests.unit.test_tuning_requests import _plan, _requests
 
@@ -77,7 +77,7 @@ def test_a_trial_prints_the_running_cost_its_tuning_job_minimizes(dataset: Path,
     }
     env = job_environment(tmp_path, dataset, hps, TRAINING_JOB_NAME=trial)
     # When it runs (train.py on this CPU, as in the container)
-    done = subprocess.run([sys.executable, str(TRAINING_DIR / "train.py")], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", TRAIN_MODULE], env=env, capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = BenchmarkResult.model_validate_json((tmp_path / "opt/ml/output/data/benchmark.json").read_text())

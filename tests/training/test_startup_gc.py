@@ -1,6 +1,6 @@
-"""The garbage collector during a training job's start-up (training/startup_gc.py): paused while train.py, as a job's
-own process, imports torch and sets up; on, with start-up's objects frozen, when the timed steps run; and left as it
-was in a process that only imports train.py."""
+"""The garbage collector during a training job's start-up (gpuscout_train/startup_gc.py): paused while train.py, as a
+job's own process, imports torch and sets up; on, with start-up's objects frozen, when the timed steps run; and left
+as it was in a process that only imports train.py."""
 
 from __future__ import annotations
 
@@ -15,16 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import startup_gc
-import train_loop
+from gpuscout_train import startup_gc
+from gpuscout_train import trainer as train_loop
 
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
-from tests.sagemaker_job import job_environment
+from gpuscout.paths import TRAIN_MODULE
+from tests.sagemaker_job import IMAGE_PYTHONPATH, job_environment
 
-TRAINING_PATH = f"{REPO_DIR}{os.pathsep}{TRAINING_DIR}"  # as the image's /opt/ml/code:/opt/ml/code/training
-
-# train.py run as __main__ (runpy, as `python train.py` runs it) with a meta-path finder that notes whether automatic
-# collection was on when torch and transformers were first imported, and the collector's state when the job is done
+# train.py run as __main__ (runpy, as `python -m gpuscout_train.train` runs it) with a meta-path finder that notes
+# whether automatic collection was on when torch and transformers were first imported, and the collector's state
+# when the job is done
 _PROBE = """
 import gc, json, runpy, sys
 seen = {}
@@ -36,7 +35,7 @@ class Note:
 sys.meta_path.insert(0, Note())
 sys.argv = [TRAIN]
 try:
-    runpy.run_path(TRAIN, run_name="__main__")
+    runpy.run_module(TRAIN, run_name="__main__", alter_sys=True)
 except SystemExit as done:
     seen["exit"] = done.code
 seen["after"] = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
@@ -47,8 +46,8 @@ print(json.dumps(seen))
 def test_a_jobs_own_process_loads_its_libraries_with_collection_paused(dataset: Path, tmp_path: Path) -> None:
     hps = {"job_name": "gs-gc", "model_preset": "qwen2-tiny", "per_device_train_batch_size": "4", "max_steps": "4",
            "checkpoint_interval": "0", "validation_batches": "1"}  # fmt: skip
-    env = job_environment(tmp_path, dataset, hps, PYTHONPATH=TRAINING_PATH)
-    probe = _PROBE.replace("TRAIN", repr(str(TRAINING_DIR / "train.py")))
+    env = job_environment(tmp_path, dataset, hps, PYTHONPATH=IMAGE_PYTHONPATH)
+    probe = _PROBE.replace("TRAIN", repr(TRAIN_MODULE))
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=240,
                           check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -63,8 +62,9 @@ def test_a_process_that_imports_train_keeps_its_collector() -> None:
     """A process that imports train.py (the tests do) is not a job's process: nothing pauses its collector. In a fresh
     process, as this worker imported train during collection, when the suite's conftest had collection off."""
     done = subprocess.run(
-        [sys.executable, "-c", "import gc, startup_gc, train; print(gc.isenabled(), startup_gc.is_paused())"],
-        env={**os.environ, "PYTHONPATH": TRAINING_PATH},
+        [sys.executable, "-c",
+         "import gc; from gpuscout_train import startup_gc, train; print(gc.isenabled(), startup_gc.is_paused())"],
+        env={**os.environ, "PYTHONPATH": IMAGE_PYTHONPATH},
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,11 +76,11 @@ def test_a_job_that_ends_before_its_steps_turns_collection_on_again() -> None:
     afterwards, unfrozen (profile_train.py runs train.py so, and goes on in the same process)."""
     probe = (
         "import gc, runpy, sys\n"
-        f"sys.argv = [{str(TRAINING_DIR / 'train.py')!r}, '--no_such_hyperparameter', '1']\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        f"sys.argv = [{TRAIN_MODULE!r}, '--no_such_hyperparameter', '1']\n"
+        f"try:\n    runpy.run_module({TRAIN_MODULE!r}, run_name='__main__', alter_sys=True)\n"
         "except SystemExit as done:\n    print(done.code, gc.isenabled(), gc.get_freeze_count())\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": TRAINING_PATH},
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": IMAGE_PYTHONPATH},
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["2", "True", "0"], done.stderr[-2000:]
@@ -128,13 +128,13 @@ def test_the_timed_steps_run_with_collection_on_and_start_up_frozen(
     from tests.training.test_checkpoints import _train
 
     at_the_steps: dict[str, Any] = {}
-    steps = train_loop.Benchmark._train
+    steps = train_loop.Trainer._train
 
-    def noted(self: train_loop.Benchmark, *args: Any, **kwargs: Any) -> Any:
+    def noted(self: train_loop.Trainer, *args: Any, **kwargs: Any) -> Any:
         at_the_steps.update(enabled=gc.isenabled(), paused=startup_gc.is_paused(), frozen=gc.get_freeze_count())
         return steps(self, *args, **kwargs)
 
-    monkeypatch.setattr(train_loop.Benchmark, "_train", noted)
+    monkeypatch.setattr(train_loop.Trainer, "_train", noted)
     # Given a job whose process paused collection as train.py's __main__ does
     startup_gc.pause()
     frozen_before = gc.get_freeze_count()

@@ -1,7 +1,7 @@
 """train.py as PID 1 (a one-process SageMaker container: launcher.py execs it) stops on SIGTERM within seconds: at the
-next step boundary, with a checkpoint of that step and a benchmark.json of what was measured (training/stop_signal.py).
-The kernel ignores a signal whose action is the default for a PID namespace's init, so without the handler the job
-below would run its 5,000 steps and the test would time out."""
+next step boundary, with a checkpoint of that step and a benchmark.json of what was measured
+(gpuscout_train/stop_signal.py). The kernel ignores a signal whose action is the default for a PID namespace's init,
+so without the handler the job below would run its 5,000 steps and the test would time out."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpuscout.paths import TRAINING_DIR
+from gpuscout.paths import TRAIN_MODULE
 from tests.sagemaker_job import job_environment
 
 HPS = {
@@ -36,7 +36,7 @@ HPS = {
 def test_train_py_as_pid_1_stops_on_sigterm_within_seconds_with_its_measurement(dataset: Path, tmp_path: Path):
     env = job_environment(tmp_path, dataset, HPS)
     # Given train.py as the init process of its own PID namespace, as in a one-process training container
-    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(TRAINING_DIR / "train.py")]
+    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", TRAIN_MODULE]
     outer = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert outer.stdout is not None
@@ -46,7 +46,7 @@ def test_train_py_as_pid_1_stops_on_sigterm_within_seconds_with_its_measurement(
         else:
             pytest.fail(f"train.py ended before step 8: {outer.wait()} {outer.stderr.read() if outer.stderr else ''}")
         pid_1 = psutil.Process(outer.pid).children()[0]
-        assert pid_1.cmdline()[-1].endswith("train.py")
+        assert pid_1.cmdline()[-2:] == ["-m", TRAIN_MODULE]
         # When SageMaker's SIGTERM reaches it (StopTrainingJob, a spot interruption, MaxRuntime)
         sent = time.monotonic()
         pid_1.send_signal(signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""Experiment tracking of a train.py job (training/experiment_tracking.py), offline: MLflow in a SQLite file, W&B in
+"""Experiment tracking of a train.py job (training/gpuscout_train/tracking.py), offline: MLflow in a SQLite file, W&B in
 offline mode (its run file read back with tests/wandb_offline_reader.py). Nothing here reaches a network."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from experiment_tracking import JobTracker, summary_metrics
+from gpuscout_train.tracking import JobTracker, summary_metrics
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.jobspec import JobSpec, Prediction
@@ -27,9 +27,9 @@ from gpuscout.domain.tracking import (
     JobTracking,
     tracking_environment,
 )
-from gpuscout.paths import TRAINING_DIR
+from gpuscout.paths import TRAIN_MODULE
 from tests import wandb_offline_reader as wb
-from tests.sagemaker_job import job_environment
+from tests.sagemaker_job import IMAGE_PYTHONPATH, job_environment
 
 RUN_ID = "r-track"
 JOB = "gs-track-tiny"
@@ -80,7 +80,7 @@ def _job_env(root: Path, dataset: Path, tmp_path: Path, extra: Mapping[str, str]
 def _train(root: Path, dataset: Path, tmp_path: Path, extra: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """train.py for one job in the SageMaker folder layout under ``root`` (as gpuscout local runs it)."""
     return subprocess.run(
-        [sys.executable, str(TRAINING_DIR / "train.py")],
+        [sys.executable, "-m", TRAIN_MODULE],
         cwd=root, env=_job_env(root, dataset, tmp_path, extra), capture_output=True, text=True, timeout=300,
         check=False,
     )  # fmt: skip
@@ -186,11 +186,11 @@ def test_a_tracked_job_logs_params_steps_and_benchmark_to_mlflow_and_wandb(datas
 def test_an_untracked_job_imports_neither_tracker(dataset: Path, tmp_path: Path) -> None:
     # Given a job without GPUSCOUT_TRACKING (a manifest without a tracking section)
     root = tmp_path / "job"
-    env = _job_env(root, dataset, tmp_path, {}) | {"PYTHONPATH": f"{TRAINING_DIR.parent}:{TRAINING_DIR}"}
+    env = _job_env(root, dataset, tmp_path, {}) | {"PYTHONPATH": IMAGE_PYTHONPATH}
     assert tracking_environment(_spec(None), runs_dir=tmp_path) == {}
     # When train.py's main runs to the end
     code = (
-        "import json, sys, train; code = train.main([]); "
+        "import json, sys; from gpuscout_train import train; code = train.main([]); "
         "print(json.dumps({'code': code, 'loaded': [m for m in ('mlflow', 'wandb') if m in sys.modules]}))"
     )
     done = subprocess.run(

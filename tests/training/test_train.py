@@ -10,19 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import data_preparation as dp
 import jsonschema
 import numpy as np
 import pytest
-import train_args
-import train_data
-import train_model
+from gpuscout_data import dataset as ds
+from gpuscout_train import args as train_args
+from gpuscout_train import data as train_data
+from gpuscout_train import model as train_model
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.metric_lines import METRIC_DEFINITIONS
 from gpuscout.domain.tracking import TRACKING_ENV, JobTracking, WandbDestination
 from gpuscout.errors import TrainingError
-from gpuscout.paths import TRAINING_DIR
+from gpuscout.paths import TRAIN_MODULE
 from tests import wandb_offline_reader as wb
 from tests.sagemaker_job import job_environment
 
@@ -49,7 +49,7 @@ def _run(root: Path, dataset: Path, extra_env: dict[str, str] | None = None) -> 
     """One job in the SageMaker folder layout under ``root`` (as gpuscout local mirrors it)."""
     env = job_environment(root, dataset, HPS, **(extra_env or {}))
     return subprocess.run(
-        [sys.executable, str(TRAINING_DIR / "train.py")],
+        [sys.executable, "-m", TRAIN_MODULE],
         env=env,
         capture_output=True,
         text=True,
@@ -95,9 +95,9 @@ def test_tiny_model_trains_and_resumes_after_a_hard_exit(dataset: Path, tmp_path
     assert low <= high
     assert result.efficiency is not None and result.efficiency.mfu is None
     assert result.efficiency.note == "n/a on CPU: no dense tensor-core peak"
-    assert result.efficiency.t_eff == pytest.approx(dp.load_summary(dataset).t_eff)
+    assert result.efficiency.t_eff == pytest.approx(ds.load_summary(dataset).t_eff)
     assert result.config.global_batch_size == 4 and result.hardware.device == "cpu"
-    assert result.dataset.sha256 == dp.load_summary(dataset).sha256
+    assert result.dataset.sha256 == ds.load_summary(dataset).sha256
     # every step's metric line is parsed by the SageMaker MetricDefinitions regexes
     lines = [ln for ln in full.stdout.splitlines() if ln.startswith("gpuscout_metric") and " loss=" in ln]
     assert len(lines) == 20
@@ -145,7 +145,7 @@ def test_hub_model_offline_fails_clearly(dataset: Path, tmp_path: Path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hp = train_args.Hyperparameters(model_name_or_path="Qwen/Qwen2.5-0.5B")
     with pytest.raises(TrainingError, match="HF_HUB_OFFLINE=1"):
-        train_model.build_model(hp, dp.load_summary(dataset), tmp_path)
+        train_model.build_model(hp, ds.load_summary(dataset), tmp_path)
 
 
 def test_an_s3_model_loads_from_its_input_channel_without_network(
@@ -165,14 +165,14 @@ def test_an_s3_model_loads_from_its_input_channel_without_network(
     )
     hp = train_args.Hyperparameters(model_name_or_path="s3://gpuscout-data-1/raw/models/tiny/")
     # When train.py builds the model, Then it loads the channel's copy
-    model, arch, name = train_model.build_model(hp, dp.load_summary(dataset), tmp_path / "work")
+    model, arch, name = train_model.build_model(hp, ds.load_summary(dataset), tmp_path / "work")
     assert arch.hidden_size == 32 and name == "s3://gpuscout-data-1/raw/models/tiny/"
     assert model.config.num_hidden_layers == 1
 
 
 def test_canary_layers_cut_the_model_to_a_few_layers(dataset: Path, tmp_path: Path) -> None:
     hp = train_args.Hyperparameters(model_preset="qwen2.5-0.5b", canary_layers=2)
-    model, arch, _ = train_model.build_model(hp, dp.load_summary(dataset), tmp_path)
+    model, arch, _ = train_model.build_model(hp, ds.load_summary(dataset), tmp_path)
     assert model.config.num_hidden_layers == 2 and arch.num_hidden_layers == 2
     assert model.config.hidden_size == 896  # the preset's layer shape, unchanged
     with pytest.raises(TrainingError, match="canary_layers"):
@@ -195,10 +195,9 @@ def test_deepspeed_configs_fill_every_auto() -> None:
 
 DEEPSPEED_INIT = """
 import os, sys
-sys.path.insert(0, {training!r})
 if {fixed}:
-    import train_distributed
-    import train_model
+    from gpuscout_train import distributed as train_distributed
+    from gpuscout_train import model as train_model
     train_distributed.init_distributed()
     train_model.deepspeed_collectives_through_torch()  # as train.py does before DeepSpeed starts on a CPU
 import deepspeed
@@ -219,7 +218,7 @@ def test_deepspeed_initializes_in_one_process_under_the_sagemaker_environment(tm
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT", "LOCAL_WORLD_SIZE")}  # fmt: skip
     env["SM_TRAINING_ENV"] = json.dumps({"hosts": ["algo-1"], "current_host": "algo-1"})
-    code = DEEPSPEED_INIT.format(training=str(TRAINING_DIR), fixed=fixed)
+    code = DEEPSPEED_INIT.format(fixed=fixed)
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=110, check=False
     )
@@ -266,7 +265,7 @@ def test_every_validation_forward_has_the_full_batch_and_says_which_rows_count()
 @pytest.mark.timeout(240)
 def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, tmp_path: Path) -> None:
     # Given 2 gloo ranks (torchrun) and one validation micro-batch: rank 0 has it, rank 1 has none
-    blocks = dp.load_summary(dataset).splits["validation"].blocks
+    blocks = ds.load_summary(dataset).splits["validation"].blocks
     root = tmp_path / "ddp"
     config = root / "opt/ml/input/config"
     config.mkdir(parents=True)
@@ -288,7 +287,7 @@ def test_two_ddp_ranks_validate_an_uneven_split_without_hanging(dataset: Path, t
     env |= {f"WANDB_{name}_DIR": str(tmp_path / f"wandb-{name.lower()}") for name in ("CONFIG", "DATA", "CACHE")}
     env.pop("WANDB_API_KEY", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(TRAINING_DIR / "train.py")]  # fmt: skip
+               "-m", TRAIN_MODULE]  # fmt: skip
     # When it trains with validation every 2 steps, Then it finishes (a hang fails at the timeout)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -316,13 +315,13 @@ def test_a_failing_final_validation_is_a_note_and_the_measurement_stands(dataset
 
     broken = tmp_path / "data"
     shutil.copytree(dataset, broken)
-    shard = dp.load_summary(broken).splits["validation"].shards[0]["input_ids"]
+    shard = ds.load_summary(broken).splits["validation"].shards[0]["input_ids"]
     ids = np.load(broken / shard)
     ids[0, 5] = 10**6  # a token id past the vocabulary: the validation forward fails, the training never sees it
     np.save(broken / shard, ids)
     hps = {**HPS, "max_steps": "6", "eval_interval": "0", "checkpoint_interval": "0"}
     env = job_environment(tmp_path / "job", broken, hps)
-    done = subprocess.run([sys.executable, str(TRAINING_DIR / "train.py")], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", TRAIN_MODULE], env=env, capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the final validation failed; the measurement stands" in done.stdout

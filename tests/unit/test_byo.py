@@ -2,20 +2,17 @@
 planner's prediction from the user's estimate."""
 
 import json
-import sys
 from pathlib import Path
 
+import gpuscout_report
 import pytest
 import yaml
 
 from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.manifest_loader import load_manifest, parse_manifest, validate_manifest_data
 from gpuscout.errors import ManifestError
-from gpuscout.paths import REPO_DIR, TRAINING_DIR
+from gpuscout.paths import REPO_DIR
 from gpuscout.plan.planner import plan
-
-sys.path.insert(0, str(TRAINING_DIR))
-import gpuscout_report
 
 CATALOG = load_catalog()
 EXAMPLE = REPO_DIR / "examples" / "two-tower"

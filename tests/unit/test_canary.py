@@ -181,7 +181,7 @@ def test_a_canary_that_must_copy_a_whole_s3_model_says_so(tmp_path: Path) -> Non
         path = tmp_path / f"m-{isolated}.yaml"
         path.write_text(text + f"network_isolation: {str(isolated).lower()}\n")
         notes[isolated] = canary_model_note(load_manifest(path, catalog=catalog))
-    # With network a canary reads only its layers' byte ranges (training/partial_checkpoint.py): nothing to say;
+    # With network a canary reads only its layers' byte ranges (gpuscout_train/partial_checkpoint.py): nothing to say;
     # under network isolation only the model channel reaches it, and that copies the whole checkpoint
     assert notes[False] is None
     assert notes[True] is not None and "downloads the whole model s3://gpuscout-data-1/raw/models/q/" in notes[True]

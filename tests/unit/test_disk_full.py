@@ -24,6 +24,7 @@ from gpuscout.local.job_process import JobFolders, JobProgress, _pump
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from tests.stand_ins import use_stand_ins
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 FULL = Path("/dev/full")
@@ -81,21 +82,16 @@ def test_a_job_log_on_a_full_disk_is_given_up_and_its_pipe_still_read() -> None:
 
 def _stand_in_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A train.py whose second variant's job writes to a full disk; the others write a complete benchmark.json."""
-    training = tmp_path / "training"
-    training.mkdir()
-    (training / "train.py").write_text(
-        f"BENCHMARK = {str(BENCHMARK)!r}\n"
-        + textwrap.dedent(
-            """
-            import json, os, shutil
-            if "t0v1" in json.loads(os.environ["SM_HPS"])["job_name"]:
-                with open("/dev/full", "w") as checkpoint:
-                    checkpoint.write("x" * 100_000)
-            shutil.copyfile(BENCHMARK, os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], "benchmark.json"))
-            """
-        )
+    train = f"BENCHMARK = {str(BENCHMARK)!r}\n" + textwrap.dedent(
+        """
+        import json, os, shutil
+        if "t0v1" in json.loads(os.environ["SM_HPS"])["job_name"]:
+            with open("/dev/full", "w") as checkpoint:
+                checkpoint.write("x" * 100_000)
+        shutil.copyfile(BENCHMARK, os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], "benchmark.json"))
+        """
     )
-    monkeypatch.setattr(paths, "TRAINING_DIR", training)
+    use_stand_ins(monkeypatch, tmp_path / "stand-ins", train=train)
     _fake_data(tmp_path, monkeypatch)
 
 
@@ -164,14 +160,13 @@ def test_an_existing_run_folder_keeps_its_files_when_a_rewrite_fails(
 def test_data_preparation_on_a_full_disk_names_the_cache_and_its_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given data preparation that stops with its disk-full line (training/data_preparation.py's main)
-    training = tmp_path / "training"
-    training.mkdir()
-    (training / "data_preparation.py").write_text(
-        "import sys\nprint('data_preparation: error: no space left on the disk holding /c/x.npy "
-        "([Errno 28] No space left on device)', file=sys.stderr)\nsys.exit(2)\n"
+    # Given data preparation that stops with its disk-full line (training/gpuscout_data/prepare.py's main)
+    use_stand_ins(
+        monkeypatch,
+        tmp_path / "stand-ins",
+        prepare="import sys\nprint('data_preparation: error: no space left on the disk holding /c/x.npy "
+        "([Errno 28] No space left on device)', file=sys.stderr)\nsys.exit(2)\n",
     )
-    monkeypatch.setattr(paths, "TRAINING_DIR", training)
     store = SqliteStore(tmp_path / "g.db")
     with pytest.raises(DiskFullError) as raised:
         run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", canary=False)

@@ -7,13 +7,10 @@ import sys
 import time
 
 import pytest
+from gpuscout_train import host_allocator
+from gpuscout_train.metrics import ResourceMeter
 
 from gpuscout.domain.disturbance import MIN_STEPS, detect, recompiled
-from gpuscout.paths import TRAINING_DIR
-
-sys.path.insert(0, str(TRAINING_DIR))
-import host_allocator
-from benchmark_callback import ResourceMeter
 
 
 def steps(millis, *, first=4, **fields):
@@ -195,7 +192,7 @@ def test_the_training_allocator_is_glibc_kept_or_says_why_not(monkeypatch):
 def test_the_gpu_clock_and_throttle_reasons_are_read_per_step_where_nvml_answers(monkeypatch):
     import types
 
-    from benchmark_callback import GpuSampler
+    from gpuscout_train.metrics import GpuSampler
 
     fake = types.SimpleNamespace(
         NVML_CLOCK_SM=1,
@@ -235,7 +232,7 @@ def test_gpu_utilization_and_power_means_cover_the_timed_steps_only(monkeypatch)
     import time
     import types
 
-    from benchmark_callback import GpuSampler
+    from gpuscout_train.metrics import GpuSampler
 
     busy = {"util": 5.0, "power": 80_000}  # idle while compiling or validating
     fake = types.SimpleNamespace(

@@ -15,14 +15,10 @@ import time
 import zipfile
 from pathlib import Path
 
+import gpu_check
 import pytest
 
 from gpuscout.local.process_control import process_alive
-from gpuscout.paths import REPO_DIR
-
-sys.path.insert(0, str(REPO_DIR / "benchmarks"))
-
-import gpu_check
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str], code: str = "") -> Path:

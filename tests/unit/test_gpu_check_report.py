@@ -8,11 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuscout.paths import REPO_DIR
-
-sys.path.insert(0, str(REPO_DIR / "benchmarks"))
-
 from gpu_check_report import CheckOutcome, machine, write_report
+
+from gpuscout.paths import REPO_DIR
 
 
 def test_the_report_passes_only_when_checks_ran_and_all_passed(tmp_path: Path) -> None:

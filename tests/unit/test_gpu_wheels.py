@@ -4,18 +4,15 @@ branch (benchmarks/gpu_wheels.py), computed from pip's installation report."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+import gpu_wheels
 import pytest
 
+from tests.pins import pins
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import gpu_wheels  # noqa: E402
-
-from tests.pins import pins  # noqa: E402
 
 
 def _item(name: str, version: str, *requires: str) -> dict[str, Any]:

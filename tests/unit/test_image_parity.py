@@ -4,7 +4,6 @@ without a registry login."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,6 @@ import pytest
 from tests.pins import pins
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "training"))
-
 
 RUNTIME = pins(ROOT / "requirements.txt")
 IMAGE = pins(ROOT / "training" / "requirements.txt")
@@ -35,7 +32,7 @@ def test_the_image_pins_what_the_tests_run() -> None:
 
 
 def test_every_bundled_corpus_package_is_in_the_image_and_here() -> None:
-    import data_sources
+    from gpuscout_data import sources as data_sources
 
     from gpuscout.domain.manifest_training import BUNDLED_SOURCES
 
@@ -47,7 +44,7 @@ def test_every_bundled_corpus_package_is_in_the_image_and_here() -> None:
 
 @pytest.mark.parametrize("source", ["bundled:hebrew-bible", "bundled:hebrew-chatterbot"])
 def test_every_bundled_corpus_reads_with_the_pinned_packages(source: str) -> None:
-    import data_sources
+    from gpuscout_data import sources as data_sources
 
     documents = list(data_sources._bundled_documents(source))
     assert len(documents) > 10 and all(isinstance(d, str) and d.strip() for d in documents[:10])
@@ -188,7 +185,7 @@ def test_the_entrypoint_passes_sagemakers_argument_to_the_launcher() -> None:
     assert argv[:2] == ["bash", "-c"] and argv[-1] == "--"
     assert "start_cuda_compat.sh" in argv[2], "the DLC's CUDA forward compatibility, which its own entry point runs"
     # SageMaker runs `<entrypoint> train`: the launcher must get "train" (the compat script is absent here)
-    script = argv[2].replace("exec python /opt/ml/code/training/launcher.py", "echo launcher")
+    script = argv[2].replace("exec python -m gpuscout_train.launcher", "echo launcher")
     done = subprocess.run(["bash", "-c", script, "--", "train"], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "launcher train"
 
@@ -199,5 +196,5 @@ def test_the_image_and_train_py_let_cuda_segments_expand() -> None:
     run, by train.py itself (a user's own PYTORCH_CUDA_ALLOC_CONF stands)."""
     dockerfile = (ROOT / "training" / "Dockerfile").read_text()
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in dockerfile
-    train = (ROOT / "training" / "train.py").read_text()
+    train = (ROOT / "training" / "gpuscout_train" / "train.py").read_text()
     assert 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")' in train

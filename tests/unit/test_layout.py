@@ -180,15 +180,68 @@ def test_lambdas_other_than_analyze_do_not_load_numpy_or_matplotlib(function: st
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "training").glob("*.py")))
-def test_training_scripts_import_only_what_the_image_can_load(script: str) -> None:
+TRAINING_MODULES = sorted(str(p.relative_to(REPO / "training")) for p in (REPO / "training").rglob("*.py"))
+
+
+@pytest.mark.parametrize("module", TRAINING_MODULES)
+def test_training_modules_import_only_what_the_image_can_load(module: str) -> None:
     # The training image carries pydantic and PyYAML, not the analysis (numpy/matplotlib) or the cloud (boto3) code.
     wrong = [
         f"line {line}: {name}"
-        for line, name, _ in gpuscout_imports(REPO / "training" / script, set(MODULES))
+        for line, name, _ in gpuscout_imports(REPO / "training" / module, set(MODULES))
         if layer(name) not in {"base", "domain"}
     ]
-    assert not wrong, f"training/{script} imports beyond gpuscout.domain and the base modules: " + "; ".join(wrong)
+    assert not wrong, f"training/{module} imports beyond gpuscout.domain and the base modules: " + "; ".join(wrong)
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The training packages a module imports (absolute imports; a relative one stays in its own package)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {name for name in names if name.split(".")[0] in {"gpuscout_train", "gpuscout_data", "gpuscout_report"}}
+
+
+def test_the_training_packages_depend_one_way() -> None:
+    """gpuscout_data stands alone (its job runs before any training); gpuscout_train reads gpuscout_data's format
+    only; the SDK (gpuscout_report) uses the training job's step accounting and GPU versions, which import no torch,
+    so a user's script imports it without loading more than it asked for."""
+    allowed = {
+        "gpuscout_data": set(),
+        "gpuscout_train": {"gpuscout_data.dataset"},
+        "gpuscout_report": {"gpuscout_train.metrics", "gpuscout_train.nvidia_versions"},
+    }
+    wrong = []
+    for module in TRAINING_MODULES:
+        package = module.split("/")[0]
+        outside = {n for n in _package_imports(REPO / "training" / module) if n.split(".")[0] != package}
+        if outside - allowed[package]:
+            wrong.append(f"training/{module}: {sorted(outside - allowed[package])}")
+    assert not wrong, wrong
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, gpuscout_report; print(sorted({'torch', 'numpy'} & set(sys.modules)))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "[]"
+
+
+TRAINING_FILE_LINES = 400  # the training job's components: each readable in one sitting
+TRAINER_CLASS_LINES = 300  # the timed loop itself
+
+
+def test_the_training_components_are_small_and_the_loop_readable() -> None:
+    long = [
+        f"{m}: {n}"
+        for m in TRAINING_MODULES
+        if (n := (REPO / "training" / m).read_text().count("\n")) > TRAINING_FILE_LINES
+    ]
+    assert not long, f"over {TRAINING_FILE_LINES} lines: {long}"
+    tree = ast.parse((REPO / "training" / "gpuscout_train" / "trainer.py").read_text())
+    (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    assert trainer.end_lineno is not None and trainer.end_lineno - trainer.lineno + 1 <= TRAINER_CLASS_LINES
 
 
 LONGEST_FILE_LINES = 700

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from gpuscout.local.job_process import JobFolders, JobOutcome, JobProgress, job_
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from tests.stand_ins import use_stand_ins
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 # the dataset.json fields the runner's data checks read
@@ -59,10 +59,7 @@ def _spec(**update: Any) -> JobSpec:
 
 
 def _fake_training_dir(tmp_path: Path, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    training = tmp_path / "training"
-    training.mkdir()
-    (training / "train.py").write_text(textwrap.dedent(body))
-    monkeypatch.setattr(paths, "TRAINING_DIR", training)
+    use_stand_ins(monkeypatch, tmp_path / "stand-ins", train=body)
 
 
 def _run(tmp_path: Path, spec: JobSpec) -> tuple[JobOutcome, JobFolders]:
@@ -237,14 +234,13 @@ def test_failed_data_preparation_fails_the_run(tmp_path: Path, monkeypatch: pyte
 
 
 def test_a_failed_data_preparation_is_one_line_with_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    training = tmp_path / "training"
-    training.mkdir()
-    (training / "data_preparation.py").write_text(
-        "import sys\nprint('reading documents')\nprint('Traceback (most recent call last): ...')\n"
+    use_stand_ins(
+        monkeypatch,
+        tmp_path / "stand-ins",
+        prepare="import sys\nprint('reading documents')\nprint('Traceback (most recent call last): ...')\n"
         "print('data_preparation: error: corpus.jsonl: no column \\'text\\'; set dataset.text_field to one of: body',"
-        " file=sys.stderr)\nsys.exit(2)\n"
+        " file=sys.stderr)\nsys.exit(2)\n",
     )
-    monkeypatch.setattr(paths, "TRAINING_DIR", training)
     store = SqliteStore(tmp_path / "g.db")
     with pytest.raises(DataPreparationError) as err:
         run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs")

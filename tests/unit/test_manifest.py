@@ -249,16 +249,10 @@ def test_an_unreadable_file_inside_a_source_folder_fails_validate(tmp_path, monk
 
 
 def test_the_loader_reads_a_folder_as_data_preparation_does():
-    import sys
+    from gpuscout_data import sources as data_sources
 
-    from gpuscout import paths
     from gpuscout.domain.manifest_loader import TEXT_SUFFIXES
 
-    sys.path.insert(0, str(paths.TRAINING_DIR))
-    try:
-        import data_sources
-    finally:
-        sys.path.remove(str(paths.TRAINING_DIR))
     assert TEXT_SUFFIXES == data_sources.TEXT_SUFFIXES
 
 

@@ -3,14 +3,10 @@ clear refusal (the measurement itself needs a GPU: `make gpu-memory-probe`)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
 import memory_probe_gpu as probe
+import pytest
 
 
 def test_the_grid_covers_both_models_and_every_code_path() -> None:
@@ -38,7 +34,7 @@ def test_each_row_carries_the_planners_prediction_and_its_uncertainty() -> None:
 
 def test_a_row_whose_loss_the_box_lacks_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
-    import packing
+    from gpuscout_train import packing
 
     monkeypatch.setattr(packing, "liger_available", lambda: False)
     row = probe.measure(probe.Probe("qwen2.5-0.5b", 1, 4096, "flex", "liger", False))

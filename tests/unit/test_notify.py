@@ -40,7 +40,8 @@ def test_a_user_script_s_stderr_in_its_failure_reason_counts_for_oom_only() -> N
     # SageMaker's own reasons
     assert classify_failure("ResourceLimitExceeded: ml.p5.48xlarge for training job usage") is JobStatus.QUOTA
     assert classify_failure("CapacityError: Unable to provision requested ML compute capacity") is JobStatus.CAPACITY
-    # a user's script whose stderr (training/launcher.py's reason) mentions quota or capacity words: its own failure
+    # a user's script whose stderr (gpuscout_train/job_code.py's reason) mentions quota or capacity words: its own
+    # failure
     ours = "fit.py exited with code 1; stderr: botocore.exceptions.ClientError: ... (ResourceLimitExceeded) ..."
     assert classify_failure(ours) is JobStatus.FAILED
     assert classify_failure("fit.py exited with code 1; stderr: InsufficientCapacity in my log") is JobStatus.FAILED

@@ -4,11 +4,11 @@ helper says when it answered; the log replay counts only the steps before the st
 
 from __future__ import annotations
 
-import sys
 import textwrap
 import time
 from pathlib import Path
 
+import gpuscout_report
 import pytest
 import yaml
 
@@ -16,12 +16,8 @@ from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.local import job_process
 from gpuscout.local.job_process import JobFolders, run_job
-from gpuscout.paths import TRAINING_DIR
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobStatus
-
-sys.path.insert(0, str(TRAINING_DIR))
-import gpuscout_report
 
 IGNORES_STOP = """
 import time

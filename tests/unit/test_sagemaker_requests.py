@@ -141,7 +141,7 @@ def test_a_canary_with_network_reads_its_part_of_an_s3_model_itself() -> None:
     hp = {**spec.hyperparameters, "model_name_or_path": "s3://data-b/raw/models/q/", "canary_layers": "2"}
     canary = spec.model_copy(update={"hyperparameters": hp})
     # When it has network, Then it gets no model channel (which would copy the whole checkpoint): train.py reads
-    # only its layers' byte ranges (training/partial_checkpoint.py)
+    # only its layers' byte ranges (training/gpuscout_train/partial_checkpoint.py)
     request = training_job_request(canary, SETTINGS, DATA, enable_network_isolation=False)
     assert [c["ChannelName"] for c in request["InputDataConfig"]] == ["train"]
     # and under network isolation the channel is its only way in

@@ -56,7 +56,7 @@ def _report(folder: Path) -> Path:
 
 
 def _job_runs(uri: str, experiment: str, artifacts: str, names: dict[str, str]) -> dict[str, str]:
-    """Job runs as training/experiment_tracking.py leaves them (tags; FINISHED, or RUNNING when the process was
+    """Job runs as training/gpuscout_train/tracking.py leaves them (tags; FINISHED, or RUNNING when the process was
     stopped): job name -> MLflow run id."""
     from mlflow import MlflowClient
 

@@ -1,5 +1,5 @@
-"""gpuscout installs as a tool (`pipx install .`, `uv tool install .`): the wheel carries configs/ and training/, and
-the installed command validates and plans from any folder, with no checkout beside it."""
+"""gpuscout installs as a tool (`pipx install .`, `uv tool install .`): the wheel carries configs/ and the training
+packages, and the installed command validates and plans from any folder, with no checkout beside it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_config_folder_is_in_the_wheel() -> None:
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = {p.removeprefix("gpuscout._bundled.").replace(".", "/") for p in setuptools["packages"] if "_bundled" in p}
-    folders = {str(d.relative_to(ROOT)) for d in (ROOT / "configs").rglob("*") if d.is_dir()} | {"configs", "training"}
+    folders = {str(d.relative_to(ROOT)) for d in (ROOT / "configs").rglob("*") if d.is_dir()} | {"configs"}
     assert listed == folders, "list every configs/ folder in pyproject.toml's packages and package-data"
     kinds = {f.suffix for f in (ROOT / "configs").rglob("*") if f.is_file()}
     globs = " ".join(" ".join(v) for v in setuptools["package-data"].values())
@@ -58,16 +58,21 @@ def test_the_installed_wheel_validates_and_plans_from_any_folder(tmp_path: Path)
         return subprocess.run([env_dir / "bin" / "gpuscout", *args], cwd=work, env=env, capture_output=True,
                               text=True, timeout=120, check=False)  # fmt: skip
 
-    # Then it finds its configuration and training scripts inside the installed package, not the checkout
-    where = subprocess.run(
-        [python, "-c", "import gpuscout.paths as p; print(p.CONFIG_DIR); print(p.TRAINING_DIR)"],
-        cwd=work, env=env, check=True, capture_output=True, text=True,
-    ).stdout.split()  # fmt: skip
-    assert [Path(w) for w in where] == [
-        site / "gpuscout" / "_bundled" / "configs",
-        site / "gpuscout" / "_bundled" / "training",
+    # Then it finds its configuration inside the installed package, and the jobs' packages beside it, not the checkout
+    code = (
+        "import importlib.util as u, gpuscout.paths as p; print(p.CONFIG_DIR)\n"
+        "for m in ('gpuscout_train.train', 'gpuscout_train.launcher', 'gpuscout_data.__main__', 'gpuscout_report'):\n"
+        "    print(u.find_spec(m).origin)"
+    )
+    where = subprocess.run([python, "-c", code], cwd=work, env=env, check=True, capture_output=True,
+                           text=True).stdout.split()  # fmt: skip
+    assert Path(where[0]) == site / "gpuscout" / "_bundled" / "configs"
+    assert [Path(w) for w in where[1:]] == [
+        site / "gpuscout_train" / "train.py",
+        site / "gpuscout_train" / "launcher.py",
+        site / "gpuscout_data" / "__main__.py",
+        site / "gpuscout_report" / "__init__.py",
     ]
-    assert (Path(where[1]) / "train.py").is_file()
     # and validate, plan and catalog work as from the checkout
     validated = gpuscout("validate", "mine.yaml")
     assert validated.returncode == 0 and "3 job(s)" in validated.stdout, validated.stderr

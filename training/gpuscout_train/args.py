@@ -2,7 +2,7 @@
 hyperparameters.json or SM_HPS and the command line, every name checked; a tuning trial's candidate name turned into
 its settings.
 
-Imported by train.py (training/ on sys.path, as in the image); may import gpuscout.domain and gpuscout.errors."""
+Imported by train.py; may import gpuscout.domain and gpuscout.errors."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 channel, an S3 download, or for a canary the part of an S3 or hub checkpoint its layers need), its architecture facts
 for FLOPs, and DeepSpeed's configuration and collectives.
 
-Imported by train.py; may import gpuscout.domain, gpuscout.errors, gpuscout.paths, data_preparation, packing,
-partial_checkpoint and train_args."""
+Imported by train.py; may import gpuscout.domain, gpuscout.errors, gpuscout.paths, gpuscout_data.dataset, packing,
+partial_checkpoint and args."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from data_preparation import DatasetSummary
-from packing import install_flex_autocast_cast
-from train_args import ATTENTION_IMPLEMENTATIONS, Hyperparameters
+from gpuscout_data.dataset import DatasetSummary
 
 from gpuscout.domain.models import PRESETS, Architecture
 from gpuscout.errors import TrainingError
+
+from .args import ATTENTION_IMPLEMENTATIONS, Hyperparameters
+from .packing import install_flex_autocast_cast
 
 MODEL_CHANNEL_DIR = "/opt/ml/input/data/model"  # where SageMaker puts the "model" input channel
 
@@ -90,7 +91,7 @@ def _canary_model(source: str, layers: int) -> str:
 
 
 def _fetch_canary_model(source: str, layers: int, folder: Path) -> str:
-    from partial_checkpoint import CannotReadInPartError, HubSource, RangeSource, S3Source, fetch_first_layers
+    from .partial_checkpoint import CannotReadInPartError, HubSource, RangeSource, S3Source, fetch_first_layers
 
     reader: RangeSource = S3Source(source) if source.startswith("s3://") else HubSource(source)
     try:
@@ -205,7 +206,7 @@ def deepspeed_collectives_through_torch() -> None:
 def deepspeed_config(hp: Hyperparameters, precision: str, world_size: int, hidden_size: int) -> dict[str, Any]:
     from gpuscout.paths import DEEPSPEED_DIR
 
-    candidates = [DEEPSPEED_DIR, Path(__file__).resolve().parent.parent / "configs" / "deepspeed"]
+    candidates = [DEEPSPEED_DIR, Path(__file__).resolve().parents[2] / "configs" / "deepspeed"]
     path = next(
         (d / f"zero{hp.deepspeed_stage}.json" for d in candidates if (d / f"zero{hp.deepspeed_stage}.json").is_file()),
         None,

@@ -7,7 +7,7 @@ Text is decoded as UTF-8 with an optional byte-order mark. JSON Lines are split 
 dropped): ``json.dumps(..., ensure_ascii=False)`` writes U+2028, U+0085 and other characters that str.splitlines()
 would split on inside a string.
 
-Imported by data_preparation.py (training/ on sys.path, as in the image); may import gpuscout.errors."""
+Imported by gpuscout_data/prepare.py (training/ on sys.path, as in the image); may import gpuscout.errors."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ These settings hold for the main thread's heap; a thread's own arena maps blocks
 effect is recorded in benchmark.json (``software.host_allocator``) and shown in the report: it is part of what was
 measured.
 
-Imported by train_loop; standard library only."""
+Imported by trainer; standard library only."""
 
 from __future__ import annotations
 

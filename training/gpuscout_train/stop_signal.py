@@ -11,7 +11,7 @@ checkpoints, skips the final validation and writes benchmark.json with ``stop.re
 N" (a measurement with too few timed steps is refused by the analysis as usual). Before the loop (data, model,
 compile) the handler raises ``StoppedBeforeStartError``, which train.py writes as a failed benchmark.json and exits 1.
 
-Imported by train.py and train_loop; may import gpuscout.domain (the stop reason's wording, which the local runner
+Imported by train.py and trainer; may import gpuscout.domain (the stop reason's wording, which the local runner
 reads back)."""
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 (``RunFacts``: hardware, software, model, data, precision, optimizations) and how the timed steps become the
 result (throughput of non-padding tokens, MFU and HFU, memory, loss, the stop, the disturbance verdict).
 
-The timed loop (train_loop.py) fills the facts as set-up learns them, has ``report_step`` print each step's metric
+The timed loop (trainer.py) fills the facts as set-up learns them, has ``report_step`` print each step's metric
 line on rank 0, and calls ``build_result`` after its steps, or ``failed_result`` when the job failed;
 ``write_result`` writes benchmark.json on rank 0.
 
-Imported by train_loop.py and train.py; may import gpuscout.domain and the train_* components beside it."""
+Imported by trainer.py and train.py; may import gpuscout.domain and the components beside it."""
 
 from __future__ import annotations
 
@@ -16,13 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from benchmark_callback import GpuSampler, StepStats, step_accounts
-from data_preparation import DatasetSummary
-from experiment_tracking import JobTracker
-from train_args import Hyperparameters
-from train_distributed import Dist
-from train_facts import CPU_NOTE
-from train_state import Progress, StepWork
+from gpuscout_data.dataset import DatasetSummary
 
 from gpuscout.domain import flops
 from gpuscout.domain.benchmark import (
@@ -43,6 +37,13 @@ from gpuscout.domain.benchmark import (
 from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import OBJECTIVE_KEY, format_metric_line, usd_per_million_tokens
 from gpuscout.domain.models import Architecture
+
+from .args import Hyperparameters
+from .distributed import Dist
+from .facts import CPU_NOTE
+from .metrics import GpuSampler, StepStats, step_accounts
+from .state import Progress, StepWork
+from .tracking import JobTracker
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What a benchmark records about where it ran: the precision the device supports, the hardware (GPU SKU and dense
 peak, CPU, memory, ranks and nodes) and the software versions.
 
-Imported by train.py; may import gpuscout.domain, gpuscout.errors, benchmark_callback and train_distributed."""
+Imported by train.py; may import gpuscout.domain, gpuscout.errors, metrics and distributed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from benchmark_callback import GpuSampler
-from nvidia_versions import nvidia_versions
-from train_distributed import Dist
 
 import gpuscout
 from gpuscout.domain.benchmark import (
@@ -22,6 +19,10 @@ from gpuscout.domain.benchmark import (
 )
 from gpuscout.domain.hardware import detect_sku
 from gpuscout.errors import TrainingError
+
+from .distributed import Dist
+from .metrics import GpuSampler
+from .nvidia_versions import nvidia_versions
 
 CPU_NOTE = "n/a on CPU: no dense tensor-core peak"
 

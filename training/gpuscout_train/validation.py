@@ -1,16 +1,17 @@
 """Validation: the mean loss over the validation split's blocks, every rank running the same number of forwards.
 
-Imported by train_loop.py (after every eval_interval steps and once after the timed steps); may import the train_*
+Imported by trainer.py (after every eval_interval steps and once after the timed steps); may import the
 components beside it."""
 
 from __future__ import annotations
 
 import torch
-from packing import IGNORE_INDEX, eager_validation, make_inputs
-from train_args import Hyperparameters
-from train_data import token_counts, validation_batches
-from train_distributed import Dist
-from train_state import Parts, Splits
+
+from .args import Hyperparameters
+from .data import token_counts, validation_batches
+from .distributed import Dist
+from .packing import IGNORE_INDEX, eager_validation, make_inputs
+from .state import Parts, Splits
 
 
 def validation_loss(parts: Parts, data: Splits, hp: Hyperparameters, dist: Dist) -> float | None:

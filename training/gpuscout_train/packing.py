@@ -1,7 +1,7 @@
 """Packed batches without cross-document attention, and a cross-entropy that never builds full-vocab logits.
 
 A packed block holds several document pieces, numbered by ``segment_ids`` (1, 2, ... ; 0 = padding, written by
-data_preparation.py). With ``packing=True`` every token attends only to earlier tokens of its own piece (a
+gpuscout_data/prepare.py). With ``packing=True`` every token attends only to earlier tokens of its own piece (a
 block-diagonal causal mask), positions restart at 0 for every piece, and the first token of a piece is not a
 prediction target of the previous piece's last token. With ``packing=False`` the data is first unpacked
 (``unpack_blocks``): every document piece gets a row of its own, padded to the sequence length, the way a plain
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from data_preparation import piece_spans
+from gpuscout_data.dataset import piece_spans
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100

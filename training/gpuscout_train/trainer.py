@@ -1,11 +1,11 @@
-"""train.py's timed loop (the ``Benchmark`` class): it composes its components (train_setup.py builds the data
-splits, the model with its loss, the optimizer and schedule, the engine and the loader; train_validation.py the
-validation loss; train_state.py what a checkpoint holds; train_result.py the measured result from the facts set-up
+"""train.py's timed loop (the ``Trainer`` class): it composes its components (build.py builds the data
+splits, the model with its loss, the optimizer and schedule, the engine and the loader; validation.py the
+validation loss; state.py what a checkpoint holds; result.py the measured result from the facts set-up
 fills in, ``self.facts``) around what stays here: resume from the newest complete checkpoint, the steps
 (micro-batches, accumulation, warm-up excluded from timing, GPU work synchronized before the clock is read), when to
 validate and checkpoint, and the stop rules (fixed steps or steady state, decided on rank 0 for every rank).
 
-Imported by train.py; may import gpuscout.domain and gpuscout.errors, and the train_* components beside it."""
+Imported by train.py; may import gpuscout.domain and gpuscout.errors, and the components beside it."""
 
 from __future__ import annotations
 
@@ -19,28 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import host_allocator
-import startup_gc
 import torch
-from benchmark_callback import (
-    GpuSampler,
-    ResourceMeter,
-    StepRecord,
-    StepStats,
-    Stopwatch,
-)
-from checkpoints import Checkpointer, checkpoint_root
-from experiment_tracking import JobTracker
-from packing import make_inputs
-from stop_signal import StopSignal
-from train_args import Hyperparameters
-from train_data import token_counts
-from train_distributed import Dist
-from train_facts import hardware_info, process_age_s, resolve_precision, software_info
-from train_result import Outcome, RunFacts, build_result, failed_result, memory, report_step, write_result
-from train_setup import build_loader, build_model_with_loss, build_optimizer, build_parts, build_splits, warmup_steps
-from train_state import Parts, Progress, Splits, StepWork, load_training_state, restore_rng, training_state
-from train_validation import validation_loss
 
 from gpuscout.domain.benchmark import (
     BenchmarkResult,
@@ -50,8 +29,29 @@ from gpuscout.domain.benchmark import (
 from gpuscout.domain.metric_lines import format_metric_line
 from gpuscout.errors import TrainingError
 
+from . import host_allocator, startup_gc
+from .args import Hyperparameters
+from .build import build_loader, build_model_with_loss, build_optimizer, build_parts, build_splits, warmup_steps
+from .checkpoints import Checkpointer, checkpoint_root
+from .data import token_counts
+from .distributed import Dist
+from .facts import hardware_info, process_age_s, resolve_precision, software_info
+from .metrics import (
+    GpuSampler,
+    ResourceMeter,
+    StepRecord,
+    StepStats,
+    Stopwatch,
+)
+from .packing import make_inputs
+from .result import Outcome, RunFacts, build_result, failed_result, memory, report_step, write_result
+from .state import Parts, Progress, Splits, StepWork, load_training_state, restore_rng, training_state
+from .stop_signal import StopSignal
+from .tracking import JobTracker
+from .validation import validation_loss
 
-class Benchmark:
+
+class Trainer:
     def __init__(
         self,
         hp: Hyperparameters,
@@ -63,14 +63,14 @@ class Benchmark:
     ) -> None:
         self.hp = hp
         self.dist = dist
-        self.tracker = tracker or JobTracker(None)  # experiment tracking (experiment_tracking.py); rank 0 only
+        self.tracker = tracker or JobTracker(None)  # experiment tracking (tracking.py); rank 0 only
         self.stop = stop or StopSignal()  # SIGTERM (stop_signal.py): installed by train.py for one-process jobs
         self.data_dir = Path(os.environ.get("SM_CHANNEL_TRAIN", "/opt/ml/input/data/train"))
         self.output_dir = Path(os.environ.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data"))
         self.model_dir = Path(os.environ.get("SM_MODEL_DIR", "/opt/ml/model"))
         sampler = GpuSampler([dist.local_rank]) if dist.device.type == "cuda" else GpuSampler([])
         precision, self.precision_note = resolve_precision(hp.precision, dist.device)
-        # what the result reports beside its measurements (train_result.py); set-up fills the model's and data's part
+        # what the result reports beside its measurements (result.py); set-up fills the model's and data's part
         self.facts = RunFacts(
             hp=hp,
             dist=dist,
@@ -151,7 +151,7 @@ class Benchmark:
         return build_splits(self.data_dir, self.hp, self.facts)
 
     def _set_up(self) -> Parts:
-        """The model with its loss, the optimizer and schedule, and the engine that drives them (train_setup.py)."""
+        """The model with its loss, the optimizer and schedule, and the engine that drives them (build.py)."""
         hp, dist, facts = self.hp, self.dist, self.facts
         model = build_model_with_loss(hp, dist, facts)
         warmup = warmup_steps(hp)

@@ -1,7 +1,7 @@
 """train.py's data pipeline: the prepared blocks as a dataset, the sampler that hands each step its micro-batches
 on every rank, collation, the train/validation split and where each rank's validation batches start.
 
-Imported by train.py; may import gpuscout.errors and train_args / train_distributed."""
+Imported by train.py; may import gpuscout.errors and args / distributed."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from train_args import Hyperparameters
-from train_distributed import Dist
 
 from gpuscout.errors import TrainingError
+
+from .args import Hyperparameters
+from .distributed import Dist
 
 
 class StepBatches(torch.utils.data.Sampler[list[int]]):

@@ -1,49 +1,25 @@
-"""Report a training script's progress to gpuscout: the helper your own code calls (docs/byo.md).
-
-    import gpuscout_report as gs
-
-    for batch in loader:
-        loss = train_step(batch)
-        if gs.step(samples=len(batch), loss=loss.item()):  # True: gpuscout has measured enough, stop
-            break
-    gs.done()
-
-Standard library only (plus gpuscout's own stdlib-only statistics and metric-line modules, which the runner and the
-training image put on PYTHONPATH). It times every optimizer step between two ``step`` calls with
-``time.perf_counter`` (call ``step`` after something that waits for the device, e.g. ``loss.item()``, or pass
-``sync=torch.cuda.synchronize`` to :func:`configure`), excludes the warm-up steps from every throughput figure,
-applies the manifest's stop rule (``max_steps``, or steady state: the 95 % interval of the rate within tolerance) and
-writes ``$SM_OUTPUT_DATA_DIR/benchmark.json`` in the schema of gpuscout/domain/benchmark.py. An uncaught exception is
-written as a failed benchmark.json with the exception as the reason (so "out of memory" is classified as OOM).
-
-Without calling it, a script may print metric lines instead (``gpuscout_metric step=3 samples=256 loss=0.71``);
-``python gpuscout_report.py --from-log LOG`` turns them into the same benchmark.json (the runner does that).
-Callbacks for the HF Trainer and PyTorch Lightning: :func:`hf_trainer_callback`, :func:`lightning_callback`.
-"""
+"""The Reporter: one job's step measurements, its stop rule and benchmark.json; and the shared instance the
+package's functions use (``gs.step``, ``gs.done``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from benchmark_callback import ResourceMeter, StepRecord, StepStats, default_warmup_steps, step_accounts
-from nvidia_versions import nvidia_versions
+from gpuscout_train.metrics import ResourceMeter, StepRecord, StepStats, default_warmup_steps, step_accounts
+from gpuscout_train.nvidia_versions import nvidia_versions
 
 from gpuscout.domain.disturbance import detect
-from gpuscout.domain.metric_lines import PREFIX, format_metric_line
+from gpuscout.domain.metric_lines import format_metric_line
 
 SCHEMA_VERSION = "1.5"
-LOG_LINE_RE = re.compile(rf"^{PREFIX}\b(?P<rest>.*)$")  # docs/byo.md: the regexes the runner applies
-LOG_VALUE_RE = re.compile(r" (?P<key>[a-z_]+)=(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -54,6 +30,20 @@ def _env_int(name: str, default: int | None) -> int | None:
 def _env_float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name, "")
     return float(raw) if raw.strip() else default
+
+
+def _agreed_stop(stop: bool) -> bool:
+    """Under torch.distributed every rank must stop at the same step (a rank that stops alone leaves the others
+    waiting in their next all-reduce): rank 0's clock decides, broadcast to all. One process: ``stop`` itself."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return stop
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([int(stop)], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 class Reporter:
@@ -354,141 +344,3 @@ def step(
 
 def done() -> dict[str, Any]:
     return reporter().done()
-
-
-# -- drop-in callbacks -------------------------------------------------------------------------------------------
-
-
-def _agreed_stop(stop: bool) -> bool:
-    """Under torch.distributed every rank must stop at the same step (a rank that stops alone leaves the others
-    waiting in their next all-reduce): rank 0's clock decides, broadcast to all. One process: ``stop`` itself."""
-    dist = getattr(sys.modules.get("torch"), "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return stop
-    import torch
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    flag = torch.tensor([int(stop)], device=device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
-
-
-def hf_trainer_callback(*, samples_per_step: int, tokens_per_step: int | None = None) -> Any:
-    """A transformers ``TrainerCallback``: one ``step`` per optimizer step (``samples_per_step`` = global batch),
-    the loss from the Trainer's logs, ``should_training_stop`` when gpuscout has measured enough, ``done`` at the
-    end. Imports transformers only when called."""
-    from transformers import TrainerCallback
-
-    rep = reporter()
-    rep.reporter_name = "hf_trainer"
-
-    class GpuscoutCallback(TrainerCallback):
-        def __init__(self) -> None:
-            self.last_loss: float | None = None
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            rep._last = rep._now()
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-            if logs and "loss" in logs:
-                self.last_loss = float(logs["loss"])
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=self.last_loss):
-                control.should_training_stop = True
-            return control
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            rep.done()
-
-    return GpuscoutCallback()
-
-
-def lightning_callback(*, samples_per_step: int, tokens_per_step: int | None = None) -> Any:
-    """A PyTorch Lightning ``Callback`` (lightning.pytorch or pytorch_lightning): one ``step`` per training batch,
-    the loss from the step's output, ``trainer.should_stop`` when gpuscout has measured enough, ``done`` at the
-    end."""
-    try:
-        from lightning.pytorch import Callback
-    except ImportError:
-        from pytorch_lightning import Callback
-
-    rep = reporter()
-    rep.reporter_name = "lightning"
-
-    class GpuscoutLightningCallback(Callback):
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            rep._last = rep._now()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            value = float(loss.detach().cpu()) if loss is not None and hasattr(loss, "detach") else None
-            if rep.step(samples=samples_per_step, tokens=tokens_per_step, loss=value):
-                trainer.should_stop = True
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            rep.done()
-
-    return GpuscoutLightningCallback()
-
-
-# -- metric lines on stdout, without the helper --------------------------------------------------------------------
-
-
-def parse_log_lines(lines: Iterable[str]) -> list[dict[str, float]]:
-    """The step lines of a log (LOG_LINE_RE, LOG_VALUE_RE): one dict per ``gpuscout_metric`` line that has a
-    ``step``; summary lines and other output are ignored."""
-    steps = []
-    for line in lines:
-        match = LOG_LINE_RE.match(line.strip())
-        if not match:
-            continue
-        values = {m["key"]: float(m["value"]) for m in LOG_VALUE_RE.finditer(" " + match["rest"])}
-        if "step" in values:
-            steps.append(values)
-    return steps
-
-
-def from_log(lines: Iterable[str], rep: Reporter) -> dict[str, Any]:
-    """benchmark.json from printed metric lines: ``samples``/``tokens`` per step, ``loss`` and ``step_time_s`` (the
-    script times its own steps: the runner cannot see when a step's device work ended)."""
-    steps = parse_log_lines(lines)
-    if not steps:
-        raise ValueError("no gpuscout_metric step lines in the log (and no benchmark.json from the helper)")
-    for values in steps:
-        seconds = values.get("step_time_s")
-        if seconds is None:
-            raise ValueError(f"step {values['step']:g}: the metric line has no step_time_s")
-        samples = values.get("samples")
-        tokens = values.get("tokens")
-        # the helper's own lines carry rates, not counts (a script ended after ignoring "stop" left only those)
-        if samples is None and values.get("samples_per_s") is not None:
-            samples = round(values["samples_per_s"] * seconds)
-        if tokens is None and values.get("tokens_per_s") is not None:
-            tokens = round(values["tokens_per_s"] * seconds)
-        stop = rep.step(
-            samples=int(samples) if samples is not None else None,
-            tokens=int(tokens) if tokens is not None else None,
-            loss=values.get("loss"),
-            seconds=seconds,
-        )
-        if stop:  # what a script that honoured the stop rule would have measured; later lines are not counted
-            break
-    return rep.done()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="benchmark.json from a log of gpuscout_metric lines")
-    parser.add_argument("--from-log", required=True, type=Path)
-    args = parser.parse_args(argv)
-    rep = Reporter(reporter_name="stdout", emit=lambda _line: None, measure_usage=False)
-    try:
-        from_log(args.from_log.read_text(encoding="utf-8", errors="replace").splitlines(), rep)
-    except ValueError as err:
-        print(f"gpuscout_report: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,7 +35,7 @@ models flex as sdpa without the dense mask. Loss: "plain" and "chunked" are prob
 cross-entropy is CUDA-only and, like the chunked loss, never stores full logits: the planner uses the chunked
 coefficients for it.
 
-    PYTHONPATH=. python training/memory_probe.py --output configs/memory/calibration.json
+    .venv/bin/python benchmarks/memory_probe.py --output configs/memory/calibration.json
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from packing import CausalLMWithLoss, chunked_cross_entropy, make_inputs, plain_cross_entropy
+from gpuscout_train.packing import CausalLMWithLoss, chunked_cross_entropy, make_inputs, plain_cross_entropy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -473,11 +473,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     doc = {
         "about": (
-            "Activation and logit bytes of train.py's training step, measured on CPU by training/memory_probe.py "
+            "Activation and logit bytes of train.py's training step, measured on CPU by benchmarks/memory_probe.py "
             "(saved_tensors_hooks, storages deduplicated, parameters and their autocast copies excluded); "
             "gpuscout/plan/memory.py reads it. Keys: precision/attention/checkpointing/loss."
         ),
-        "command": "python training/memory_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/memory_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "versions": {
             "torch": torch.__version__,

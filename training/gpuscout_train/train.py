@@ -5,18 +5,16 @@ the command line (``--name value``); names are those of docs/internals.md and an
 Reads the prepared dataset from SM_CHANNEL_TRAIN, writes SM_OUTPUT_DATA_DIR/benchmark.json (status completed or
 failed), checkpoints to /opt/ml/checkpoints (GPUSCOUT_CHECKPOINT_DIR) and resumes from the newest one there that
 verifies against its marker's file manifest and loads (checkpoints.py). With GPUSCOUT_TRACKING set, rank 0 also
-logs the job to MLflow and/or Weights & Biases (experiment_tracking.py).
-Run it with ``python train.py`` on one device or under torchrun (launcher.py) on several.
+logs the job to MLflow and/or Weights & Biases (tracking.py).
+Run it with ``python -m gpuscout_train.train`` on one device or under torchrun (launcher.py) on several.
 
 This file is the job's story, ``main()``: arguments, the ranks, the experiment trackers, the timed benchmark, its
-benchmark.json (a failure too), leaving together. The components beside it: train_args (hyperparameters),
-train_distributed (ranks and process group), train_loop (the timed ``Benchmark`` loop), train_model (model and
-DeepSpeed), train_data (dataset, sampler, splits), train_facts (hardware and software facts).
+benchmark.json (a failure too), leaving together. The components it composes are listed in __init__.py.
 """
 
 from __future__ import annotations
 
-import startup_gc
+from . import startup_gc
 
 if __name__ == "__main__":  # a job's own process: no cyclic collection while it loads and sets up (startup_gc.py)
     startup_gc.pause()
@@ -29,14 +27,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from experiment_tracking import JobTracker
-from stop_signal import StoppedBeforeStartError, StopSignal
-from train_args import parse_hyperparameters
-from train_distributed import init_distributed, leave_together
-from train_facts import process_age_s
-from train_loop import Benchmark
 
 from gpuscout.errors import TrainingError
+
+from .args import parse_hyperparameters
+from .distributed import init_distributed, leave_together
+from .facts import process_age_s
+from .stop_signal import StoppedBeforeStartError, StopSignal
+from .tracking import JobTracker
+from .trainer import Trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracker.start(params, variant=hp.search_candidate or None)  # a tuning trial is its candidate
     stop = StopSignal()
     try:  # train.main may run in a process that goes on (tests, profile_train): it leaves SIGTERM as it was
-        bench = Benchmark(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
+        bench = Trainer(hp, dist, tracker, import_time_s=import_time_s, stop=stop)
         try:
             # PID 1 in a one-process container: SIGTERM is ignored unless handled (stop_signal.py)
             if dist.world_size == 1:

@@ -14,7 +14,7 @@ A checkpoint without safetensors weights (``pytorch_model.bin``: a pickle, whose
 reading it whole) cannot be read in part: ``CannotReadInPartError`` says why, and train.py then loads the
 whole checkpoint as a full job does.
 
-Imported by train_model; may import gpuscout.errors.
+Imported by model; may import gpuscout.errors.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ splits, the model with its loss, the optimizer and learning-rate schedule, the e
 DDP or the model itself) and the step loader. Each records in ``facts`` (train_result.RunFacts) what the result
 reports about it: the dataset, the sequence length, T_eff, the architecture and the optimizations in use.
 
-Imported by train_loop.py; may import gpuscout.domain and gpuscout.errors, and the components beside it."""
+Imported by trainer.py; may import gpuscout.domain and gpuscout.errors, and the components beside it."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchmark_callback import default_warmup_steps
-from data_preparation import load_split, load_summary, piece_lengths
-from packing import CausalLMWithLoss, unpack_blocks
-from train_args import Hyperparameters
-from train_data import Blocks, StepBatches, collate, split_blocks
-from train_distributed import Dist
-from train_model import build_model, deepspeed_collectives_through_torch, deepspeed_config, import_deepspeed
-from train_result import RunFacts
-from train_state import Parts, Splits
+from gpuscout_data.dataset import load_split, load_summary, piece_lengths
 
 from gpuscout.domain import flops
 from gpuscout.errors import TrainingError
+
+from .args import Hyperparameters
+from .data import Blocks, StepBatches, collate, split_blocks
+from .distributed import Dist
+from .metrics import default_warmup_steps
+from .model import build_model, deepspeed_collectives_through_torch, deepspeed_config, import_deepspeed
+from .packing import CausalLMWithLoss, unpack_blocks
+from .result import RunFacts
+from .state import Parts, Splits
 
 
 def build_splits(data_dir: Path, hp: Hyperparameters, facts: RunFacts) -> Splits:
@@ -63,7 +64,7 @@ def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> C
         facts.optimizations.append("gradient_checkpointing")
     loss_kind = "plain"
     if hp.fused_cross_entropy:
-        from packing import fused_loss
+        from .packing import fused_loss
 
         try:
             loss_kind = fused_loss(hp.cross_entropy_kernel, device_type=dist.device.type,

@@ -2,7 +2,7 @@
 points, step records), the prepared splits, the parts the step loop drives, and one step's counters; and what a
 checkpoint holds beside them (``training_state``, ``load_training_state``, ``restore_rng``).
 
-Imported by train_loop; may import benchmark_callback, checkpoints, packing and gpuscout.domain."""
+Imported by trainer; may import metrics, checkpoints, packing and gpuscout.domain."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchmark_callback import StepRecord
-from checkpoints import DEEPSPEED, STATE, PartlyLoadedError
-from packing import CausalLMWithLoss
 
 from gpuscout.domain.benchmark import LossPoint
 from gpuscout.errors import TrainingError
+
+from .checkpoints import DEEPSPEED, STATE, PartlyLoadedError
+from .metrics import StepRecord
+from .packing import CausalLMWithLoss
 
 
 @dataclass
