@@ -18,9 +18,10 @@ import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
 
@@ -43,6 +44,7 @@ from gpuscout.analysis.results import (
 )
 from gpuscout.analysis.step_series import downsample
 from gpuscout.domain import intervals
+from gpuscout.domain.benchmark import BenchmarkResult, LossPoint, StepAccount
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
@@ -91,7 +93,7 @@ def _group_key(job: JobRecord) -> tuple[Any, ...]:
 
 def _failure_text(job: JobRecord) -> str:
     words = _FAILURE_WORDS.get(job.status, f"did not finish (status {job.status.value})")
-    reason = job.failure_reason or ((job.benchmark or {}).get("failure_reason"))
+    reason = job.failure_reason or (job.benchmark.failure_reason if job.benchmark else None)
     return f"{words}: {reason}" if reason and job.status is not JobStatus.OOM else words
 
 
@@ -99,47 +101,112 @@ def _mean(values: Sequence[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-class _Rep(NamedTuple):
-    """What analysis reads from one completed benchmark.json (BenchmarkResult field names)."""
+@dataclass(frozen=True)
+class _Rep:
+    """One completed benchmark as analysis reads it: the BenchmarkResult itself, its ranked rate, its loss curve as
+    one array and its disturbance as this release's detector judges it (built once per job by ``_completed``)."""
 
+    bench: BenchmarkResult
     tokens_per_s: float  # the ranked rate: tokens/s, or samples/s when unit is samples
     ci95: tuple[float, float] | None
-    unit: str
-    device: str
-    world_size: int
-    gpu_sku: str | None
-    mfu: float | None
-    hfu: float | None
-    step_p50: float | None
-    step_p90: float | None
-    wall_time_s: float | None
-    train_time_s: float | None
-    startup_time_s: float
-    peak_memory_gb: float | None
-    peak_reserved_gb: float | None
-    final_train_loss: float | None
-    validation_error: str | None
-    dataset_tokens: int
     curve: Any  # (points, 3) float array: tokens, elapsed s, train loss (one array, not a tuple per point)
-    curve_points: list[Any]  # the LossPoint dicts themselves, for the chart's downsampled copy
-    timed_steps: int | None
-    stop_rule: str | None
-    stop_reason: str | None
     disturbance: Mapping[str, Any] | None  # the Disturbance fields (domain/disturbance.py); None: no steps recorded
-    steps: list[Any]  # benchmark.json's steps (StepAccount dicts)
-    host_allocator: str | None
+
+    @property
+    def unit(self) -> str:
+        return self.bench.unit
+
+    @property
+    def device(self) -> str:
+        return self.bench.hardware.device
+
+    @property
+    def world_size(self) -> int:
+        return self.bench.hardware.world_size
+
+    @property
+    def gpu_sku(self) -> str | None:
+        return self.bench.hardware.gpu_sku
+
+    @property
+    def mfu(self) -> float | None:
+        return self.bench.efficiency.mfu if self.bench.efficiency else None
+
+    @property
+    def hfu(self) -> float | None:
+        return self.bench.efficiency.hfu if self.bench.efficiency else None
+
+    @property
+    def step_p50(self) -> float | None:
+        return self.bench.timing.step_time_p50_s if self.bench.timing else None
+
+    @property
+    def step_p90(self) -> float | None:
+        return self.bench.timing.step_time_p90_s if self.bench.timing else None
+
+    @property
+    def wall_time_s(self) -> float | None:
+        return self.bench.timing.wall_time_s if self.bench.timing else None
+
+    @property
+    def train_time_s(self) -> float | None:
+        return self.bench.timing.train_time_s if self.bench.timing else None
+
+    @property
+    def startup_time_s(self) -> float:
+        return self.bench.timing.startup_time_s if self.bench.timing else 0.0
+
+    @property
+    def timed_steps(self) -> int | None:
+        return self.bench.timing.timed_steps if self.bench.timing else None
+
+    @property
+    def peak_memory_gb(self) -> float | None:
+        return self.bench.memory.peak_allocated_gb
+
+    @property
+    def peak_reserved_gb(self) -> float | None:
+        return self.bench.memory.peak_reserved_gb
+
+    @property
+    def final_train_loss(self) -> float | None:
+        return self.bench.loss.final_train_loss if self.bench.loss else None
+
+    @property
+    def validation_error(self) -> str | None:
+        return self.bench.loss.validation_error if self.bench.loss else None
+
+    @property
+    def curve_points(self) -> list[LossPoint]:
+        return self.bench.loss.train if self.bench.loss else []
+
+    @property
+    def dataset_tokens(self) -> int:
+        return self.bench.dataset.tokens if self.bench.dataset else 0
+
+    @property
+    def stop_rule(self) -> str | None:
+        return self.bench.stop.rule if self.bench.stop else None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.bench.stop.reason if self.bench.stop else None
+
+    @property
+    def steps(self) -> list[StepAccount]:
+        return self.bench.steps
+
+    @property
+    def host_allocator(self) -> str | None:
+        return self.bench.software.host_allocator
 
 
-_LOSS_POINT = operator.itemgetter("tokens", "elapsed_s", "loss")  # LossPoint dict -> (tokens, s, loss)
+_LOSS_POINT = operator.attrgetter("tokens", "elapsed_s", "loss")  # LossPoint -> (tokens, s, loss)
 
 
-def _curve_array(points: Sequence[Mapping[str, Any]]) -> Any:
-    """LossPoint dicts -> one (points, 3) float array of tokens, elapsed s, loss (not a tuple object per point)."""
+def _curve_array(points: Sequence[LossPoint]) -> Any:
+    """LossPoints -> one (points, 3) float array of tokens, elapsed s, loss (not a tuple object per point)."""
     return np.fromiter(chain.from_iterable(map(_LOSS_POINT, points)), dtype=float, count=3 * len(points)).reshape(-1, 3)
-
-
-def _opt(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def _prediction_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,55 +217,17 @@ def _prediction_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"predicted_rate": float(rate) if rate else None, "prediction_method": prediction.get("method")}
 
 
-def _read_rep(bench: Mapping[str, Any]) -> _Rep | str:
-    """The fields analysis uses from a benchmark.json dict, or why it cannot be used.
-
-    The store holds ``BenchmarkResult.model_dump`` output, already validated when it was written; reading the dict
-    directly (instead of re-validating the whole model) keeps analyze_run fast for thousands of jobs.
-    """
-    try:
-        if bench.get("status") != "completed":
-            return f"failed: {bench.get('failure_reason') or 'benchmark.json reports a failure'}"
-        throughput = bench.get("throughput")
-        unit = str(bench.get("unit") or "tokens")
-        key = "samples_per_s" if unit == "samples" else "tokens_per_s"
-        if not throughput or float(throughput.get(key) or 0) <= 0:
-            return "failed: benchmark.json reports no throughput"
-        hardware, timing = bench["hardware"], bench.get("timing") or {}
-        efficiency, memory = bench.get("efficiency") or {}, bench.get("memory") or {}
-        loss = bench.get("loss") or {}
-        train = loss.get("train") or []
-        ci = throughput.get(f"{key}_ci95")
-        return _Rep(
-            tokens_per_s=float(throughput[key]),
-            ci95=(float(ci[0]), float(ci[1])) if ci else None,
-            unit=unit,
-            device=str(hardware["device"]),
-            world_size=int(hardware["world_size"]),
-            gpu_sku=hardware.get("gpu_sku"),
-            mfu=_opt(efficiency.get("mfu")),
-            hfu=_opt(efficiency.get("hfu")),
-            step_p50=_opt(timing.get("step_time_p50_s")),
-            step_p90=_opt(timing.get("step_time_p90_s")),
-            wall_time_s=_opt(timing.get("wall_time_s")),
-            train_time_s=_opt(timing.get("train_time_s")),
-            startup_time_s=float(timing.get("startup_time_s") or 0.0),
-            peak_memory_gb=_opt(memory.get("peak_allocated_gb")),
-            peak_reserved_gb=_opt(memory.get("peak_reserved_gb")),
-            final_train_loss=_opt(loss.get("final_train_loss")),
-            validation_error=loss.get("validation_error"),
-            dataset_tokens=int((bench.get("dataset") or {}).get("tokens") or 0),
-            curve=_curve_array(train),
-            curve_points=train,
-            timed_steps=int(timing["timed_steps"]) if timing.get("timed_steps") is not None else None,
-            stop_rule=(bench.get("stop") or {}).get("rule"),
-            stop_reason=(bench.get("stop") or {}).get("reason"),
-            disturbance=judged(bench),
-            steps=bench.get("steps") or [],
-            host_allocator=(bench.get("software") or {}).get("host_allocator"),
-        )
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        return f"unreadable benchmark.json ({type(err).__name__}: {err})"
+def _completed(bench: BenchmarkResult) -> _Rep | str:
+    """A completed job's benchmark as analysis reads it, or why it cannot be used."""
+    if bench.status != "completed":
+        return f"failed: {bench.failure_reason or 'benchmark.json reports a failure'}"
+    throughput = bench.throughput
+    rate = (throughput.samples_per_s if bench.unit == "samples" else throughput.tokens_per_s) if throughput else None
+    if throughput is None or not rate or rate <= 0:
+        return "failed: benchmark.json reports no throughput"
+    ci = throughput.samples_per_s_ci95 if bench.unit == "samples" else throughput.tokens_per_s_ci95
+    curve = _curve_array(bench.loss.train if bench.loss else [])
+    return _Rep(bench=bench, tokens_per_s=float(rate), ci95=ci, curve=curve, disturbance=judged(bench))
 
 
 def settings_key(job: JobRecord) -> str:
@@ -272,7 +301,7 @@ def _measure_group(
     failures: list[str] = []
     for job in jobs:
         if job.status is JobStatus.COMPLETED and job.benchmark is not None:
-            rep = _read_rep(job.benchmark)
+            rep = _completed(job.benchmark)
             if isinstance(rep, str):
                 failures.append(rep)
             else:
@@ -289,8 +318,8 @@ def _measure_group(
         if job.billable_seconds is not None:
             billed_by_job.append(float(job.billable_seconds))
             billed_source = "SageMaker BillableTimeInSeconds"
-        elif job.benchmark and (job.benchmark.get("timing") or {}).get("wall_time_s") is not None:
-            billed_by_job.append(float(job.benchmark["timing"]["wall_time_s"]))
+        elif job.benchmark and job.benchmark.timing is not None:
+            billed_by_job.append(job.benchmark.timing.wall_time_s)
             billed_source = billed_source or "wall time of the training script (local run)"
 
     spec = first.spec

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from gpuscout.domain.benchmark import StepAccount
 from gpuscout.domain.disturbance import kernel_note as domain_kernel_note
 from gpuscout.store.base import JobRecord
 
@@ -21,7 +22,7 @@ class Measured(Protocol):
     def disturbance(self) -> Mapping[str, Any] | None: ...  # the Disturbance fields; None: no steps recorded
 
     @property
-    def steps(self) -> list[Any]: ...  # benchmark.json's steps (StepAccount dicts)
+    def steps(self) -> list[StepAccount]: ...  # benchmark.json's steps
 
 
 def disturbed(rep: Measured) -> bool:
@@ -37,7 +38,7 @@ def undisturbed_factor(reps: Sequence[Measured]) -> float | None:
         if not disturbed(rep):
             continue
         reference = float((rep.disturbance or {}).get("reference_step_s") or 0)
-        timed = [float(s["seconds"]) for s in rep.steps if s.get("timed", True)]
+        timed = [s.seconds for s in rep.steps if s.timed]
         if reference <= 0 or not timed:
             return None
         factors.append(max(1.0, math.fsum(timed) / (reference * len(timed))))

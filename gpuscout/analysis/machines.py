@@ -36,23 +36,23 @@ def machines_of(jobs: Sequence[JobRecord]) -> list[Machine]:
     """Each distinct machine and software stack among the completed jobs, in the order first seen."""
     seen: dict[Machine, None] = {}
     for job in jobs:
-        bench = job.benchmark or {}
-        if job.status is not JobStatus.COMPLETED or not bench.get("hardware"):
+        bench = job.benchmark
+        if job.status is not JobStatus.COMPLETED or bench is None:
             continue
-        hw, sw = bench["hardware"], bench.get("software") or {}
-        cuda = hw.get("device") == "cuda"
+        hw, sw = bench.hardware, bench.software
+        cuda = hw.device == "cuda"
         machine = Machine(
             instance_type=job.instance_type,
-            device=str(hw.get("device")),
-            model=hw.get("gpu_name") if cuda else hw.get("cpu_model"),
-            gpus=int(hw.get("world_size") or 0) if cuda else 0,
-            cpu_count=hw.get("cpu_count"),
-            python=sw.get("python"),
-            torch=sw.get("torch"),
-            transformers=sw.get("transformers"),
-            deepspeed=sw.get("deepspeed"),
-            cuda=sw.get("cuda_runtime") or hw.get("cuda_version"),
-            driver=sw.get("nvidia_driver") or hw.get("driver_version"),
+            device=hw.device,
+            model=hw.gpu_name if cuda else hw.cpu_model,
+            gpus=hw.world_size if cuda else 0,
+            cpu_count=hw.cpu_count,
+            python=sw.python,
+            torch=sw.torch,
+            transformers=sw.transformers,
+            deepspeed=sw.deepspeed,
+            cuda=sw.cuda_runtime or hw.cuda_version,
+            driver=sw.nvidia_driver or hw.driver_version,
         )
         seen.setdefault(machine, None)
     return list(seen)

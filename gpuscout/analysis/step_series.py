@@ -2,12 +2,14 @@
 contention spikes show at a glance), each step's train loss, and the timed steps' times; long series are thinned to
 a fixed number of evenly spaced points.
 
-May import: nothing of gpuscout's."""
+May import: gpuscout.domain (benchmark.json's models)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from gpuscout.domain.benchmark import LossPoint, StepAccount
 
 SERIES_POINTS = 120  # points kept per series (a chart line, not the measurement: the figures use every step)
 
@@ -20,22 +22,21 @@ def downsample(points: Sequence[Any], limit: int = SERIES_POINTS) -> list[Any]:
     return [points[round(i * step)] for i in range(limit)]
 
 
-def step_times(steps: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
+def step_times(steps: Sequence[StepAccount]) -> list[tuple[int, float]]:
     """(step, seconds) of the timed steps."""
-    return downsample([(int(s["step"]), float(s["seconds"])) for s in steps if s.get("timed", True)])
+    return downsample([(s.step, s.seconds) for s in steps if s.timed])
 
 
-def step_rates(steps: Sequence[Mapping[str, Any]], unit: str) -> list[tuple[int, float, bool]]:
+def step_rates(steps: Sequence[StepAccount], unit: str) -> list[tuple[int, float, bool]]:
     """(step, that step's tokens/s (samples/s when ``unit`` is samples), timed) of every step with a duration."""
     rates = []
     for s in steps:
-        seconds = float(s.get("seconds") or 0.0)
-        amount = s.get("samples" if unit == "samples" else "tokens")
-        if seconds > 0 and isinstance(amount, int | float) and amount > 0:
-            rates.append((int(s["step"]), float(amount) / seconds, bool(s.get("timed", True))))
+        amount = s.samples if unit == "samples" else s.tokens
+        if s.seconds > 0 and amount > 0:
+            rates.append((s.step, amount / s.seconds, s.timed))
     return downsample(rates)
 
 
-def step_losses(points: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
-    """(step, train loss) of benchmark.json's ``loss.train`` points that name their step."""
-    return downsample([(int(p["step"]), float(p["loss"])) for p in points if p.get("step") is not None])
+def step_losses(points: Sequence[LossPoint]) -> list[tuple[int, float]]:
+    """(step, train loss) of benchmark.json's ``loss.train`` points."""
+    return downsample([(p.step, p.loss) for p in points])

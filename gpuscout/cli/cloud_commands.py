@@ -47,9 +47,8 @@ def _console() -> Console:
 
 
 def _tokens_per_s(job: JobRecord) -> float | None:
-    throughput = (job.benchmark or {}).get("throughput") or {}
-    value = throughput.get("tokens_per_s") if isinstance(throughput, dict) else None
-    return float(value) if isinstance(value, int | float) else None
+    throughput = job.benchmark.throughput if job.benchmark else None
+    return throughput.tokens_per_s if throughput else None
 
 
 def _job_row(job: JobRecord) -> dict[str, Any]:

@@ -499,7 +499,7 @@ def handle_training_job_event(
     if terminal and not (job is not None and job.is_canary):  # a canary is no measurement: no benchmark
         benchmark = read_benchmark(s3, artifacts_bucket, run_id, job_name)
         if benchmark is not None:
-            fields["benchmark"] = benchmark.model_dump(mode="json")
+            fields["benchmark"] = benchmark
     applied = store.apply_job_event(run_id, job_name, status, event_time, **fields)
     outcome = JobEventOutcome(
         run_id=run_id,

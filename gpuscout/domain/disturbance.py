@@ -38,7 +38,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the training job's SDK imports this module: no pydantic at run time
+    from gpuscout.domain.benchmark import BenchmarkResult
 
 SLOW_FACTOR = 1.8
 MIN_SLOW_STEPS = 2
@@ -211,11 +214,12 @@ def _disturbed_without_compiles(steps: Sequence[Mapping[str, Any]], reference: f
     return bool(detect(rest)["disturbed"])
 
 
-def judged(benchmark: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def judged(benchmark: BenchmarkResult) -> Mapping[str, Any] | None:
     """A benchmark.json's disturbance as this release's detector judges it: from its steps where it has them (so a
     job written by an older release is judged as a new one), else what the job wrote (None: nothing)."""
-    steps = benchmark.get("steps")
-    return detect(steps) if steps else benchmark.get("disturbance")
+    if benchmark.steps:
+        return detect([step.model_dump() for step in benchmark.steps])  # the detector reads step accounts as written
+    return benchmark.disturbance.model_dump() if benchmark.disturbance else None
 
 
 def recompiled(disturbance: Mapping[str, Any] | None) -> bool:

@@ -184,7 +184,7 @@ class JobProgress:
 @dataclass
 class JobOutcome:
     status: JobStatus
-    benchmark: dict[str, Any] | None
+    benchmark: BenchmarkResult | None
     failure_reason: str | None
     wall_seconds: float
     contention: dict[str, Any] | None = None  # the machine's other load while the job ran (contention.py)
@@ -251,15 +251,15 @@ def _classify_failure(reason: str) -> JobStatus:
     return JobStatus.OOM if any(marker in lowered for marker in OOM_MARKERS) else JobStatus.FAILED
 
 
-def _read_benchmark(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The validated benchmark.json as a dict, or why it could not be used."""
+def _read_benchmark(path: Path) -> tuple[BenchmarkResult | None, str | None]:
+    """The validated benchmark.json, or why it could not be used."""
     if not path.is_file():
         return None, None
     try:
         result = BenchmarkResult.model_validate_json(path.read_bytes())
     except (OSError, ValidationError) as err:
         return None, f"benchmark.json is unreadable: {str(err).splitlines()[0]}"
-    return result.model_dump(mode="json"), None
+    return result, None
 
 
 def run_job(
@@ -328,25 +328,26 @@ def run_job(
             "True (docs/byo.md)"
         )
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
-    completed = benchmark is not None and benchmark["status"] == "completed"
+    completed = benchmark is not None and benchmark.status == "completed"
     # a job that ended as it was pruned finished: it exited 0, or its complete benchmark.json was written before the
     # stop reached it (the signal then cut its exit short); its measurement is whole
     # (a job that stopped itself on the runner's SIGTERM wrote a complete benchmark.json after the stop: not finished)
-    stopped_itself = stopped_by_signal(((benchmark or {}).get("stop") or {}).get("reason"))
+    stop = benchmark.stop if benchmark else None
+    stopped_itself = stopped_by_signal(stop.reason if stop else None)
     finished = completed and not (stopped is not None and stopped_itself)
     finished = finished and (proc.returncode == 0 or (stopped is not None and not timed_out))
     if stopped is not None and not timed_out and not finished:
         return JobOutcome(JobStatus.PRUNED, benchmark, stopped, wall, contention)
     if stopped is None and stopped_itself:  # someone else's SIGTERM: what it measured is kept, but it did not finish
-        reason = str(((benchmark or {}).get("stop") or {}).get("reason"))
+        reason = str(stop.reason if stop else None)
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
     if timed_out:
         reason = f"MaxRuntimeExceeded: stopped after {spec.max_runtime_seconds} s (max_runtime_seconds)"
         return JobOutcome(JobStatus.STOPPED, benchmark, reason, wall, contention)
     if finished:
         return JobOutcome(JobStatus.COMPLETED, benchmark, None, wall, contention)
-    if benchmark is not None and benchmark.get("failure_reason"):
-        reason = str(benchmark["failure_reason"])
+    if benchmark is not None and benchmark.failure_reason:
+        reason = benchmark.failure_reason
     elif unreadable:
         reason = unreadable
     else:

@@ -116,14 +116,16 @@ def calibrate_job(
             spec = spec.model_copy(update={"job_code": code, "job_name": name, "max_runtime_seconds": deadline})
             on_message(f"calibrating {variant.name!r}: {steps} steps on this machine (no job.estimate)")
             outcome = run_job(spec, JobFolders.create(Path(tmp) / spec.job_name, spec, None))
-            bench = outcome.benchmark or {}
-            timing, throughput = bench.get("timing") or {}, bench.get("throughput") or {}
-            rate = throughput.get(f"{job.unit}_per_s")
-            timed = int(timing.get("timed_steps") or 0)
-            if outcome.status is not JobStatus.COMPLETED or not rate or not timed:
+            bench = outcome.benchmark
+            timing, throughput = (bench.timing, bench.throughput) if bench else (None, None)
+            rate = None
+            if throughput is not None:
+                rate = throughput.samples_per_s if job.unit == "samples" else throughput.tokens_per_s
+            timed = timing.timed_steps if timing else 0
+            if outcome.status is not JobStatus.COMPLETED or not rate or not timed or timing is None:
                 reason = outcome.failure_reason or "the script reported no timed steps"
                 raise PlanError(
                     f"variant {variant.name!r}: its calibration ({steps} steps on this machine) failed: {reason}"
                 )
-            measured[variant.name] = Calibration(float(rate), float(timing["train_time_s"]) / timed, timed)
+            measured[variant.name] = Calibration(rate, timing.train_time_s / timed, timed)
     return measured

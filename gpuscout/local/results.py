@@ -88,9 +88,11 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0, r["job_name"] or ""))
     rows = []
     for job in (j for j in jobs if not j.is_canary):  # a canary is not a measurement
-        throughput = (job.benchmark or {}).get("throughput") or {}
-        efficiency = (job.benchmark or {}).get("efficiency") or {}
-        ci = throughput.get("tokens_per_s_ci95") or (None, None)
+        bench = job.benchmark
+        throughput = bench.throughput if bench else None
+        ci = (throughput.tokens_per_s_ci95 if throughput else None) or (None, None)
+        stop = bench.stop if bench else None
+        disturbance = bench.disturbance if bench else None
         rows.append(
             {
                 "rank": None,
@@ -99,28 +101,28 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
                 "instance_type": job.instance_type,
                 "instance_count": job.instance_count,
                 "gpus": job.spec.get("gpus_per_instance", 0) * job.instance_count,
-                "gpu_sku": ((job.benchmark or {}).get("hardware") or {}).get("gpu_sku"),
+                "gpu_sku": bench.hardware.gpu_sku if bench else None,
                 "spot": job.spot,
                 "status": job.status.value,
                 "repetitions": 1 if job.status is JobStatus.COMPLETED else 0,
-                "tokens_per_s": throughput.get("tokens_per_s"),
+                "tokens_per_s": throughput.tokens_per_s if throughput else None,
                 "tokens_per_s_ci95_low": ci[0],
                 "tokens_per_s_ci95_high": ci[1],
-                "mfu": efficiency.get("mfu"),
+                "mfu": bench.efficiency.mfu if bench and bench.efficiency else None,
                 "usd_per_hour": job.spec.get("price_per_hour_usd"),
                 "usd_per_million_tokens": None,
                 "usd_per_million_tokens_spot": None,
-                "final_train_loss": ((job.benchmark or {}).get("loss") or {}).get("final_train_loss"),
+                "final_train_loss": bench.loss.final_train_loss if bench and bench.loss else None,
                 "ci_kind": None,
                 "ci_method": None,
-                "timed_steps": ((job.benchmark or {}).get("timing") or {}).get("timed_steps"),
-                "stop_rule": ((job.benchmark or {}).get("stop") or {}).get("rule"),
-                "stop_reason": ((job.benchmark or {}).get("stop") or {}).get("reason"),
+                "timed_steps": bench.timing.timed_steps if bench and bench.timing else None,
+                "stop_rule": stop.rule if stop else None,
+                "stop_reason": stop.reason if stop else None,
                 "tolerance_reached": None,
-                "stop": ((job.benchmark or {}).get("stop") or {}).get("reason"),
+                "stop": stop.reason if stop else None,
                 "contention": (job.contention or {}).get("note"),
-                "disturbed": bool(((job.benchmark or {}).get("disturbance") or {}).get("disturbed")),
-                "disturbance": ((job.benchmark or {}).get("disturbance") or {}).get("evidence"),
+                "disturbed": bool(disturbance and disturbance.disturbed),
+                "disturbance": disturbance.evidence if disturbance else None,
                 "note": job.failure_reason,
             }
         )

@@ -415,7 +415,8 @@ def _remeasure_disturbed(
     the disturbance: the same settings would compile again."""
     for record in records:
         # judged as the analysis judges it (this release's detector), not only as the job's own release did
-        disturbance = (judged(record.benchmark or {}) or {}) if record.status is JobStatus.COMPLETED else {}
+        completed = record.status is JobStatus.COMPLETED and record.benchmark is not None
+        disturbance = (judged(record.benchmark) or {}) if completed and record.benchmark is not None else {}
         if not disturbance.get("disturbed"):
             continue
         evidence = disturbance.get("evidence")

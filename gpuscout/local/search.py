@@ -124,10 +124,10 @@ def _value_from_record(
     if stats is not None and stats.timed_steps >= 2:
         mean, low, high = stats.throughput()
     else:
-        throughput = (record.benchmark or {}).get("throughput") or {}  # benchmark.json (domain.benchmark)
-        mean = float(throughput.get("tokens_per_s") or 0.0)
-        ci = throughput.get("tokens_per_s_ci95") or (mean, mean)
-        low, high = float(ci[0] or mean), float(ci[1] or mean)
+        throughput = record.benchmark.throughput if record.benchmark else None
+        mean = (throughput.tokens_per_s if throughput else None) or 0.0
+        ci = (throughput.tokens_per_s_ci95 if throughput else None) or (mean, mean)
+        low, high = ci[0] or mean, ci[1] or mean
     if mean <= 0:
         return None
     value = objective_value(mean, price_per_hour_usd=price, objective=objective)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuscout.domain.benchmark import BenchmarkResult
+
 if TYPE_CHECKING:
     from gpuscout.domain.jobspec import JobSpec
 
@@ -122,7 +124,7 @@ class JobRecord(BaseModel):
     repetition: int = 0
     spot: bool = False
     spec: dict[str, Any]  # JobSpec.model_dump(mode="json")
-    benchmark: dict[str, Any] | None = None  # BenchmarkResult.model_dump(mode="json")
+    benchmark: BenchmarkResult | None = None  # the job's benchmark.json
     failure_reason: str | None = None
     billable_seconds: int | None = None
     training_seconds: int | None = None  # TrainingEndTime - TrainingStartTime

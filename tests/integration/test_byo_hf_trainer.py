@@ -23,16 +23,17 @@ def test_hf_trainer_example_local_end_to_end(tmp_path):
     assert {j.variant_name for j in jobs} == {"b4", "b16"}
     assert all(j.status is JobStatus.COMPLETED for j in jobs), [j.failure_reason for j in jobs]
     for job in jobs:
-        bench = job.benchmark or {}
-        assert bench["job"]["reporter"] == "hf_trainer" and bench["job"]["entry_point"] == "train.py"
+        bench = job.benchmark
+        assert bench is not None and bench.job is not None
+        assert bench.job.reporter == "hf_trainer" and bench.job.entry_point == "train.py"
         # the callback stopped the Trainer at max_steps (its own max_steps is 100,000), warm-up excluded
-        stop = bench["stop"]
-        assert (stop["rule"], stop["reason"], stop["steps"]) == ("fixed", "max_steps reached", 10)
-        assert bench["timing"]["timed_steps"] == 8
-        batch = int(bench["job"]["hyperparameters"]["batch_size"])
-        assert bench["throughput"]["samples_timed"] == 8 * batch
-        assert bench["throughput"]["tokens_timed"] == 8 * batch * 64  # tokens_per_step from the callback
-        assert bench["loss"]["final_train_loss"] is not None
+        stop = bench.stop
+        assert stop is not None and (stop.rule, stop.reason, stop.steps) == ("fixed", "max_steps reached", 10)
+        assert bench.timing.timed_steps == 8
+        batch = int(bench.job.hyperparameters["batch_size"])
+        assert bench.throughput.samples_timed == 8 * batch
+        assert bench.throughput.tokens_timed == 8 * batch * 64  # tokens_per_step from the callback
+        assert bench.loss.final_train_loss is not None
     analysis = store.get_result(run.run_id).analysis
     assert analysis["unit"] == "samples"
     ranked = sorted(analysis["jobs"], key=lambda a: a["rank"])

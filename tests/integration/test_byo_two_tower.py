@@ -35,10 +35,11 @@ def test_two_tower_local_end_to_end(example_run):
     assert {j.variant_name for j in jobs} == {"b128", "b512"}
     assert all(j.status is JobStatus.COMPLETED for j in jobs)
     for job in jobs:
-        bench = job.benchmark or {}
-        assert bench["unit"] == "samples" and bench["job"]["entry_point"] == "train.py"
-        assert bench["throughput"]["samples_per_s"] > 0 and bench["timing"]["timed_steps"] == 10
-        assert bench["job"]["hyperparameters"]["batch_size"] in ("128", "512")
+        bench = job.benchmark
+        assert bench is not None and bench.job is not None
+        assert bench.unit == "samples" and bench.job.entry_point == "train.py"
+        assert bench.throughput.samples_per_s > 0 and bench.timing.timed_steps == 10
+        assert bench.job.hyperparameters["batch_size"] in ("128", "512")
     analysis = store.get_result(run.run_id).analysis
     assert analysis["unit"] == "samples"
     ranked = sorted(analysis["jobs"], key=lambda a: a["rank"])

@@ -155,7 +155,7 @@ def test_the_users_code_runs_through_the_deployed_workflow(
         ran = jobs.ran[job.job_name]
         assert "/input/data/code/train.py --" in ran["stdout"]
         assert ran["benchmark"]["stop"]["steps"] == 8 and ran["benchmark"]["unit"] == "samples"
-        assert job.benchmark is not None and job.benchmark["throughput"]["samples_per_s"] > 0
+        assert job.benchmark is not None and job.benchmark.throughput.samples_per_s > 0
     assert store.get_run(run.run_id).status is RunStatus.SUCCEEDED
     result = store.get_result(run.run_id)
     assert result is not None and result.analysis["unit"] == "samples"

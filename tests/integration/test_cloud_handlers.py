@@ -268,7 +268,7 @@ def test_job_events_update_the_row_and_store_the_benchmark(cloud: Cloud) -> None
         "Uploading",
         "Completed",
     ]
-    assert row.benchmark is not None and row.benchmark["job_name"] == job
+    assert row.benchmark is not None and row.benchmark.job_name == job
 
     # An event from another account (a bus that accepts them) changes nothing, whatever its job name says.
     foreign = copy.deepcopy(events["training_inprogress_starting"])

@@ -90,12 +90,19 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     assert all(j.status is JobStatus.COMPLETED for j in jobs.values())
 
     # the per-step accounting is in benchmark.json
-    steps = jobs["steady"].benchmark["steps"]
-    assert len(steps) == 16 and sum(not s["timed"] for s in steps) == 2
-    assert all(s["user_s"] is not None and s["minor_faults"] is not None for s in steps)
+    steady = jobs["steady"].benchmark
+    assert steady is not None
+    steps = steady.steps
+    assert len(steps) == 16 and sum(not s.timed for s in steps) == 2
+    assert all(s.user_s is not None and s.minor_faults is not None for s in steps)
 
     # the injected slow phase is flagged with its evidence; the steady job and the clean re-measurement are not
-    flagged = {name: (j.benchmark.get("disturbance") or {}) for name, j in jobs.items()}
+    flagged = {
+        name: j.benchmark.disturbance.model_dump()
+        for name, j in jobs.items()
+        if j.benchmark and j.benchmark.disturbance
+    }
+    assert set(flagged) == set(jobs)
     assert {name for name, d in flagged.items() if d.get("disturbed")} == {"once", "always", "always-m2"}
     evidence = flagged["once"]["evidence"]
     # the 8 steps the script slept in, plus up to 2 that a loaded 2-core machine slowed as well (seen: 9 of 14 while
@@ -205,12 +212,15 @@ def test_a_stall_that_recompiled_is_not_measured_again_and_the_verdict_says_what
     assert run.status is RunStatus.SUCCEEDED
     jobs = {j.variant_name: j for j in store.list_jobs(run.run_id)}
     # Then the recompiling step is the disturbance, and its evidence names the compile
-    disturbance = jobs["reshaped"].benchmark["disturbance"]
-    assert disturbance["disturbed"] and disturbance["compiled_graphs_slow"] == 1, disturbance
-    assert disturbance["compile_explains"] is True, disturbance
+    reshaped, fixed = jobs["reshaped"].benchmark, jobs["fixed"].benchmark
+    assert reshaped is not None and reshaped.disturbance is not None
+    assert fixed is not None and fixed.disturbance is not None
+    disturbance = reshaped.disturbance
+    assert disturbance.disturbed and disturbance.compiled_graphs_slow == 1, disturbance
+    assert disturbance.compile_explains is True, disturbance
     # (a loaded machine may slow a 30 ms step or two as well: "step 9 alone" on a quiet one)
-    assert "torch.compile compiled 1 graph in th" in disturbance["evidence"]
-    assert not jobs["fixed"].benchmark["disturbance"]["disturbed"]
+    assert "torch.compile compiled 1 graph in th" in (disturbance.evidence or "")
+    assert not fixed.disturbance.disturbed
     # and it is not measured again: the same settings would compile again (no "-m2" job), and the runner says why
     assert len(jobs) == 2 and not any(j.job_name.endswith("-m2") for j in jobs.values())
     (said,) = [m for m in messages if "disturbed measurement" in m]

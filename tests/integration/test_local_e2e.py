@@ -104,8 +104,8 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         job = jobs[variant]
         assert job.status is JobStatus.COMPLETED, job.failure_reason
         assert job.benchmark is not None
-        assert job.benchmark["throughput"]["tokens_per_s"] > 0
-        assert job.benchmark["stop"]["steps"] == 6
+        assert job.benchmark.throughput.tokens_per_s > 0
+        assert job.benchmark.stop.steps == 6
         opt_ml = run_dir / "jobs" / job.job_name / "opt" / "ml"
         hps = json.loads((opt_ml / "input" / "config" / "hyperparameters.json").read_text())
         assert hps["max_steps"] == "6"

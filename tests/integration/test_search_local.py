@@ -99,8 +99,8 @@ def test_a_search_launches_every_candidate_once_prunes_with_why_and_reports_it(
     # its partial benchmark.json saying so (training/gpuscout_train/stop_signal.py)
     assert all(
         j.benchmark is None
-        or j.benchmark.get("status") != "completed"
-        or j.benchmark["stop"]["reason"].startswith("stopped on SIGTERM after step")
+        or j.benchmark.status != "completed"
+        or j.benchmark.stop.reason.startswith("stopped on SIGTERM after step")
         for j in pruned
     )
 

@@ -751,7 +751,7 @@ def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not
     store = cloud.services.store
     [job] = store.list_jobs(run.run_id)
     assert job.status is JobStatus.COMPLETED
-    assert job.benchmark is not None and job.benchmark["job_name"] == job.job_name
+    assert job.benchmark is not None and job.benchmark.job_name == job.job_name
     # and the run was analysed as a success with that job ranked.
     assert store.get_run(run.run_id).status is RunStatus.SUCCEEDED
     result = store.get_result(run.run_id)

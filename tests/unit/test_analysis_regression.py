@@ -96,7 +96,9 @@ def _synthetic_jobs() -> tuple[list[JobRecord], dict[str, Any]]:
             elif group == 13 and rep == 2:
                 bench["status"], bench["failure_reason"] = "failed", "NaN loss at step 40"
             elif group == 14 and rep == 0:
-                del bench["hardware"]  # unreadable benchmark.json
+                # an unreadable benchmark.json: the runner and the event recorder validate it as they read it, so the
+                # job is recorded failed, with why, and no benchmark (job_process._read_benchmark)
+                status = JobStatus.FAILED
             benchmark: dict[str, Any] | None = bench if status is JobStatus.COMPLETED else None
             if group == 15 and rep == 1:
                 benchmark = None  # completed without a benchmark.json
@@ -120,7 +122,11 @@ def _synthetic_jobs() -> tuple[list[JobRecord], dict[str, Any]]:
                     benchmark=benchmark,
                     billable_seconds=rng.randint(300, 3000) if cloud else None,
                     secondary_status_transitions=_transitions(rng, 1_763_700_000_000 + group) if cloud else [],
-                    failure_reason=None if status is JobStatus.COMPLETED else "synthetic failure",
+                    failure_reason=None
+                    if status is JobStatus.COMPLETED
+                    else "benchmark.json is unreadable: 1 validation error for BenchmarkResult"
+                    if group == 14
+                    else "synthetic failure",
                 )
             )
     rng.shuffle(jobs)  # the analysis must not depend on the order the store returns jobs in

@@ -42,6 +42,7 @@ from gpuscout.plan.jobs import make_run_id
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 from tests.account_quotas import account_quotas
+from tests.benchmark_results import benchmark_result
 
 REGION = "us-east-1"
 DATA_BUCKET = "gpuscout-data-test"
@@ -436,7 +437,7 @@ def _seed_run(store: DynamoDbStore, run_id: str = "bench-0123456789ab") -> str:
                 spec={},
                 failure_reason=reason,
                 billable_seconds=812 if completed else None,
-                benchmark={"throughput": {"tokens_per_s": 41234.5}} if completed else None,
+                benchmark=benchmark_result(throughput={"tokens_per_s": 41234.5}) if completed else None,
             )
         )
     return run_id

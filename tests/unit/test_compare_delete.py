@@ -52,7 +52,8 @@ def _run(
         bench: dict[str, Any] = _benchmark(f"gs-{run_id[-6:]}-{variant}", rate, 4)
         bench["hardware"]["cpu_count"] = cpu_count
         if variant == disturbed:
-            bench["disturbance"] = {"disturbed": True, "evidence": "3 of 27 steps ran 4x slower"}
+            bench["disturbance"] = {"disturbed": True, "evidence": "3 of 27 steps ran 4x slower", "timed_steps": 27,
+                                   "slow_steps": 3}  # fmt: skip
         job = JobRecord(
             run_id=run_id, job_name=bench["job_name"], status=JobStatus.COMPLETED, instance_type="local",
             variant_name=variant, spec={"target_index": 0, "price_per_hour_usd": 0.096, "gpus_per_instance": 0},

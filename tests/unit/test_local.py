@@ -145,7 +145,7 @@ def test_a_job_stopped_after_writing_its_complete_benchmark_is_completed_not_pru
                       poll_interval_s=0.05)  # fmt: skip
     # Then its measurement counts: COMPLETED with the benchmark, not PRUNED
     assert outcome.status is JobStatus.COMPLETED, outcome.failure_reason
-    assert outcome.benchmark is not None and outcome.benchmark["status"] == "completed"
+    assert outcome.benchmark is not None and outcome.benchmark.status == "completed"
 
 
 def test_progress_follows_metric_lines() -> None:

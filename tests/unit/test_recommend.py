@@ -302,7 +302,8 @@ def test_local_run_bills_wall_time(fixture_analysis: Any) -> None:
     ]
     analysis = analyze_run(run, local, manifest=run.manifest, catalog=catalog)
     job = analysis.jobs[0]
-    wall = local[0].benchmark["timing"]["wall_time_s"]  # type: ignore[index]
+    assert local[0].benchmark is not None and local[0].benchmark.timing is not None
+    wall = local[0].benchmark.timing.wall_time_s
     assert job.billed_source == "wall time of the training script (local run)"
     assert job.billed_usd == pytest.approx(wall / 3600 * 3.825)
     assert job.time_breakdown is not None and job.time_breakdown.source.endswith("(local)")

@@ -219,13 +219,10 @@ def test_a_failed_final_validation_and_reserved_memory_are_shown_wherever_the_jo
     note of report.md, report.html and `results` (measurement_note), and the peak reserved stands beside allocated."""
     run, jobs, catalog = load_example_run()
     bench = jobs[0].benchmark
-    assert bench is not None
-    memory = {**(bench.get("memory") or {}), "peak_allocated_gb": 61.24, "peak_reserved_gb": 66.5}
-    bench = {
-        **bench,
-        "loss": {**bench["loss"], "validation_error": "IndexError: index 0 is out of bounds"},
-        "memory": memory,
-    }
+    assert bench is not None and bench.loss is not None
+    memory = bench.memory.model_copy(update={"peak_allocated_gb": 61.24, "peak_reserved_gb": 66.5})
+    loss = bench.loss.model_copy(update={"validation_error": "IndexError: index 0 is out of bounds"})
+    bench = bench.model_copy(update={"loss": loss, "memory": memory})
     jobs[0] = jobs[0].model_copy(update={"benchmark": bench})
     result = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
     [job] = [j for j in result.jobs if jobs[0].job_name in j.job_names]

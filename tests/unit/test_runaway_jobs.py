@@ -73,8 +73,8 @@ def test_a_script_that_goes_on_after_stop_is_ended_within_the_grace(
     assert outcome.failure_reason and "kept training after gpuscout's helper answered stop" in outcome.failure_reason
     assert "end the loop when gs.step() returns True" in outcome.failure_reason
     bench = outcome.benchmark
-    assert bench is not None and bench["status"] == "completed"  # what it measured up to the stop
-    assert bench["timing"]["timed_steps"] == 5  # 6 steps, 1 warm-up: not the hundreds it ran on
+    assert bench is not None and bench.status == "completed"  # what it measured up to the stop
+    assert bench.timing.timed_steps == 5  # 6 steps, 1 warm-up: not the hundreds it ran on
 
 
 def test_the_helper_says_once_when_it_answered_stop(tmp_path: Path) -> None:
@@ -91,4 +91,4 @@ def test_the_minimal_script_docs_byo_starts_with_runs_and_stops_by_itself(tmp_pa
     spec = _spec(tmp_path, script)
     outcome = run_job(spec, JobFolders.create(tmp_path / "job", spec, None), poll_interval_s=0.05)
     assert outcome.status is JobStatus.COMPLETED, outcome.failure_reason
-    assert outcome.benchmark is not None and outcome.benchmark["timing"]["timed_steps"] == 5
+    assert outcome.benchmark is not None and outcome.benchmark.timing.timed_steps == 5

@@ -25,6 +25,7 @@ from gpuscout.plan.device_fit import FLEX_ON_CPU
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from tests.benchmark_results import benchmark_result
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = ROOT / "configs" / "manifests" / "h100-settings-sweep.yaml"
@@ -251,7 +252,7 @@ def test_a_resumed_trial_counts_with_its_benchmarks_throughput() -> None:
     # Given the finished, fastest trial of an earlier run, recorded with its benchmark.json throughput
     the_plan = _plan(pruning={"min_timed_steps": 4, "reduction_factor": 2})
     spec = next(j for j in the_plan.jobs if j.variant_name == "b8-a1-w0")
-    benchmark = {"throughput": {"tokens_per_s": 40_000.0, "tokens_per_s_ci95": [39_500.0, 40_500.0]}}
+    benchmark = benchmark_result(throughput={"tokens_per_s": 40_000.0, "tokens_per_s_ci95": [39_500.0, 40_500.0]})
     done = {spec.job_name: JobRecord.from_spec(spec, JobStatus.COMPLETED, benchmark=benchmark, training_seconds=20)}
     run_trial, launched, _ = _fake_trials(RATES)
     # When the search resumes, Then it is not run again, it is the best, and it is the yardstick for pruning
@@ -312,7 +313,7 @@ def test_a_resumed_search_keeps_to_max_trials_counting_the_earlier_trials() -> N
     the_plan = _plan(max_trials=3)
     earlier = [j for j in the_plan.jobs if j.variant_name in ("b8-a1-w0", "b2-a4-w0")]
     assert len(earlier) == 2
-    benchmark = {"throughput": {"tokens_per_s": 30_000.0, "tokens_per_s_ci95": [29_500.0, 30_500.0]}}
+    benchmark = benchmark_result(throughput={"tokens_per_s": 30_000.0, "tokens_per_s_ci95": [29_500.0, 30_500.0]})
     done = {
         spec.job_name: JobRecord.from_spec(spec, JobStatus.COMPLETED, benchmark=benchmark, training_seconds=20)
         for spec in earlier

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from store_factories import STORE_FACTORIES
 
+from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.errors import RunExistsError, RunNotFoundError
 from gpuscout.store.base import (
     JOB_STATUS_RANK,
@@ -19,6 +20,7 @@ from gpuscout.store.base import (
     RunRecord,
     RunStatus,
 )
+from tests.benchmark_results import benchmark_result
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 PLUS_TWO = timezone(timedelta(hours=2))
@@ -176,14 +178,14 @@ def test_job_round_trip_and_order(store: ResultStore) -> None:
     store.put_run(make_run("run-b", created_at=T0 + timedelta(minutes=1)))
     names = ["gs-run-a-c", "gs-run-a-a", "gs-run-a-b"]
     for name in names:
-        store.put_job(make_job(name, benchmark={"status": "completed", "throughput": {"tokens_per_s": 12.5}}))
+        store.put_job(make_job(name, benchmark=benchmark_result(throughput={"tokens_per_s": 12.5})))
     store.put_job(make_job("gs-run-b-a", run_id="run-b"))
     jobs = store.list_jobs("run-a")
     assert [j.job_name for j in jobs] == sorted(names)
-    assert jobs[0].benchmark == {"status": "completed", "throughput": {"tokens_per_s": 12.5}}
+    assert jobs[0].benchmark == BenchmarkResult.model_validate(benchmark_result(throughput={"tokens_per_s": 12.5}))
     assert store.get_job("run-a", "gs-run-a-b") == make_job(
         "gs-run-a-b",
-        benchmark={"status": "completed", "throughput": {"tokens_per_s": 12.5}},
+        benchmark=benchmark_result(throughput={"tokens_per_s": 12.5}),
         updated_at=jobs[1].updated_at,
     )
     assert store.get_job("run-a", "missing") is None

@@ -23,7 +23,7 @@ def _checked_files() -> list[Path]:
     """What `make types` checks: its packages, and training/, benchmarks/ and app.py."""
     packages = [str(p) for p in _mypy_config()["packages"]]  # type: ignore[attr-defined]
     files = [f for package in packages for f in (REPO / package).rglob("*.py")]
-    files += [*(REPO / "training").glob("*.py"), *(REPO / "benchmarks").glob("*.py"), REPO / "app.py"]
+    files += [*(REPO / "training").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"), REPO / "app.py"]
     return [f for f in files if "__pycache__" not in f.parts]
 
 
