@@ -13,7 +13,7 @@ import sys
 import traceback
 import webbrowser
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -44,6 +44,10 @@ from gpuscout.errors import (
     is_disk_full,
 )
 from gpuscout.store.base import ResultRecord, RunRecord, RunStatus
+
+if TYPE_CHECKING:
+    from gpuscout.domain.catalog import Catalog
+    from gpuscout.domain.manifest import Manifest
 
 BUDGET_EXIT_CODE = 3
 INTERRUPTED_EXIT_CODE = 130
@@ -153,7 +157,7 @@ def validate(file: ManifestArg) -> None:
             problems += [str(p) for p in err.problems]
     refusals = _machine_refusals(manifest, catalog) if manifest is not None else []
     planned = manifest is not None and not problems and not refusals and not review.set_aside
-    if planned:
+    if planned and manifest is not None:
         refusals += _planner_refusals(manifest, catalog)
     if manifest is not None:
         _warn_duplicate_variants(manifest)
@@ -196,7 +200,7 @@ def _print_validation(file: Path, problems: list[str], refusals: list[str], *, p
         )
 
 
-def _planner_refusals(manifest: Any, catalog: Any) -> list[str]:
+def _planner_refusals(manifest: Manifest, catalog: Catalog) -> list[str]:
     """Every job the planner would refuse (does not fit, a GPU it cannot predict, max_tokens too short). A job
     section's plan may time the user's code, and a search's candidates are screened by the search itself:
     `gpuscout plan` checks those."""
@@ -214,7 +218,7 @@ def _planner_refusals(manifest: Any, catalog: Any) -> list[str]:
     return []
 
 
-def _warn_duplicate_variants(manifest: Any) -> None:
+def _warn_duplicate_variants(manifest: Manifest) -> None:
     for names in manifest.duplicate_variants():
         console.print(
             f"[yellow]warning:[/] variants {', '.join(repr(n) for n in names)} have the same settings: the same jobs, "
@@ -223,7 +227,7 @@ def _warn_duplicate_variants(manifest: Any) -> None:
         )
 
 
-def _machine_refusals(manifest: Any, catalog: Any) -> list[str]:
+def _machine_refusals(manifest: Manifest, catalog: Catalog) -> list[str]:
     """A ``local`` target is this machine: what it cannot run (a precision, flex attention or ZeRO on a CPU), with
     field paths, as `gpuscout plan` and `local` would refuse it, not after data preparation."""
     if not any(catalog.get(t.instance_type).is_local for t in manifest.targets):

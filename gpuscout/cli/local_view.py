@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -23,12 +23,15 @@ from gpuscout.local.job_process import JobOutcome, JobProgress
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
+if TYPE_CHECKING:
+    from gpuscout.plan.jobs import Plan
+
 
 def _fmt_duration(seconds: float | None) -> str:
     return "-" if seconds is None else seconds_text(seconds)
 
 
-def print_plan(console: Console, the_plan: Any, *, for_run: bool = True) -> None:
+def print_plan(console: Console, the_plan: Plan, *, for_run: bool = True) -> None:
     """The job matrix of a plan with predicted throughput, time and cost, and the total (a search's: at most
     max_trials of its candidates run). ``for_run``: the plan of a run that starts now (its id in the title); else
     ``gpuscout plan``'s preview, whose ids are drawn again by the run. $/1M is the objective predicted (rate x
@@ -222,7 +225,7 @@ class RichRunObserver:
         self._clock = clock
         self._last_line: dict[str, float] = {}
 
-    def planned(self, the_plan: Any) -> None:
+    def planned(self, the_plan: Plan) -> None:
         print_plan(self.console, the_plan)
 
     def message(self, text: str, *, warning: bool = False) -> None:

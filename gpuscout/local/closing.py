@@ -31,6 +31,7 @@ from gpuscout.store.base import (
 
 if TYPE_CHECKING:
     from gpuscout.analysis.tracking import RunExtras, TrackingOutcome
+    from gpuscout.domain.manifest import Manifest
 
 
 UNFINISHED_JOB_STATUSES = (JobStatus.PLANNED, JobStatus.STARTING, JobStatus.TRAINING, JobStatus.STOPPING)
@@ -41,7 +42,7 @@ FINISHED_TRIAL_STATUSES = (JobStatus.COMPLETED, JobStatus.PRUNED, JobStatus.FAIL
 def close_run(
     run_id: str,
     store: ResultStore,
-    manifest: Any,
+    manifest: Manifest,
     catalog: Catalog,
     *,
     run_dir: Path,

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpuscout import paths
 from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
@@ -41,6 +41,10 @@ from gpuscout.store.base import (
     ResultStore,
 )
 
+if TYPE_CHECKING:
+    from gpuscout.domain.manifest import Manifest
+    from gpuscout.domain.manifest_training import DatasetSpec
+
 SMALL_CORPUS_DOCUMENTS = 2000
 
 
@@ -60,9 +64,17 @@ def preparation_code_sha256() -> str:
     return digest.hexdigest()
 
 
-def data_cache_key(manifest: Any) -> str:
+def _dataset(manifest: Manifest) -> DatasetSpec:
+    """The manifest's dataset section; a manifest with a job section instead reads its own data, so nothing here
+    prepares data for it (the runner never asks)."""
+    if manifest.dataset is None:
+        raise DataPreparationError(f"manifest {manifest.name!r} has no dataset section: there is no data to prepare")
+    return manifest.dataset
+
+
+def data_cache_key(manifest: Manifest) -> str:
     """Hash of everything that determines the prepared data: source, tokenizer, sequence length, caps, script."""
-    dataset, tokenizer = manifest.dataset, manifest.tokenizer
+    dataset, tokenizer = _dataset(manifest), manifest.tokenizer
     source = dataset.source
     if dataset.kind == "local":
         source = str(Path(source).expanduser().resolve())
@@ -82,8 +94,8 @@ def data_cache_key(manifest: Any) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def data_preparation_command(manifest: Any, output: Path, *, workers: int) -> list[str]:
-    dataset, tokenizer = manifest.dataset, manifest.tokenizer
+def data_preparation_command(manifest: Manifest, output: Path, *, workers: int) -> list[str]:
+    dataset, tokenizer = _dataset(manifest), manifest.tokenizer
     command = [
         sys.executable,
         "-m",
@@ -165,7 +177,7 @@ def _preparation_error(log_path: Path, returncode: int) -> str:
     return f"exit {returncode}" + (f": {lines[-1]}" if lines else "")
 
 
-def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] = lambda _text: None) -> Path:
+def prepare_data(manifest: Manifest, cache_dir: Path, notify: Callable[[str], None] = lambda _text: None) -> Path:
     """Prepared dataset folder for the manifest, reused from ``cache_dir`` when the same inputs were prepared."""
     key = data_cache_key(manifest)
     target = cache_dir / key
@@ -180,10 +192,10 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
     remove_stale_staging(cache_dir)
     staging = cache_dir / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    workers = prep_workers(manifest.dataset.max_documents)
+    workers = prep_workers(_dataset(manifest).max_documents)
     command = data_preparation_command(manifest, staging, workers=workers)
     log_path = cache_dir / f"{key}.prepare.log"
-    notify(f"data: preparing {manifest.dataset.source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
+    notify(f"data: preparing {_dataset(manifest).source} ({manifest.tokenizer.kind} tokenizer) -> {target}")
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(
@@ -215,7 +227,7 @@ def prepare_data(manifest: Any, cache_dir: Path, notify: Callable[[str], None] =
 
 
 def check_prepared_data(
-    data_dir: Path, manifest: Any, specs: Sequence[JobSpec], *, store: ResultStore, observer: RunObserver
+    data_dir: Path, manifest: Manifest, specs: Sequence[JobSpec], *, store: ResultStore, observer: RunObserver
 ) -> set[str]:
     """Degenerate data, before anything is measured (domain.dataset_checks): warnings are shown loudly; a job whose
     global batch the training split cannot fill is recorded FAILED with the fix and not run. Returns those jobs."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local.job_process import JobOutcome, JobProgress
@@ -17,11 +17,14 @@ from gpuscout.store.base import (
     RunRecord,
 )
 
+if TYPE_CHECKING:
+    from gpuscout.plan.jobs import Plan
+
 
 class RunObserver(Protocol):
     """What the runner tells its caller while a run goes on (the CLI draws it: gpuscout.cli.local_view)."""
 
-    def planned(self, the_plan: Any) -> None: ...
+    def planned(self, the_plan: Plan) -> None: ...
 
     def message(self, text: str, *, warning: bool = False) -> None: ...
 
@@ -43,7 +46,7 @@ class RunObserver(Protocol):
 class SilentObserver:
     """A RunObserver that shows nothing (library use, tests)."""
 
-    def planned(self, the_plan: Any) -> None:
+    def planned(self, the_plan: Plan) -> None:
         return None
 
     def message(self, text: str, *, warning: bool = False) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuscout.domain.catalog import LOCAL, Catalog, load_catalog
 from gpuscout.local.job_process import JobFolders, run_job
@@ -17,6 +17,11 @@ from gpuscout.store.base import (
     JobStatus,
 )
 
+if TYPE_CHECKING:
+    from gpuscout.domain.catalog import LocalHardware
+    from gpuscout.domain.manifest import Manifest
+    from gpuscout.plan.jobs import Plan
+
 
 def plan_manifest(
     manifest_path: Path | str,
@@ -24,7 +29,7 @@ def plan_manifest(
     *,
     run_id: str | None = None,
     on_message: Callable[[str], None] = lambda _message: None,
-) -> Any:
+) -> tuple[Manifest, Plan]:
     """Load and validate a manifest, then plan it (hardware detected when a target is ``local``; a job section
     without job.estimate calibrated first, ``calibrate_job``).
 
@@ -53,7 +58,7 @@ def plan_manifest(
     return manifest, the_plan
 
 
-def half_precision_warnings(manifest: Any, local_hardware: Any) -> list[str]:
+def half_precision_warnings(manifest: Manifest, local_hardware: LocalHardware) -> list[str]:
     """One warning per variant of a job section whose arguments ask its script for bf16/fp16 when the jobs run on a
     CPU without native bf16 (gpuscout.domain.cpu): there its matmuls run at about 1 % of fp32 speed, and the run
     would measure that. The built-in training job trains in fp32 on a CPU (the planner refuses 16 bits there)."""
@@ -81,7 +86,7 @@ CALIBRATION_MAX_RUNTIME_S = 900  # a calibration's deadline: 7 steps of a script
 
 
 def calibrate_job(
-    manifest: Any,
+    manifest: Manifest,
     catalog: Catalog,
     local_hardware: Any,
     *,
@@ -99,6 +104,8 @@ def calibrate_job(
     from gpuscout.plan.planner import plan
 
     job = manifest.job
+    if job is None:
+        raise PlanError(f"manifest {manifest.name!r} has no job section: only a user's own script is calibrated")
     provisional = manifest.model_copy(update={"job": job.model_copy(update={"estimate": JobEstimate(units_per_s=1.0)})})
     specs = plan(provisional, catalog, run_id="calibration", local_hardware=local_hardware).jobs
     firsts = {s.variant_name: s for s in reversed(specs) if s.instance_type == LOCAL}  # first local job per variant

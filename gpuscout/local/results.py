@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.errors import GpuscoutError
@@ -20,6 +20,9 @@ from gpuscout.store.base import (
     ResultStore,
     RunRecord,
 )
+
+if TYPE_CHECKING:
+    from gpuscout.domain.manifest import Manifest
 
 
 def _stop_text(a: Mapping[str, Any]) -> str | None:
@@ -130,7 +133,7 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
 
 
 def analyze_and_report(
-    run: RunRecord, store: ResultStore, manifest: Any, catalog: Catalog, *, report_dir: Path, observer: RunObserver
+    run: RunRecord, store: ResultStore, manifest: Manifest, catalog: Catalog, *, report_dir: Path, observer: RunObserver
 ) -> dict[str, Any]:
     """Analyze the run and store the result; then write the report. A report that cannot be written is a warning
     (the analysis is stored either way and ``gpuscout results`` shows it)."""

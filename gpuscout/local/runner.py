@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.disturbance import judged, recompiled
@@ -69,6 +69,10 @@ from gpuscout.store.base import (
     RunRecord,
     RunStatus,
 )
+
+if TYPE_CHECKING:
+    from gpuscout.domain.manifest import Manifest
+    from gpuscout.plan.jobs import Plan
 
 
 def ensure_writable(folder: Path) -> None:
@@ -179,14 +183,14 @@ def _resumable(store: ResultStore, run_id: str) -> RunRecord:
     return run
 
 
-def _check_resume(previous: RunRecord, manifest: Any, the_plan: Any) -> None:
+def _check_resume(previous: RunRecord, manifest: Manifest, the_plan: Plan) -> None:
     """A resumed search must be the same search: same manifest, same candidates."""
     if previous.manifest != manifest.model_dump(mode="json"):
         raise GpuscoutError(
             f"--resume {previous.run_id}: the manifest differs from the one that run used "
             f"({previous.manifest_source}); resume with that manifest, or start a new run"
         )
-    if previous.search != the_plan.search.model_dump(mode="json"):
+    if the_plan.search is None or previous.search != the_plan.search.model_dump(mode="json"):
         raise GpuscoutError(
             f"--resume {previous.run_id}: this machine plans other candidates than that run did "
             "(different hardware or memory); start a new run"
@@ -195,8 +199,8 @@ def _check_resume(previous: RunRecord, manifest: Any, the_plan: Any) -> None:
 
 def _run_planned(
     run: RunRecord,
-    manifest: Any,
-    the_plan: Any,
+    manifest: Manifest,
+    the_plan: Plan,
     manifest_path: Path,
     *,
     store: ResultStore,
@@ -299,7 +303,7 @@ def _run_planned(
 
 
 def _prepare(
-    manifest: Any,
+    manifest: Manifest,
     specs: Sequence[JobSpec],
     run_id: str,
     *,
@@ -458,7 +462,7 @@ def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:
 
 
 def _run_search(
-    the_plan: Any,
+    the_plan: Plan,
     specs: Sequence[JobSpec],
     *,
     finished: Mapping[str, JobRecord],
@@ -470,7 +474,9 @@ def _run_search(
     from gpuscout.local.search import StopCheck, run_search
     from gpuscout.plan.search import describe_plan
 
-    for line in describe_plan(the_plan.search):
+    search = the_plan.search
+    assert search is not None, "the runner starts a search only for a plan that has one"
+    for line in describe_plan(search):
         observer.message(line)
 
     def run_trial(spec: JobSpec, check: StopCheck) -> JobRecord:
@@ -487,7 +493,7 @@ def _run_search(
 
         return run_one(spec, should_stop)
 
-    summary = run_search(the_plan.search, specs, run_trial=run_trial, done=finished, on_message=observer.message)
+    summary = run_search(search, specs, run_trial=run_trial, done=finished, on_message=observer.message)
     observer.message(
         f"search: {summary.launched} trial(s) launched, {len(summary.pruned)} pruned, "
         f"${summary.spent_usd:.4f} spent" + (f"; stopped: {summary.stopped_because}" if summary.stopped_because else "")

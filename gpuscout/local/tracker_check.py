@@ -12,10 +12,13 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import GpuscoutError
+
+if TYPE_CHECKING:
+    from gpuscout.domain.manifest import Manifest
 
 CHECK_TIMEOUT_S = 5.0
 WANDB_DEFAULT_URL = "https://api.wandb.ai"
@@ -54,7 +57,7 @@ def unreachable_trackers(tracking: Any, *, check: Callable[[str], str | None] = 
 
 
 def checked_tracking(
-    manifest: Any, specs: Sequence[JobSpec], *, on_message: Callable[[str], None],
+    manifest: Manifest, specs: Sequence[JobSpec], *, on_message: Callable[[str], None],
     check: Callable[[str], str | None] = answers,
 ) -> tuple[Any, list[JobSpec]]:  # fmt: skip
     """The manifest and job specs with unreachable trackers turned off for the run (one message each), or a
@@ -63,7 +66,7 @@ def checked_tracking(
     if tracking is None:
         return manifest, list(specs)
     down = unreachable_trackers(tracking, check=check)
-    if not down:
+    if not down or manifest.tracking is None:
         return manifest, list(specs)
     if manifest.tracking.if_unreachable == "refuse":
         raise GpuscoutError(
