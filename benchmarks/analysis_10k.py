@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "benchmarks" / "p4d-bs8-r0.json"
@@ -80,7 +81,7 @@ def main() -> None:
     }
     run = RunRecord(run_id="bench", name="bench", status="ANALYZING", manifest_source="benchmark", manifest=manifest)
     start, cpu_start = time.perf_counter(), time.process_time()
-    analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.stored(manifest), catalog=catalog)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     ranked = sum(1 for j in analysis.jobs if j.rank is not None)
     print(

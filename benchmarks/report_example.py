@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.report import write_report
+from gpuscout.analysis.terms import RunTerms
 from tests.unit.example_run import load_example_run  # the fixture run the report tests use
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ NOTE = (
 
 def main() -> None:
     run, jobs, catalog = load_example_run()
-    analysis = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
     out = ROOT / "docs" / "report-example"
     written = write_report(analysis, out, note=NOTE)
     print(f"wrote {out}: {len(written['charts'])} charts, report.md, report.html, report.json")

@@ -24,6 +24,7 @@ from itertools import chain
 from typing import Any
 
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
+from numpy.typing import NDArray
 
 from gpuscout.analysis import costs, step_series
 from gpuscout.analysis.caveats import contention_note, incomplete_note, validation_note
@@ -33,47 +34,23 @@ from gpuscout.analysis.machines import machines_of
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide, with_incomplete
 from gpuscout.analysis.results import (
-    OBJECTIVES,
     Constraints,
     JobAnalysis,
-    Objective,
     RunAnalysis,
     SearchOutcome,
     SearchTargetOutcome,
     SearchTrial,
 )
 from gpuscout.analysis.step_series import downsample
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.domain import intervals
 from gpuscout.domain.benchmark import BenchmarkResult, LossPoint, StepAccount
-from gpuscout.domain.catalog import LOCAL
+from gpuscout.domain.catalog import LOCAL, Catalog
 from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
 from gpuscout.domain.manifest_training import MIN_TIMED_STEPS
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
-
-
-# -- manifest access (a gpuscout.domain.manifest.Manifest or its dict) ------------------------------------------------
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if obj is None:
-        return default
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
-def read_objective_and_constraints(manifest: Any) -> tuple[Objective, Constraints]:
-    constraints = _get(manifest, "constraints")
-    objective = _get(manifest, "objective") or _get(constraints, "objective") or "cheapest_per_token"
-    objective = str(getattr(objective, "value", objective))
-    if objective not in OBJECTIVES:
-        raise ValueError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
-    return objective, Constraints(  # type: ignore[return-value]
-        budget_usd=_get(constraints, "budget_usd"),
-        deadline_hours=_get(constraints, "deadline_hours"),
-        target_loss=_get(constraints, "target_loss"),
-    )
-
 
 # -- stage 1: measure ---------------------------------------------------------------------------------------------
 _FAILURE_WORDS = {
@@ -109,7 +86,7 @@ class _Rep:
     bench: BenchmarkResult
     tokens_per_s: float  # the ranked rate: tokens/s, or samples/s when unit is samples
     ci95: tuple[float, float] | None
-    curve: Any  # (points, 3) float array: tokens, elapsed s, train loss (one array, not a tuple per point)
+    curve: NDArray[np.float64]  # (points, 3): tokens, elapsed s, train loss (one array, not a tuple per point)
     disturbance: Mapping[str, Any] | None  # the Disturbance fields (domain/disturbance.py); None: no steps recorded
 
     @property
@@ -204,7 +181,7 @@ class _Rep:
 _LOSS_POINT = operator.attrgetter("tokens", "elapsed_s", "loss")  # LossPoint -> (tokens, s, loss)
 
 
-def _curve_array(points: Sequence[LossPoint]) -> Any:
+def _curve_array(points: Sequence[LossPoint]) -> NDArray[np.float64]:
     """LossPoints -> one (points, 3) float array of tokens, elapsed s, loss (not a tuple object per point)."""
     return np.fromiter(chain.from_iterable(map(_LOSS_POINT, points)), dtype=float, count=3 * len(points)).reshape(-1, 3)
 
@@ -600,21 +577,23 @@ def analyze_run(
     run: RunRecord,
     jobs: Sequence[JobRecord],
     *,
-    manifest: Any = None,
-    catalog: Any = None,
+    terms: RunTerms | None = None,
+    catalog: Catalog | Mapping[str, Mapping[str, Any]] | None = None,  # a mapping: type -> price fields (tests)
     prices: PriceBook | None = None,
 ) -> RunAnalysis:
     """Analyze one run's jobs: metrics, costs, exclusions, ranking and a recommendation.
 
-    ``manifest`` is a gpuscout.domain.manifest.Manifest or its dict (default: the one stored on the run). ``prices``
-    defaults to the catalog table with the manifest's price overrides; a caller may pass a book refreshed from the
-    AWS Price List API (``PriceBook.refresh_from_aws``). docs/costs.md has every formula.
+    ``terms`` are the objective, constraints and stated prices (default: those of the manifest stored on the run,
+    analysis/terms.py). ``prices`` defaults to the catalog table with the manifest's price overrides; a caller may
+    pass a book refreshed from the AWS Price List API (``PriceBook.refresh_from_aws``). docs/costs.md has every
+    formula.
     """
 
-    manifest = manifest if manifest is not None else run.manifest
-    objective, constraints = read_objective_and_constraints(manifest)
+    terms = terms if terms is not None else RunTerms.stored(run.manifest)
+    objective = terms.objective
+    constraints = Constraints.model_validate(terms.constraints.model_dump())
     if prices is None:
-        prices = PriceBook.from_catalog(catalog).with_manifest_overrides(manifest)
+        prices = PriceBook.from_catalog(catalog).with_manifest_overrides(terms)
     specs = {j.job_name: j.spec for j in jobs}
     with _collection_paused():
         measured = measure(jobs, constraints.target_loss)
@@ -623,11 +602,10 @@ def analyze_run(
     incomplete = incomplete_note(run, jobs)
     recommendation = with_incomplete(recommendation, incomplete)
     dataset_tokens = next((a.dataset_tokens for a in ranked if a.dataset_tokens), None)
-    description = _get(manifest, "description")
     return RunAnalysis(
         run_id=run.run_id,
         run_name=run.name,
-        description=str(description) if description else None,
+        description=terms.description or None,
         objective=objective,
         constraints=constraints,
         dataset_tokens=dataset_tokens,

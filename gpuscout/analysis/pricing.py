@@ -23,13 +23,16 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuscout import paths
 from gpuscout.domain.prices import REFRESH_COMMAND, Component, ListedPrice, PriceFile, PriceKind, stale_days
 from gpuscout.errors import PricingError
+
+if TYPE_CHECKING:
+    from gpuscout.analysis.terms import RunTerms
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +200,12 @@ class PriceBook:
             new = new.model_copy(update={"spot_usd_per_hour": old.spot_usd_per_hour, "spot_source": old.spot_source})
         self._prices[instance_type] = new
 
-    def with_manifest_overrides(self, manifest: Any) -> PriceBook:
-        """Apply targets[].price_per_hour_usd / spot_price_per_hour_usd of a Manifest (model or dict)."""
-        targets = _field(manifest, "targets", None) or []
-        for target in targets:
-            instance_type = _field(target, "instance_type")
-            on_demand = _field(target, "price_per_hour_usd")
-            spot = _field(target, "spot_price_per_hour_usd")
+    def with_manifest_overrides(self, terms: RunTerms) -> PriceBook:
+        """Apply the manifest's targets[].price_per_hour_usd / spot_price_per_hour_usd (the run's terms)."""
+        for target in terms.targets:
+            instance_type = target.instance_type
+            on_demand = target.price_per_hour_usd
+            spot = target.spot_price_per_hour_usd
             if not instance_type or (on_demand is None and spot is None):
                 continue
             if on_demand is not None:

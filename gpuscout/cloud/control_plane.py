@@ -31,6 +31,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.cloud import run_roles
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import publish, refusal_notice, run_summary
@@ -475,14 +476,14 @@ def analyze(
     jobs = [j for j in store.list_jobs(run_id) if not j.is_canary]  # canaries are not measurements
     catalog = catalog or load_catalog()
     if prices is None:
-        prices = PriceBook.from_catalog(catalog).with_manifest_overrides(run.manifest)
+        prices = PriceBook.from_catalog(catalog).with_manifest_overrides(RunTerms.stored(run.manifest))
         if pricing_client is not None:
             # Today's SageMaker Training list prices for the run's region; any failure keeps the catalog table's
             # price and says so in the analysis notes. Manifest overrides still win.
             prices.refresh_from_aws({j.instance_type for j in jobs}, settings.region, client=pricing_client)
     from gpuscout.analysis.analyze import analyze_run as analyze_jobs  # numpy: only the analyze Lambda loads it
 
-    analysis = analyze_jobs(run, jobs, manifest=run.manifest, catalog=catalog, prices=prices)
+    analysis = analyze_jobs(run, jobs, catalog=catalog, prices=prices)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         out_dir = Path(tmp) / run_id
         write_report(analysis, out_dir)

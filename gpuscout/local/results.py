@@ -139,9 +139,10 @@ def analyze_and_report(
     (the analysis is stored either way and ``gpuscout results`` shows it)."""
     from gpuscout.analysis.analyze import analyze_run
     from gpuscout.analysis.report import write_report
+    from gpuscout.analysis.terms import RunTerms
 
     jobs = store.list_jobs(run.run_id)
-    analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.of(manifest), catalog=catalog)
     dumped = analysis.model_dump(mode="json")
     result = ResultRecord(
         run_id=run.run_id, analysis=dumped, price_snapshot=analysis.price_snapshot.model_dump(mode="json")
@@ -164,8 +165,9 @@ def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, 
     """The stored analysis re-priced with today's catalog prices (and the manifest's overrides)."""
     from gpuscout.analysis.analyze import reprice
     from gpuscout.analysis.pricing import PriceBook
+    from gpuscout.analysis.terms import RunTerms
 
     if result is None:
         raise GpuscoutError(f"run {run.run_id} has no stored analysis to re-price (status {run.status.value})")
-    prices = PriceBook.from_catalog(load_catalog()).with_manifest_overrides(run.manifest)
+    prices = PriceBook.from_catalog(load_catalog()).with_manifest_overrides(RunTerms.stored(run.manifest))
     return reprice(result.analysis, prices).model_dump(mode="json")

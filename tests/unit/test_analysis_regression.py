@@ -23,6 +23,7 @@ import pytest
 from example_run import load_example_run
 
 from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -154,7 +155,8 @@ CASES = ("example_run", "synthetic-cheapest", "synthetic-fastest")
 
 def _analysis_json(name: str) -> dict[str, Any]:
     run, jobs, catalog, manifest = _case(name)
-    data: dict[str, Any] = analyze_run(run, jobs, manifest=manifest, catalog=catalog).model_dump(mode="json")
+    analysis = analyze_run(run, jobs, terms=RunTerms.stored(manifest), catalog=catalog)
+    data: dict[str, Any] = analysis.model_dump(mode="json")
     del data["generated_at"], data["price_snapshot"]["taken_at"]  # clock readings
     return data
 

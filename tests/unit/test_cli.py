@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.cli import app as cli
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.catalog import load_catalog
@@ -138,7 +139,7 @@ def _stored_run(db: Path) -> SqliteStore:
         )
         store.put_job(job)
         jobs.append(job)
-    analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.of(manifest), catalog=catalog)
     report_dir = db.parent / "report"
     report_dir.mkdir()
     (report_dir / "report.md").write_text("# quickstart report\n\nb8-a2 is cheapest.\n")

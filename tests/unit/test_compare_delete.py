@@ -11,6 +11,7 @@ from typing import Any
 from typer.testing import CliRunner
 
 from gpuscout.analysis.analyze import analyze_run
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.cli import app as cli
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.manifest_loader import load_manifest
@@ -61,7 +62,7 @@ def _run(
         )  # fmt: skip
         store.put_job(job)
         jobs.append(job)
-    analysis = analyze_run(run, jobs, manifest=manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.of(manifest), catalog=catalog)
     store.put_result(ResultRecord(run_id=run_id, analysis=analysis.model_dump(mode="json")))
 
 

@@ -13,6 +13,7 @@ from gpuscout.analysis.analyze import analyze_run, reprice
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide
 from gpuscout.analysis.results import Constraints
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.store.base import JobStatus, RunStatus
 
 
@@ -27,7 +28,7 @@ def _stopped_run():
 
 def test_a_stopped_run_says_what_did_not_run_and_is_never_a_firm_winner(tmp_path: Path) -> None:
     run, jobs, catalog = _stopped_run()
-    analysis = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
     assert analysis.incomplete is not None
     assert analysis.incomplete.startswith("Incomplete run: it was stopped; 4 of 14 jobs did not finish")
     assert "ml.p5.48xlarge / bs16 rep 2 (STOPPED)" in analysis.incomplete
@@ -51,14 +52,14 @@ def test_a_stopped_run_says_what_did_not_run_and_is_never_a_firm_winner(tmp_path
 def test_a_run_where_everything_finished_has_no_caveat() -> None:
     run, jobs, catalog = load_example_run()
     done = [j.model_copy(update={"status": JobStatus.COMPLETED}) for j in jobs if j.benchmark is not None]
-    analysis = analyze_run(run, done, manifest=run.manifest, catalog=catalog)
+    analysis = analyze_run(run, done, terms=RunTerms.stored(run.manifest), catalog=catalog)
     assert analysis.incomplete is None
     assert not analysis.recommendation.summary.startswith(("Incomplete", "Not everything"))
 
 
 def test_failed_jobs_are_named_without_calling_the_run_stopped() -> None:
     run, jobs, catalog = load_example_run()  # one OOM and one CAPACITY job
-    analysis = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
     assert analysis.incomplete == (
         "Not everything ran; 2 of 14 jobs did not finish: ml.g5.2xlarge / bs16 (OOM), ml.p5e.48xlarge / bs16 "
         "(CAPACITY). The verdict covers only what finished."
@@ -103,7 +104,7 @@ def test_the_report_answers_first_and_carries_the_contention_banner_right_after(
     run, jobs, catalog = load_example_run()
     busy = {"competing": True, "note": "measured under competition (1.8 other cores busy)"}
     jobs = [j.model_copy(update={"contention": busy}) if j.variant_name == "bs8" else j for j in jobs]
-    analysis = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    analysis = analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
     files = report.write_report(analysis, tmp_path)
     for path in (files["md"], files["html"]):
         text = Path(path).read_text()

@@ -11,6 +11,7 @@ from botocore.stub import Stubber
 
 from gpuscout.analysis import pricing
 from gpuscout.analysis.pricing import PriceBook, SpotAssumption
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.errors import PricingError
 
@@ -145,7 +146,7 @@ def test_manifest_overrides() -> None:
             {"instance_type": "local", "price_per_hour_usd": 3.2},  # the local machine's stated cost
         ]
     }
-    book = PriceBook.from_catalog(CATALOG, spot=SPOT).with_manifest_overrides(manifest)
+    book = PriceBook.from_catalog(CATALOG, spot=SPOT).with_manifest_overrides(RunTerms.stored(manifest))
     g5 = book.get("ml.g5.2xlarge")
     assert (g5.on_demand_usd_per_hour, g5.spot_usd_per_hour, g5.on_demand_source) == (
         2.0,
@@ -160,7 +161,7 @@ def test_manifest_overrides() -> None:
 def test_spot_override_without_any_on_demand_price_is_refused() -> None:
     manifest = {"targets": [{"instance_type": "ml.p5.48xlarge", "spot_price_per_hour_usd": 30.0}]}
     with pytest.raises(PricingError, match="needs an on-demand price"):
-        PriceBook.from_catalog(CATALOG, spot=SPOT).with_manifest_overrides(manifest)
+        PriceBook.from_catalog(CATALOG, spot=SPOT).with_manifest_overrides(RunTerms.stored(manifest))
 
 
 def test_snapshot_round_trip() -> None:
@@ -233,7 +234,7 @@ def test_refresh_falls_back_to_the_table_on_errors(client: Any) -> None:
 
 def test_refresh_keeps_manifest_overrides(client: Any) -> None:
     book = PriceBook.from_catalog(CATALOG, spot=SPOT).with_manifest_overrides(
-        {"targets": [{"instance_type": "ml.p4d.24xlarge", "price_per_hour_usd": 20.0}]}
+        RunTerms.stored({"targets": [{"instance_type": "ml.p4d.24xlarge", "price_per_hour_usd": 20.0}]})
     )
     with Stubber(client) as stub:
         stub.add_response(

@@ -14,6 +14,7 @@ from gpuscout.analysis.analyze import analyze_run, price_job, reprice
 from gpuscout.analysis.pricing import PriceBook, SpotAssumption
 from gpuscout.analysis.recommend import decide, pareto_front
 from gpuscout.analysis.results import Constraints, JobAnalysis
+from gpuscout.analysis.terms import RunTerms
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 SPOT = SpotAssumption(default_discount=0.6, assumption="test: 60 % off", source="test", date="2026-11-01")
@@ -202,7 +203,7 @@ def _tps(name: str) -> float:
 @pytest.fixture(scope="module")
 def fixture_analysis() -> Any:
     run, jobs, catalog = load_example_run()
-    return analyze_run(run, jobs, manifest=run.manifest, catalog=catalog, prices=None), run, jobs, catalog
+    return analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog, prices=None), run, jobs, catalog
 
 
 def _by_label(analysis: Any) -> dict[str, JobAnalysis]:
@@ -267,7 +268,7 @@ def test_analyze_run_is_deterministic_whatever_the_order(fixture_analysis: Any) 
     analysis, run, jobs, catalog = fixture_analysis
     shuffled = list(jobs)
     random.Random(7).shuffle(shuffled)
-    again = analyze_run(run, shuffled, manifest=run.manifest, catalog=catalog)
+    again = analyze_run(run, shuffled, terms=RunTerms.stored(run.manifest), catalog=catalog)
     assert [j.job_name for j in again.jobs] == [j.job_name for j in analysis.jobs]
     assert again.recommendation.summary == analysis.recommendation.summary
 
@@ -300,7 +301,7 @@ def test_local_run_bills_wall_time(fixture_analysis: Any) -> None:
         for j in jobs
         if j.job_name == "gs-p3-2xl-bs2-ckpt-r0"
     ]
-    analysis = analyze_run(run, local, manifest=run.manifest, catalog=catalog)
+    analysis = analyze_run(run, local, terms=RunTerms.stored(run.manifest), catalog=catalog)
     job = analysis.jobs[0]
     assert local[0].benchmark is not None and local[0].benchmark.timing is not None
     wall = local[0].benchmark.timing.wall_time_s

@@ -15,6 +15,7 @@ from matplotlib.container import ErrorbarContainer
 from gpuscout.analysis import report, report_charts
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.results import RunAnalysis
+from gpuscout.analysis.terms import RunTerms
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 NOTE = "Example from fixture data, not a measurement."
@@ -23,7 +24,7 @@ NOTE = "Example from fixture data, not a measurement."
 @pytest.fixture(scope="module")
 def analysis() -> RunAnalysis:
     run, jobs, catalog = load_example_run()
-    return analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    return analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_charts_label_axes_with_units(analysis: RunAnalysis) -> None:
 def test_report_without_results(tmp_path: Path) -> None:
     run, jobs, catalog = load_example_run()
     failed = [j for j in jobs if j.status.value in ("OOM", "CAPACITY")]
-    empty = analyze_run(run, failed, manifest=run.manifest, catalog=catalog)
+    empty = analyze_run(run, failed, terms=RunTerms.stored(run.manifest), catalog=catalog)
     out = report.write_report(empty, tmp_path)
     assert out["charts"] == []  # nothing measured, nothing to draw
     assert "No pick: every target x variant was excluded" in out["md"].read_text()
@@ -224,7 +225,7 @@ def test_a_failed_final_validation_and_reserved_memory_are_shown_wherever_the_jo
     loss = bench.loss.model_copy(update={"validation_error": "IndexError: index 0 is out of bounds"})
     bench = bench.model_copy(update={"loss": loss, "memory": memory})
     jobs[0] = jobs[0].model_copy(update={"benchmark": bench})
-    result = analyze_run(run, jobs, manifest=run.manifest, catalog=catalog)
+    result = analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
     [job] = [j for j in result.jobs if jobs[0].job_name in j.job_names]
     assert job.validation_note and "IndexError" in job.validation_note and "throughput stands" in job.validation_note
     assert job.validation_note in job.measurement_note
@@ -346,4 +347,5 @@ def test_the_manifests_description_heads_the_report(analysis: RunAnalysis, tmp_p
     assert "&lt;b&gt;text&lt;/b&gt;" in Path(files["html"]).read_text()
     run, jobs, catalog = load_example_run()
     manifest = {**run.manifest, "description": "what this run compares"}
-    assert analyze_run(run, jobs, manifest=manifest, catalog=catalog).description == "what this run compares"
+    described = analyze_run(run, jobs, terms=RunTerms.stored(manifest), catalog=catalog)
+    assert described.description == "what this run compares"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.report import render_markdown
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.cli.local_view import _tps_text
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -78,7 +79,7 @@ def _table_text(rows: list[dict[str, Any]]) -> str:
 
 
 def _verdict(jobs: list[JobRecord], objective: str = "cheapest_per_token"):
-    return analyze_run(RUN, jobs, manifest={"objective": objective}, catalog=CATALOG)
+    return analyze_run(RUN, jobs, terms=RunTerms.stored({"objective": objective}), catalog=CATALOG)
 
 
 @settings(max_examples=60, deadline=None)
