@@ -44,7 +44,7 @@ from gpuscout.analysis.results import (
 from gpuscout.analysis.step_series import downsample
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.domain import intervals
-from gpuscout.domain.benchmark import BenchmarkResult, LossPoint, StepAccount
+from gpuscout.domain.benchmark import BenchmarkResult, Disturbance, LossPoint, StepAccount
 from gpuscout.domain.catalog import LOCAL, Catalog
 from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
@@ -87,7 +87,7 @@ class _Rep:
     tokens_per_s: float  # the ranked rate: tokens/s, or samples/s when unit is samples
     ci95: tuple[float, float] | None
     curve: NDArray[np.float64]  # (points, 3): tokens, elapsed s, train loss (one array, not a tuple per point)
-    disturbance: Mapping[str, Any] | None  # the Disturbance fields (domain/disturbance.py); None: no steps recorded
+    disturbance: Disturbance | None  # as this release's detector judges the steps (domain/disturbance.py)
 
     @property
     def unit(self) -> str:

@@ -7,10 +7,10 @@ May import: gpuscout.domain and gpuscout.store."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
-from gpuscout.domain.benchmark import StepAccount
+from gpuscout.domain.benchmark import Disturbance, StepAccount
 from gpuscout.domain.disturbance import kernel_note as domain_kernel_note
 from gpuscout.store.base import JobRecord
 
@@ -19,14 +19,14 @@ class Measured(Protocol):
     """One repetition's measurement, as the analysis reads it from benchmark.json."""
 
     @property
-    def disturbance(self) -> Mapping[str, Any] | None: ...  # the Disturbance fields; None: no steps recorded
+    def disturbance(self) -> Disturbance | None: ...  # None: no steps recorded
 
     @property
     def steps(self) -> list[StepAccount]: ...  # benchmark.json's steps
 
 
 def disturbed(rep: Measured) -> bool:
-    return bool(rep.disturbance and rep.disturbance.get("disturbed"))
+    return bool(rep.disturbance and rep.disturbance.disturbed)
 
 
 def undisturbed_factor(reps: Sequence[Measured]) -> float | None:
@@ -37,7 +37,7 @@ def undisturbed_factor(reps: Sequence[Measured]) -> float | None:
     for rep in reps:
         if not disturbed(rep):
             continue
-        reference = float((rep.disturbance or {}).get("reference_step_s") or 0)
+        reference = (rep.disturbance.reference_step_s if rep.disturbance else None) or 0.0
         timed = [s.seconds for s in rep.steps if s.timed]
         if reference <= 0 or not timed:
             return None
@@ -47,7 +47,10 @@ def undisturbed_factor(reps: Sequence[Measured]) -> float | None:
 
 def kernel_note(reps: Sequence[Measured]) -> str | None:
     """The domain's kernel note for the repetition whose kernel share was the largest, if any earns one."""
-    notes = [(float((r.disturbance or {}).get("system_share") or 0), domain_kernel_note(r.disturbance)) for r in reps]
+    notes = [
+        ((r.disturbance.system_share if r.disturbance else None) or 0.0, domain_kernel_note(r.disturbance))
+        for r in reps
+    ]
     notes = [(share, note) for share, note in notes if note]
     return max(notes)[1] if notes else None
 
@@ -57,7 +60,8 @@ def disturbance_note(all_reps: Sequence[tuple[JobRecord, Measured]], used: Seque
     flagged = [(job, rep) for job, rep in all_reps if disturbed(rep)]
     if not flagged:
         return None
-    evidence = str((flagged[0][1].disturbance or {}).get("evidence") or "steps ran at different speeds")
+    first_flagged = flagged[0][1].disturbance
+    evidence = (first_flagged.evidence if first_flagged else None) or "steps ran at different speeds"
     if not any(disturbed(rep) for rep in used):
         names = ", ".join(job.job_name for job, _ in flagged)
         return f"left out of the figures: {names} was disturbed ({evidence})"

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the training job's SDK imports this module: no pydantic at run time
-    from gpuscout.domain.benchmark import BenchmarkResult
+    from gpuscout.domain.benchmark import BenchmarkResult, Disturbance
 
 SLOW_FACTOR = 1.8
 MIN_SLOW_STEPS = 2
@@ -61,13 +61,13 @@ KERNEL_RISE = 0.05  # the kernel's share of the slow steps' time above the other
 THROTTLE_BITS = 0x8 | 0x20 | 0x40 | 0x80
 
 
-def kernel_note(disturbance: Mapping[str, Any] | None) -> str | None:
+def kernel_note(disturbance: Disturbance | None) -> str | None:
     """A note when the kernel took KERNEL_NOTE_SHARE or more of the timed steps' time: a steady cost (page faults, most
     often) that the figures include and the step statistics cannot see, since every step pays it alike."""
-    share = (disturbance or {}).get("system_share")
+    share = disturbance.system_share if disturbance else None
     if share is None or share < KERNEL_NOTE_SHARE:
         return None
-    faults = (disturbance or {}).get("minor_faults_per_s") or 0.0
+    faults = (disturbance.minor_faults_per_s if disturbance else None) or 0.0
     return (
         f"the kernel took {100 * share:.0f} % of the step time at {_rate(faults)} minor page faults/s "
         "(a host allocator that returns memory every step does this; see host_allocator)"
@@ -214,18 +214,21 @@ def _disturbed_without_compiles(steps: Sequence[Mapping[str, Any]], reference: f
     return bool(detect(rest)["disturbed"])
 
 
-def judged(benchmark: BenchmarkResult) -> Mapping[str, Any] | None:
+def judged(benchmark: BenchmarkResult) -> Disturbance | None:
     """A benchmark.json's disturbance as this release's detector judges it: from its steps where it has them (so a
     job written by an older release is judged as a new one), else what the job wrote (None: nothing)."""
+    from gpuscout.domain.benchmark import Disturbance  # here: the training job's SDK imports this module, not pydantic
+
     if benchmark.steps:
-        return detect([step.model_dump() for step in benchmark.steps])  # the detector reads step accounts as written
-    return benchmark.disturbance.model_dump() if benchmark.disturbance else None
+        # the detector reads the step accounts as the job wrote them (its own process has no models)
+        return Disturbance.model_validate(detect([step.model_dump() for step in benchmark.steps]))
+    return benchmark.disturbance
 
 
-def recompiled(disturbance: Mapping[str, Any] | None) -> bool:
+def recompiled(disturbance: Disturbance | None) -> bool:
     """A disturbed measurement that torch.compile's compiles explain (``compile_explains``): the cause is in the job
     (shapes or guards that change between steps), so a second run of the same settings, on any machine, repeats it."""
-    return bool(disturbance and disturbance.get("disturbed") and disturbance.get("compile_explains"))
+    return bool(disturbance and disturbance.disturbed and disturbance.compile_explains)
 
 
 def _graphs(steps: Sequence[Mapping[str, Any]]) -> int | None:

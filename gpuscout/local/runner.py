@@ -419,11 +419,12 @@ def _remeasure_disturbed(
     the disturbance: the same settings would compile again."""
     for record in records:
         # judged as the analysis judges it (this release's detector), not only as the job's own release did
-        completed = record.status is JobStatus.COMPLETED and record.benchmark is not None
-        disturbance = (judged(record.benchmark) or {}) if completed and record.benchmark is not None else {}
-        if not disturbance.get("disturbed"):
+        if record.status is not JobStatus.COMPLETED or record.benchmark is None:
             continue
-        evidence = disturbance.get("evidence")
+        disturbance = judged(record.benchmark)
+        if disturbance is None or not disturbance.disturbed:
+            continue
+        evidence = disturbance.evidence
         if recompiled(disturbance):
             observer.message(
                 f"{record.job_name}: disturbed measurement ({evidence}); not measured again: torch.compile compiled "

@@ -10,6 +10,7 @@ import pytest
 from gpuscout_train import host_allocator
 from gpuscout_train.metrics import ResourceMeter
 
+from gpuscout.domain.benchmark import Disturbance
 from gpuscout.domain.disturbance import MIN_STEPS, detect, recompiled
 
 
@@ -82,7 +83,8 @@ def test_a_stall_that_compiled_a_graph_says_so():
     d = detect(rows)
     assert d["disturbed"] and d["compiled_graphs_timed"] == 1
     assert d["evidence"].endswith("48 % of the timed time; torch.compile compiled 1 graph in that step")
-    assert d["compiled_graphs_slow"] == 1 and d["compile_explains"] and recompiled(d)  # a re-run repeats it
+    judged = Disturbance.model_validate(d)
+    assert d["compiled_graphs_slow"] == 1 and d["compile_explains"] and recompiled(judged)  # a re-run repeats it
     # steps that never counted graphs (no torch.compile in the process) say nothing of it
     assert detect(steps([100.0] * 21))["compiled_graphs_timed"] is None
 
@@ -93,8 +95,11 @@ def test_a_stall_elsewhere_than_the_compile_is_not_blamed_on_it():
     rows[12].update(seconds=2.0)  # and a stall that compiled nothing
     d = detect(rows)
     assert d["disturbed"] and d["compiled_graphs_timed"] == 1 and d["compiled_graphs_slow"] == 0
-    assert "torch.compile" not in d["evidence"] and not recompiled(d)
-    assert not recompiled(detect(steps([100.0] * 21, compiled_graphs=1)))  # compiled every step, never disturbed
+    assert "torch.compile" not in d["evidence"]
+    assert not recompiled(Disturbance.model_validate(d))
+    assert not recompiled(
+        Disturbance.model_validate(detect(steps([100.0] * 21, compiled_graphs=1)))
+    )  # compiled every step, never disturbed
 
 
 def test_a_compile_inside_a_slow_phase_does_not_take_the_blame_for_it():
@@ -103,7 +108,7 @@ def test_a_compile_inside_a_slow_phase_does_not_take_the_blame_for_it():
     d = detect(rows)
     assert d["disturbed"] and d["compiled_graphs_slow"] == 1
     # without that step's compile (at the reference time) the phase is still there: the compile does not explain it
-    assert d["compile_explains"] is False and not recompiled(d)
+    assert d["compile_explains"] is False and not recompiled(Disturbance.model_validate(d))
     assert d["evidence"].endswith(
         "torch.compile compiled 1 graph in those steps, which alone does not explain the flag"
     )
