@@ -1,5 +1,5 @@
-"""The run's terms, as the analysis reads them from its manifest: the objective, the constraints, the description, and
-the prices a target states for itself.
+"""The run's terms, as the analysis and the budget guard read them from its manifest: the objective, the constraints
+(and a search's spend cap), the description, and the prices a target states for itself.
 
 A run's manifest is stored as the document it was validated as (``RunRecord.manifest``); the analysis of a run,
 today or a year later, reads only these fields from it and does not validate the whole manifest again against
@@ -39,11 +39,23 @@ class TargetPrice(_Read):
     spot_price_per_hour_usd: float | None = None
 
 
+class SearchCap(_Read):
+    max_cost_usd: float | None = None  # a settings search's own spend cap
+
+
 class RunTerms(_Read):
     description: str | None = None
     objective: Objective = "cheapest_per_token"
     constraints: TermsConstraints = Field(default_factory=TermsConstraints)
     targets: list[TargetPrice] = Field(default_factory=list)
+    search: SearchCap | None = None
+
+    @property
+    def spend_limit_usd(self) -> float | None:
+        """The budget, or the search's spend cap (``search.max_cost_usd``) when that is lower; None: neither."""
+        cap = self.search.max_cost_usd if self.search else None
+        limits = [v for v in (self.constraints.budget_usd, cap) if v is not None]
+        return min(limits) if limits else None
 
     @model_validator(mode="before")
     @classmethod

@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal, Protocol
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from gpuscout.analysis.terms import RunTerms
 from gpuscout.cloud.sagemaker_requests import RUN_ID_TAG, output_tar_key
 from gpuscout.cloud.tuning_requests import (
     CANDIDATE_HYPERPARAMETER,
@@ -306,12 +307,7 @@ def measured_spend(jobs: list[JobRecord]) -> SpendFigure:
 
 def run_budget_usd(manifest: dict[str, Any] | None) -> float | None:
     """The manifest's budget, or its search's spend cap (``search.max_cost_usd``) when that is lower."""
-    constraints = (manifest or {}).get("constraints") or {}
-    budget = constraints.get("budget_usd") if isinstance(constraints, dict) else None
-    search = (manifest or {}).get("search") or {}
-    cap = search.get("max_cost_usd") if isinstance(search, dict) else None
-    limits = [float(v) for v in (budget, cap) if v is not None]
-    return min(limits) if limits else None
+    return RunTerms.stored(manifest).spend_limit_usd
 
 
 def _stopped(what: str, stop: Callable[[], Any]) -> bool:
