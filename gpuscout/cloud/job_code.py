@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from gpuscout.cloud.sources import CODE_PREFIX, RAW_PREFIX
 from gpuscout.domain.manifest_loader import parse_document
+from gpuscout.domain.names import CODE_PREFIX, RAW_PREFIX
 from gpuscout.errors import Problem
 
 # Never uploaded: caches, version control, virtual environments (they would make the digest change for nothing).

@@ -77,7 +77,7 @@ class GpuSku(BaseModel):
         return self
 
     def peak_for(self, precision: str) -> float | None:
-        return self.peak_tflops.get(precision)  # type: ignore[call-overload]
+        return next((tflops for name, tflops in self.peak_tflops.items() if name == precision), None)
 
     def matches(self, device_name: str) -> bool:
         return any(re.search(p, device_name, re.IGNORECASE) for p in self.name_patterns)

@@ -87,7 +87,8 @@ class _ManifestLoader(_YAML_BASE):  # type: ignore[valid-type,misc]
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep=True)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=True)
+        return mapping
 
 
 def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -368,10 +368,11 @@ def _write_run_folder(run_dir: Path, manifest_path: Path, specs: Sequence[JobSpe
     plan = json.dumps([s.model_dump(mode="json") for s in specs], indent=2) + "\n"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for name, write in (
+        writers: list[tuple[str, Callable[[Path], object]]] = [
             (f"manifest{manifest_path.suffix or '.yaml'}", lambda aside: shutil.copyfile(manifest_path, aside)),
             ("plan.json", lambda aside: aside.write_text(plan, encoding="utf-8")),
-        ):
+        ]
+        for name, write in writers:
             aside = run_dir / f".{name}.tmp"
             try:
                 write(aside)

@@ -283,7 +283,7 @@ def predicted_canary_cost_usd(canaries: Sequence[Canary]) -> float:
     instance at its price (on demand, or spot where it runs as its spot job); its CANARY_STEPS steps of a
     CLOUD_CANARY_LAYERS-layer cut add seconds, not counted. Not measured on AWS yet: the same start-up assumption
     as every cloud job's prediction."""
-    from gpuscout.plan.planner import CLOUD_OVERHEAD_S  # the planner imports this module
+    from gpuscout.plan.jobs import CLOUD_OVERHEAD_S
 
     total = 0.0
     for canary in canaries:

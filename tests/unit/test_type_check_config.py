@@ -50,3 +50,19 @@ def test_every_aws_cdk_module_the_checked_code_imports_is_followed_and_no_other(
     assert imported, "no aws_cdk import found: the scan is broken"
     assert imported <= listed, f"imported but not followed (typed Any): {sorted(imported - listed)}"
     assert listed <= imported, f"followed but imported nowhere: {sorted(listed - imported)}"
+
+
+# `mypy --strict`'s flags that a per-module override can set (mypy's config reference; warn_unused_ignores is global
+# here already). gpuscout/ is held to all of them.
+STRICT_PER_MODULE = {
+    "disallow_untyped_defs", "disallow_incomplete_defs", "disallow_untyped_calls", "disallow_untyped_decorators",
+    "disallow_any_generics", "disallow_subclassing_any", "warn_return_any", "no_implicit_reexport", "strict_equality",
+    "extra_checks",
+}  # fmt: skip
+
+
+def test_gpuscout_is_checked_strictly() -> None:
+    overrides = _mypy_config()["overrides"]  # type: ignore[index]
+    (strict,) = [o for o in overrides if "gpuscout.*" in o["module"]]  # type: ignore[attr-defined,index]
+    assert {key for key, value in strict.items() if value is True} == STRICT_PER_MODULE
+    assert set(strict["module"]) == {"gpuscout", "gpuscout.*"}
