@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     # Inductor's compiled kernels in one folder of the checkout, so a later 10-minute call can carry them back in
     # (docs/performance.md "First hour") instead of compiling the same graphs again
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor-cache"))
-    env["PYTHONPATH"] = os.pathsep.join([*(str(root) for root in SOURCE_ROOTS), *filter(None, [env.get("PYTHONPATH")])])
+    # what the caller's PYTHONPATH names first, then the roots (as gpuscout.paths.source_pythonpath orders them)
+    env["PYTHONPATH"] = os.pathsep.join([*filter(None, [env.get("PYTHONPATH")]), *(str(root) for root in SOURCE_ROOTS)])
     chosen = [steps[s] for s in wanted if s in steps]
     outcomes += run_steps(chosen, env=env, gpu=gpu, installed=installed, deadline=deadline)
     path = write(out, name=a.name, python=python if installed is not False else box, outcomes=outcomes,

@@ -4,18 +4,18 @@ import json
 from pathlib import Path
 
 import pytest
-from gpuscout_train import launcher
+from gpuscout_train import launcher, topology
 
 from gpuscout.domain import catalog as catalog_module
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.errors import CatalogError
 
 
-def _topology(tmp_path: Path, current: str, gpus: str) -> launcher.Topology:
+def _topology(tmp_path: Path, current: str, gpus: str) -> topology.Topology:
     (tmp_path / "resourceconfig.json").write_text(
         json.dumps({"current_host": current, "hosts": ["algo-1", "algo-2"], "network_interface_name": "eth0"})
     )
-    return launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": gpus})
+    return topology.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": gpus})
 
 
 def test_two_hosts_of_eight_gpus_run_torchrun(tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_sagemaker_train_argument_is_dropped(tmp_path: Path, monkeypatch: pytest
 
 def test_single_device_runs_train_directly(tmp_path: Path) -> None:
     for gpus in ("0", "1"):
-        topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": gpus})
+        topo = topology.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": gpus})
         assert launcher.build_command(topo, [], python="py") == ["py", "-m", launcher.TRAIN_MODULE]
 
 
@@ -71,8 +71,8 @@ def test_multi_node_jobs_get_sagemakers_efa_and_nccl_environment(
     assert launcher.os.environ["NCCL_SOCKET_IFNAME"] == "ethwe" and launcher.os.environ["NCCL_PROTO"] == "simple"
 
 
-def _two_hosts_on(instance_type: str | None) -> launcher.Topology:
-    return launcher.Topology(hosts=["algo-1", "algo-2"], current_host="algo-1", gpus_per_host=8,
+def _two_hosts_on(instance_type: str | None) -> topology.Topology:
+    return topology.Topology(hosts=["algo-1", "algo-2"], current_host="algo-1", gpus_per_host=8,
                              instance_type=instance_type)  # fmt: skip
 
 
@@ -82,21 +82,21 @@ def test_efa_follows_the_catalog_for_every_catalogued_type() -> None:
     assert any(t.efa for t in catalog) and any(not t.efa for t in catalog)
     for instance in catalog:
         # When the launcher sets up a two-host job on it, Then FI_PROVIDER=efa is set exactly where the catalog says EFA
-        env = launcher.distributed_environment(_two_hosts_on(instance.instance_type))
+        env = topology.distributed_environment(_two_hosts_on(instance.instance_type))
         assert (env.get("FI_PROVIDER") == "efa") == instance.efa, instance.instance_type
         # and device RDMA only on the toolkit's RDMA list, which holds EFA types only
-        assert ("FI_EFA_USE_DEVICE_RDMA" in env) == (instance.instance_type in launcher.EFA_RDMA_INSTANCES)
-        assert instance.efa or instance.instance_type not in launcher.EFA_RDMA_INSTANCES
+        assert ("FI_EFA_USE_DEVICE_RDMA" in env) == (instance.instance_type in topology.EFA_RDMA_INSTANCES)
+        assert instance.efa or instance.instance_type not in topology.EFA_RDMA_INSTANCES
 
 
 def test_an_instance_type_outside_the_catalog_gets_no_efa_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     # Given a type the catalog does not hold, When the launcher sets up a two-host job on it
-    env = launcher.distributed_environment(_two_hosts_on("ml.zz9.48xlarge"))
+    env = topology.distributed_environment(_two_hosts_on("ml.zz9.48xlarge"))
     # Then it is treated as having no EFA, with a line in the job's log saying so; no crash
     assert "FI_PROVIDER" not in env and env["NCCL_PROTO"] == "simple"
     assert "ml.zz9.48xlarge is not in the instance catalog" in capsys.readouterr().out
     # Outside SageMaker (no instance type) the catalog is not consulted and nothing is logged
-    assert "FI_PROVIDER" not in launcher.distributed_environment(_two_hosts_on(None))
+    assert "FI_PROVIDER" not in topology.distributed_environment(_two_hosts_on(None))
     assert capsys.readouterr().out == ""
 
 
@@ -107,7 +107,7 @@ def test_an_unreadable_catalog_gets_no_efa_and_says_so(
         raise CatalogError("configs/instances: no instance files")
 
     monkeypatch.setattr(catalog_module, "load_instance", broken)
-    env = launcher.distributed_environment(_two_hosts_on("ml.p5.48xlarge"))
+    env = topology.distributed_environment(_two_hosts_on("ml.p5.48xlarge"))
     assert "FI_PROVIDER" not in env
     assert "the instance catalog cannot be read (configs/instances: no instance files)" in capsys.readouterr().out
 
@@ -122,18 +122,18 @@ def test_the_efa_flag_does_not_depend_on_the_price_snapshot(tmp_path: Path, monk
     shutil.copytree(paths.CONFIG_DIR, config)
     (config / "pricing" / "sagemaker.json").unlink()
     monkeypatch.setattr(paths, "CONFIG_DIR", config)
-    assert launcher.uses_efa("ml.p5.48xlarge") and not launcher.uses_efa("ml.g6e.xlarge")
+    assert topology.uses_efa("ml.p5.48xlarge") and not topology.uses_efa("ml.g6e.xlarge")
 
 
 def test_a_single_process_gets_no_nccl_environment(tmp_path: Path) -> None:
-    topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": "1"})
+    topo = topology.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path / "absent"), "SM_NUM_GPUS": "1"})
     assert launcher.build_command(topo, [], python="py")[1:3] != ["-m", "torch.distributed.run"]
 
 
-def _cpu_host(tmp_path: Path, hyperparameters: dict[str, object], **env: str) -> launcher.Topology:
+def _cpu_host(tmp_path: Path, hyperparameters: dict[str, object], **env: str) -> topology.Topology:
     (tmp_path / "resourceconfig.json").write_text(json.dumps({"current_host": "algo-1", "hosts": ["algo-1"]}))
     (tmp_path / "hyperparameters.json").write_text(json.dumps(hyperparameters))
-    return launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "0", **env})
+    return topology.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "0", **env})
 
 
 @pytest.mark.parametrize("value", ["2", '"2"', 2], ids=["string", "sdk-json-encoded", "number"])
@@ -176,7 +176,7 @@ def test_a_bad_processes_per_host_is_a_clear_launcher_error(
 def test_one_host_of_eight_gpus_meets_on_localhost_like_sagemakers_toolkit(tmp_path: Path) -> None:
     # Given one 8-GPU host named algo-1 (the toolkit's torchrun command has no --master_addr for one host)
     (tmp_path / "resourceconfig.json").write_text(json.dumps({"current_host": "algo-1", "hosts": ["algo-1"]}))
-    topo = launcher.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "8"})
+    topo = topology.read_topology({"SM_INPUT_CONFIG_DIR": str(tmp_path), "SM_NUM_GPUS": "8"})
     # When / Then the rendezvous is torchrun's default address, not a host name that must resolve
     cmd = launcher.build_command(topo, [], python="py", environ={})
     assert "--master_addr=127.0.0.1" in cmd and "--nproc_per_node=8" in cmd
@@ -185,10 +185,10 @@ def test_one_host_of_eight_gpus_meets_on_localhost_like_sagemakers_toolkit(tmp_p
 def test_master_address_and_port_overrides_for_several_hosts_on_one_machine(tmp_path: Path) -> None:
     topo = _topology(tmp_path, "algo-2", "1")
     # Without the overrides the first host is the master (production: SageMaker resolves algo-1)
-    assert launcher.rendezvous(topo, {}) == ("algo-1", 29500)
+    assert topology.rendezvous(topo, {}) == ("algo-1", 29500)
     # With them (tests run algo-1 and algo-2 on localhost) both hosts meet there
     env = {"GPUSCOUT_MASTER_ADDR": "127.0.0.1", "GPUSCOUT_MASTER_PORT": "41234"}
     cmd = launcher.build_command(topo, [], python="py", environ=env)
     assert "--master_addr=127.0.0.1" in cmd and "--master_port=41234" in cmd and "--node_rank=1" in cmd
     with pytest.raises(launcher.TrainingError, match="GPUSCOUT_MASTER_PORT"):
-        launcher.rendezvous(topo, {"GPUSCOUT_MASTER_PORT": "http"})
+        topology.rendezvous(topo, {"GPUSCOUT_MASTER_PORT": "http"})

@@ -18,28 +18,7 @@ from gpuscout.errors import TrainingError
 from gpuscout.paths import TRAIN_MODULE
 
 from .job_code import JobCode, run_job_code, sagemaker_environment, script_arguments, write_failure
-from .topology import (
-    EFA_RDMA_INSTANCES,
-    Topology,
-    distributed_environment,
-    process_command,
-    read_hyperparameters,
-    read_topology,
-    rendezvous,
-    uses_efa,
-)
-
-__all__ = [
-    "EFA_RDMA_INSTANCES",
-    "TRAIN_MODULE",
-    "Topology",
-    "build_command",
-    "distributed_environment",
-    "main",
-    "read_topology",
-    "rendezvous",
-    "uses_efa",
-]
+from .topology import Topology, distributed_environment, process_command, read_hyperparameters, read_topology
 
 
 def build_command(
