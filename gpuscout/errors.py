@@ -35,9 +35,10 @@ class ManifestError(GpuscoutError):
 
     exit_code = 2
 
-    def __init__(self, source: str, problems: list[Problem]) -> None:
+    def __init__(self, source: str, problems: list[Problem], *, manifest_name: str | None = None) -> None:
         self.source = source
         self.problems = list(problems)
+        self.manifest_name = manifest_name  # a valid manifest's name, when a check of where it runs refused it
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{source}: {len(self.problems)} problem(s)\n{lines}")
 

@@ -253,11 +253,13 @@ def plan(
     --stack-name, refuse a target whose training quota is 0 there (the check `gpuscout submit` makes)."""
     from gpuscout.cli.local_view import print_plan
     from gpuscout.domain.catalog import load_catalog
-    from gpuscout.local.planning import plan_manifest
+    from gpuscout.domain.manifest_loader import load_manifest
+    from gpuscout.local.planning import plan_jobs
     from gpuscout.plan.search import describe_plan
 
     catalog = load_catalog()
-    manifest, the_plan = plan_manifest(file, catalog, on_message=lambda text: err_console.print(text, markup=False))
+    manifest = load_manifest(file, catalog)
+    the_plan = plan_jobs(manifest, catalog, on_message=lambda text: err_console.print(text, markup=False))
     print_plan(console, the_plan, for_run=False)
     _warn_duplicate_variants(manifest)
     if the_plan.search is not None:
@@ -336,16 +338,18 @@ def local(  # noqa: PLR0917 - typer passes the options by keyword; the signature
 ) -> None:
     """Run the benchmark on this machine: prepare data once, train every variant, analyze, report."""
     from gpuscout.cli.local_view import RichRunObserver
-    from gpuscout.domain.manifest_loader import load_manifest
-    from gpuscout.local.runner import ensure_writable, run_local
+    from gpuscout.domain.catalog import load_catalog
+    from gpuscout.local.planning import validate
+    from gpuscout.local.runner import run_local
 
-    load_manifest(file)  # a manifest error is reported before the database is created
-    ensure_writable(runs_dir.resolve())  # before the database is opened or anything planned
+    catalog = load_catalog()
+    # the manifest and the runs folder are checked once, before the database is created or anything planned
+    validated = validate(file, runs_dir=runs_dir, catalog=catalog)
     store = open_store(db)
     run = run_local(
-        file,
+        validated,
         store=store,
-        runs_dir=runs_dir,
+        catalog=catalog,
         observer=RichRunObserver(console),
         allow_concurrent=allow_concurrent,
         canary=canary,

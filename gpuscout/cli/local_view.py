@@ -19,9 +19,10 @@ from gpuscout.analysis.recommend import seconds_text
 from gpuscout.cli.console_style import Column, number_cell, responsive_table
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.prices import REFRESH_COMMAND
-from gpuscout.local.job_process import JobOutcome, JobProgress
+from gpuscout.local.job_process import JobProgress
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+from gpuscout.workflow.ports import JobOutcome
 
 if TYPE_CHECKING:
     from gpuscout.plan.jobs import Plan

@@ -34,7 +34,7 @@ from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.cloud import run_roles
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
-from gpuscout.cloud.notify import publish, refusal_notice, run_summary
+from gpuscout.cloud.notify import sns_notifier
 from gpuscout.cloud.plan_items import (
     STATE_PAYLOAD_LIMIT_BYTES,
     request_count_problems,
@@ -46,7 +46,6 @@ from gpuscout.cloud.sources import TrackingServers, cloud_problems
 from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected, PlanRefused, refusal
 from gpuscout.domain.catalog import Catalog, load_catalog
 from gpuscout.domain.manifest import Manifest
-from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.domain.names import REJECTED_PREFIX, REPORTS_PREFIX
 from gpuscout.errors import (
     GpuscoutError,
@@ -61,13 +60,16 @@ from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JobRecord,
     JobStatus,
-    ResultRecord,
     ResultStore,
     RunRecord,
     RunStatus,
     utcnow,
 )
 from gpuscout.store.dynamodb import DynamoDbStore
+from gpuscout.workflow import analyze as analyze_step
+from gpuscout.workflow import close as close_step
+from gpuscout.workflow import report as report_step
+from gpuscout.workflow import validate as validate_step
 
 logger = logging.getLogger(__name__)
 MAX_MANIFEST_BYTES = 1024 * 1024
@@ -182,6 +184,41 @@ def _read_object(s3: Any, bucket: str, key: str) -> tuple[str, bytes, str]:
     raise AssertionError("unreachable: the last candidate returns or raises")
 
 
+def _fits_the_state(source: str) -> validate_step.Check:
+    """Validate's output carries the parsed manifest (defaults filled in) to Plan: it must fit the state."""
+
+    def check(manifest: Manifest) -> Manifest:
+        parsed_size = len(json.dumps(manifest.model_dump(mode="json"), separators=(",", ":")).encode())
+        if parsed_size > MAX_PARSED_MANIFEST_BYTES:
+            raise ManifestError(
+                source,
+                [
+                    Problem(
+                        "",
+                        f"the parsed manifest is {parsed_size / 1024:.0f} KiB with its defaults filled in; the "
+                        f"workflow carries at most {MAX_PARSED_MANIFEST_BYTES // 1024} KiB of it between states (Step "
+                        f"Functions' {STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB limit); shorten descriptions or split the "
+                        "variants into several manifests",
+                    )
+                ],
+            )
+        return manifest
+
+    return check
+
+
+def _runs_in_this_stack(source: str, s3: Any, settings: LambdaSettings) -> validate_step.Check:
+    """What a valid manifest may still not do in this stack, then its job code's files in S3."""
+
+    def check(manifest: Manifest) -> Manifest:
+        refused = _cloud_problems(manifest, settings) or _job_code_problems(s3, manifest)
+        if refused:
+            raise ManifestError(source, refused)
+        return manifest
+
+    return check
+
+
 def validate_manifest(
     execution_input: dict[str, Any],
     *,
@@ -205,29 +242,15 @@ def validate_manifest(
     try:
         if len(body) > MAX_MANIFEST_BYTES:
             raise ManifestError(source, [Problem("", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")])
-        manifest = parse_manifest(body, source, catalog)
-        parsed_size = len(json.dumps(manifest.model_dump(mode="json"), separators=(",", ":")).encode())
-        if parsed_size > MAX_PARSED_MANIFEST_BYTES:
-            raise ManifestError(
-                source,
-                [
-                    Problem(
-                        "",
-                        f"the parsed manifest is {parsed_size / 1024:.0f} KiB with its defaults filled in; the "
-                        f"workflow carries at most {MAX_PARSED_MANIFEST_BYTES // 1024} KiB of it between states (Step "
-                        f"Functions' {STATE_PAYLOAD_LIMIT_BYTES // 1024} KiB limit); shorten descriptions or split the "
-                        "variants into several manifests",
-                    )
-                ],
-            )
-        refused = _cloud_problems(manifest, settings) or _job_code_problems(s3, manifest)
-        if refused:
-            raise ManifestError(source, refused)
+        manifest = validate_step.validate(
+            body, source, catalog=catalog, checks=[_fits_the_state(source), _runs_in_this_stack(source, s3, settings)]
+        )
         refused, quota_warnings = _plan_problems(manifest, catalog, settings, quota_book)
         if refused:
             raise ManifestError(source, refused)
     except ManifestError as err:
-        run_id = make_run_id(manifest.name if manifest else stem, key=key, etag=etag)
+        name = err.manifest_name or (manifest.name if manifest else stem)
+        run_id = make_run_id(name, key=key, etag=etag)
         report = {**err.to_dict(), "run_id": run_id, "etag": etag, "rejected_at": utcnow().isoformat()}
         error_key = f"{REJECTED_PREFIX}{stem}.error.json"
         try:
@@ -242,7 +265,7 @@ def validate_manifest(
         store.put_run(
             RunRecord(
                 run_id=run_id,
-                name=manifest.name if manifest else stem,
+                name=name,
                 status=RunStatus.REJECTED,
                 manifest_source=source,
                 error=str(err),
@@ -393,11 +416,13 @@ def tell_refusal(refused: dict[str, Any], *, sns: Any, topic_arn: str | None) ->
     """Publish why a run never started (a Validate or Plan refusal, gpuscout.cloud.step_errors): whoever dropped
     the manifest into the bucket is told, as for a run that ended. True when sent, False without a topic, else why
     not (the refusal stands either way)."""
-    if not topic_arn or sns is None:
-        return False
     detail = refused.get("refused") or {}
-    notice = refusal_notice(refused.get("run_id"), str(detail.get("Error", "")), str(detail.get("Cause", "")))
-    return publish(sns, topic_arn, notice) or True
+    return close_step.notify_refusal(
+        refused.get("run_id"),
+        str(detail.get("Error", "")),
+        str(detail.get("Cause", "")),
+        notifier=sns_notifier(sns, topic_arn),
+    )
 
 
 def refuse(
@@ -413,15 +438,17 @@ def tell_run_failed(run_id: str, *, store: ResultStore, sns: Any, topic_arn: str
     """Publish the run summary analyze sends for a finished run, for a run that ended FAILED before its analysis (an
     error, a timeout, an abort, a failed canary): the same message, so every way a run ends is told. True when
     sent, False without a topic, else why it was not (the run stays FAILED either way)."""
-    if not topic_arn or sns is None:
+    notifier = sns_notifier(sns, topic_arn)
+    if notifier is None:
         return False
     try:
         run, jobs = store.get_run(run_id), store.list_jobs(run_id)
     except (GpuscoutError, ClientError, BotoCoreError) as err:  # the run is FAILED already; the summary is lost
         logger.error("cannot read run %s for its summary: %s", run_id, err)
         return f"cannot read the run for its summary: {err}"
-    notice = run_summary(run, jobs, recommendation=NOT_ANALYSED_RECOMMENDATION, report_uri=NOT_ANALYSED_REPORT)
-    return publish(sns, topic_arn, notice) or True
+    return close_step.notify_run(
+        run, jobs, recommendation=NOT_ANALYSED_RECOMMENDATION, report_uri=NOT_ANALYSED_REPORT, notifier=notifier
+    )
 
 
 def fail_run_of_execution(
@@ -440,17 +467,24 @@ def fail_run_of_execution(
     return [mark_run_failed(r.run_id, reason, store=store, execution_arn=execution_arn) for r in runs]
 
 
-def _upload_report(s3: Any, bucket: str, run_id: str, folder: Path) -> str:
-    """Every file the report wrote (pages, JSON, charts), keeping relative paths so the pages' links work."""
-    prefix = f"{REPORTS_PREFIX}{run_id}/"
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        key = prefix + path.relative_to(folder).as_posix()
-        content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        try:
-            s3.upload_file(str(path), bucket, key, ExtraArgs={"ContentType": content_type})
-        except (ClientError, BotoCoreError) as err:
-            raise CloudStepError(f"cannot upload {path.name} to s3://{bucket}/{prefix}: {err}") from err
-    return f"s3://{bucket}/{prefix}"
+@dataclass(frozen=True)
+class S3ReportSink:
+    """The cloud's ``workflow.ports.ReportSink``: reports/<run_id>/ in the data bucket."""
+
+    s3: Any
+    bucket: str
+
+    def publish(self, run_id: str, folder: Path) -> str:
+        """Every file the report wrote (pages, JSON, charts), keeping relative paths so the pages' links work."""
+        prefix = f"{REPORTS_PREFIX}{run_id}/"
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            key = prefix + path.relative_to(folder).as_posix()
+            content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+            try:
+                self.s3.upload_file(str(path), self.bucket, key, ExtraArgs={"ContentType": content_type})
+            except (ClientError, BotoCoreError) as err:
+                raise CloudStepError(f"cannot upload {path.name} to s3://{self.bucket}/{prefix}: {err}") from err
+        return f"s3://{self.bucket}/{prefix}"
 
 
 def analyze(
@@ -465,48 +499,29 @@ def analyze(
     work_dir: Path | None = None,
     sns: Any = None,
 ) -> dict[str, Any]:
-    """Analyze step: RunAnalysis + report files in ``reports/<run_id>/`` of the data bucket + RESULT row + the final
-    run status; then, when the stack has a topic (NOTIFICATION_TOPIC_ARN) and ``sns`` is given, the run summary is
-    published to it (gpuscout.cloud.notify). ``notified`` in the result says whether it was sent, or why not."""
-    # Imported here: report rendering pulls in matplotlib, which only the analyze Lambda needs at cold start.
-    from gpuscout.analysis.report import write_report
-
+    """Analyze step (the workflow's analyze, report, final status and notify steps): RunAnalysis + report files in
+    ``reports/<run_id>/`` of the data bucket + RESULT row + the final run status; then, when the stack has a topic
+    (NOTIFICATION_TOPIC_ARN) and ``sns`` is given, the run summary is published to it. ``notified`` in the result
+    says whether it was sent, or why not."""
     run_id = str(request["run_id"])
     run = store.get_run(run_id)
-    jobs = [j for j in store.list_jobs(run_id) if not j.is_canary]  # canaries are not measurements
     catalog = catalog or load_catalog()
     if prices is None:
         prices = PriceBook.from_catalog(catalog).with_manifest_overrides(RunTerms.stored(run.manifest))
         if pricing_client is not None:
             # Today's SageMaker Training list prices for the run's region; any failure keeps the catalog table's
             # price and says so in the analysis notes. Manifest overrides still win.
-            prices.refresh_from_aws({j.instance_type for j in jobs}, settings.region, client=pricing_client)
-    from gpuscout.analysis.analyze import analyze_run as analyze_jobs  # numpy: only the analyze Lambda loads it
-
-    analysis = analyze_jobs(run, jobs, catalog=catalog, prices=prices)
+            instance_types = {j.instance_type for j in store.list_jobs(run_id) if not j.is_canary}
+            prices.refresh_from_aws(instance_types, settings.region, client=pricing_client)
+    analysis, jobs = analyze_step.analyze_run(run, store, catalog=catalog, prices=prices)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        out_dir = Path(tmp) / run_id
-        write_report(analysis, out_dir)
-        report_uri = _upload_report(s3, settings.data_bucket, run_id, out_dir)
-    store.put_result(
-        ResultRecord(
-            run_id=run_id,
-            analysis=analysis.model_dump(mode="json"),
-            report_uri=report_uri,
-            price_snapshot=analysis.price_snapshot.model_dump(mode="json"),
+        report_uri = report_step.write_report(
+            analysis, Path(tmp) / run_id, store=store, sink=S3ReportSink(s3, settings.data_bucket)
         )
-    )
-    completed = sum(1 for j in jobs if j.status is JobStatus.COMPLETED)
-    # unless_status: a run the budget guard stopped meanwhile stays STOPPED (the check and the write are one call)
-    if completed:
-        store.update_run(run_id, unless_status=(RunStatus.STOPPED,), status=RunStatus.SUCCEEDED)
-    else:
-        error = f"none of the {len(jobs)} job(s) completed"
-        store.update_run(run_id, unless_status=(RunStatus.STOPPED,), status=RunStatus.FAILED, error=error)
+    final = close_step.close_status(store, run_id, jobs)
     summary = analysis.recommendation.summary
-    notified: bool | str = False
-    if settings.notification_topic_arn and sns is not None:
-        notice = run_summary(store.get_run(run_id), jobs, recommendation=summary, report_uri=report_uri)
-        problem = publish(sns, settings.notification_topic_arn, notice)
-        notified = problem or True
+    notified = close_step.notify_run(
+        final, jobs, recommendation=summary, report_uri=report_uri,
+        notifier=sns_notifier(sns, settings.notification_topic_arn),
+    )  # fmt: skip
     return {"run_id": run_id, "recommendation": summary, "report_uri": report_uri, "notified": notified}

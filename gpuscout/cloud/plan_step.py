@@ -41,8 +41,9 @@ from gpuscout.domain.manifest_loader import validate_manifest_data
 from gpuscout.errors import BudgetExceededError, GpuscoutError, RunExistsError, RunNotFoundError
 from gpuscout.plan.canary import Canary, cloud_canaries, predicted_canary_cost_usd
 from gpuscout.plan.jobs import Plan
-from gpuscout.plan.planner import plan
-from gpuscout.store.base import JobRecord, JobStatus, ResultStore, RunRecord, RunStatus
+from gpuscout.store.base import ResultStore, RunRecord, RunStatus
+from gpuscout.workflow import canary as workflow_canary
+from gpuscout.workflow import plan as workflow_plan
 
 # A run that ended like this may be planned again from the same manifest object (as <run_id>-r<attempt>).
 RETRYABLE_RUN_STATUSES = frozenset({RunStatus.FAILED, RunStatus.REFUSED})
@@ -156,23 +157,17 @@ def plan_jobs(
         execution_arn=execution_arn,
     )
     try:
-        the_plan = plan(manifest, catalog, run_id=run_id)
+        the_plan = workflow_plan.plan_run(manifest, catalog, run_id=run_id)
     except GpuscoutError as err:  # the planner cannot plan it (PlanError and the like): a REFUSED run that says why
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": f"cannot plan: {err}"}))
         raise PlanRefused(f"{source}: cannot plan: {err}") from err
     # The canaries run before the jobs and are billed too: in the predicted cost and the budget check.
     canaries = cloud_canaries(the_plan.jobs, manifest, catalog, settings.canary_instance_type)
-    canary_cost = predicted_canary_cost_usd(canaries)
-    run = run.model_copy(
-        update={
-            "predicted_cost_usd": the_plan.predicted_cost_usd + canary_cost,
-            "search": the_plan.search.model_dump(mode="json") if the_plan.search else None,
-        }
-    )
     try:
-        the_plan.check_budget(canary_cost)
+        run = workflow_plan.within_budget(
+            the_plan, run, store=store, extra_cost_usd=predicted_canary_cost_usd(canaries)
+        )
     except BudgetExceededError as err:
-        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err)}))
         raise PlanRefused(f"{source}: {err}") from err
 
     # The user's own code (a job section) reads its own data: nothing to prepare.
@@ -224,10 +219,10 @@ def plan_jobs(
             s3.put_object(Bucket=settings.artifacts_bucket, Key=key, Body=body, ContentType="application/json")
         except (ClientError, BotoCoreError) as err:
             raise CloudStepError(f"cannot write s3://{settings.artifacts_bucket}/{key}: {err}") from err
-    rows = [JobRecord.from_spec(spec, JobStatus.PLANNED) for spec in (the_plan.jobs if the_plan.search is None else ())]
+    rows = workflow_plan.planned_rows(the_plan)
     # (a search's rows appear as its trials start); a canary's row: its status in `gpuscout status`, its billed time
     # in the budget guard
-    rows += [JobRecord.from_spec(c.spec, JobStatus.PLANNED, canary_for=list(c.covers)) for c in canaries]
+    rows += workflow_canary.canary_rows(canaries)
     store.put_jobs(rows)
     try:
         store.create_run(run)  # last: a run row means every job row exists; atomic, so one of two racers wins

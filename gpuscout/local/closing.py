@@ -2,7 +2,9 @@
 runner; or, when its runner died, found abandoned (its host's process is gone) and closed by ``gpuscout runs
 --close``; and a finished run logged to its experiment trackers again (``gpuscout track``).
 
-May import: gpuscout.domain, gpuscout.store, gpuscout.analysis (tracking, lazily) and gpuscout.local's results,
+Analysis, report and final status are the workflow's steps (gpuscout.workflow.analyze, .report), driven here.
+
+May import: gpuscout.domain, gpuscout.store, gpuscout.workflow, gpuscout.analysis (lazily) and gpuscout.local's
 observer, process_control and job_process (the job folder's log names)."""
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from gpuscout.local.process_control import (
     process_alive,
     this_host,
 )
-from gpuscout.local.results import analyze_and_report
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JobRecord,
@@ -28,6 +29,9 @@ from gpuscout.store.base import (
     RunRecord,
     RunStatus,
 )
+from gpuscout.workflow import analyze as analyze_step
+from gpuscout.workflow import close as close_step
+from gpuscout.workflow import report as report_step
 
 if TYPE_CHECKING:
     from gpuscout.analysis.tracking import RunExtras, TrackingOutcome
@@ -80,13 +84,28 @@ def close_run(
         logged = log_run(run_id, analysis, run_dir / "report", destinations, _extras(store.get_run(run_id), run_dir))
         for line in logged.logged + logged.problems:
             observer.message(f"tracking: {line}", warning=line in logged.problems)
-    if interrupted:
-        final = store.update_run(run_id, status=RunStatus.STOPPED, error=f"interrupted ({interrupted})")
-    elif completed:
-        final = store.update_run(run_id, status=RunStatus.SUCCEEDED, error=None)
-    else:
-        final = store.update_run(run_id, status=RunStatus.FAILED, error=f"all {len(jobs)} jobs failed")
+    final = close_step.close_status(store, run_id, jobs, interrupted=interrupted)
     return final, analysis, jobs
+
+
+def analyze_and_report(
+    run: RunRecord, store: ResultStore, manifest: Manifest, catalog: Catalog, *, report_dir: Path, observer: RunObserver
+) -> dict[str, Any]:
+    """The workflow's analyze and report steps for a local run: its analysis stored, then its report written into
+    the run folder. A report that cannot be written is a warning (the analysis is stored either way and
+    ``gpuscout results`` shows it)."""
+    from gpuscout.analysis.terms import RunTerms
+
+    analysis, _jobs = analyze_step.analyze_run(run, store, catalog=catalog, terms=RunTerms.of(manifest))
+    try:
+        report_step.write_report(analysis, report_dir, store=store)
+    except Exception as err:  # the measured results are stored; a broken chart must not hide them
+        observer.message(
+            f"the report could not be written ({type(err).__name__}: {err}); "
+            "the results are stored, see `gpuscout results`",
+            warning=True,
+        )
+    return analysis.model_dump(mode="json")
 
 
 def stop_unfinished_jobs(store: ResultStore, run_id: str, why: str, *, current: tuple[str, str] | None = None) -> None:

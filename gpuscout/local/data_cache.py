@@ -1,6 +1,6 @@
 """The prepared-data cache of local runs: ``gpuscout_data/prepare.py`` run once per (source, tokenizer, sequence
 length) into ``runs/.cache/data/<key>``, verified against its own file list, staging folders of interrupted runs
-removed; and the checks of degenerate prepared data before any job runs.
+removed. The prepared data is checked by the workflow's step (gpuscout.workflow.prepare_data).
 
 May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process / observer / process_control."""
 
@@ -14,31 +14,23 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuscout import paths
-from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
-from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import DataPreparationError, DiskFullError, says_disk_full
 from gpuscout.local.job_process import (
     STDERR_TAIL_LINES,
     TERMINATE_GRACE_S,
     child_env,
     int_or_none,
-    job_record,
     tail_lines,
 )
-from gpuscout.local.observer import RunObserver
 from gpuscout.local.process_control import (
     child_popen_kwargs,
     process_alive,
     stop_process_group,
-)
-from gpuscout.store.base import (
-    JobStatus,
-    ResultStore,
 )
 
 if TYPE_CHECKING:
@@ -224,27 +216,3 @@ def prepare_data(manifest: Manifest, cache_dir: Path, notify: Callable[[str], No
             raise
     notify(f"data: prepared in {time.monotonic() - started:.1f} s")
     return target
-
-
-def check_prepared_data(
-    data_dir: Path, manifest: Manifest, specs: Sequence[JobSpec], *, store: ResultStore, observer: RunObserver
-) -> set[str]:
-    """Degenerate data, before anything is measured (domain.dataset_checks): warnings are shown loudly; a job whose
-    global batch the training split cannot fill is recorded FAILED with the fix and not run. Returns those jobs."""
-    try:
-        summary = json.loads((data_dir / "dataset.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise DataPreparationError(f"prepared data in {data_dir} is unreadable ({err}); delete the folder") from err
-    requested = manifest.tokenizer.resolved_vocab_size
-    for problem in dataset_problems(summary, requested_vocab_size=requested):
-        observer.message(f"data: {problem.message}", warning=True)
-    refused: set[str] = set()
-    for spec in specs:
-        batch = global_batch_blocks(spec.hyperparameters, spec.gpus_per_instance * spec.instance_count or 1)
-        for problem in dataset_problems(summary, global_batch=batch):
-            if problem.severity == "refuse":
-                reason = f"not run: degenerate data: {problem.message}"
-                store.put_job(job_record(spec, JobStatus.FAILED).model_copy(update={"failure_reason": reason}))
-                observer.message(f"{spec.job_name}: {reason}", warning=True)
-                refused.add(spec.job_name)
-    return refused

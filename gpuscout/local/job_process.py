@@ -3,7 +3,8 @@ child process whose stdout is pumped into its log and parsed for progress, the w
 ``max_runtime_seconds`` does), the stop, and what became of it: benchmark.json read back, or the failure classified
 (OOM, failed, stopped, pruned) with the end of its stderr.
 
-May import: gpuscout.domain, gpuscout.store and gpuscout.local's process_control and contention."""
+May import: gpuscout.domain, gpuscout.store, gpuscout.workflow (its ports) and gpuscout.local's process_control and
+contention."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from pydantic import ValidationError
 
@@ -35,12 +36,8 @@ from gpuscout.local.process_control import (
     child_popen_kwargs,
     stop_process_group,
 )
-from gpuscout.store.base import (
-    JOB_STATUS_RANK,
-    JobRecord,
-    JobStatus,
-    utcnow,
-)
+from gpuscout.store.base import JobStatus
+from gpuscout.workflow.ports import JobOutcome
 
 CURRENT_HOST = "algo-1"
 STDERR_TAIL_LINES = 20
@@ -179,15 +176,6 @@ class JobProgress:
         else:
             parts.append("tok/s -")
         return "  ".join(parts)
-
-
-@dataclass
-class JobOutcome:
-    status: JobStatus
-    benchmark: BenchmarkResult | None
-    failure_reason: str | None
-    wall_seconds: float
-    contention: dict[str, Any] | None = None  # the machine's other load while the job ran (contention.py)
 
 
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -462,14 +450,16 @@ def int_or_none(value: str | None) -> int | None:
         return None
 
 
-def job_record(spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None) -> JobRecord:
-    return JobRecord.from_spec(
-        spec,
-        status,
-        benchmark=outcome.benchmark if outcome else None,
-        failure_reason=outcome.failure_reason if outcome else None,
-        training_seconds=round(outcome.wall_seconds) if outcome else None,
-        contention=outcome.contention if outcome else None,
-        status_rank=JOB_STATUS_RANK[status],
-        last_event_time=utcnow(),
-    )
+@dataclass(frozen=True)
+class FolderLauncher:
+    """The workflow's ``JobLauncher`` on this machine: each job in ``root/<place>/<job name>`` (``JobFolders``), its
+    prepared data ``data_dir`` (none for a user's own script), run to its end by ``run_job``."""
+
+    root: Path
+    data_dir: Path | None
+
+    def run(self, spec: JobSpec, place: str) -> JobOutcome:
+        folders = JobFolders.create(self.root / place / spec.job_name, spec, self.data_dir)
+        outcome = run_job(spec, folders)
+        outcome.log = str(folders.stderr_log)
+        return outcome

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.local.job_process import JobOutcome, JobProgress
+from gpuscout.local.job_process import JobProgress
 from gpuscout.store.base import (
     JobRecord,
     RunRecord,
 )
+from gpuscout.workflow.ports import JobOutcome
 
 if TYPE_CHECKING:
     from gpuscout.plan.jobs import Plan

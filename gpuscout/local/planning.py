@@ -1,21 +1,34 @@
-"""Plan a local run: the manifest planned against this machine's hardware (the planner refuses what cannot run or is
-over budget), 16-bit precision checked against this CPU, and a job section's variants without an estimate calibrated
-here by a short run of the user's script.
+"""Validate and Plan on this machine, the first two steps of the workflow (gpuscout.workflow) as ``gpuscout local``
+drives them:
 
-May import: gpuscout.domain, gpuscout.plan, gpuscout.store and gpuscout.local.job_process / startup."""
+- ``validate``: the manifest file read and validated once (workflow.validate) with this face's checks (its paths
+  resolved against its folder, a job's code on this machine, not in S3), and the runs folder found writable: both
+  before the result store is opened or anything is planned;
+- ``plan_jobs``: the plan against this machine's hardware (workflow.plan; the planner refuses what cannot run),
+  16-bit precision checked against this CPU, and a job section's variants without an estimate calibrated first by a
+  short run of the user's script (workflow.calibrate, its own step). The budget is checked by the runner.
+
+May import: gpuscout.domain, gpuscout.plan, gpuscout.store, gpuscout.workflow and gpuscout.local.job_process /
+startup."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from gpuscout.domain.catalog import LOCAL, Catalog, load_catalog
-from gpuscout.local.job_process import JobFolders, run_job
+from gpuscout.domain.catalog import LOCAL, Catalog, detect_local_hardware
+from gpuscout.domain.manifest_loader import read_manifest_file, resolve_paths
+from gpuscout.errors import GpuscoutError, ManifestError, Problem
+from gpuscout.local.job_process import FolderLauncher
 from gpuscout.local.startup import measure_startup_seconds
-from gpuscout.store.base import (
-    JobStatus,
-)
+from gpuscout.plan.jobs import make_run_id
+from gpuscout.workflow import calibrate as calibrate_step
+from gpuscout.workflow import plan as plan_step
+from gpuscout.workflow import validate as validate_step
 
 if TYPE_CHECKING:
     from gpuscout.domain.catalog import LocalHardware
@@ -23,25 +36,77 @@ if TYPE_CHECKING:
     from gpuscout.plan.jobs import Plan
 
 
-def plan_manifest(
-    manifest_path: Path | str,
-    catalog: Catalog | None = None,
+@dataclass(frozen=True)
+class Validated:
+    """A manifest file validated for a local run, and the runs folder (absolute) found writable."""
+
+    path: Path
+    manifest: Manifest
+    runs_dir: Path
+
+
+def validate(manifest_path: Path | str, *, runs_dir: Path, catalog: Catalog) -> Validated:
+    """The Validate step of a local run: ManifestError with every problem, or GpuscoutError for a runs folder that
+    cannot be written. Nothing is stored, planned or created."""
+    path = Path(manifest_path)
+    manifest = validate_step.validate(
+        read_manifest_file(path),
+        str(path),
+        catalog=catalog,
+        checks=[lambda m: resolve_paths(m, path), _code_on_this_machine(path)],
+    )
+    runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
+    ensure_writable(runs_dir)
+    return Validated(path=path, manifest=manifest, runs_dir=runs_dir)
+
+
+def _code_on_this_machine(path: Path) -> validate_step.Check:
+    def check(manifest: Manifest) -> Manifest:
+        job = manifest.job
+        if job is not None and job.in_s3:
+            problem = Problem(
+                "job.source_dir",
+                f"{job.source_dir} is in S3; `gpuscout local` runs a local folder (aws s3 sync {job.source_dir} code/ "
+                "and set job.source_dir: code)",
+            )
+            raise ManifestError(str(path), [problem])
+        return manifest
+
+    return check
+
+
+def ensure_writable(folder: Path) -> None:
+    """A runs folder that cannot be written is a clear error before anything is planned or prepared."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise GpuscoutError(f"--runs-dir {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GpuscoutError(f"--runs-dir {folder}: {existing} is not writable; choose another folder with --runs-dir")
+    if folder.exists():
+        return
+    try:  # a folder some file systems refuse even so (/proc, a read-only mount): found now, not mid-run
+        folder.mkdir(parents=True)
+    except OSError as err:
+        raise GpuscoutError(
+            f"--runs-dir {folder}: cannot create it ({err.strerror or err}); choose another folder with --runs-dir"
+        ) from err
+    made = folder  # created only to try: a refused run leaves no folder behind
+    while made != existing:
+        made.rmdir()
+        made = made.parent
+
+
+def plan_jobs(
+    manifest: Manifest,
+    catalog: Catalog,
     *,
     run_id: str | None = None,
     on_message: Callable[[str], None] = lambda _message: None,
-) -> tuple[Manifest, Plan]:
-    """Load and validate a manifest, then plan it (hardware detected when a target is ``local``; a job section
-    without job.estimate calibrated first, ``calibrate_job``).
-
-    Returns ``(manifest, plan)``; raises ManifestError / PlanError. The budget is *not* checked here.
-    """
-    from gpuscout.domain.catalog import detect_local_hardware
-    from gpuscout.domain.manifest_loader import load_manifest
-    from gpuscout.plan.jobs import make_run_id
-    from gpuscout.plan.planner import plan
-
-    catalog = catalog or load_catalog()
-    manifest = load_manifest(manifest_path, catalog=catalog)
+) -> Plan:
+    """The Plan step of a local run (hardware detected when a target is ``local``; a job section without
+    job.estimate calibrated first). Raises PlanError; the budget is *not* checked here."""
     local_hardware = None
     if any(t.instance_type == LOCAL for t in manifest.targets):
         local_hardware = detect_local_hardware().model_copy(update={"startup_s": measure_startup_seconds()})
@@ -50,12 +115,15 @@ def plan_manifest(
             on_message(warning)
     calibration = None
     if manifest.job is not None and manifest.job.estimate is None and local_hardware is not None:
-        calibration = calibrate_job(manifest, catalog, local_hardware, on_message=on_message)
-    the_plan = plan(
+        with tempfile.TemporaryDirectory(prefix="gpuscout-calibration-") as tmp:
+            launcher = FolderLauncher(Path(tmp), data_dir=None)
+            calibration = calibrate_step.calibrate(
+                manifest, catalog, local_hardware, launcher=launcher, on_message=on_message
+            )
+    return plan_step.plan_run(
         manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware,
         calibration=calibration,
     )  # fmt: skip
-    return manifest, the_plan
 
 
 def half_precision_warnings(manifest: Manifest, local_hardware: LocalHardware) -> list[str]:
@@ -78,61 +146,3 @@ def half_precision_warnings(manifest: Manifest, local_hardware: LocalHardware) -
                 "figures would measure that; pass fp32 on a CPU (set it per variant) or run it on a GPU"
             )
     return out
-
-
-CALIBRATION_TIMED_STEPS = 5
-CALIBRATION_WARMUP_STEPS = 2
-CALIBRATION_MAX_RUNTIME_S = 900  # a calibration's deadline: 7 steps of a script that needs longer are not a plan
-
-
-def calibrate_job(
-    manifest: Manifest,
-    catalog: Catalog,
-    local_hardware: Any,
-    *,
-    on_message: Callable[[str], None] = lambda _message: None,
-) -> dict[str, Any]:
-    """A job section without job.estimate: each variant's script runs CALIBRATION_WARMUP_STEPS +
-    CALIBRATION_TIMED_STEPS steps on this machine (stopped by the gpuscout_report helper, a temporary folder), and
-    its measured rate and step time become the plan's prediction (plan.job_section.Calibration). A variant whose
-    calibration fails is a PlanError with the reason: nothing is planned or timed."""
-    import tempfile
-
-    from gpuscout.domain.manifest_training import JobEstimate
-    from gpuscout.errors import PlanError
-    from gpuscout.plan.job_section import Calibration
-    from gpuscout.plan.planner import plan
-
-    job = manifest.job
-    if job is None:
-        raise PlanError(f"manifest {manifest.name!r} has no job section: only a user's own script is calibrated")
-    provisional = manifest.model_copy(update={"job": job.model_copy(update={"estimate": JobEstimate(units_per_s=1.0)})})
-    specs = plan(provisional, catalog, run_id="calibration", local_hardware=local_hardware).jobs
-    firsts = {s.variant_name: s for s in reversed(specs) if s.instance_type == LOCAL}  # first local job per variant
-    steps = CALIBRATION_WARMUP_STEPS + CALIBRATION_TIMED_STEPS
-    settings = {"GPUSCOUT_MAX_STEPS": str(steps), "GPUSCOUT_WARMUP_STEPS": str(CALIBRATION_WARMUP_STEPS),
-                "GPUSCOUT_STOP_RULE": "fixed"}  # fmt: skip
-    measured: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="gpuscout-calibration-") as tmp:
-        for variant in manifest.variants:
-            spec = firsts[variant.name]
-            assert spec.job_code is not None
-            code = spec.job_code.model_copy(update={"environment": {**spec.job_code.environment, **settings}})
-            deadline = min(spec.max_runtime_seconds, CALIBRATION_MAX_RUNTIME_S)
-            name = f"calibration-{len(measured) + 1}"
-            spec = spec.model_copy(update={"job_code": code, "job_name": name, "max_runtime_seconds": deadline})
-            on_message(f"calibrating {variant.name!r}: {steps} steps on this machine (no job.estimate)")
-            outcome = run_job(spec, JobFolders.create(Path(tmp) / spec.job_name, spec, None))
-            bench = outcome.benchmark
-            timing, throughput = (bench.timing, bench.throughput) if bench else (None, None)
-            rate = None
-            if throughput is not None:
-                rate = throughput.samples_per_s if job.unit == "samples" else throughput.tokens_per_s
-            timed = timing.timed_steps if timing else 0
-            if outcome.status is not JobStatus.COMPLETED or not rate or not timed or timing is None:
-                reason = outcome.failure_reason or "the script reported no timed steps"
-                raise PlanError(
-                    f"variant {variant.name!r}: its calibration ({steps} steps on this machine) failed: {reason}"
-                )
-            measured[variant.name] = Calibration(rate, timing.train_time_s / timed, timed)
-    return measured

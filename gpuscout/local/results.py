@@ -7,22 +7,19 @@ gpuscout.local.observer."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.catalog import load_catalog
 from gpuscout.errors import GpuscoutError
-from gpuscout.local.observer import RunObserver
 from gpuscout.store.base import (
     JobRecord,
     JobStatus,
     ResultRecord,
-    ResultStore,
     RunRecord,
 )
 
 if TYPE_CHECKING:
-    from gpuscout.domain.manifest import Manifest
+    pass
 
 
 def _stop_text(a: Mapping[str, Any]) -> str | None:
@@ -130,35 +127,6 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
             }
         )
     return rows
-
-
-def analyze_and_report(
-    run: RunRecord, store: ResultStore, manifest: Manifest, catalog: Catalog, *, report_dir: Path, observer: RunObserver
-) -> dict[str, Any]:
-    """Analyze the run and store the result; then write the report. A report that cannot be written is a warning
-    (the analysis is stored either way and ``gpuscout results`` shows it)."""
-    from gpuscout.analysis.analyze import analyze_run
-    from gpuscout.analysis.report import write_report
-    from gpuscout.analysis.terms import RunTerms
-
-    jobs = store.list_jobs(run.run_id)
-    analysis = analyze_run(run, jobs, terms=RunTerms.of(manifest), catalog=catalog)
-    dumped = analysis.model_dump(mode="json")
-    result = ResultRecord(
-        run_id=run.run_id, analysis=dumped, price_snapshot=analysis.price_snapshot.model_dump(mode="json")
-    )
-    store.put_result(result)
-    try:
-        write_report(analysis, report_dir)
-    except Exception as err:  # the measured results are stored; a broken chart must not hide them
-        observer.message(
-            f"the report could not be written ({type(err).__name__}: {err}); "
-            "the results are stored, see `gpuscout results`",
-            warning=True,
-        )
-        return dumped
-    store.put_result(result.model_copy(update={"report_uri": str(report_dir)}))
-    return dumped
 
 
 def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, Any]:

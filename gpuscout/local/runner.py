@@ -1,21 +1,23 @@
-"""``gpuscout local``: the whole benchmark on this machine, with the same scripts the cloud runs, in the order of the
-cloud workflow's states. Each step lives in the module its name says:
+"""``gpuscout local``: the whole benchmark on this machine, the workflow's steps (gpuscout.workflow) driven in the
+state machine's order, with the same scripts the cloud runs:
 
-- Validate and Plan: ``planning.plan_manifest`` (the manifest planned against this machine; calibration of a job
-  section's variants without an estimate), refused over budget before anything runs;
-- Prepare data: ``data_cache.prepare_data`` (``training/gpuscout_data/prepare.py`` once per source, tokenizer and
-  sequence length, cached under ``runs/.cache/data/<key>``) and ``data_cache.check_prepared_data``;
-- Canary: ``run_canaries`` below, a few steps of each distinct configuration;
+- Validate: ``planning.validate`` (the manifest read once, the runs folder writable), before the store is opened;
+- Plan: ``planning.plan_jobs`` (calibration of a job section's variants without an estimate, then the plan against
+  this machine), refused over budget before anything runs (workflow.plan.within_budget);
+- Prepare data: ``data_cache.prepare_data`` (training/gpuscout_data once per source, tokenizer and sequence length,
+  cached under ``runs/.cache/data/<key>``), then workflow.prepare_data.check_prepared_data;
+- Canary: workflow.canary.run_canaries, a few steps of each distinct configuration;
 - Train and Record: for every job (or every trial of a settings search, ``search``), ``job_process.run_job``: a
-  SageMaker-like ``opt/ml`` folder tree and ``gpuscout_train/train.py`` as a subprocess with the same SM_* variables
-  SageMaker sets, its benchmark.json into the store;
-- Analyze and report: ``closing.close_run`` (the analysis, the report and the run's final status, ``results``).
+  SageMaker-like ``opt/ml`` folder tree and ``gpuscout_train.train`` as a subprocess with the same SM_* variables
+  SageMaker sets, its row recorded by workflow.train_and_record; a disturbed measurement measured once more;
+- Analyze and Report: ``closing.close_run`` (workflow.analyze, workflow.report and the run's final status). The
+  console tells how it ended (the cloud's Notify step).
 
 A failing job never stops the others. Ctrl-C stops the job in flight, marks the run STOPPED and keeps (and
 analyzes) what was measured.
 
-May import: gpuscout.domain, gpuscout.plan, gpuscout.store and the other gpuscout.local modules (the search driver
-only for a search).
+May import: gpuscout.domain, gpuscout.plan, gpuscout.store, gpuscout.workflow and the other gpuscout.local modules
+(the search driver only for a search).
 """
 
 from __future__ import annotations
@@ -31,15 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gpuscout.domain.catalog import Catalog, load_catalog
-from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.errors import (
     DISK_FULL,
     BudgetExceededError,
     DiskFullError,
     GpuscoutError,
-    ManifestError,
-    Problem,
     is_disk_full,
 )
 from gpuscout.local.closing import (
@@ -49,18 +48,17 @@ from gpuscout.local.closing import (
     is_abandoned,
     stop_unfinished_jobs,
 )
-from gpuscout.local.data_cache import check_prepared_data, prepare_data
-from gpuscout.local.job_process import JobFolders, JobOutcome, JobProgress, job_max_steps, job_record, run_job
+from gpuscout.local.data_cache import prepare_data
+from gpuscout.local.job_process import FolderLauncher, JobFolders, JobProgress, job_max_steps, run_job
 from gpuscout.local.lock import RunsFolderLock
 from gpuscout.local.observer import RunObserver, SilentObserver
-from gpuscout.local.planning import plan_manifest
+from gpuscout.local.planning import Validated, plan_jobs, validate
 from gpuscout.local.process_control import (
     QuitNow,
     SignalGuard,
     this_host,
 )
 from gpuscout.local.tracker_check import checked_tracking
-from gpuscout.plan.canary import CANARY_STEPS, plan_canaries
 from gpuscout.store.base import (
     FINAL_RUN_STATUSES,
     JobRecord,
@@ -69,37 +67,19 @@ from gpuscout.store.base import (
     RunRecord,
     RunStatus,
 )
+from gpuscout.workflow import canary as canary_step
+from gpuscout.workflow import plan as plan_step
+from gpuscout.workflow import prepare_data as prepare_data_step
+from gpuscout.workflow.ports import JobOutcome
+from gpuscout.workflow.train_and_record import disturbance_to_measure_again, record_job, remeasure_spec
 
 if TYPE_CHECKING:
     from gpuscout.domain.manifest import Manifest
     from gpuscout.plan.jobs import Plan
 
 
-def ensure_writable(folder: Path) -> None:
-    """A runs folder that cannot be written is a clear error before anything is planned or prepared."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise GpuscoutError(f"--runs-dir {folder}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise GpuscoutError(f"--runs-dir {folder}: {existing} is not writable; choose another folder with --runs-dir")
-    if folder.exists():
-        return
-    try:  # a folder some file systems refuse even so (/proc, a read-only mount): found now, not mid-run
-        folder.mkdir(parents=True)
-    except OSError as err:
-        raise GpuscoutError(
-            f"--runs-dir {folder}: cannot create it ({err.strerror or err}); choose another folder with --runs-dir"
-        ) from err
-    made = folder  # created only to try: a refused run leaves no folder behind
-    while made != existing:
-        made.rmdir()
-        made = made.parent
-
-
 def run_local(
-    manifest_path: Path | str,
+    manifest: Validated | Path | str,
     *,
     store: ResultStore,
     runs_dir: Path = Path("runs"),
@@ -112,51 +92,38 @@ def run_local(
 ) -> RunRecord:
     """Run a manifest's benchmark on this machine and return the final run row (see module docstring).
 
-    ``resume``: the id of an earlier run of the same settings-search manifest that ended (interrupted, or
-    abandoned by a process that is gone): it goes on under that id, its finished trials kept (docs/search.md).
+    ``manifest``: what ``planning.validate`` returned (the CLI validates before it opens the store; ``runs_dir`` is
+    then the one validated), or a manifest file, validated here. ``resume``: the id of an earlier run of the same
+    settings-search manifest that ended (interrupted, or abandoned by a process that is gone): it goes on under that
+    id, its finished trials kept (docs/search.md).
 
     One run at a time per runs folder (``lock.RunsFolderLock``) unless ``allow_concurrent``. With ``canary``, each
-    distinct configuration first runs a few steps (gpuscout.plan.canary); a configuration whose canary fails is not
-    timed."""
+    distinct configuration first runs a few steps (gpuscout.workflow.canary); a configuration whose canary fails is
+    not timed."""
     observer = observer or SilentObserver()
     catalog = catalog or load_catalog()
-    manifest_path = Path(manifest_path)
-    runs_dir = Path(runs_dir).resolve()  # train.py runs in its job folder: every path it gets must be absolute
-    ensure_writable(runs_dir)
+    validated = manifest if isinstance(manifest, Validated) else validate(manifest, runs_dir=runs_dir, catalog=catalog)
+    manifest_path, runs_dir = validated.path, validated.runs_dir
     previous = _resumable(store, resume) if resume else None
-    manifest, the_plan = plan_manifest(manifest_path, catalog, run_id=resume, on_message=observer.message)
+    the_plan = plan_jobs(validated.manifest, catalog, run_id=resume, on_message=observer.message)
     if previous is not None:
-        _check_resume(previous, manifest, the_plan)
-    if manifest.job is not None and manifest.job.in_s3:
-        raise ManifestError(
-            str(manifest_path),
-            [
-                Problem(
-                    "job.source_dir",
-                    f"{manifest.job.source_dir} is in S3; `gpuscout local` runs a local folder (aws s3 sync "
-                    f"{manifest.job.source_dir} code/ and set job.source_dir: code)",
-                )
-            ],
-        )
+        _check_resume(previous, validated.manifest, the_plan)
     run_id: str = the_plan.run_id
     run_dir = runs_dir / run_id
     run = RunRecord(
         run_id=run_id,
-        name=manifest.name,
+        name=validated.manifest.name,
         status=RunStatus.PLANNED,
         manifest_source=str(manifest_path),
-        manifest=manifest.model_dump(mode="json"),
-        predicted_cost_usd=the_plan.predicted_cost_usd,
-        search=the_plan.search.model_dump(mode="json") if the_plan.search else None,
+        manifest=validated.manifest.model_dump(mode="json"),
         run_dir=str(run_dir),
         host=this_host(),
         pid=os.getpid(),
     )
     try:
-        the_plan.check_budget()
-    except BudgetExceededError as err:  # refused: the plan says what costs; the runs folder is not touched
+        run = plan_step.within_budget(the_plan, run, store=store)
+    except BudgetExceededError:  # refused: the plan says what costs; the runs folder is not touched
         observer.planned(the_plan)
-        store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": str(err), "run_dir": None}))
         raise
     # the runs folder is taken before the plan is shown: a busy folder refuses before printing a run id that will
     # never exist
@@ -164,7 +131,7 @@ def run_local(
     with lock:
         observer.planned(the_plan)
         return _run_planned(
-            run, manifest, the_plan, manifest_path, store=store, observer=observer, catalog=catalog,
+            run, validated.manifest, the_plan, manifest_path, store=store, observer=observer, catalog=catalog,
             data_cache_dir=data_cache_dir or runs_dir / ".cache" / "data", canary=canary,
         )  # fmt: skip
 
@@ -214,8 +181,7 @@ def _run_planned(
     run_dir = Path(str(run.run_dir))
     _write_run_folder(run_dir, manifest_path, specs)
     store.put_run(run)
-    for spec in specs if the_plan.search is None else ():  # a search's rows appear as its trials start
-        store.put_job(job_record(spec, JobStatus.PLANNED))
+    store.put_jobs(plan_step.planned_rows(the_plan))
 
     current: JobSpec | None = None
     interrupted: str | None = None
@@ -229,7 +195,10 @@ def _run_planned(
                                          data_cache_dir=data_cache_dir)  # fmt: skip
             store.update_run(run_id, status=RunStatus.RUNNING)
             if canary and data_dir is not None and the_plan.search is None:  # a failing trial fails alone
-                refused |= run_canaries(specs, refused, run_dir, data_dir, store=store, observer=observer)
+                refused |= canary_step.run_canaries(
+                    specs, refused, launcher=FolderLauncher(run_dir, data_dir), store=store,
+                    on_message=lambda text, warning: observer.message(text, warning=warning),
+                )  # fmt: skip
             with observer.jobs_running():
                 # a search's jobs are its trials: numbered against its trial budget, after a resumed one's earlier
                 trials, total = 0, len(specs)
@@ -245,12 +214,11 @@ def _run_planned(
                     # a re-measurement joins specs as it starts: "job 4/4", never "job 4/3"
                     observer.job_started(trials if the_plan.search else specs.index(spec) + 1,
                                          total if the_plan.search else len(specs), spec, max_steps)  # fmt: skip
-                    store.put_job(job_record(spec, JobStatus.TRAINING))
+                    record_job(store, spec, JobStatus.TRAINING)
                     job_dir = run_dir / "jobs" / spec.job_name
                     progress = partial(observer.job_progress, spec, max_steps=max_steps)
                     outcome = _run_job_in(job_dir, spec, data_dir, on_progress=progress, should_stop=should_stop)
-                    record = job_record(spec, outcome.status, outcome)
-                    store.put_job(record)
+                    record = record_job(store, spec, outcome.status, outcome)
                     observer.job_finished(spec, outcome)
                     current = None
                     if (outcome.failure_reason or "").startswith(DISK_FULL):  # the next job would fail the same way
@@ -316,7 +284,10 @@ def _prepare(
     if manifest.job is None:
         store.update_run(run_id, status=RunStatus.PREPARING)
         data_dir = prepare_data(manifest, data_cache_dir, observer.message)
-        return data_dir, check_prepared_data(data_dir, manifest, specs, store=store, observer=observer)
+        refused = prepare_data_step.check_prepared_data(
+            data_dir, manifest, specs, store=store, on_warning=lambda text: observer.message(text, warning=True)
+        )
+        return data_dir, refused
     if manifest.job.requirements:
         observer.message(
             f"job: {manifest.job.requirements} is not installed by `gpuscout local`; the job runs in this "
@@ -420,13 +391,12 @@ def _remeasure_disturbed(
     the disturbance: the same settings would compile again."""
     for record in records:
         # judged as the analysis judges it (this release's detector), not only as the job's own release did
-        if record.status is not JobStatus.COMPLETED or record.benchmark is None:
+        judged = disturbance_to_measure_again(record)
+        if judged is None:
             continue
-        disturbance = judged(record.benchmark)
-        if disturbance is None or not disturbance.disturbed:
-            continue
+        disturbance, worth_it = judged
         evidence = disturbance.evidence
-        if recompiled(disturbance):
+        if not worth_it:
             observer.message(
                 f"{record.job_name}: disturbed measurement ({evidence}); not measured again: torch.compile compiled "
                 "graphs in its slow steps, and the same settings compile them again in a second run",
@@ -440,27 +410,8 @@ def _remeasure_disturbed(
             warning=True,
         )
         specs.append(again)
-        store.put_job(job_record(again, JobStatus.PLANNED))
+        record_job(store, again, JobStatus.PLANNED)
         run_one(again, None)
-
-
-def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:
-    """The same job once more, under a name of its own, as the next repetition of its target x variant: the analysis
-    ranks a variant on its undisturbed repetitions and says which one it left out."""
-    spec = JobSpec.model_validate(record.spec)
-    name = f"{spec.job_name[:60].rstrip('-')}-m2"
-    same = [s.repetition for s in specs if (s.target_index, s.variant_name) == (spec.target_index, spec.variant_name)]
-    return spec.model_copy(
-        update={
-            "job_name": name,
-            "repetition": max(same, default=spec.repetition) + 1,
-            "hyperparameters": (  # train.py's job_name; a user's own script's arguments stay as they are
-                {**spec.hyperparameters, "job_name": name}
-                if "job_name" in spec.hyperparameters
-                else spec.hyperparameters
-            ),
-        }
-    )
 
 
 def _run_search(
@@ -500,36 +451,3 @@ def _run_search(
         f"search: {summary.launched} trial(s) launched, {len(summary.pruned)} pruned, "
         f"${summary.spent_usd:.4f} spent" + (f"; stopped: {summary.stopped_because}" if summary.stopped_because else "")
     )
-
-
-def run_canaries(
-    specs: Sequence[JobSpec],
-    skipped: set[str],
-    run_dir: Path,
-    data_dir: Path,
-    *,
-    store: ResultStore,
-    observer: RunObserver,
-) -> set[str]:
-    """Run one canary per distinct configuration (gpuscout.plan.canary) under run_dir/canary/; every job whose
-    configuration's canary failed is recorded with the canary's status and reason and not run. Returns those jobs."""
-    canaries = plan_canaries([s for s in specs if s.job_name not in skipped])
-    by_name = {s.job_name: s for s in specs}
-    failed: set[str] = set()
-    for index, canary in enumerate(canaries, start=1):
-        variants = ", ".join(dict.fromkeys(by_name[n].variant_name for n in canary.covers))
-        observer.message(f"canary {index}/{len(canaries)}: {variants}: {CANARY_STEPS} steps before timing anything")
-        folders = JobFolders.create(run_dir / "canary" / canary.spec.job_name, canary.spec, data_dir)
-        outcome = run_job(canary.spec.model_copy(update={"tracking": None}), folders)  # not a measurement: untracked
-        if outcome.status is JobStatus.COMPLETED:
-            continue
-        status = JobStatus.FAILED if outcome.status is JobStatus.STOPPED else outcome.status
-        reason = (
-            f"not run: its canary ({CANARY_STEPS} steps of the same configuration) failed: {outcome.failure_reason} "
-            f"(log: {folders.stderr_log})"
-        )
-        for name in canary.covers:
-            store.put_job(job_record(by_name[name], status).model_copy(update={"failure_reason": reason}))
-            failed.add(name)
-        observer.message(f"canary {index}/{len(canaries)} ({variants}) failed: {outcome.failure_reason}", warning=True)
-    return failed

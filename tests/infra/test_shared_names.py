@@ -161,7 +161,7 @@ def test_the_runtime_writes_and_reads_under_the_shared_prefixes(planned: Any, tm
         def upload_file(self, filename: str, bucket: str, key: str, **_: Any) -> None:
             uploaded.append(key)
 
-    uri = control_plane._upload_report(RecordingS3(), "data", "r", tmp_path)
+    uri = control_plane.S3ReportSink(RecordingS3(), "data").publish("r", tmp_path)
     assert uri == f"s3://data/{REPORTS_PREFIX}r/" and uploaded == [f"{REPORTS_PREFIX}r/report.md"]
 
 

@@ -20,10 +20,12 @@ from typer.testing import CliRunner
 from gpuscout.cli import app as cli
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import Catalog
+from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.local import runner as local
 from gpuscout.local.data_cache import prepare_data, verify_prepared
 from gpuscout.local.runner import run_local
+from gpuscout.plan.jobs import Plan
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 
@@ -63,26 +65,24 @@ constraints:
 """
 
 
-REAL_PLAN_MANIFEST = local.plan_manifest
+REAL_PLAN_JOBS = local.plan_jobs
 
 
-def _plan_with_a_broken_job(
-    manifest_path: Path | str, catalog: Catalog | None = None, **kwargs: Any
-) -> tuple[Any, Any]:
-    manifest, plan = REAL_PLAN_MANIFEST(manifest_path, catalog, **kwargs)
+def _plan_with_a_broken_job(manifest: Manifest, catalog: Catalog, **kwargs: Any) -> Plan:
+    plan = REAL_PLAN_JOBS(manifest, catalog, **kwargs)
     jobs = [
         job.model_copy(update={"hyperparameters": {**job.hyperparameters, "per_device_train_batch_size": "0"}})
         if job.variant_name == "broken"
         else job
         for job in plan.jobs
     ]
-    return manifest, plan.model_copy(update={"jobs": jobs})
+    return plan.model_copy(update={"jobs": jobs})
 
 
 @pytest.mark.slow(seconds=54)
 @pytest.mark.timeout(600)
 def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "plan_manifest", _plan_with_a_broken_job)
+    monkeypatch.setattr(local, "plan_jobs", _plan_with_a_broken_job)
     manifest_path = tmp_path / "e2e.yaml"
     manifest_path.write_text(MANIFEST)
     db = tmp_path / "gpuscout.db"

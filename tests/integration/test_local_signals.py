@@ -25,11 +25,12 @@ from gpuscout.domain.jobspec import JobSpec
 from gpuscout.local import closing
 from gpuscout.local import runner as local
 from gpuscout.local.data_cache import remove_stale_staging
-from gpuscout.local.job_process import JobFolders, JobOutcome
+from gpuscout.local.job_process import JobFolders
 from gpuscout.local.process_control import QuitNow, SignalGuard, process_alive
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from gpuscout.workflow.ports import JobOutcome
 from tests.stand_ins import stand_in_packages
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.local.job_process import JobProgress
-from gpuscout.local.planning import plan_manifest
+from gpuscout.local.planning import plan_jobs
 from gpuscout.local.runner import run_local
 from gpuscout.local.search import SearchSummary, StopCheck, run_search
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
@@ -87,7 +89,7 @@ def test_a_search_launches_every_candidate_once_prunes_with_why_and_reports_it(
 
     # Then the run succeeds, the search launched each candidate once and stopped some early, each with why
     assert searched.status is RunStatus.SUCCEEDED
-    _, the_plan = plan_manifest(_manifest(tmp_path, pruning=True))
+    the_plan = plan_jobs(load_manifest(_manifest(tmp_path, pruning=True)), load_catalog())
     assert sorted(j.variant_name for j in trials) == sorted(j.variant_name for j in the_plan.jobs)
     assert len(trials) == 4
     pruned = [j for j in trials if j.status is JobStatus.PRUNED]
@@ -141,7 +143,7 @@ def _replay(tmp_path: Path, *, full_run: Any, jobs: list[JobRecord], pruning: bo
     folder = tmp_path / f"replay-{pruning}"
     folder.mkdir()
     manifest_path = _manifest(folder, pruning=pruning)
-    _, the_plan = plan_manifest(manifest_path)
+    the_plan = plan_jobs(load_manifest(manifest_path), load_catalog())
     steps: dict[str, list[tuple[int, float, float]]] = {}
     for job in jobs:
         progress = JobProgress()

@@ -108,6 +108,7 @@ from moto.stepfunctions.parser.asl.utils import boto_client as moto_boto_client
 from moto.stepfunctions.parser.asl.utils import json_path as moto_json_path
 
 from gpuscout.store.base import JobStatus, RunStatus
+from gpuscout.workflow import STATES, STEPS
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.validate_manifest import handler as validate_handler
@@ -125,6 +126,7 @@ from tests.integration.cloud_world import (
     run_role_arn,
     wide_manifest,
 )
+from tests.workflow_walk import walked
 
 SFN_ROLE_ARN = "arn:aws:iam::123456789012:role/gpuscout-state-machine"
 # Pass states accept these fields of a Task; the rest (Resource, Retry, Catch, timeouts) exist only on Tasks.
@@ -629,6 +631,7 @@ class InProcessLambdas:
     context: Any
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     outputs: list[tuple[str, Any]] = field(default_factory=list)  # what each successful invocation returned
+    steps: list[str] = field(default_factory=list)  # the workflow steps the handlers entered, in order (walked)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, parameters: dict[str, Any], region: str, state_credentials: Any) -> dict[str, Any]:
@@ -638,7 +641,8 @@ class InProcessLambdas:
         with self._lock:
             self.calls.append((name, payload))
             try:
-                output = handler(payload, self.context)
+                with walked(self.steps):
+                    output = handler(payload, self.context)
             except Exception as err:  # what the Python runtime reports for an unhandled exception
                 error = {"errorType": type(err).__name__, "errorMessage": str(err)}
                 return {"StatusCode": 200, "FunctionError": "Unhandled", "Payload": error}
@@ -737,6 +741,10 @@ def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not
     assert run.lambdas.called("job_events") == []
     order = [name for name, _ in run.lambdas.calls]
     assert order == ["validate_manifest", "plan_jobs", "run_role", "record_job_result", "analyze_run", "run_role"]
+    # the handlers drove the workflow's steps (gpuscout.workflow) in its order, each once; the job ran on SageMaker and
+    # its row came from record_job_result (cloud/events.py), so no Lambda enters train_and_record
+    assert run.lambdas.steps == ["validate", "plan", "canary", "analyze", "report", "close"]
+    assert [s for s in STEPS if s in run.lambdas.steps] == run.lambdas.steps
     # the run's own role: created before its first job, which ran with it; deleted once the run was analysed
     assert [call["action"] for call in run.lambdas.called("run_role")] == ["create", "delete"]
     [(_, created), (_, deleted)] = [out for out in run.lambdas.outputs if out[0] == "run_role"]
@@ -988,8 +996,8 @@ def test_a_manifest_the_planner_cannot_plan_becomes_a_refused_run_with_its_reaso
     synthesized: Synthesized,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpuscout.cloud import plan_step
     from gpuscout.errors import PlanError
+    from gpuscout.workflow import plan as plan_step
 
     # Given a valid manifest the planner refuses (e.g. a search whose candidates all exceed the GPU's memory)
     def cannot_plan(*args: Any, **kwargs: Any) -> Any:
@@ -1007,3 +1015,17 @@ def test_a_manifest_the_planner_cannot_plan_becomes_a_refused_run_with_its_reaso
     assert stored.error.startswith("cannot plan: targets[0] ml.g5.8xlarge: no search candidate can run")
     assert stored.execution_arn == run.described["executionArn"]
     assert cloud.sagemaker.list_training_jobs(MaxResults=100)["TrainingJobSummaries"] == []
+
+
+def test_every_state_the_workflow_steps_name_is_in_the_synthesized_state_machine(
+    synthesized: Synthesized,  # noqa: F811
+) -> None:
+    names: set[str] = set()
+
+    def collect(name: str, state: dict[str, Any]) -> dict[str, Any]:
+        names.add(name)
+        return state
+
+    _walk_states(state_machine_definition(synthesized), collect)
+    missing = {step: [s for s in states if s not in names] for step, states in STATES.items()}
+    assert not any(missing.values()), missing

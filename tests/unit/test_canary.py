@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from gpuscout import paths
+from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec
-from gpuscout.local.planning import plan_manifest
+from gpuscout.domain.manifest_loader import load_manifest
+from gpuscout.local.planning import plan_jobs
 from gpuscout.plan.canary import CANARY_MAX_RUNTIME_S, CANARY_STEPS, configuration_key, plan_canaries
 
 MANIFEST = """
@@ -32,7 +34,7 @@ constraints: {budget_usd: 1.0}
 def _jobs(tmp_path: Path) -> list[JobSpec]:
     path = tmp_path / "m.yaml"
     path.write_text(MANIFEST)
-    _, plan = plan_manifest(path)
+    plan = plan_jobs(load_manifest(path), load_catalog())
     return list(plan.jobs)
 
 
@@ -65,7 +67,7 @@ def test_the_canary_keeps_the_code_path_and_shrinks_the_run(tmp_path: Path) -> N
 
 def test_a_job_without_checkpoints_has_a_canary_without_them() -> None:
     quick = paths.MANIFESTS_DIR / "quickstart.yaml"
-    _, plan = plan_manifest(quick)
+    plan = plan_jobs(load_manifest(quick), load_catalog())
     assert all(c.spec.hyperparameters["checkpoint_interval"] == "0" for c in plan_canaries(plan.jobs))
     long_name = plan.jobs[0].model_copy(update={"job_name": "x" * 63})
     (canary,) = plan_canaries([long_name])

@@ -69,8 +69,8 @@ def test_a_pruned_trials_clock_stops_when_it_ends() -> None:
 
     from gpuscout.cli.local_view import RichRunObserver
     from gpuscout.domain.jobspec import JobSpec
-    from gpuscout.local.job_process import JobOutcome
     from gpuscout.store.base import JobStatus
+    from gpuscout.workflow.ports import JobOutcome
 
     spec = JobSpec.model_construct(job_name="gs-t0v1", variant_name="b4")
     observer = RichRunObserver(Console(file=io.StringIO(), width=80))

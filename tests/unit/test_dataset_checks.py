@@ -15,10 +15,10 @@ from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
 from gpuscout.local import runner as local
-from gpuscout.local.job_process import JobOutcome
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus
 from gpuscout.store.sqlite import SqliteStore
+from gpuscout.workflow.ports import JobOutcome
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 

@@ -27,9 +27,10 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"base", "domain"},
     "store": {"base", "domain"},
     "analysis": {"base", "domain", "plan", "store"},
-    "local": {"base", "domain", "plan", "store", "analysis"},
-    "cloud": {"base", "domain", "plan", "store", "analysis"},
-    "cli": {"base", "domain", "plan", "store", "analysis", "local", "cloud"},
+    "workflow": {"base", "domain", "plan", "store", "analysis"},
+    "local": {"base", "domain", "plan", "store", "analysis", "workflow"},
+    "cloud": {"base", "domain", "plan", "store", "analysis", "workflow"},
+    "cli": {"base", "domain", "plan", "store", "analysis", "workflow", "local", "cloud"},
     "__main__": {"cli"},
 }
 BASE_MODULES = {"gpuscout", "gpuscout.errors", "gpuscout.paths"}

@@ -15,11 +15,13 @@ from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.errors import BudgetExceededError, DataPreparationError
+from gpuscout.local import job_process
 from gpuscout.local import runner as local
-from gpuscout.local.job_process import JobFolders, JobOutcome, JobProgress, job_max_steps, run_job
+from gpuscout.local.job_process import JobFolders, JobProgress, job_max_steps, run_job
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from gpuscout.workflow.ports import JobOutcome
 from tests.stand_ins import use_stand_ins
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
@@ -190,6 +192,7 @@ def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkey
         raise KeyboardInterrupt
 
     monkeypatch.setattr(local, "run_job", fake_run_job)
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
     store = SqliteStore(tmp_path / "g.db")
     out = io.StringIO()
     run = run_local(
@@ -274,6 +277,7 @@ def test_a_failing_canary_keeps_its_configuration_from_being_timed(
         return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
 
     monkeypatch.setattr(local, "run_job", fake_run_job)
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
     store = SqliteStore(tmp_path / "g.db")
     out = io.StringIO()
     # When the run starts
@@ -308,6 +312,7 @@ def test_a_canary_runs_once_per_configuration_and_can_be_turned_off(
         return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
 
     monkeypatch.setattr(local, "run_job", fake_run_job)
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
     run_local(manifest, store=SqliteStore(tmp_path / "a.db"), runs_dir=tmp_path / "a")
     assert sum("-canary" in n for n in names) == 3 and len(names) == 9
     names.clear()
@@ -324,6 +329,7 @@ def test_ctrl_c_during_a_canary_stops_the_run_before_anything_is_timed(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(local, "run_job", fake_run_job)
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
     store = SqliteStore(tmp_path / "g.db")
     run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs")
     assert run.status is RunStatus.STOPPED

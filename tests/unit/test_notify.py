@@ -1,10 +1,10 @@
-"""The run summary an analysed cloud run publishes (gpuscout.cloud.notify.run_summary), and how a job's failure
+"""The run summary an analysed cloud run publishes (gpuscout.workflow.close.run_summary), and how a job's failure
 reason is classified (gpuscout.cloud.events.classify_failure)."""
 
 from __future__ import annotations
 
-from gpuscout.cloud.notify import run_summary
 from gpuscout.store.base import RunRecord, RunStatus
+from gpuscout.workflow.close import run_summary
 
 
 def _run(manifest: dict[str, object] | None) -> RunRecord:

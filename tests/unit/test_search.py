@@ -16,7 +16,7 @@ from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
 from gpuscout.local import runner as local
-from gpuscout.local.job_process import JobFolders, JobOutcome
+from gpuscout.local.job_process import JobFolders
 from gpuscout.local.observer import SilentObserver
 from gpuscout.local.runner import run_local
 from gpuscout.local.search import StopCheck, objective_value, run_search
@@ -25,6 +25,7 @@ from gpuscout.plan.device_fit import FLEX_ON_CPU
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from gpuscout.workflow.ports import JobOutcome
 from tests.benchmark_results import benchmark_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +199,7 @@ def test_an_interrupted_search_resumes_from_the_store(tmp_path: Path, monkeypatc
     data_dir.mkdir()
     (data_dir / "dataset.json").write_text('{"train_blocks": 4096, "train_tokens": 1048576, "vocab_size": 1024}')
     monkeypatch.setattr(local, "prepare_data", lambda *_a, **_k: data_dir)
-    monkeypatch.setattr(local, "check_prepared_data", lambda *_a, **_k: set())
+    monkeypatch.setattr(local.prepare_data_step, "check_prepared_data", lambda *_a, **_k: set())
     manifest = tmp_path / "search.yaml"
     manifest.write_text(yaml.safe_dump(_search_manifest()))
     calls: list[str] = []

@@ -220,10 +220,11 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     from gpuscout.domain.jobspec import JobSpec
     from gpuscout.domain.tracking import TRACKING_ENV, JobTracking
     from gpuscout.local import runner as local
-    from gpuscout.local.job_process import JobFolders, JobOutcome
+    from gpuscout.local.job_process import JobFolders
     from gpuscout.local.observer import SilentObserver
     from gpuscout.store.base import JobStatus, RunStatus
     from gpuscout.store.sqlite import SqliteStore
+    from gpuscout.workflow.ports import JobOutcome
 
     # Given the quickstart manifest with W&B tracking; data preparation and the jobs stood in for (each job
     # "completes" with a fixture benchmark and records the tracking variable it was given)

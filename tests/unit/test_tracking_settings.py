@@ -24,12 +24,11 @@ from gpuscout.domain.tracking import (
     local_destinations,
     tracking_environment,
 )
-from gpuscout.local.job_process import JobOutcome
-from gpuscout.local.observer import SilentObserver
-from gpuscout.local.runner import run_canaries
 from gpuscout.paths import REPO_DIR
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobStatus
+from gpuscout.workflow.canary import run_canaries
+from gpuscout.workflow.ports import JobOutcome
 
 CATALOG = load_catalog()
 CPU = LocalHardware(device="cpu", cpu_model="test cpu", cpu_count=2, memory_gib=16)
@@ -123,8 +122,8 @@ def test_untracked_jobs_and_the_users_own_code_get_no_variable(tmp_path: Path) -
     assert tracking_environment(spec.model_copy(update={"job_code": code}), runs_dir=tmp_path) == {}
 
 
-def test_local_canaries_are_not_tracked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a tracked local plan, When its canaries run (run_job replaced: it records what it was given)
+def test_local_canaries_are_not_tracked(tmp_path: Path) -> None:
+    # Given a tracked local plan, When its canaries run (a launcher that records what it was given)
     manifest = _manifest(
         {"wandb": {"project": "p"}},
         targets=[{"instance_type": "local", "price_per_hour_usd": 1.0}],
@@ -133,14 +132,12 @@ def test_local_canaries_are_not_tracked(tmp_path: Path, monkeypatch: pytest.Monk
     specs = plan(manifest, CATALOG, run_id="t-2", local_hardware=CPU).jobs
     given: list[JobSpec] = []
 
-    def run_job(spec: JobSpec, folders: Any, **_: Any) -> JobOutcome:
-        given.append(spec)
-        return JobOutcome(JobStatus.COMPLETED, None, None, 1.0, None)
+    class Recording:
+        def run(self, spec: JobSpec, place: str) -> JobOutcome:
+            given.append(spec)
+            return JobOutcome(JobStatus.COMPLETED, None, None, 1.0, None)
 
-    monkeypatch.setattr("gpuscout.local.runner.run_job", run_job)
-    data = tmp_path / "data"
-    data.mkdir()
-    refused = run_canaries(specs, set(), tmp_path / "run", data, store=None, observer=SilentObserver())  # type: ignore[arg-type]
+    refused = run_canaries(specs, set(), launcher=Recording(), store=None, on_message=lambda *_: None)  # type: ignore[arg-type]
     # Then every canary ran without tracking (a canary is not a measurement)
     assert refused == set() and given and all(s.tracking is None for s in given)
 
