@@ -7,13 +7,14 @@ kept separately from dollars so a stored analysis can be re-priced without the r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np  # a matplotlib dependency, so always present where gpuscout's core runs
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from gpuscout.errors import GpuscoutError
@@ -45,6 +46,8 @@ def epoch_seconds(dataset_tokens: int, tokens_per_s: float) -> float:
 
 # -- loss curve -------------------------------------------------------------------------------------------------
 LossMethod = Literal["measured", "power-law fit", "log-linear fit", "not projected", "not reached"]
+# A fitted loss curve: the tokens at which it reaches a target loss (None: never), how it was found, its formula.
+LossSolver = Callable[[float], tuple[LossMethod, float | None, str]]
 
 
 class LossTarget(BaseModel):
@@ -166,6 +169,7 @@ def times_to_target_loss(requests: Sequence[LossRequest]) -> list[LossTarget]:
     fit_x = x[gathered]
     fits = _fit_power_law_rows(fit_x, np.where(weight > 0, loss[gathered], 0.0), weight, fit_x[:, -1])
     for (r, cleaned), power_law in zip(pending, fits, strict=True):
+        fit: LossSolver | None
         if power_law is not None:
             fit = power_law.solve
         else:
@@ -176,7 +180,7 @@ def times_to_target_loss(requests: Sequence[LossRequest]) -> list[LossTarget]:
     return [r for r in results if r is not None]
 
 
-def _projected(fit: Any, target: float, ends: list[tuple[float, float, float]]) -> LossTarget:
+def _projected(fit: LossSolver | None, target: float, ends: list[tuple[float, float, float]]) -> LossTarget:
     """``ends``: (tokens, elapsed s) of each repetition's last point and its tokens/s."""
     if fit is None:
         return LossTarget(method="not projected", detail="the loss is not falling; no curve fits")
@@ -274,7 +278,7 @@ def _fit_power_law_rows(x: Any, y: Any, w: Any, scales: Any) -> list[PowerLaw | 
     return out
 
 
-def _fit_log_linear(points: Any) -> Any:
+def _fit_log_linear(points: npt.ArrayLike) -> LossSolver | None:
     rows = np.asarray(points, dtype=float).reshape(-1, 3)
     lx = np.log(rows[:, 0])
     y = rows[:, 2]

@@ -113,7 +113,7 @@ class PriceSnapshot(BaseModel):
     notes: list[str] = Field(default_factory=list)  # e.g. why the Price List refresh fell back to the table
 
 
-def _field(obj: Any, name: str, default: Any = None) -> Any:
+def _field(obj: object, name: str, default: object = None) -> object:
     if isinstance(obj, Mapping):
         return obj.get(name, default)
     return getattr(obj, name, default)
@@ -157,7 +157,7 @@ class PriceBook:
                 )  # fmt: skip
                 continue
             on_demand = _field(entry, "on_demand_usd_per_hour")
-            if on_demand is None:
+            if not isinstance(on_demand, int | float):
                 continue
             book._prices[instance_type] = book._derived(
                 instance_type,

@@ -59,7 +59,7 @@ class RunTerms(_Read):
 
     @model_validator(mode="before")
     @classmethod
-    def _objective_in_constraints(cls, data: Any) -> Any:
+    def _objective_in_constraints(cls, data: object) -> object:
         """Manifests of the first releases named the objective inside ``constraints``; it still counts there."""
         if isinstance(data, Mapping) and data.get("objective") is None:
             constraints = data.get("constraints")

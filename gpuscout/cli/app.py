@@ -73,7 +73,7 @@ def print_error(err: GpuscoutError) -> None:
 class _GuardedGroup(TyperGroup):
     """Turns exceptions from any command into one message and an exit code (tracebacks only with --debug)."""
 
-    def invoke(self, ctx: _click.Context) -> Any:
+    def invoke(self, ctx: _click.Context) -> object:
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, TyperException):

@@ -7,7 +7,7 @@ into one red line and an exit code. boto3 is imported only by ``--refresh``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -157,7 +157,7 @@ def _price_label(price: CatalogPrice | None, local: bool) -> str:
     return f"[yellow]{escape(text)}[/]" if price.stale() else escape(text)
 
 
-def _refresh_prices(catalog: Any, region: str) -> Any:
+def _refresh_prices(catalog: Catalog, region: str) -> Catalog:
     """Rewrite the snapshot from the Price List API; the old file stays when no rate could be read."""
     from datetime import UTC, datetime
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cached_property
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import boto3
@@ -63,6 +63,13 @@ from gpuscout.plan.jobs import make_run_id
 from gpuscout.plan.planner import plan
 from gpuscout.store.base import JobRecord, ResultRecord, RunRecord
 from gpuscout.store.dynamodb import DynamoDbStore
+
+if TYPE_CHECKING:  # the clients' types (boto3-stubs, a development dependency)
+    from mypy_boto3_cloudformation import CloudFormationClient
+    from mypy_boto3_dynamodb import DynamoDBClient
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_service_quotas import ServiceQuotasClient
+    from mypy_boto3_stepfunctions import SFNClient
 
 DEFAULT_STACK_NAME = "Gpuscout"
 OUTPUT_DATA_BUCKET = "DataBucketName"
@@ -213,19 +220,39 @@ class CloudStack:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.stack_name = stack_name
-        self._session: Any = session or boto3.Session()  # Any: clients are made by service name
+        self._session = session or boto3.Session()
         self._sleep = sleep or time.sleep
         self._clock = clock or time.monotonic
 
     # -- clients and outputs ------------------------------------------------------------------------------------
 
-    def _client(self, service: str) -> Any:
-        with aws_errors(f"create a {service} client"):
-            return self._session.client(service)
+    @cached_property
+    def _cloudformation(self) -> CloudFormationClient:
+        with aws_errors("create a cloudformation client"):
+            return self._session.client("cloudformation")
+
+    @cached_property
+    def _dynamodb(self) -> DynamoDBClient:
+        with aws_errors("create a dynamodb client"):
+            return self._session.client("dynamodb")
+
+    @cached_property
+    def _s3(self) -> S3Client:
+        with aws_errors("create a s3 client"):
+            return self._session.client("s3")
+
+    @cached_property
+    def _sfn(self) -> SFNClient:
+        with aws_errors("create a stepfunctions client"):
+            return self._session.client("stepfunctions")
+
+    def _service_quotas(self) -> ServiceQuotasClient:
+        with aws_errors("create a service-quotas client"):
+            return self._session.client("service-quotas")
 
     @cached_property
     def outputs(self) -> StackOutputs:
-        cloudformation = self._client("cloudformation")
+        cloudformation = self._cloudformation
         with aws_errors(f"describe CloudFormation stack {self.stack_name!r}"):
             try:
                 response = cloudformation.describe_stacks(StackName=self.stack_name)
@@ -266,15 +293,7 @@ class CloudStack:
     @cached_property
     def store(self) -> DynamoDbStore:
         """The stack's results table as a ResultStore (the same rows the Lambdas write)."""
-        return DynamoDbStore(self.outputs.table_name, client=self._client("dynamodb"))
-
-    @cached_property
-    def _s3(self) -> Any:
-        return self._client("s3")
-
-    @cached_property
-    def _sfn(self) -> Any:
-        return self._client("stepfunctions")
+        return DynamoDbStore(self.outputs.table_name, client=self._dynamodb)
 
     # -- submit -------------------------------------------------------------------------------------------------
 
@@ -413,7 +432,7 @@ class CloudStack:
             max_parallel_trials=max_parallel_trials,
             canaries=canaries,
         )
-        problems, warnings = check_quotas(needs, QuotaBook(self._client("service-quotas")))
+        problems, warnings = check_quotas(needs, QuotaBook(self._service_quotas()))
         if problems:
             raise ManifestError(str(path), problems)
         return warnings

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from typing import Annotated, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
@@ -47,6 +47,16 @@ from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.names import JOB_NAME_PREFIX
 from gpuscout.errors import GpuscoutError, RunNotFoundError
 from gpuscout.store.base import FINAL_RUN_STATUSES, TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunStatus
+
+if TYPE_CHECKING:  # the boto3 clients' response shapes (boto3-stubs, a development dependency)
+    from botocore.response import StreamingBody
+    from mypy_boto3_s3.type_defs import GetObjectOutputTypeDef
+    from mypy_boto3_sagemaker.type_defs import (
+        DescribeHyperParameterTuningJobResponseTypeDef,
+        DescribeTrainingJobResponseTypeDef,
+        EmptyResponseMetadataTypeDef,
+        ListTrainingJobsForHyperParameterTuningJobResponseTypeDef,
+    )
 
 BENCHMARK_FILE = "benchmark.json"
 MAX_BENCHMARK_BYTES = 32 * 1024 * 1024
@@ -170,20 +180,28 @@ def job_status_of(detail: TrainingJobStateChange) -> JobStatus:
 
 
 class ObjectReader(Protocol):
-    def get_object(self, *, Bucket: str, Key: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+    def get_object(self, *, Bucket: str, Key: str) -> GetObjectOutputTypeDef: ...  # noqa: N803 - boto3's names
 
 
 class TrainingJobStopper(Protocol):
     """The SageMaker calls the budget guard and the trial classification make (boto3's SageMaker client)."""
 
-    def stop_training_job(self, *, TrainingJobName: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+    def stop_training_job(self, *, TrainingJobName: str) -> EmptyResponseMetadataTypeDef: ...  # noqa: N803
 
-    def stop_hyper_parameter_tuning_job(self, *, HyperParameterTuningJobName: str) -> Any: ...  # noqa: N803
+    def stop_hyper_parameter_tuning_job(
+        self,
+        *,
+        HyperParameterTuningJobName: str,  # noqa: N803 - boto3 keyword names
+    ) -> EmptyResponseMetadataTypeDef: ...
 
-    def describe_hyper_parameter_tuning_job(self, *, HyperParameterTuningJobName: str) -> Any: ...  # noqa: N803
+    def describe_hyper_parameter_tuning_job(
+        self,
+        *,
+        HyperParameterTuningJobName: str,  # noqa: N803 - boto3 keyword names
+    ) -> DescribeHyperParameterTuningJobResponseTypeDef: ...
 
 
-def _open_object(s3: ObjectReader, bucket: str, key: str) -> Any | None:
+def _open_object(s3: ObjectReader, bucket: str, key: str) -> StreamingBody | None:
     """An object's body stream (boto3's StreamingBody); None when there is no such object; EventError when S3 cannot
     be read."""
     try:
@@ -310,7 +328,7 @@ def run_budget_usd(manifest: dict[str, Any] | None) -> float | None:
     return RunTerms.stored(manifest).spend_limit_usd
 
 
-def _stopped(what: str, stop: Callable[[], Any]) -> bool:
+def _stopped(what: str, stop: Callable[[], object]) -> bool:
     """Call ``stop``: True when it stopped ``what``; False when it was already stopping or finished between our
     read and the call (nothing left to stop); EventError for any other refusal."""
     try:
@@ -439,12 +457,13 @@ def _early_stopped(detail: TrainingJobStateChange, name: str, sagemaker: Trainin
         tuning = sagemaker.describe_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
     except (ClientError, BotoCoreError) as err:
         raise EventError(f"cannot describe tuning job {name}: {err}") from err
-    config = tuning.get("HyperParameterTuningJobConfig") or {}
+    config = tuning.get("HyperParameterTuningJobConfig")
     if tuning.get("HyperParameterTuningJobStatus") in {"Stopping", "Stopped"}:
         return None
-    if config.get("TrainingJobEarlyStoppingType") != "Auto":
+    if config is None or config.get("TrainingJobEarlyStoppingType") != "Auto":
         return None
-    metric = (config.get("HyperParameterTuningJobObjective") or {}).get("MetricName", "its objective")
+    objective = config.get("HyperParameterTuningJobObjective")
+    metric = (objective.get("MetricName") if objective else None) or "its objective"
     return (
         f"stopped early by tuning job {name}: its {metric} was worse than the median of the earlier trials' "
         "running averages at the same point"
@@ -540,7 +559,11 @@ def _stop_late_job(sagemaker: TrainingJobStopper, job_name: str, tuning_name: st
 
 
 class TrainingJobDescriber(TrainingJobStopper, Protocol):
-    def describe_training_job(self, *, TrainingJobName: str) -> Any: ...  # noqa: N803 - boto3 keyword names
+    def describe_training_job(
+        self,
+        *,
+        TrainingJobName: str,  # noqa: N803 - boto3 keyword names
+    ) -> DescribeTrainingJobResponseTypeDef: ...
 
 
 def record_described_job(
@@ -582,7 +605,9 @@ def record_described_job(
 
 
 class TuningTrialLister(TrainingJobDescriber, Protocol):
-    def list_training_jobs_for_hyper_parameter_tuning_job(self, **kwargs: Any) -> Any: ...
+    def list_training_jobs_for_hyper_parameter_tuning_job(
+        self, **kwargs: Any
+    ) -> ListTrainingJobsForHyperParameterTuningJobResponseTypeDef: ...
 
 
 def record_tuning_trials(

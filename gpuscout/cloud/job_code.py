@@ -14,13 +14,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from gpuscout.domain.manifest_loader import parse_document
 from gpuscout.domain.names import CODE_PREFIX, RAW_PREFIX
-from gpuscout.errors import Problem
+from gpuscout.errors import ManifestError, Problem
 
 # Never uploaded: caches, version control, virtual environments (they would make the digest change for nothing).
 IGNORED_DIRS = frozenset({"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
@@ -79,8 +78,11 @@ def with_source_dir(body: bytes, *, json_format: bool, source_dir: str, source: 
     """The manifest with ``job.source_dir`` replaced, parsed by the manifest's own parser (so a value reads the
     same as in the file) and written as JSON or YAML. The bytes depend only on the manifest and the code (the run
     id is made from them): comments are not kept, and the header says so."""
-    data: dict[str, Any] = parse_document(body, source)
-    data["job"]["source_dir"] = source_dir
+    data = parse_document(body, source)
+    job = data.get("job") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(job, dict):  # submit validated it first: a job section is there
+        raise ManifestError(source, [Problem("job", "a job section names the code folder to upload")])
+    job["source_dir"] = source_dir
     if json_format:
         return (json.dumps(data, indent=2) + "\n").encode()
     header = (

@@ -38,7 +38,7 @@ class StrictModel(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _numbers_are_not_text(cls, value: Any, info: ValidationInfo) -> Any:
+    def _numbers_are_not_text(cls, value: object, info: ValidationInfo) -> object:
         """A whole number written as text (``max_steps: "12"``) is refused rather than read as 12: quotes in YAML
         mean text, and a manifest that says something else than it means is a mistake worth naming. (Decimal
         fields stay lenient: YAML reads ``1e-3`` as text, and writing it so is common.)"""

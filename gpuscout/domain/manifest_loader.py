@@ -14,7 +14,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -102,7 +102,7 @@ def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _reject_constant(name: str) -> Any:
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a valid number in a manifest")
 
 
@@ -152,7 +152,7 @@ def _is_json(text: str, source: str) -> bool:
     return text.lstrip().startswith("{")
 
 
-def _parse_document(text: str, source: str) -> Any:
+def _parse_document(text: str, source: str) -> object:
     if _is_json(text, source):
         if not _json_depth_ok(text):
             raise ManifestError(source, [Problem("", f"JSON nesting deeper than {MAX_NESTING} levels")])
@@ -238,7 +238,7 @@ def validate_manifest_data(data: Any, source: str, catalog: Catalog | None = Non
         raise ManifestError(source, _problems_from(err)) from err
 
 
-def parse_document(data: bytes | str, source: str) -> Any:
+def parse_document(data: bytes | str, source: str) -> object:
     """A manifest file's data (YAML or JSON, the rules of parse_manifest), not yet validated."""
     return _parse_document(_decode(data, source), source)
 

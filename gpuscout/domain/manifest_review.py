@@ -35,7 +35,7 @@ LENGTH_FIELDS = ("max_steps", "max_tokens", "warmup_steps")
 STAND_INS: dict[str, Any] = {"training": {"max_steps": 100}, "sequence_length": 256}
 
 
-def _stand_in(name: str, current: Any) -> Any:
+def _stand_in(name: str, current: object) -> object:
     """The stand-in for a faulty required field; a training section keeps its other settings (its precision is
     what this machine's checks look at) and gets a length that validates."""
     if name == "training" and isinstance(current, dict):

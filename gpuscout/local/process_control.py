@@ -96,14 +96,14 @@ class SignalGuard:
 
 
 @functools.cache
-def _prctl() -> Any:
+def _prctl() -> Callable[..., int] | None:
     """libc's prctl, looked up in the parent: between fork and exec the child may only call it (a lookup there runs
     ``ldconfig``, unsafe in a child of a process with threads)."""
     libc_name = ctypes.util.find_library("c")
     return ctypes.CDLL(libc_name, use_errno=True).prctl if libc_name else None
 
 
-def _die_with_parent(prctl: Any, death_signal: int) -> Callable[[], None]:
+def _die_with_parent(prctl: Callable[..., int], death_signal: int) -> Callable[[], None]:
     def in_child() -> None:  # pragma: no cover - runs in the child between fork and exec
         prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
         if os.getppid() == 1:  # the parent died before prctl took effect

@@ -81,7 +81,7 @@ def _to_dynamo_value(value: Any) -> dict[str, Any]:
     return dict(_serializer.serialize(native))
 
 
-def _from_dynamo_number(value: Any) -> Any:
+def _from_dynamo_number(value: object) -> object:
     if isinstance(value, Decimal):
         return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, dict):
@@ -114,7 +114,7 @@ def _decode_item(item: dict[str, Any], model: type[M]) -> M:
         if name in _KEY_ATTRIBUTES:
             continue
         value = _from_dynamo_number(_deserializer.deserialize(attr))
-        if name == _EVENT_TIME_FIELD:
+        if name == _EVENT_TIME_FIELD and isinstance(value, int | float):
             value = _from_epoch_us(int(value))
         data[name] = value
     try:
