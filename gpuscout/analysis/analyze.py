@@ -28,19 +28,10 @@ from numpy.typing import NDArray
 
 from gpuscout.analysis import costs, step_series
 from gpuscout.analysis.caveats import contention_note, incomplete_note, validation_note
-from gpuscout.analysis.costs import TimeBreakdown
 from gpuscout.analysis.disturbed import disturbance_note, disturbed, kernel_note, undisturbed_factor
 from gpuscout.analysis.machines import machines_of
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide, with_incomplete
-from gpuscout.analysis.results import (
-    Constraints,
-    JobAnalysis,
-    RunAnalysis,
-    SearchOutcome,
-    SearchTargetOutcome,
-    SearchTrial,
-)
 from gpuscout.analysis.step_series import downsample
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.domain import intervals
@@ -49,6 +40,15 @@ from gpuscout.domain.catalog import LOCAL, Catalog
 from gpuscout.domain.disturbance import judged, recompiled
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
 from gpuscout.domain.manifest_training import MIN_TIMED_STEPS
+from gpuscout.domain.run_analysis import (
+    Constraints,
+    JobAnalysis,
+    RunAnalysis,
+    SearchOutcome,
+    SearchTargetOutcome,
+    SearchTrial,
+    TimeBreakdown,
+)
 from gpuscout.plan.search import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 

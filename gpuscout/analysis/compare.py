@@ -18,10 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
-from gpuscout.analysis.machines import Machine
-from gpuscout.analysis.results import JobAnalysis
+from gpuscout.domain.run_analysis import JobAnalysis, Machine
 from gpuscout.errors import GpuscoutError
 from gpuscout.store.base import ResultRecord, RunRecord
 
@@ -89,30 +86,16 @@ def _untrusted(job: JobAnalysis) -> str | None:
 
 
 def _jobs_of(run: RunRecord, result: ResultRecord | None) -> list[JobAnalysis]:
-    analysis = result.analysis if result else None
-    if not analysis or analysis.get("jobs") is None:
+    if result is None:
         raise CompareError(
             f"run {run.run_id} has no analysis (status {run.status.value}); a run is analysed when it ends "
             f"(`gpuscout analyze {run.run_id}` closes a local run that stopped early)"
         )
-    try:
-        return [JobAnalysis.model_validate(job) for job in analysis["jobs"]]
-    except ValidationError as err:
-        raise CompareError(
-            f"run {run.run_id}: its stored analysis is not in this version's format; re-analyse it with "
-            f"`gpuscout analyze {run.run_id}`"
-        ) from err
+    return list(result.analysis.jobs)
 
 
 def _machines(result: ResultRecord | None) -> list[Machine]:
-    found = (result.analysis or {}).get("machines") if result else None
-    machines = []
-    for item in found or []:
-        try:
-            machines.append(Machine.model_validate(item))
-        except ValidationError:
-            continue
-    return machines
+    return list(result.analysis.machines) if result else []
 
 
 def _machine_notes(runs: Sequence[tuple[RunRecord, ResultRecord | None]]) -> list[str]:

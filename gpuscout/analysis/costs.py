@@ -17,6 +17,7 @@ import numpy as np  # a matplotlib dependency, so always present where gpuscout'
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
+from gpuscout.domain.run_analysis import TimeBreakdown
 from gpuscout.errors import GpuscoutError
 
 SECONDS_PER_HOUR = 3600.0
@@ -312,24 +313,6 @@ PHASE_OF_STATUS: dict[str, str] = {
     "Uploading": "upload",
 }
 PHASES = ("provisioning", "image_pull", "data_download", "startup", "training", "upload")
-
-
-class TimeBreakdown(BaseModel):
-    """Seconds per phase of one job (per instance; multiply by instance count for instance-seconds)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    provisioning: float = 0.0
-    image_pull: float = 0.0
-    data_download: float = 0.0
-    startup: float = 0.0  # model build, data load, compile before step 1 (inside SageMaker's "Training")
-    training: float = 0.0
-    upload: float = 0.0
-    source: str
-
-    @property
-    def overhead_seconds(self) -> float:
-        return self.provisioning + self.image_pull + self.data_download + self.startup + self.upload
 
 
 class TimeParseError(GpuscoutError):

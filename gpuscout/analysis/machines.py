@@ -5,31 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict
-
+from gpuscout.domain.run_analysis import Machine
 from gpuscout.store.base import JobRecord, JobStatus
-
-
-class Machine(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    instance_type: str
-    device: str  # cuda | cpu
-    model: str | None  # the GPU's name as the driver reports it, or the CPU's model name
-    gpus: int  # all instances together; 0 on CPU
-    cpu_count: int | None
-    python: str | None
-    torch: str | None
-    transformers: str | None
-    deepspeed: str | None
-    cuda: str | None  # the CUDA runtime torch was built with
-    driver: str | None  # the NVIDIA driver
-
-    @property
-    def software(self) -> str:
-        parts = [f"{name} {version}" for name, version in (("python", self.python), ("torch", self.torch),
-                 ("transformers", self.transformers), ("deepspeed", self.deepspeed)) if version]  # fmt: skip
-        return ", ".join(parts) or "-"
 
 
 def machines_of(jobs: Sequence[JobRecord]) -> list[Machine]:

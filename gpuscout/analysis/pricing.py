@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuscout import paths
-from gpuscout.domain.prices import REFRESH_COMMAND, Component, ListedPrice, PriceFile, PriceKind, stale_days
+from gpuscout.domain.prices import Component, ListedPrice, PriceFile, PriceKind
+from gpuscout.domain.run_analysis import InstancePrice, PriceSnapshot, kind_of
 from gpuscout.errors import PricingError
 
 if TYPE_CHECKING:
@@ -66,51 +67,6 @@ def load_spot_assumption(path: Path | None = None) -> SpotAssumption:
         return SpotAssumption.model_validate_json(path.read_bytes())
     except (OSError, ValidationError) as err:
         raise PricingError(f"cannot read the spot price assumption {path}: {err}") from err
-
-
-def kind_of(on_demand_source: str) -> PriceKind:
-    """The kind a price's source implies (prices stored before kinds were recorded)."""
-    if on_demand_source == "aws-price-list":
-        return "live"
-    if on_demand_source in ("manifest override", "job spec"):
-        return "manifest"
-    return "snapshot"
-
-
-class InstancePrice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    instance_type: str
-    on_demand_usd_per_hour: float = Field(ge=0)
-    spot_usd_per_hour: float = Field(ge=0)
-    on_demand_source: str  # "catalog: <source>", "aws-price-list", "manifest override", "job spec"
-    spot_source: str  # "assumed 60 % discount (<source>)" or "manifest override"
-    date: str  # the day the catalog's rate was read, the Price List's effectiveDate, or "" for an override
-    region: str
-    kind: PriceKind | None = None  # None in results stored before kinds: read from on_demand_source
-
-    @property
-    def price_kind(self) -> PriceKind:
-        return self.kind or kind_of(self.on_demand_source)
-
-    def kind_text(self, at: datetime) -> str:
-        """The price's kind; a snapshot price read more than 90 days before ``at`` is marked STALE with the command
-        that refreshes it."""
-        kind = self.price_kind
-        if (age := stale_days(kind, self.date, at.date())) is not None:
-            return f"snapshot, STALE ({age} days; {REFRESH_COMMAND})"
-        return kind
-
-
-class PriceSnapshot(BaseModel):
-    """Every price a result used, frozen: stored with the result so the run can be re-priced or audited."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prices: dict[str, InstancePrice]
-    spot_assumption: str
-    taken_at: datetime
-    notes: list[str] = Field(default_factory=list)  # e.g. why the Price List refresh fell back to the table
 
 
 def _field(obj: object, name: str, default: object = None) -> object:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpuscout.analysis.results import Constraints, Exclusion, JobAnalysis, Recommendation
+from gpuscout.domain.run_analysis import Constraints, Exclusion, JobAnalysis, Recommendation
 
 COST_OBJECTIVES = frozenset({"cheapest_per_token", "cheapest_within_deadline"})
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from gpuscout.analysis.recommend import duration_text, usd_text
 from gpuscout.analysis.report_charts import write_charts
-from gpuscout.analysis.results import JobAnalysis, RunAnalysis
 from gpuscout.analysis.settings_table import settings_table
 from gpuscout.domain.catalog import LOCAL
 from gpuscout.domain.config_files import write_whole
+from gpuscout.domain.run_analysis import JobAnalysis, RunAnalysis
 from gpuscout.errors import GpuscoutError
 from gpuscout.plan.job_section import rate_text
 

@@ -3,7 +3,7 @@ readable with many targets x variants; at most MAX_BARS of them (best ranked fir
 a chart says so when it leaves some out. A chart, a legend entry or a bar series is drawn only where the run has data
 for it: no spot bars for a machine without a spot price, no legend for a phase that took no time.
 
-May import: gpuscout.analysis.results and gpuscout.analysis.recommend."""
+May import: gpuscout.domain.run_analysis and gpuscout.analysis.recommend."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from gpuscout.analysis.recommend import usd_text
-from gpuscout.analysis.results import JobAnalysis, RunAnalysis
+from gpuscout.domain.run_analysis import JobAnalysis, RunAnalysis
 
 MAX_BARS = 40
 MAX_CURVES = 10

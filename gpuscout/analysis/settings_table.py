@@ -3,15 +3,15 @@ shown variants, and one line for the settings they all share. Read from each job
 actually ran: instance count, spot, precision and its hyperparameters), without the names, gpuscout's internal
 fields, and the steady-state rule's settings under the fixed rule.
 
-May import: gpuscout.analysis.results and gpuscout.domain.jobspec."""
+May import: gpuscout.domain.run_analysis and gpuscout.domain.jobspec."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 
-from gpuscout.analysis.results import JobAnalysis
 from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS, compared_settings
+from gpuscout.domain.run_analysis import JobAnalysis
 
 # A job's names and its instance type are in its row's label; compared_settings leaves out the internal ones
 NAMES = NAME_HYPERPARAMETERS | {"instance_type"}

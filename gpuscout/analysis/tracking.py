@@ -41,6 +41,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gpuscout.domain.manifest_search import TrackingSection
+from gpuscout.domain.run_analysis import RunAnalysis
 from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
@@ -197,10 +198,10 @@ def _write_files(analysis: Mapping[str, Any], folder: Path) -> list[Path]:
     return [ranked_json, ranked_csv, full]
 
 
-def run_to_track(run: RunRecord, result: ResultRecord | None) -> tuple[TrackingSection, dict[str, Any]]:
+def run_to_track(run: RunRecord, result: ResultRecord | None) -> tuple[TrackingSection, RunAnalysis]:
     """What ``gpuscout track`` logs for a stored run: its manifest's tracking section (defaults filled in) and its
     analysis. GpuscoutError when the run has no analysis yet or its manifest tracks nothing."""
-    if result is None or not result.analysis:
+    if result is None:
         raise GpuscoutError(
             f"run {run.run_id} has no analysis yet (status {run.status.value}); its results can be tracked once it "
             "has ended and been analysed"
@@ -231,13 +232,14 @@ class RunExtras:
 
 def log_run(
     run_id: str,
-    analysis: Mapping[str, Any],
+    run_analysis: RunAnalysis,
     report_dir: Path | None,
     destinations: Destinations,
     extras: RunExtras | None = None,
 ) -> TrackingOutcome:
-    """Log a run's analysis (``RunAnalysis.model_dump(mode="json")``), its report folder (when it exists) and the
-    ``extras`` to each destination (module docstring)."""
+    """Log a run's analysis, its report folder (when it exists) and the ``extras`` to each destination (module
+    docstring). The trackers take JSON: the analysis is dumped here, at their edge."""
+    analysis = run_analysis.model_dump(mode="json")
     outcome = TrackingOutcome()
     extras = extras or RunExtras()
     report = report_dir if report_dir is not None and report_dir.is_dir() else None

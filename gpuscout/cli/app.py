@@ -48,6 +48,7 @@ from gpuscout.store.base import ResultRecord, RunRecord, RunStatus
 if TYPE_CHECKING:
     from gpuscout.domain.catalog import Catalog
     from gpuscout.domain.manifest import Manifest
+    from gpuscout.domain.run_analysis import RunAnalysis
 
 BUDGET_EXIT_CODE = 3
 INTERRUPTED_EXIT_CODE = 130
@@ -463,7 +464,7 @@ def results(
             "error": run.error,
             "report_uri": result.report_uri if result else None,
             "repriced": reprice,
-            "recommendation": (analysis or {}).get("recommendation"),
+            "recommendation": analysis.recommendation.model_dump(mode="json") if analysis else None,
             "jobs": rows,
         }
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
@@ -493,7 +494,7 @@ def _why_no_browser() -> str:
     return "no browser was found to start (set BROWSER to one)"
 
 
-def _analysis_for(run: RunRecord, result: ResultRecord | None, *, reprice: bool) -> dict[str, Any] | None:
+def _analysis_for(run: RunRecord, result: ResultRecord | None, *, reprice: bool) -> RunAnalysis | None:
     if not reprice:
         return result.analysis if result else None
     from gpuscout.local.results import repriced_analysis

@@ -19,6 +19,7 @@ from gpuscout.analysis.recommend import seconds_text
 from gpuscout.cli.console_style import Column, number_cell, responsive_table
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.prices import REFRESH_COMMAND
+from gpuscout.domain.run_analysis import RunAnalysis
 from gpuscout.local.job_process import JobProgress
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
@@ -80,21 +81,18 @@ def print_plan(console: Console, the_plan: Plan, *, for_run: bool = True) -> Non
         console.print(line)  # wrapped at the terminal's width
 
 
-def analysis_price_lines(analysis: Mapping[str, Any] | None, instance_types: Sequence[str]) -> list[str]:
+def analysis_price_lines(analysis: RunAnalysis | None, instance_types: Sequence[str]) -> list[str]:
     """The prices a stored analysis used for ``instance_types``: rate, kind (snapshot / live / manifest), date,
     region; a snapshot price that was stale when the analysis was made says so."""
-    from datetime import UTC, datetime
-
-    from gpuscout.analysis.pricing import InstancePrice
-
-    prices = ((analysis or {}).get("price_snapshot") or {}).get("prices") or {}
-    at = datetime.fromisoformat(str((analysis or {}).get("generated_at") or datetime.now(UTC).isoformat()))
+    if analysis is None:
+        return []
+    prices = analysis.price_snapshot.prices
     lines = []
     for instance_type in dict.fromkeys(instance_types):
-        if instance_type not in prices:
+        price = prices.get(instance_type)
+        if price is None:
             continue
-        price = InstancePrice.model_validate(prices[instance_type])
-        kind = price.kind_text(at)
+        kind = price.kind_text(analysis.generated_at)
         basis = ", ".join(part for part in (kind, price.date, price.region) if part)
         text = f"priced: {instance_type} ${price.on_demand_usd_per_hour:,.3f}/h on-demand ({basis})"
         lines.append(f"[yellow]{escape(text)}[/]" if "STALE" in kind else escape(text))
@@ -202,13 +200,12 @@ def print_ranked(console: Console, rows: Sequence[Mapping[str, Any]], *, title: 
     responsive_table(console, title, columns, cells, key=1)
 
 
-def recommendation_text(analysis: Mapping[str, Any] | None) -> str:
-    recommendation = (analysis or {}).get("recommendation") or {}
-    summary = recommendation.get("summary")
-    if not summary:
+def recommendation_text(analysis: RunAnalysis | None) -> str:
+    if analysis is None or not analysis.recommendation.summary:
         return ""
-    notes = "".join(f"\n  [dim]note:[/] {escape(str(note))}" for note in recommendation.get("notes") or [])
-    return f"[bold]Recommendation:[/] {escape(summary)}{notes}"
+    recommendation = analysis.recommendation
+    notes = "".join(f"\n  [dim]note:[/] {escape(str(note))}" for note in recommendation.notes)
+    return f"[bold]Recommendation:[/] {escape(recommendation.summary)}{notes}"
 
 
 PLAIN_PROGRESS_EVERY_S = 30.0  # outside a terminal (output to a file or a pipe): one progress line this often
@@ -286,7 +283,7 @@ class RichRunObserver:
         self.console.print("[yellow]interrupted: stopping; what was measured is kept[/]")
 
     def finished(
-        self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
+        self, run: RunRecord, analysis: RunAnalysis | None, jobs: Sequence[JobRecord], report_md: Path | None
     ) -> None:
         run_id = run.run_id
         print_ranked(self.console, result_rows(analysis, jobs), title=f"Ranked results: run {run_id}")

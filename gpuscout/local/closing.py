@@ -10,9 +10,10 @@ observer, process_control and job_process (the job folder's log names)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpuscout.domain.catalog import Catalog, load_catalog
+from gpuscout.domain.run_analysis import RunAnalysis
 from gpuscout.domain.tracking import local_destinations
 from gpuscout.errors import GpuscoutError
 from gpuscout.local.job_process import STDERR_LOG, STDOUT_LOG
@@ -53,7 +54,7 @@ def close_run(
     observer: RunObserver,
     interrupted: str | None,
     current_job: str | None = None,
-) -> tuple[RunRecord, dict[str, Any] | None, list[JobRecord]]:
+) -> tuple[RunRecord, RunAnalysis | None, list[JobRecord]]:
     """Bring a run to its final state: unfinished jobs STOPPED (with why), finished jobs analysed and reported,
     the run SUCCEEDED, STOPPED or FAILED. ``interrupted`` names what stopped it (Ctrl-C, SIGTERM, "abandoned ...").
     Used at the end of every ``run_local`` and by ``gpuscout analyze`` for a run whose process is gone."""
@@ -66,7 +67,7 @@ def close_run(
     )
     jobs = store.list_jobs(run_id)
     completed = [j for j in jobs if j.status is JobStatus.COMPLETED]
-    analysis: dict[str, Any] | None = None
+    analysis: RunAnalysis | None = None
     if completed:
         store.update_run(run_id, status=RunStatus.ANALYZING)
         try:
@@ -90,7 +91,7 @@ def close_run(
 
 def analyze_and_report(
     run: RunRecord, store: ResultStore, manifest: Manifest, catalog: Catalog, *, report_dir: Path, observer: RunObserver
-) -> dict[str, Any]:
+) -> RunAnalysis:
     """The workflow's analyze and report steps for a local run: its analysis stored, then its report written into
     the run folder. A report that cannot be written is a warning (the analysis is stored either way and
     ``gpuscout results`` shows it)."""
@@ -105,7 +106,7 @@ def analyze_and_report(
             "the results are stored, see `gpuscout results`",
             warning=True,
         )
-    return analysis.model_dump(mode="json")
+    return analysis
 
 
 def stop_unfinished_jobs(store: ResultStore, run_id: str, why: str, *, current: tuple[str, str] | None = None) -> None:

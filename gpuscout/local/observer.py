@@ -5,12 +5,13 @@ May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.run_analysis import RunAnalysis
 from gpuscout.local.job_process import JobProgress
 from gpuscout.store.base import (
     JobRecord,
@@ -40,7 +41,7 @@ class RunObserver(Protocol):
     def interrupted(self) -> None: ...
 
     def finished(
-        self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
+        self, run: RunRecord, analysis: RunAnalysis | None, jobs: Sequence[JobRecord], report_md: Path | None
     ) -> None: ...
 
 
@@ -69,6 +70,6 @@ class SilentObserver:
         return None
 
     def finished(
-        self, run: RunRecord, analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord], report_md: Path | None
+        self, run: RunRecord, analysis: RunAnalysis | None, jobs: Sequence[JobRecord], report_md: Path | None
     ) -> None:
         return None

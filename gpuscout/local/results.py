@@ -1,15 +1,15 @@
-"""A local run's results: the ranked result rows the CLI and tracking show, the analysis and report written at the
-end of a run, and an old run's analysis repriced.
+"""A run's results as the CLI shows them: the ranked result rows (from the stored analysis, or from the job rows
+of a run not analysed), and an old run's analysis repriced.
 
-May import: gpuscout.domain, gpuscout.store, gpuscout.analysis (lazily: numpy and matplotlib load only here) and
-gpuscout.local.observer."""
+May import: gpuscout.domain, gpuscout.store and gpuscout.analysis (lazily: numpy loads only to reprice)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.run_analysis import JobAnalysis, RunAnalysis
 from gpuscout.errors import GpuscoutError
 from gpuscout.store.base import (
     JobRecord,
@@ -18,73 +18,57 @@ from gpuscout.store.base import (
     RunRecord,
 )
 
-if TYPE_CHECKING:
-    pass
+
+def _analysed_row(a: JobAnalysis) -> dict[str, Any]:
+    """One target x variant of a stored analysis as a flat row."""
+    ci = a.tokens_per_s_ci95 or (None, None)
+    samples_ci = a.samples_per_s_ci95 or (None, None)
+    measured = a.tokens_per_s is not None or a.samples_per_s is not None
+    return {
+        "unit": a.unit,
+        "samples_per_s": a.samples_per_s,
+        "samples_per_s_ci95_low": samples_ci[0],
+        "samples_per_s_ci95_high": samples_ci[1],
+        "usd_per_million_samples": a.usd_per_million_samples,
+        "usd_per_million_samples_spot": a.usd_per_million_samples_spot,
+        "rank": a.rank,
+        "job_name": a.job_name,
+        "variant": a.variant_name,
+        "instance_type": a.instance_type,
+        "instance_count": a.instance_count,
+        "gpus": a.gpus,
+        "gpu_sku": a.gpu_sku,
+        "spot": a.spot,
+        "status": a.status,
+        "repetitions": a.repetitions,
+        "tokens_per_s": a.tokens_per_s,
+        "tokens_per_s_ci95_low": ci[0],
+        "tokens_per_s_ci95_high": ci[1],
+        "mfu": a.mfu,
+        "usd_per_hour": a.usd_per_hour,
+        "usd_per_million_tokens": a.usd_per_million_tokens,
+        "usd_per_million_tokens_spot": a.usd_per_million_tokens_spot,
+        "final_train_loss": a.final_train_loss,
+        "ci_kind": a.ci_kind,
+        "ci_method": a.ci_method,
+        "timed_steps": a.timed_steps,
+        "stop_rule": a.stop_rule,
+        "stop_reason": a.stop_reason,
+        "tolerance_reached": a.tolerance_reached,
+        "stop": a.stop_text if measured else None,
+        "contention": a.contention_note,
+        "disturbed": a.disturbed,
+        "disturbance": a.disturbance_note,
+        # exclusion or failure first; else what makes the row's number weaker than it looks (the stop rule's
+        # outcome has a column of its own, "stop")
+        "note": a.excluded_reason or a.failure or a.measurement_note or None,
+    }
 
 
-def _stop_text(a: Mapping[str, Any]) -> str | None:
-    from gpuscout.analysis.results import JobAnalysis
-
-    if a.get("tokens_per_s") is None and a.get("samples_per_s") is None:
-        return None
-    return JobAnalysis.model_validate(a).stop_text
-
-
-def _note(a: Mapping[str, Any]) -> str | None:
-    """Exclusion or failure first; else what makes the row's number weaker than it looks."""
-    if a.get("excluded_reason") or a.get("failure"):
-        return a.get("excluded_reason") or a.get("failure")
-    from gpuscout.analysis.results import JobAnalysis  # the stop rule's outcome has a column of its own ("stop")
-
-    return JobAnalysis.model_validate(a).measurement_note or None
-
-
-def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -> list[dict[str, Any]]:
+def result_rows(analysis: RunAnalysis | None, jobs: Sequence[JobRecord]) -> list[dict[str, Any]]:
     """Flat rows, best first: from the stored analysis, or from the job rows when the run was not analyzed."""
-    if analysis and analysis.get("jobs") is not None:
-        rows = []
-        for a in analysis["jobs"]:
-            ci = a.get("tokens_per_s_ci95") or (None, None)
-            samples_ci = a.get("samples_per_s_ci95") or (None, None)
-            rows.append(
-                {
-                    "unit": a.get("unit", "tokens"),
-                    "samples_per_s": a.get("samples_per_s"),
-                    "samples_per_s_ci95_low": samples_ci[0],
-                    "samples_per_s_ci95_high": samples_ci[1],
-                    "usd_per_million_samples": a.get("usd_per_million_samples"),
-                    "usd_per_million_samples_spot": a.get("usd_per_million_samples_spot"),
-                    "rank": a.get("rank"),
-                    "job_name": a.get("job_name"),
-                    "variant": a.get("variant_name"),
-                    "instance_type": a.get("instance_type"),
-                    "instance_count": a.get("instance_count", 1),
-                    "gpus": a.get("gpus", 0),
-                    "gpu_sku": a.get("gpu_sku"),
-                    "spot": a.get("spot", False),
-                    "status": a.get("status"),
-                    "repetitions": a.get("repetitions"),
-                    "tokens_per_s": a.get("tokens_per_s"),
-                    "tokens_per_s_ci95_low": ci[0],
-                    "tokens_per_s_ci95_high": ci[1],
-                    "mfu": a.get("mfu"),
-                    "usd_per_hour": a.get("usd_per_hour"),
-                    "usd_per_million_tokens": a.get("usd_per_million_tokens"),
-                    "usd_per_million_tokens_spot": a.get("usd_per_million_tokens_spot"),
-                    "final_train_loss": a.get("final_train_loss"),
-                    "ci_kind": a.get("ci_kind"),
-                    "ci_method": a.get("ci_method"),
-                    "timed_steps": a.get("timed_steps"),
-                    "stop_rule": a.get("stop_rule"),
-                    "stop_reason": a.get("stop_reason"),
-                    "tolerance_reached": a.get("tolerance_reached"),
-                    "stop": _stop_text(a),
-                    "contention": a.get("contention_note"),
-                    "disturbed": bool(a.get("disturbed")),
-                    "disturbance": a.get("disturbance_note"),
-                    "note": _note(a),
-                }
-            )
+    if analysis is not None:
+        rows = [_analysed_row(a) for a in analysis.jobs]
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0, r["job_name"] or ""))
     rows = []
     for job in (j for j in jobs if not j.is_canary):  # a canary is not a measurement
@@ -129,7 +113,7 @@ def result_rows(analysis: Mapping[str, Any] | None, jobs: Sequence[JobRecord]) -
     return rows
 
 
-def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, Any]:
+def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> RunAnalysis:
     """The stored analysis re-priced with today's catalog prices (and the manifest's overrides)."""
     from gpuscout.analysis.analyze import reprice
     from gpuscout.analysis.pricing import PriceBook
@@ -138,4 +122,4 @@ def repriced_analysis(run: RunRecord, result: ResultRecord | None) -> dict[str, 
     if result is None:
         raise GpuscoutError(f"run {run.run_id} has no stored analysis to re-price (status {run.status.value})")
     prices = PriceBook.from_catalog(load_catalog()).with_manifest_overrides(RunTerms.stored(run.manifest))
-    return reprice(result.analysis, prices).model_dump(mode="json")
+    return reprice(result.analysis, prices)

@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.run_analysis import PriceSnapshot, RunAnalysis
 
 if TYPE_CHECKING:
     from gpuscout.domain.jobspec import JobSpec
@@ -164,9 +165,24 @@ class ResultRecord(BaseModel):
 
     run_id: str
     created_at: datetime = Field(default_factory=utcnow)
-    analysis: dict[str, Any]  # gpuscout.analysis.analyze.RunAnalysis.model_dump(mode="json")
+    analysis: RunAnalysis
     report_uri: str | None = None  # folder or s3:// prefix holding report.md/html/json and charts
-    price_snapshot: dict[str, Any] = Field(default_factory=dict)
+    price_snapshot: PriceSnapshot | None = None  # the analysis' own prices, also beside it (rows since the first)
+
+    @field_validator("price_snapshot", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return value or None  # rows of the first releases stored {} when an analysis had no prices
+
+
+def outdated_result(run_id: str, err: Exception) -> str:
+    """Why a stored RESULT row cannot be read: an analysis stored by another version of gpuscout. Its jobs are
+    stored, so analysing the run again replaces it."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return (
+        f"run {run_id}: its stored analysis is not in this version's format ({first}); analyse it again with "
+        f"`gpuscout analyze {run_id}`"
+    )
 
 
 @runtime_checkable

@@ -34,6 +34,7 @@ from gpuscout.store.base import (
     ResultRecord,
     RunRecord,
     RunStatus,
+    outdated_result,
     utcnow,
 )
 
@@ -423,7 +424,10 @@ class DynamoDbStore:
 
     def get_result(self, run_id: str) -> ResultRecord | None:
         item = self._get_item(_run_pk(run_id), "RESULT")
-        return None if item is None else _decode_item(item, ResultRecord)
+        try:
+            return None if item is None else _decode_item(item, ResultRecord)
+        except StoreError as err:
+            raise StoreError(outdated_result(run_id, err)) from err
 
 
 def table_definition(table_name: str) -> dict[str, Any]:

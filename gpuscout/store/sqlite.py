@@ -28,6 +28,7 @@ from gpuscout.store.base import (
     RunRecord,
     RunStatus,
     as_utc,
+    outdated_result,
     utcnow,
 )
 
@@ -332,4 +333,9 @@ class SqliteStore:
     def get_result(self, run_id: str) -> ResultRecord | None:
         with self._transaction() as conn:
             row = conn.execute("SELECT payload FROM results WHERE run_id = ?", (run_id,)).fetchone()
-        return ResultRecord.model_validate_json(row[0]) if row else None
+        if row is None:
+            return None
+        try:
+            return ResultRecord.model_validate_json(row[0])
+        except ValidationError as err:
+            raise StoreError(outdated_result(run_id, err)) from err

@@ -11,17 +11,17 @@ from gpuscout.store.base import JobRecord, ResultRecord, ResultStore, RunRecord
 
 if TYPE_CHECKING:
     from gpuscout.analysis.pricing import PriceBook
-    from gpuscout.analysis.results import RunAnalysis
     from gpuscout.analysis.terms import RunTerms
     from gpuscout.domain.catalog import Catalog
+    from gpuscout.domain.run_analysis import RunAnalysis
 
 
 def result_record(analysis: RunAnalysis, *, report_uri: str | None = None) -> ResultRecord:
     return ResultRecord(
         run_id=analysis.run_id,
-        analysis=analysis.model_dump(mode="json"),
+        analysis=analysis,
         report_uri=report_uri,
-        price_snapshot=analysis.price_snapshot.model_dump(mode="json"),
+        price_snapshot=analysis.price_snapshot,
     )
 
 

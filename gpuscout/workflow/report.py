@@ -12,7 +12,7 @@ from gpuscout.workflow.analyze import result_record
 from gpuscout.workflow.ports import ReportSink
 
 if TYPE_CHECKING:
-    from gpuscout.analysis.results import RunAnalysis
+    from gpuscout.domain.run_analysis import RunAnalysis
 
 
 def write_report(analysis: RunAnalysis, folder: Path, *, store: ResultStore, sink: ReportSink | None = None) -> str:

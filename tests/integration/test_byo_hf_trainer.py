@@ -34,7 +34,7 @@ def test_hf_trainer_example_local_end_to_end(tmp_path):
         assert bench.throughput.samples_timed == 8 * batch
         assert bench.throughput.tokens_timed == 8 * batch * 64  # tokens_per_step from the callback
         assert bench.loss.final_train_loss is not None
-    analysis = store.get_result(run.run_id).analysis
+    analysis = store.get_result(run.run_id).analysis.model_dump(mode="json")
     assert analysis["unit"] == "samples"
     ranked = sorted(analysis["jobs"], key=lambda a: a["rank"])
     assert all(a["samples_per_s"] > 0 and a["usd_per_million_samples"] > 0 for a in ranked)

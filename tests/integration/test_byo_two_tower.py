@@ -40,7 +40,7 @@ def test_two_tower_local_end_to_end(example_run):
         assert bench.unit == "samples" and bench.job.entry_point == "train.py"
         assert bench.throughput.samples_per_s > 0 and bench.timing.timed_steps == 10
         assert bench.job.hyperparameters["batch_size"] in ("128", "512")
-    analysis = store.get_result(run.run_id).analysis
+    analysis = store.get_result(run.run_id).analysis.model_dump(mode="json")
     assert analysis["unit"] == "samples"
     ranked = sorted(analysis["jobs"], key=lambda a: a["rank"])
     assert all(a["samples_per_s"] > 0 and a["usd_per_million_samples"] > 0 for a in ranked)

@@ -158,8 +158,8 @@ def test_the_users_code_runs_through_the_deployed_workflow(
         assert job.benchmark is not None and job.benchmark.throughput.samples_per_s > 0
     assert store.get_run(run.run_id).status is RunStatus.SUCCEEDED
     result = store.get_result(run.run_id)
-    assert result is not None and result.analysis["unit"] == "samples"
-    ranked = sorted(result.analysis["jobs"], key=lambda a: a["rank"])
+    assert result is not None and result.analysis.model_dump(mode="json")["unit"] == "samples"
+    ranked = sorted(result.analysis.model_dump(mode="json")["jobs"], key=lambda a: a["rank"])
     assert len(ranked) == 4 and all(a["usd_per_million_samples"] > 0 for a in ranked)
     report = cloud.s3.get_object(Bucket=DATA_BUCKET, Key=f"reports/{run.run_id}/report.md")["Body"].read().decode()
     assert "samples/s" in report and "$/1M samples" in report

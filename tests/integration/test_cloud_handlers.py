@@ -466,11 +466,11 @@ def test_analyze_covers_completed_jobs_when_others_lacked_capacity(cloud: Cloud)
     assert {f"reports/{run_id}/report.md", f"reports/{run_id}/report.json"} <= keys
     result = cloud.services.store.get_result(run_id)
     assert result is not None and result.report_uri == out["report_uri"]
-    analysed = {j["job_name"]: j for j in result.analysis["jobs"]}
+    analysed = {j["job_name"]: j for j in result.analysis.model_dump(mode="json")["jobs"]}
     statuses = {name: j["status"] for name, j in analysed.items()}
     assert statuses[p4d[0]] == "QUOTA"
     assert statuses[p4d[1]] == "CAPACITY"
-    assert result.analysis["recommendation"]["job_name"] in g5
+    assert result.analysis.model_dump(mode="json")["recommendation"]["job_name"] in g5
     assert cloud.services.store.get_run(run_id).status is RunStatus.SUCCEEDED
 
 
@@ -505,12 +505,18 @@ def test_analyze_prices_with_todays_aws_list_price_and_falls_back_per_instance(c
     # reason) where it did not, and the costs use them.
     result = cloud.services.store.get_result(run_id)
     assert result is not None
-    prices = result.price_snapshot["prices"]
+    assert result.price_snapshot is not None
+    snapshot = result.price_snapshot.model_dump(mode="json")
+    prices = snapshot["prices"]
     assert prices["ml.g5.8xlarge"]["on_demand_usd_per_hour"] == 2.9
     assert prices["ml.g5.8xlarge"]["on_demand_source"] == "aws-price-list"
     assert prices["ml.p4d.24xlarge"]["on_demand_source"].startswith("catalog")
-    assert any("ml.p4d.24xlarge" in note and "AccessDenied" in note for note in result.price_snapshot["notes"])
-    g5 = next(j for j in result.analysis["jobs"] if j["instance_type"] == "ml.g5.8xlarge" and j["tokens_per_s"])
+    assert any("ml.p4d.24xlarge" in note and "AccessDenied" in note for note in snapshot["notes"])
+    g5 = next(
+        j
+        for j in result.analysis.model_dump(mode="json")["jobs"]
+        if j["instance_type"] == "ml.g5.8xlarge" and j["tokens_per_s"]
+    )
     assert g5["usd_per_million_tokens"] == pytest.approx(2.9 / 3600 / g5["tokens_per_s"] * 1e6)
 
 
@@ -865,7 +871,9 @@ def test_a_canarys_row_bills_its_spend_to_the_budget_guard_and_is_never_read_as_
     result = control_plane.analyze(
         {"run_id": run_id}, store=store, s3=with_canary.s3, settings=with_canary.services.settings
     )
-    assert not any(a["job_name"] == canary.job_name for a in store.get_result(run_id).analysis["jobs"])
+    assert not any(
+        a["job_name"] == canary.job_name for a in store.get_result(run_id).analysis.model_dump(mode="json")["jobs"]
+    )
     assert result["run_id"] == run_id
 
 

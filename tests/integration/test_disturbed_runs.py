@@ -118,7 +118,7 @@ def test_an_injected_slow_phase_is_flagged_re_measured_and_never_wins(tmp_path):
     order = [j.job_name for j in sorted(store.list_jobs(run.run_id), key=lambda j: j.updated_at)]
     assert order.index(jobs["once-m2"].job_name) > order.index(jobs["always"].job_name)
 
-    analysis = store.get_result(run.run_id).analysis
+    analysis = store.get_result(run.run_id).analysis.model_dump(mode="json")
     by_variant = {a["variant_name"]: a for a in analysis["jobs"]}
     # "once": ranked on its clean re-measurement, with a note that names the measurement left out
     once = by_variant["once"]
@@ -226,7 +226,7 @@ def test_a_stall_that_recompiled_is_not_measured_again_and_the_verdict_says_what
     (said,) = [m for m in messages if "disturbed measurement" in m]
     assert said.startswith(jobs["reshaped"].job_name) and "not measured again: torch.compile compiled" in said
     # and the verdict tells the user what to change, not to find a quieter machine
-    analysis = store.get_result(run.run_id).analysis
+    analysis = store.get_result(run.run_id).analysis.model_dump(mode="json")
     assert {a["variant_name"]: a["recompiled"] for a in analysis["jobs"]} == {"fixed": False, "reshaped": True}
     recommendation = analysis["recommendation"]
     assert recommendation["verdict"] == "cannot_tell", recommendation["summary"]

@@ -124,12 +124,15 @@ def test_local_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
     result = store.get_result(run.run_id)
     assert result is not None
-    ranked = {a["variant_name"]: a for a in result.analysis["jobs"]}
+    ranked = {a["variant_name"]: a for a in result.analysis.model_dump(mode="json")["jobs"]}
     assert sorted(ranked[v]["rank"] for v in ("b2-a2", "b4-a1")) == [1, 2]
     assert ranked["broken"]["rank"] is None
     assert "malloc kept for training" in ranked["b4-a1"]["host_allocator"]  # what was measured includes it
     assert ranked["b4-a1"]["host_allocator"] in (run_dir / "report" / "report.md").read_text()
-    assert result.analysis["recommendation"]["job_name"] in {jobs["b2-a2"].job_name, jobs["b4-a1"].job_name}
+    assert result.analysis.model_dump(mode="json")["recommendation"]["job_name"] in {
+        jobs["b2-a2"].job_name,
+        jobs["b4-a1"].job_name,
+    }
     assert "n/a (CPU)" in printed
     assert "Recommendation" in printed
 

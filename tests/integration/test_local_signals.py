@@ -22,6 +22,7 @@ from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec
+from gpuscout.domain.run_analysis import RunAnalysis
 from gpuscout.local import closing
 from gpuscout.local import runner as local
 from gpuscout.local.data_cache import remove_stale_staging
@@ -31,6 +32,7 @@ from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 from gpuscout.workflow.ports import JobOutcome
+from tests.run_analyses import run_analysis
 from tests.stand_ins import stand_in_packages
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
@@ -167,11 +169,11 @@ def test_a_second_signal_cannot_cut_the_final_analysis_short(tmp_path: Path, mon
 
     analysed: list[str] = []
 
-    def analysis_hit_by_a_second_signal(run, *_args: object, **_kw: object) -> dict[str, object]:
+    def analysis_hit_by_a_second_signal(run, *_args: object, **_kw: object) -> RunAnalysis:
         os.kill(os.getpid(), signal.SIGTERM)  # When a second signal arrives during the final analysis
         time.sleep(0.2)
         analysed.append(run.run_id)
-        return {}
+        return run_analysis(run.run_id)
 
     monkeypatch.setattr(local, "run_job", fake_run_job)
     monkeypatch.setattr(closing, "analyze_and_report", analysis_hit_by_a_second_signal)
@@ -196,12 +198,12 @@ def _run_with_signals_during_the_analysis(
     monkeypatch.setattr(local, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.COMPLETED, None, None, 1.0))
     analysed: list[str] = []
 
-    def slow_analysis(run, *_args: object, **_kw: object) -> dict[str, object]:
+    def slow_analysis(run, *_args: object, **_kw: object) -> RunAnalysis:
         for _ in range(presses):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
         analysed.append(run.run_id)
-        return {}
+        return run_analysis(run.run_id)
 
     monkeypatch.setattr(closing, "analyze_and_report", slow_analysis)
     store = SqliteStore(tmp_path / "g.db")

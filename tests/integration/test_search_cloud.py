@@ -388,7 +388,7 @@ def test_the_workflow_runs_one_tuning_job_per_target_and_ranks_every_trial(
     assert store.get_run(run.run_id).status is RunStatus.SUCCEEDED
     result = store.get_result(run.run_id)
     assert result is not None
-    analysed = {a["variant_name"]: a for a in result.analysis["jobs"]}
+    analysed = {a["variant_name"]: a for a in result.analysis.model_dump(mode="json")["jobs"]}
     completed = [j.variant_name for j in rows.values() if j.status is JobStatus.COMPLETED]
     assert sorted(a["rank"] for v, a in analysed.items() if v in completed) == [1, 2]
     pruned = analysed[by_status[JobStatus.PRUNED].variant_name]

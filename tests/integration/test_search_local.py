@@ -77,7 +77,7 @@ def _run(tmp_path: Path, data_cache: Path, *, pruning: bool) -> tuple[Any, list[
     )  # fmt: skip
     result = store.get_result(run.run_id)
     assert result is not None
-    return run, store.list_jobs(run.run_id), result.analysis
+    return run, store.list_jobs(run.run_id), result.analysis.model_dump(mode="json")
 
 
 @pytest.mark.slow(seconds=35)

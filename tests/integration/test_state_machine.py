@@ -764,7 +764,7 @@ def test_a_finished_job_is_recorded_before_analysis_even_when_job_events_has_not
     assert store.get_run(run.run_id).status is RunStatus.SUCCEEDED
     result = store.get_result(run.run_id)
     assert result is not None and result.report_uri == f"s3://{DATA_BUCKET}/reports/{run.run_id}/"
-    assert job.job_name in json.dumps(result.analysis)
+    assert job.job_name in result.analysis.model_dump_json()
 
 
 def test_a_failed_data_preparation_marks_the_run_failed_and_fails_the_execution(
@@ -835,7 +835,9 @@ def test_canaries_run_before_the_fan_out_one_per_configuration(
     assert [j.job_name for j in canary_rows] == sorted(names[:2])
     assert sorted(n for j in canary_rows for n in j.canary_for or []) == sorted(j.job_name for j in jobs)
     result = with_canary.services.store.get_result(run.run_id)
-    assert result is not None and not any("-canary" in a["job_name"] for a in result.analysis["jobs"])
+    assert result is not None and not any(
+        "-canary" in a["job_name"] for a in result.analysis.model_dump(mode="json")["jobs"]
+    )
     assert with_canary.services.store.get_run(run.run_id).status is RunStatus.SUCCEEDED
 
 

@@ -192,12 +192,12 @@ def test_track_logs_a_cloud_run_to_its_mlflow_server_and_wandb_beside_its_jobs(
     # MLflow (over HTTP): the run's parent run with the ranked results, the report and the recommendation; the job
     # runs nested under it with their analysed figures
     (parent,) = client.search_runs([experiment.experiment_id], f"{of_run} and tags.`{LEVEL_TAG}` = 'run'")
-    recommended = analysis.analysis["recommendation"]["job_name"]
+    recommended = analysis.analysis.model_dump(mode="json")["recommendation"]["job_name"]
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["gpuscout.recommended_job"] == recommended
-    best = next(j for j in analysis.analysis["jobs"] if j["job_name"] == recommended)
+    best = next(j for j in analysis.analysis.model_dump(mode="json")["jobs"] if j["job_name"] == recommended)
     assert parent.data.metrics["best/tokens_per_s"] == pytest.approx(best["tokens_per_s"])
-    assert parent.data.metrics["jobs"] == len(analysis.analysis["jobs"])
+    assert parent.data.metrics["jobs"] == len(analysis.analysis.model_dump(mode="json")["jobs"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"ranked_results.json", "ranked_results.csv", "analysis.json", "report"} <= artifacts
     report_files = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
@@ -226,7 +226,9 @@ def test_track_logs_a_cloud_run_to_its_mlflow_server_and_wandb_beside_its_jobs(
         assert [row["loss"] for row in wb.history(by_job[name])] == pytest.approx([4.0 / s for s in range(1, 4)])
     analysis_run = by_job[run_id]
     (row,) = [row for row in wb.history(analysis_run) if "ranked_results/_type" in row]
-    assert row["ranked_results/_type"] == "table-file" and row["ranked_results/nrows"] == len(analysis.analysis["jobs"])
+    assert row["ranked_results/_type"] == "table-file" and row["ranked_results/nrows"] == len(
+        analysis.analysis.model_dump(mode="json")["jobs"]
+    )
     assert "report/report.md" in wb.saved_files(analysis_run)
     assert wb.summary(analysis_run)["best/tokens_per_s"] == pytest.approx(best["tokens_per_s"])
     # the jobs' archives hold wandb's links (`latest-run`, ...), which are not extracted: the links there are the

@@ -43,6 +43,7 @@ from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, R
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 from tests.account_quotas import account_quotas
 from tests.benchmark_results import benchmark_result
+from tests.run_analyses import run_analysis
 
 REGION = "us-east-1"
 DATA_BUCKET = "gpuscout-data-test"
@@ -522,13 +523,13 @@ def test_results_and_report_from_dynamodb_and_s3(deployed: Deployed, tmp_path: P
         deployed.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + name, Body=body)
     deployed.store.put_result(
         ResultRecord(
-            run_id=run_id, analysis={"recommendation": {"summary": "p4d"}}, report_uri=f"s3://{DATA_BUCKET}/{prefix}"
+            run_id=run_id, analysis=run_analysis(run_id, summary="p4d"), report_uri=f"s3://{DATA_BUCKET}/{prefix}"
         )
     )
 
     run, jobs, result = stack.result(run_id)
     assert run.run_id == run_id and len(jobs) == 3
-    assert result is not None and result.analysis["recommendation"]["summary"] == "p4d"
+    assert result is not None and result.analysis.model_dump(mode="json")["recommendation"]["summary"] == "p4d"
     assert stack.report_markdown(run_id) == "# bench\n"
     folder = stack.download_report(run_id, tmp_path / "reports")
     assert folder == tmp_path / "reports" / run_id
@@ -545,7 +546,9 @@ def test_runs_results_and_report_of_a_cloud_run_through_the_main_cli(deployed: D
     prefix = f"reports/{run_id}/"
     deployed.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + "report.md", Body=b"# bench report\n")
     deployed.s3.put_object(Bucket=DATA_BUCKET, Key=prefix + "report.html", Body=b"<html/>")
-    deployed.store.put_result(ResultRecord(run_id=run_id, analysis={}, report_uri=f"s3://{DATA_BUCKET}/{prefix}"))
+    deployed.store.put_result(
+        ResultRecord(run_id=run_id, analysis=run_analysis(run_id), report_uri=f"s3://{DATA_BUCKET}/{prefix}")
+    )
 
     listed = real.invoke(cli.app, ["runs", "--stack-name", "Gpuscout"])
     assert listed.exit_code == 0 and run_id in listed.stdout

@@ -12,8 +12,8 @@ from gpuscout.analysis import report
 from gpuscout.analysis.analyze import analyze_run, reprice
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide
-from gpuscout.analysis.results import Constraints
 from gpuscout.analysis.terms import RunTerms
+from gpuscout.domain.run_analysis import Constraints
 from gpuscout.store.base import JobStatus, RunStatus
 
 

@@ -138,7 +138,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 
 def test_no_import_cycles_between_modules() -> None:
-    # analysis <-> recommend was one: the models they share now live in analysis/results.py.
+    # analysis <-> recommend was one: the models they share live in domain/run_analysis.py.
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in MODULES.items():
         for _, name, _ in gpuscout_imports(path, set(MODULES)):

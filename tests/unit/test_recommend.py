@@ -13,8 +13,8 @@ from example_run import load_example_run
 from gpuscout.analysis.analyze import analyze_run, price_job, reprice
 from gpuscout.analysis.pricing import PriceBook, SpotAssumption
 from gpuscout.analysis.recommend import decide, pareto_front
-from gpuscout.analysis.results import Constraints, JobAnalysis
 from gpuscout.analysis.terms import RunTerms
+from gpuscout.domain.run_analysis import Constraints, JobAnalysis
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 SPOT = SpotAssumption(default_discount=0.6, assumption="test: 60 % off", source="test", date="2026-11-01")

@@ -14,8 +14,8 @@ from matplotlib.container import ErrorbarContainer
 
 from gpuscout.analysis import report, report_charts
 from gpuscout.analysis.analyze import analyze_run
-from gpuscout.analysis.results import RunAnalysis
 from gpuscout.analysis.terms import RunTerms
+from gpuscout.domain.run_analysis import RunAnalysis
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 NOTE = "Example from fixture data, not a measurement."
@@ -256,7 +256,7 @@ def test_the_report_says_what_the_numbers_were_measured_on(written: dict[str, An
 
 def test_a_local_run_has_no_spot_bars_no_empty_phases_and_no_prices_it_did_not_use(analysis: RunAnalysis) -> None:
     """Item 7: legends and price rows only where the run has data for them."""
-    from gpuscout.analysis.costs import TimeBreakdown
+    from gpuscout.domain.run_analysis import TimeBreakdown
 
     first = analysis.jobs[0]
     local = first.model_copy(

@@ -10,7 +10,7 @@ import pytest
 from store_factories import STORE_FACTORIES
 
 from gpuscout.domain.benchmark import BenchmarkResult
-from gpuscout.errors import RunExistsError, RunNotFoundError
+from gpuscout.errors import RunExistsError, RunNotFoundError, StoreError
 from gpuscout.store.base import (
     JOB_STATUS_RANK,
     JobRecord,
@@ -21,6 +21,7 @@ from gpuscout.store.base import (
     RunStatus,
 )
 from tests.benchmark_results import benchmark_result
+from tests.run_analyses import run_analysis
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 PLUS_TWO = timezone(timedelta(hours=2))
@@ -218,13 +219,33 @@ def test_result_round_trip(store: ResultStore) -> None:
     result = ResultRecord(
         run_id="run-a",
         created_at=T0,
-        analysis={"recommendation": {"job_name": "gs-x", "summary": "pick gs-x"}, "jobs": [{"rank": 1}]},
+        analysis=run_analysis("run-a", summary="pick gs-x"),
         report_uri="runs/run-a/report",
-        price_snapshot={"local": 0.0928},
+        price_snapshot=run_analysis("run-a").price_snapshot,
     )
     store.put_result(result)
     assert store.get_result("run-a") == result
     assert store.get_result("run-b") is None
+
+
+def test_an_analysis_another_version_stored_is_a_clear_error_that_says_how_to_replace_it(store: ResultStore) -> None:
+    # Given a RESULT row whose analysis another gpuscout version wrote (a field this version requires is missing)
+    store.put_run(make_run())
+    store.put_result(ResultRecord(run_id="run-a", created_at=T0, analysis=run_analysis("run-a")))
+    client = getattr(store, "_client", None)
+    if client is not None:  # DynamoDB: the row's analysis attribute rewritten
+        table = store.table_name  # type: ignore[attr-defined]
+        client.update_item(
+            TableName=table, Key={"pk": {"S": "RUN#run-a"}, "sk": {"S": "RESULT"}},
+            UpdateExpression="SET analysis = :a", ExpressionAttributeValues={":a": {"M": {"jobs": {"L": []}}}},
+        )  # fmt: skip
+    else:  # SQLite: the row's payload rewritten
+        with store._transaction() as conn:  # type: ignore[attr-defined]
+            conn.execute("UPDATE results SET payload = ?", ('{"run_id": "run-a", "analysis": {"jobs": []}}',))
+    # When it is read, Then the store says which run, that its format is another version's, and what replaces it
+    with pytest.raises(StoreError, match=r"run run-a: its stored analysis is not in this version's format .*"
+                       r"`gpuscout analyze run-a`"):  # fmt: skip
+        store.get_result("run-a")
 
 
 # Job events: at-least-once, unordered delivery.

@@ -14,6 +14,7 @@ import pytest
 
 from gpuscout.analysis.tracking import RANKED_COLUMNS, log_run, ranked_rows
 from gpuscout.domain.manifest_search import TrackingSection
+from gpuscout.domain.run_analysis import RunAnalysis
 from gpuscout.domain.tracking import (
     JOB_NAME_TAG,
     LEVEL_TAG,
@@ -29,6 +30,17 @@ from tests import wandb_offline_reader as wb
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "analysis" / "expected-example_run.json"
 ANALYSIS: dict[str, Any] = json.loads(FIXTURE.read_text())
+TAKEN_AT = "2026-11-21T12:00:00Z"  # the fixture leaves clock readings out (test_analysis_regression.py)
+
+
+def _analysed(analysis: dict[str, Any]) -> RunAnalysis:
+    """What log_run takes: the stored RESULT row's model."""
+    return RunAnalysis.model_validate(
+        {**analysis, "price_snapshot": {**analysis["price_snapshot"], "taken_at": TAKEN_AT}}
+    )
+
+
+ANALYSED = _analysed(ANALYSIS)
 RUN_ID = ANALYSIS["run_id"]
 RECOMMENDED = ANALYSIS["recommendation"]["job_name"]  # gs-g5-12xl-bs4-ckpt-r0, rank 1
 REPEATED = "gs-p4d-bs8-r1"  # a repetition of the rank-2 settings, whose row is gs-p4d-bs8-r0
@@ -85,7 +97,7 @@ def test_the_run_logs_its_ranked_results_and_report_to_mlflow_and_wandb(tmp_path
     ids = _job_runs(uri, "example", destinations.mlflow.artifact_location, jobs)
     report = _report(runs / RUN_ID / "report")
     # When the run's analysis is logged
-    outcome = log_run(RUN_ID, ANALYSIS, report, destinations)
+    outcome = log_run(RUN_ID, ANALYSED, report, destinations)
     # Then both trackers have it, and say where
     assert outcome.problems == []
     assert [line.split(":")[0] for line in outcome.logged] == ["MLflow", "W&B"]
@@ -139,7 +151,7 @@ def test_the_run_logs_its_ranked_results_and_report_to_mlflow_and_wandb(tmp_path
     assert set(files) == {"ranked_results.json", "ranked_results.csv", "analysis.json"} | report_files
 
     # And logging the run again (e.g. after more jobs) updates the same MLflow run instead of adding one
-    again = log_run(RUN_ID, ANALYSIS, report, Destinations(mlflow=destinations.mlflow))
+    again = log_run(RUN_ID, ANALYSED, report, Destinations(mlflow=destinations.mlflow))
     assert again.problems == []
     assert len(client.search_runs([experiment.experiment_id], f"tags.`{LEVEL_TAG}` = 'run'")) == 1
 
@@ -154,7 +166,7 @@ def test_a_tracker_that_fails_is_reported_not_raised(tmp_path: Path, monkeypatch
         {"mlflow": {"tracking_uri": f"http://127.0.0.1:{port}", "experiment": "x"}}
     )
     # When the run is logged, Then the failure is one problem line, not an exception
-    outcome = log_run(RUN_ID, ANALYSIS, None, local_destinations(tracking, tmp_path))
+    outcome = log_run(RUN_ID, ANALYSED, None, local_destinations(tracking, tmp_path))
     assert outcome.logged == []
     (problem,) = outcome.problems
     assert problem.startswith("MLflow: the run's results were not logged (")
@@ -180,7 +192,7 @@ def test_an_http_server_that_keeps_artifacts_in_s3_gets_the_run_s_artifacts(
         s3.create_bucket(Bucket="team-mlflow")
         # When the run is logged there
         destinations = Destinations(mlflow=MlflowDestination(tracking_uri=url, experiment="s3-artifacts"))
-        outcome = log_run(RUN_ID, ANALYSIS, _report(tmp_path / "report"), destinations)
+        outcome = log_run(RUN_ID, ANALYSED, _report(tmp_path / "report"), destinations)
         # Then the artifacts are in the bucket: the plugin's presigned upload (ARN servers only) stayed off
         assert outcome.problems == [], outcome.problems
         keys = {obj["Key"].split("/artifacts/", 1)[1] for obj in s3.list_objects_v2(Bucket="team-mlflow")["Contents"]}
@@ -326,7 +338,7 @@ def test_the_run_level_mlflow_run_has_the_settings_the_job_logs_and_why_a_trial_
     extras = RunExtras(settings=manifest, job_logs=local_job_logs(run_dir), output_log=run_dir / "tracking.log")
     capfd.readouterr()
     # When the run is logged
-    outcome = log_run(RUN_ID, analysis, _report(run_dir / "report"), destinations, extras)
+    outcome = log_run(RUN_ID, _analysed(analysis), _report(run_dir / "report"), destinations, extras)
     # Then the terminal got nothing from the tracker libraries: their lines are in the run's tracking.log
     printed = capfd.readouterr()
     assert (printed.out, printed.err) == ("", ""), printed

@@ -122,7 +122,7 @@ def test_wild_repetitions_give_an_unreliable_interval_and_cannot_tell() -> None:
         assert job.usd_per_million_tokens_ci95 is None
         assert "reaches zero or below" in (job.ci_method or "")
     # printed as unreliable, never as a negative bound
-    rows = result_rows(analysis.model_dump(mode="json"), [])
+    rows = result_rows(analysis, [])
     assert [_tps_text(r) for r in rows] == ["13,367 (CI unreliable)", "12,298 (CI unreliable)"]
     markdown = render_markdown(analysis, [])
     assert "(CI unreliable)" in markdown
@@ -193,10 +193,10 @@ def test_a_steady_state_stop_that_never_settled_is_flagged_and_not_firm() -> Non
     assert fast_row.stop_text == "steady state not reached (±4.9 % > ±2.0 %), 16 timed"
     assert analysis.recommendation.verdict == "provisional"
     # flagged where a user looks: the results rows (table/json/csv) and the report
-    row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
+    row = next(r for r in result_rows(analysis, []) if r["variant"] == "fast")
     assert row["tolerance_reached"] is False and row["stop_reason"] == unsettled["reason"]
     assert row["timed_steps"] == 16 and row["stop"] == "steady state not reached (±4.9 % > ±2.0 %), 16 timed"
-    assert "⚠" in _table_text(result_rows(analysis.model_dump(mode="json"), []))
+    assert "⚠" in _table_text(result_rows(analysis, []))
     assert "⚠ steady state not reached (±4.9 % > ±2.0 %)" in render_markdown(analysis, [])
 
 
@@ -217,7 +217,7 @@ def test_a_measurement_under_competition_is_never_a_clear_winner() -> None:
     # the answer comes first, and no margin is quoted against the contended measurement
     assert rec.summary.startswith("Pick local / fast (provisional): ") and "Next: " in rec.summary
     assert rec.margin_fraction is None and "faster than the runner-up" not in rec.summary
-    row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
+    row = next(r for r in result_rows(analysis, []) if r["variant"] == "fast")
     assert "measured under competition" in row["note"]
 
 
@@ -251,7 +251,7 @@ def test_a_disturbed_leader_cannot_win_and_a_disturbed_follower_keeps_the_leader
     rec = analysis.recommendation
     assert rec.verdict == "cannot_tell" and not rec.clear_winner
     assert "local / fast: 3 of 3 repetitions: disturbed measurement: 12 of 19 timed steps" in _said(rec)
-    fast_row = next(r for r in result_rows(analysis.model_dump(mode="json"), []) if r["variant"] == "fast")
+    fast_row = next(r for r in result_rows(analysis, []) if r["variant"] == "fast")
     assert fast_row["disturbed"] and "disturbed measurement" in fast_row["note"]
     assert "⚠ 3 of 3 repetitions: disturbed measurement" in render_markdown(analysis, [])
     # When a third, disturbed variant ranks last but could have led at its undisturbed speed (its slow phase cost it

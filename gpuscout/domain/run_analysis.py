@@ -1,7 +1,7 @@
 """What an analysis is: one target x variant's aggregated metrics and costs (``JobAnalysis``), the exclusions, the
-recommendation and the whole run's answer (``RunAnalysis``). Plain pydantic models shared by the analysis pipeline
-(``analyze``), the ranking (``recommend``), the report and the stores' callers; they import no other analysis module.
-"""
+recommendation and the whole run's answer (``RunAnalysis``), with what they are made of: the machines measured on
+(``Machine``), a job's time per phase (``TimeBreakdown``) and every price used (``PriceSnapshot``). Plain pydantic
+models, the schema of report.json and of the stored RESULT row; the analysis (gpuscout.analysis) computes them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,93 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuscout.analysis.costs import TimeBreakdown
-from gpuscout.analysis.machines import Machine
-from gpuscout.analysis.pricing import PriceSnapshot
+from gpuscout.domain.prices import REFRESH_COMMAND, PriceKind, stale_days
+
+
+class TimeBreakdown(BaseModel):
+    """Seconds per phase of one job (per instance; multiply by instance count for instance-seconds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    provisioning: float = 0.0
+    image_pull: float = 0.0
+    data_download: float = 0.0
+    startup: float = 0.0  # model build, data load, compile before step 1 (inside SageMaker's "Training")
+    training: float = 0.0
+    upload: float = 0.0
+    source: str
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.provisioning + self.image_pull + self.data_download + self.startup + self.upload
+
+
+class Machine(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    instance_type: str
+    device: str  # cuda | cpu
+    model: str | None  # the GPU's name as the driver reports it, or the CPU's model name
+    gpus: int  # all instances together; 0 on CPU
+    cpu_count: int | None
+    python: str | None
+    torch: str | None
+    transformers: str | None
+    deepspeed: str | None
+    cuda: str | None  # the CUDA runtime torch was built with
+    driver: str | None  # the NVIDIA driver
+
+    @property
+    def software(self) -> str:
+        parts = [f"{name} {version}" for name, version in (("python", self.python), ("torch", self.torch),
+                 ("transformers", self.transformers), ("deepspeed", self.deepspeed)) if version]  # fmt: skip
+        return ", ".join(parts) or "-"
+
+
+def kind_of(on_demand_source: str) -> PriceKind:
+    """The kind a price's source implies (prices stored before kinds were recorded)."""
+    if on_demand_source == "aws-price-list":
+        return "live"
+    if on_demand_source in ("manifest override", "job spec"):
+        return "manifest"
+    return "snapshot"
+
+
+class InstancePrice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str
+    on_demand_usd_per_hour: float = Field(ge=0)
+    spot_usd_per_hour: float = Field(ge=0)
+    on_demand_source: str  # "catalog: <source>", "aws-price-list", "manifest override", "job spec"
+    spot_source: str  # "assumed 60 % discount (<source>)" or "manifest override"
+    date: str  # the day the catalog's rate was read, the Price List's effectiveDate, or "" for an override
+    region: str
+    kind: PriceKind | None = None  # None in results stored before kinds: read from on_demand_source
+
+    @property
+    def price_kind(self) -> PriceKind:
+        return self.kind or kind_of(self.on_demand_source)
+
+    def kind_text(self, at: datetime) -> str:
+        """The price's kind; a snapshot price read more than 90 days before ``at`` is marked STALE with the command
+        that refreshes it."""
+        kind = self.price_kind
+        if (age := stale_days(kind, self.date, at.date())) is not None:
+            return f"snapshot, STALE ({age} days; {REFRESH_COMMAND})"
+        return kind
+
+
+class PriceSnapshot(BaseModel):
+    """Every price a result used, frozen: stored with the result so the run can be re-priced or audited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prices: dict[str, InstancePrice]
+    spot_assumption: str
+    taken_at: datetime
+    notes: list[str] = Field(default_factory=list)  # e.g. why the Price List refresh fell back to the table
+
 
 Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget"]
 OBJECTIVES: tuple[str, ...] = ("cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget")
