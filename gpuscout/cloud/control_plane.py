@@ -33,6 +33,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpuscout.analysis.pricing import PRICE_LIST_REGION, PriceBook
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.cloud import run_roles
+from gpuscout.cloud.contract import (
+    AnalyzedRun,
+    ExecutionInput,
+    JobFailure,
+    RecordedFailure,
+    RunFailed,
+    ValidatedManifest,
+)
 from gpuscout.cloud.events import classify_failure, parse_event_timestamp, read_search_target
 from gpuscout.cloud.notify import sns_notifier
 from gpuscout.cloud.plan_items import (
@@ -220,22 +228,22 @@ def _runs_in_this_stack(source: str, s3: Any, settings: LambdaSettings) -> valid
 
 
 def validate_manifest(
-    execution_input: dict[str, Any],
+    execution_input: ExecutionInput,
     *,
     store: ResultStore,
     s3: Any,
     settings: LambdaSettings,
     catalog: Catalog | None = None,
     quota_book: QuotaBook | None = None,
-) -> dict[str, Any]:
-    """Validate step. Returns ``{"run_id", "bucket", "key", "manifest", "quota_warnings"}`` or raises
+) -> ValidatedManifest:
+    """Validate step. Returns the validated manifest (run id, bucket, key, parsed manifest, quota warnings) or raises
     ManifestRejected after writing ``rejected/<name>.error.json`` (every problem with its field path) and a REJECTED
     run row. With ``quota_book`` the plan's jobs and canaries are checked against the account's SageMaker training
     quotas (quotas.py): a quota of 0 rejects the manifest, naming the quota and where to raise it."""
-    bucket = str(execution_input["bucket"])
-    key, body, object_etag = _read_object(s3, bucket, str(execution_input["key"]))
+    bucket = execution_input.bucket
+    key, body, object_etag = _read_object(s3, bucket, execution_input.key)
     source = f"s3://{bucket}/{key}"
-    etag = str(execution_input.get("etag") or object_etag).strip('"')
+    etag = (execution_input.etag or object_etag).strip('"')
     stem = manifest_stem(key)
     catalog = catalog or load_catalog()
     manifest: Manifest | None = None
@@ -277,13 +285,13 @@ def validate_manifest(
             f"{source} is invalid ({len(err.problems)} problem(s); details in s3://{bucket}/{error_key}):\n"
             + "\n".join(f"  - {p}" for p in err.problems),
         ) from err
-    return {
-        "run_id": make_run_id(manifest.name, key=key, etag=etag),
-        "bucket": bucket,
-        "key": key,
-        "manifest": manifest.model_dump(mode="json"),
-        "quota_warnings": quota_warnings[:MAX_QUOTA_WARNINGS],
-    }
+    return ValidatedManifest(
+        run_id=make_run_id(manifest.name, key=key, etag=etag),
+        bucket=bucket,
+        key=key,
+        manifest=manifest.model_dump(mode="json"),
+        quota_warnings=quota_warnings[:MAX_QUOTA_WARNINGS],
+    )
 
 
 def _plan_problems(
@@ -328,8 +336,8 @@ TUNING_JOB_VARIANT = "tuning-job"
 
 
 def record_job_failure(
-    failure: dict[str, Any], *, store: ResultStore, s3: Any = None, artifacts_bucket: str | None = None
-) -> dict[str, Any]:
+    failure: JobFailure, *, store: ResultStore, s3: Any = None, artifacts_bucket: str | None = None
+) -> RecordedFailure:
     """A Map iteration's caught error -> CAPACITY / QUOTA / OOM / FAILED on the JOB row. Never raises for a
     classifiable error, so one missing instance type does not fail the benchmark.
 
@@ -339,16 +347,14 @@ def record_job_failure(
     tuning job (variant ``tuning-job``, the target's first candidate's spec), so the report says why the target
     has no trials.
     """
-    run_id, job_name = str(failure["run_id"]), str(failure["job_name"])
+    run_id, job_name = failure.run_id, failure.job_name
     if s3 is not None and artifacts_bucket and store.get_job(run_id, job_name) is None:
         target = read_search_target(s3, artifacts_bucket, run_id, job_name)
         if target is not None:
             spec = next(iter(target.candidates.values()))
             spec = spec.model_copy(update={"job_name": job_name, "variant_name": TUNING_JOB_VARIANT})
             store.create_job(JobRecord.from_spec(spec, JobStatus.PLANNED, tuning_job_name=job_name))
-    error = failure.get("error") or {}
-    error_name = str(error.get("Error", "")) if isinstance(error, dict) else ""
-    cause = str(error.get("Cause", "")) if isinstance(error, dict) else str(error)
+    error_name, cause = failure.error.error, failure.error.cause
     described = _describe_from_cause(cause)
     reason = str(described.get("FailureReason") or cause or error_name or "unknown error")
     status = classify_failure(f"{error_name} {reason}")
@@ -361,44 +367,42 @@ def record_job_failure(
     if isinstance(billable, int):
         fields["billable_seconds"] = billable
     applied = store.apply_job_event(run_id, job_name, status, event_time, **fields)
-    return {"run_id": run_id, "job_name": job_name, "status": status.value, "applied": applied}
+    return RecordedFailure(run_id=run_id, job_name=job_name, status=status.value, applied=applied)
 
 
-def mark_run_failed(
-    run_id: str, reason: str, *, store: ResultStore, execution_arn: str | None = None
-) -> dict[str, Any]:
+def mark_run_failed(run_id: str, reason: str, *, store: ResultStore, execution_arn: str | None = None) -> RunFailed:
     """Move a run that is not final yet to FAILED with ``reason``. Idempotent: a missing run, a final one, or a run
     planned by another execution than ``execution_arn`` (when both are known) is left alone (``applied: false``)."""
     try:
         run = store.get_run(run_id)
     except RunNotFoundError:
-        return {"run_id": run_id, "applied": False, "status": None, "ignored_reason": "no such run"}
+        return RunFailed(run_id=run_id, applied=False, status=None, ignored_reason="no such run")
     ignored: str | None = None
     if run.status in FINAL_RUN_STATUSES:
         ignored = f"already final ({run.status.value})"
     elif execution_arn and run.execution_arn and run.execution_arn != execution_arn:
         ignored = PLANNED_BY_ANOTHER_EXECUTION
     if ignored is not None:
-        return {"run_id": run_id, "applied": False, "status": run.status.value, "ignored_reason": ignored}
+        return RunFailed(run_id=run_id, applied=False, status=run.status.value, ignored_reason=ignored)
     store.update_run(run_id, status=RunStatus.FAILED, error=reason[:MAX_ERROR_CHARS])
-    return {"run_id": run_id, "applied": True, "status": RunStatus.FAILED.value, "ignored_reason": None}
+    return RunFailed(run_id=run_id, applied=True, status=RunStatus.FAILED.value, ignored_reason=None)
 
 
 PLANNED_BY_ANOTHER_EXECUTION = "planned by another execution"
 
 
-def delete_run_roles(outcomes: list[dict[str, Any]], *, iam: Any, settings: LambdaSettings) -> None:
+def delete_run_roles(outcomes: list[RunFailed], *, iam: Any, settings: LambdaSettings) -> None:
     """Delete the own role (run_roles) of each run in mark_run_failed's ``outcomes`` that ended with this execution
     (a run another execution planned keeps its role). Each outcome gets ``role_deleted``: True, False (none left),
     or why it could not be deleted (a role left behind grants no more than its boundary; the run stays FAILED)."""
     for outcome in outcomes:
-        if outcome.get("ignored_reason") == PLANNED_BY_ANOTHER_EXECUTION:
+        if outcome.ignored_reason == PLANNED_BY_ANOTHER_EXECUTION:
             continue
         try:
-            outcome["role_deleted"] = run_roles.delete_run_role(iam, settings, str(outcome["run_id"]))
+            outcome.role_deleted = run_roles.delete_run_role(iam, settings, outcome.run_id)
         except CloudStepError as err:
-            logger.error("run role of %s not deleted: %s", outcome["run_id"], err)
-            outcome["role_deleted"] = str(err)
+            logger.error("run role of %s not deleted: %s", outcome.run_id, err)
+            outcome.role_deleted = str(err)
 
 
 def caught_failure_reason(error_name: str, cause: str) -> str:
@@ -458,7 +462,7 @@ def fail_run_of_execution(
     store: ResultStore,
     error: str | None = None,
     cause: str | None = None,
-) -> list[dict[str, Any]]:
+) -> list[RunFailed]:
     """An execution ended FAILED, TIMED_OUT or ABORTED: mark the runs it planned FAILED (usually one; none when it
     ended before planning, or when planning refused it). Runs are found among the newest
     RUNS_SEARCHED_FOR_AN_EXECUTION by the execution ARN plan_jobs recorded."""
@@ -488,7 +492,7 @@ class S3ReportSink:
 
 
 def analyze(
-    request: dict[str, Any],
+    run_id: str,
     *,
     store: ResultStore,
     s3: Any,
@@ -498,12 +502,11 @@ def analyze(
     pricing_client: Any = None,
     work_dir: Path | None = None,
     sns: Any = None,
-) -> dict[str, Any]:
+) -> AnalyzedRun:
     """Analyze step (the workflow's analyze, report, final status and notify steps): RunAnalysis + report files in
     ``reports/<run_id>/`` of the data bucket + RESULT row + the final run status; then, when the stack has a topic
     (NOTIFICATION_TOPIC_ARN) and ``sns`` is given, the run summary is published to it. ``notified`` in the result
     says whether it was sent, or why not."""
-    run_id = str(request["run_id"])
     run = store.get_run(run_id)
     catalog = catalog or load_catalog()
     if prices is None:
@@ -524,4 +527,4 @@ def analyze(
         final, jobs, recommendation=summary, report_uri=report_uri,
         notifier=sns_notifier(sns, settings.notification_topic_arn),
     )  # fmt: skip
-    return {"run_id": run_id, "recommendation": summary, "report_uri": report_uri, "notified": notified}
+    return AnalyzedRun(run_id=run_id, recommendation=summary, report_uri=report_uri, notified=notified)

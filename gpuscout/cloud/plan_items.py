@@ -24,6 +24,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from gpuscout.cloud.contract import ItemList, PlanItems
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.names import PLANS_PREFIX  # plan_jobs writes here, the state machine reads here
 from gpuscout.errors import GpuscoutError, Problem
@@ -59,11 +60,9 @@ def oversized_items(items: Mapping[str, Sequence[Mapping[str, Any]]], limit: int
     ]
 
 
-def write_plan_items(
-    s3: Any, bucket: str, run_id: str, items: Mapping[str, Sequence[Mapping[str, Any]]]
-) -> dict[str, Any]:
+def write_plan_items(s3: Any, bucket: str, run_id: str, items: Mapping[str, Sequence[Mapping[str, Any]]]) -> PlanItems:
     """Write every list of ``items`` (keys: ITEM_KINDS) and return the state's reference to them."""
-    reference: dict[str, Any] = {"bucket": bucket}
+    written: dict[str, ItemList] = {}
     for kind in ITEM_KINDS:
         listed = list(items.get(kind, ()))
         key = items_key(run_id, kind)
@@ -76,8 +75,8 @@ def write_plan_items(
             )
         except (ClientError, BotoCoreError) as err:
             raise PlanItemsError(f"cannot write s3://{bucket}/{key}: {err}") from err
-        reference[kind] = {"key": key, "count": len(listed)}
-    return reference
+        written[kind] = ItemList(key=key, count=len(listed))
+    return PlanItems(bucket=bucket, **written)
 
 
 def read_plan_items(s3: Any, planned: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:

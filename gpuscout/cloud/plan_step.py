@@ -12,6 +12,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from gpuscout.cloud.contract import PlannedRun, PrepareStep, ValidatedManifest
 from gpuscout.cloud.plan_items import (
     MAX_ITEM_BYTES,
     MAX_REQUESTS_PER_RUN,
@@ -132,22 +133,22 @@ def _spot_max_wait_seconds(manifest: Manifest, target_index: int) -> int | None:
 
 
 def plan_jobs(
-    validated: dict[str, Any],
+    validated: ValidatedManifest,
     *,
     store: ResultStore,
     s3: Any,
     settings: LambdaSettings,
     catalog: Catalog | None = None,
-) -> dict[str, Any]:
+) -> PlannedRun:
     """Plan step: job specs -> requests; RUN + JOB rows (PLANNED). A search section becomes one tuning job request
     per target instead (``tunings``; its trials get their rows as they start) and the candidates' file per tuning job
     in the artifacts bucket. Raises PlanRefused over budget, or for a search target SageMaker cannot tune (REFUSED
     run), or when this manifest object was already planned (nothing is written then)."""
-    source = f"s3://{validated['bucket']}/{validated['key']}"
-    run_id = run_id_to_plan(store, str(validated["run_id"]), source)
-    execution_arn = validated.get("execution_arn") or None
+    source = f"s3://{validated.bucket}/{validated.key}"
+    run_id = run_id_to_plan(store, validated.run_id, source)
+    execution_arn = validated.execution_arn or None
     catalog = catalog or load_catalog()
-    manifest = validate_manifest_data(validated["manifest"], source, catalog)
+    manifest = validate_manifest_data(validated.manifest, source, catalog)
     run = RunRecord(
         run_id=run_id,
         name=manifest.name,
@@ -205,15 +206,15 @@ def plan_jobs(
         plan_reference = write_plan_items(s3, settings.artifacts_bucket, run_id, items)
     except PlanItemsError as err:
         raise CloudStepError(str(err)) from err
-    output = {
-        "run_id": run_id,
-        "prepare": {
-            "skip": skip_prepare,
-            "request": processing_job_request(run_id, req_settings, data) if data is not None else None,
-        },
-        "plan": plan_reference,  # where the requests are (plan_items.py): the Maps read them from S3
-        "predicted_cost_usd": run.predicted_cost_usd,
-    }
+    output = PlannedRun(
+        run_id=run_id,
+        prepare=PrepareStep(
+            skip=skip_prepare,
+            request=processing_job_request(run_id, req_settings, data) if data is not None else None,
+        ),
+        plan=plan_reference,  # where the requests are (plan_items.py): the Maps read them from S3
+        predicted_cost_usd=run.predicted_cost_usd,
+    )
     for key, body in search_files.items():  # what job_events needs to record the trials (tuning_requests)
         try:
             s3.put_object(Bucket=settings.artifacts_bucket, Key=key, Body=body, ContentType="application/json")

@@ -7,16 +7,10 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.contract import AnalyzeRequest
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
-
-
-class AnalyzeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # the state machine may pass the whole plan output
-
-    run_id: str = Field(min_length=1)
 
 
 @lambda_handler()
@@ -25,7 +19,7 @@ def handler(event: AnalyzeRequest, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
     logger.append_keys(run_id=event.run_id)
     result = control_plane.analyze(
-        {"run_id": event.run_id},
+        event.run_id,
         store=services.store,
         s3=services.s3,
         settings=services.settings,
@@ -33,7 +27,7 @@ def handler(event: AnalyzeRequest, context: LambdaContext) -> dict[str, Any]:
         sns=services.sns,
     )
     metrics.add_metric(name="RunsAnalyzed", unit=MetricUnit.Count, value=1)
-    if isinstance(result["notified"], str):  # the run is analysed either way; a lost e-mail is worth an error log
-        logger.error("run summary not published", extra={"reason": result["notified"]})
-    logger.info("run analyzed", extra={"report_uri": result["report_uri"]})
-    return result
+    if isinstance(result.notified, str):  # the run is analysed either way; a lost e-mail is worth an error log
+        logger.error("run summary not published", extra={"reason": result.notified})
+    logger.info("run analyzed", extra={"report_uri": result.report_uri})
+    return result.dump()

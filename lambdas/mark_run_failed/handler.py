@@ -12,38 +12,15 @@ role (gpuscout.cloud.run_roles) is deleted, as the success path's "Delete run ro
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import envelopes, parse
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.contract import CaughtRunFailure, ExecutionStatusChange, RunFailed
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
-from gpuscout.cloud.payloads import CaughtError
-
-
-class CaughtRunFailure(BaseModel):
-    """What the state machine's Catch hands over."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str = Field(min_length=1)
-    execution_arn: str | None = None
-    error: CaughtError
-
-
-class ExecutionStatusChange(BaseModel):
-    """The ``detail`` of a "Step Functions Execution Status Change" event (the fields used here)."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    execution_arn: str = Field(alias="executionArn", min_length=1)
-    state_machine_arn: str = Field(alias="stateMachineArn")
-    status: Literal["RUNNING", "SUCCEEDED", "FAILED", "TIMED_OUT", "ABORTED", "PENDING_REDRIVE"]
-    error: str | None = None
-    cause: str | None = None
 
 
 @lambda_handler()
@@ -55,7 +32,7 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
             raise TypeError(f"not a single execution status change: {type(change).__name__}")
         logger.append_keys(execution_arn=change.execution_arn, execution_status=change.status)
         if change.status not in {"FAILED", "TIMED_OUT", "ABORTED"}:
-            outcomes: list[dict[str, Any]] = []
+            outcomes: list[RunFailed] = []
         else:
             outcomes = control_plane.fail_run_of_execution(
                 change.execution_arn, change.status, store=services.store, error=change.error, cause=change.cause
@@ -71,15 +48,16 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         ]
     # the run has ended: its jobs' own role goes (the success path's "Delete run role" step does the same)
     control_plane.delete_run_roles(outcomes, iam=services.iam, settings=services.settings)
-    applied = sum(1 for o in outcomes if o["applied"])
+    applied = sum(1 for o in outcomes if o.applied)
     metrics.add_metric(name="RunsMarkedFailed", unit=MetricUnit.Count, value=applied)  # the FailedRuns alarm's metric
     for outcome in outcomes:  # each run this call ended is told, once (a second call applies nothing)
-        if outcome["applied"]:
-            outcome["notified"] = control_plane.tell_run_failed(
-                outcome["run_id"],
+        if outcome.applied:
+            outcome.notified = control_plane.tell_run_failed(
+                outcome.run_id,
                 store=services.store,
                 sns=services.sns,
                 topic_arn=services.settings.notification_topic_arn,
             )
-    logger.info("run failure recorded", extra={"outcomes": outcomes})
-    return {"runs": outcomes}
+    runs = [o.dump() for o in outcomes]
+    logger.info("run failure recorded", extra={"outcomes": runs})
+    return {"runs": runs}

@@ -12,19 +12,10 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.contract import JobFailure
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
-from gpuscout.cloud.payloads import CaughtError
-
-
-class JobFailure(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str = Field(min_length=1)
-    job_name: str = Field(min_length=1)
-    error: CaughtError
 
 
 @lambda_handler()
@@ -33,16 +24,12 @@ def handler(event: JobFailure, context: LambdaContext) -> dict[str, Any]:
     services = control_plane.services()
     logger.append_keys(run_id=event.run_id, job_name=event.job_name)
     result = control_plane.record_job_failure(
-        {
-            "run_id": event.run_id,
-            "job_name": event.job_name,
-            "error": {"Error": event.error.error, "Cause": event.error.cause},
-        },
+        event,
         store=services.store,
         s3=services.s3,
         artifacts_bucket=services.settings.artifacts_bucket,
     )
-    metrics.add_dimension(name="Status", value=result["status"])
+    metrics.add_dimension(name="Status", value=result.status)
     metrics.add_metric(name="JobFailures", unit=MetricUnit.Count, value=1)
-    logger.warning("job failed", extra={"status": result["status"], "error": event.error.error})
-    return result
+    logger.warning("job failed", extra={"status": result.status, "error": event.error.error})
+    return result.dump()

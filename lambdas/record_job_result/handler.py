@@ -14,27 +14,11 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.contract import FinishedJob
 from gpuscout.cloud.events import JobEventOutcome, record_described_job, record_tuning_trials
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
-
-
-class FinishedJob(BaseModel):
-    """A finished training job (``job_name``) or tuning job (``tuning_job_name``) of the run."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str = Field(min_length=1)
-    job_name: str | None = Field(default=None, min_length=1)
-    tuning_job_name: str | None = Field(default=None, min_length=1)
-
-    @model_validator(mode="after")
-    def _one_job(self) -> FinishedJob:
-        if (self.job_name is None) == (self.tuning_job_name is None):
-            raise ValueError("give job_name or tuning_job_name")
-        return self
 
 
 @lambda_handler()

@@ -8,22 +8,15 @@ mark_run_failed deletes the role of a run that ends any other way.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane, run_roles
+from gpuscout.cloud.contract import RunRoleRequest
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
-
-
-class RunRoleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str = Field(min_length=1)
-    action: Literal["create", "delete"]
 
 
 @lambda_handler()

@@ -12,22 +12,12 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
-from pydantic import BaseModel, ConfigDict, Field
 
 from gpuscout.cloud import control_plane
+from gpuscout.cloud.contract import ExecutionInput
 from gpuscout.cloud.lambda_runtime import lambda_handler, logger, metrics
 from gpuscout.cloud.quotas import QuotaBook
 from gpuscout.cloud.step_errors import ManifestRejected
-
-
-class ExecutionInput(BaseModel):
-    """What the S3 "Object Created" rule passes to the state machine."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    bucket: str = Field(min_length=3)
-    key: str = Field(min_length=1)
-    etag: str = ""
 
 
 @lambda_handler()
@@ -37,7 +27,7 @@ def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
     logger.append_keys(manifest_key=event.key)
     try:
         result = control_plane.validate_manifest(
-            event.model_dump(),
+            event,
             store=services.store,
             s3=services.s3,
             settings=services.settings,
@@ -51,5 +41,5 @@ def handler(event: ExecutionInput, context: LambdaContext) -> dict[str, Any]:
         logger.info("manifest rejected", extra={"run_id": err.run_id, "reason": str(err), "notified": notified})
         return refused
     metrics.add_metric(name="ManifestsAccepted", unit=MetricUnit.Count, value=1)
-    logger.info("manifest valid", extra={"run_id": result["run_id"]})
-    return result
+    logger.info("manifest valid", extra={"run_id": result.run_id})
+    return result.dump()

@@ -12,6 +12,7 @@ from botocore.stub import Stubber
 
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
 from gpuscout.cloud import control_plane, plan_step
+from gpuscout.cloud.contract import ValidatedManifest
 from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused, raise_refusal
 from gpuscout.errors import RunNotFoundError
 from gpuscout.store.base import JobStatus, RunStatus
@@ -494,7 +495,7 @@ def test_analyze_prices_with_todays_aws_list_price_and_falls_back_per_instance(c
         stub.add_client_error("get_products", "AccessDeniedException", "not authorized to perform pricing:GetProducts")
         # when the analyze step runs,
         control_plane.analyze(
-            {"run_id": run_id},
+            run_id,
             store=cloud.services.store,
             s3=cloud.s3,
             settings=cloud.services.settings,
@@ -548,9 +549,7 @@ def test_analyze_publishes_the_run_summary_to_the_topic(cloud: Cloud, monkeypatc
     job = cloud.items(planned)[0]["job_name"]
     job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=job), cloud.context)
     # When the run is analysed
-    result = control_plane.analyze(
-        {"run_id": run_id}, store=cloud.services.store, s3=cloud.s3, settings=settings, sns=sns
-    )
+    result = control_plane.analyze(run_id, store=cloud.services.store, s3=cloud.s3, settings=settings, sns=sns).dump()
     # Then one summary went to the topic: the run, its status, the recommendation and the report
     assert result["notified"] is True
     [message] = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10)["Messages"]
@@ -567,8 +566,8 @@ def test_a_failed_publish_does_not_fail_the_analysis(cloud: Cloud) -> None:
     )
     sns = boto3.client("sns", region_name="us-east-1")
     result = control_plane.analyze(
-        {"run_id": planned["run_id"]}, store=cloud.services.store, s3=cloud.s3, settings=settings, sns=sns
-    )
+        planned["run_id"], store=cloud.services.store, s3=cloud.s3, settings=settings, sns=sns
+    ).dump()
     assert isinstance(result["notified"], str) and "cannot publish the run summary" in result["notified"]
     assert cloud.services.store.get_result(planned["run_id"]) is not None
 
@@ -587,7 +586,9 @@ def test_the_plans_state_stays_small_and_its_requests_go_to_s3(cloud: Cloud) -> 
     text = wide_manifest(variants=25, repetitions=3)
     validated = validate_handler.handler(cloud.submit(text, "wide"), cloud.context)
     # When it is planned
-    planned = plan_step.plan_jobs(validated, store=cloud.services.store, s3=cloud.s3, settings=settings)
+    planned = plan_step.plan_jobs(
+        ValidatedManifest.model_validate(validated), store=cloud.services.store, s3=cloud.s3, settings=settings
+    ).dump()
     # Then the 300 requests are in S3, each one small enough to be a child workflow's input with room for its error,
     jobs = cloud.items(planned)
     assert len(jobs) == planned["plan"]["jobs"]["count"] == 300
@@ -642,10 +643,14 @@ def test_two_plans_of_one_object_launch_once(cloud: Cloud, monkeypatch: pytest.M
         raise RunNotFoundError(run_id)
 
     monkeypatch.setattr(store, "get_run", nothing_yet)
-    first = plan_step.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
+    first = plan_step.plan_jobs(
+        ValidatedManifest.model_validate(validated), store=store, s3=cloud.s3, settings=cloud.services.settings
+    ).dump()
     # When the second one writes its run row, Then it is refused: exactly one execution launches jobs
     with pytest.raises(PlanRefused, match="planned concurrently"):
-        plan_step.plan_jobs(validated, store=store, s3=cloud.s3, settings=cloud.services.settings)
+        plan_step.plan_jobs(
+            ValidatedManifest.model_validate(validated), store=store, s3=cloud.s3, settings=cloud.services.settings
+        )
     monkeypatch.setattr(store, "get_run", real_get_run)
     assert store.get_run(first["run_id"]).status is RunStatus.PLANNED
 
@@ -666,7 +671,7 @@ def test_a_run_the_budget_guard_stops_during_analysis_stays_stopped(
         return real_list_jobs(rid)
 
     monkeypatch.setattr(store, "list_jobs", guard_fires_meanwhile)
-    control_plane.analyze({"run_id": run_id}, store=store, s3=cloud.s3, settings=cloud.services.settings)
+    control_plane.analyze(run_id, store=store, s3=cloud.s3, settings=cloud.services.settings)
     monkeypatch.setattr(store, "list_jobs", real_list_jobs)
     run = store.get_run(run_id)
     assert run.status is RunStatus.STOPPED and run.error == "budget guard"
@@ -869,8 +874,8 @@ def test_a_canarys_row_bills_its_spend_to_the_budget_guard_and_is_never_read_as_
     assert outcome["measured_spend_usd"] == pytest.approx(705 / 3600 * price * canary.instance_count)
     # and the analysis leaves it out
     result = control_plane.analyze(
-        {"run_id": run_id}, store=store, s3=with_canary.s3, settings=with_canary.services.settings
-    )
+        run_id, store=store, s3=with_canary.s3, settings=with_canary.services.settings
+    ).dump()
     assert not any(
         a["job_name"] == canary.job_name for a in store.get_result(run_id).analysis.model_dump(mode="json")["jobs"]
     )
