@@ -49,7 +49,7 @@ from gpuscout.domain.run_analysis import (
     SearchTrial,
     TimeBreakdown,
 )
-from gpuscout.plan.search import SearchPlan
+from gpuscout.domain.search_plan import SearchPlan
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 
 # -- stage 1: measure ---------------------------------------------------------------------------------------------
@@ -622,11 +622,8 @@ def analyze_run(
     )
 
 
-def search_outcome(
-    search: Mapping[str, Any], jobs: Sequence[JobRecord], ranked: Sequence[JobAnalysis]
-) -> SearchOutcome:
+def search_outcome(plan: SearchPlan, jobs: Sequence[JobRecord], ranked: Sequence[JobAnalysis]) -> SearchOutcome:
     """The search's story per target from its plan (``RunRecord.search``) and its trials' rows."""
-    plan = SearchPlan.model_validate(search)
     targets = []
     for t in plan.targets:
         rows = sorted(

@@ -375,7 +375,7 @@ def enforce_budget(
     # trial SageMaker just launched has no row yet, but the tuning job would go on launching them.
     tuning_jobs = sorted(
         {j.tuning_job_name for j in jobs if j.tuning_job_name}
-        | {tuning_job_name(run_id, t["target_index"]) for t in (run.search or {}).get("targets", [])}
+        | {tuning_job_name(run_id, t.target_index) for t in (run.search.targets if run.search else [])}
     )
     for job in jobs:
         if (

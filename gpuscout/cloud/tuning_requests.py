@@ -34,8 +34,8 @@ from gpuscout.cloud.sagemaker_requests import (
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.domain.names import JOB_NAME_PREFIX, SEARCH_PREFIX
+from gpuscout.domain.search_plan import SearchPlan, TargetSearch
 from gpuscout.errors import GpuscoutError
-from gpuscout.plan.search import SearchPlan, TargetSearch
 
 # CategoricalParameterRange.Values holds at most 30 values (botocore's SageMaker model, ParameterValues).
 MAX_CATEGORICAL_VALUES = 30

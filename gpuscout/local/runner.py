@@ -157,7 +157,7 @@ def _check_resume(previous: RunRecord, manifest: Manifest, the_plan: Plan) -> No
             f"--resume {previous.run_id}: the manifest differs from the one that run used "
             f"({previous.manifest_source}); resume with that manifest, or start a new run"
         )
-    if the_plan.search is None or previous.search != the_plan.search.model_dump(mode="json"):
+    if the_plan.search is None or previous.search != the_plan.search:
         raise GpuscoutError(
             f"--resume {previous.run_id}: this machine plans other candidates than that run did "
             "(different hardware or memory); start a new run"

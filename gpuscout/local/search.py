@@ -23,7 +23,7 @@ import optuna
 from gpuscout.domain.intervals import ratio_ci95
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest_training import default_warmup_steps
-from gpuscout.plan.search import SearchPlan, TargetSearch
+from gpuscout.domain.search_plan import SearchPlan, TargetSearch
 from gpuscout.store.base import JobRecord, JobStatus
 
 CANDIDATE_PARAM = "candidate"

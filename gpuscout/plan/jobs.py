@@ -21,8 +21,8 @@ from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant
 from gpuscout.domain.names import JOB_NAME_PREFIX
 from gpuscout.domain.prices import CatalogPrice
+from gpuscout.domain.search_plan import SearchPlan, TargetSearch
 from gpuscout.errors import BudgetExceededError, PlanError
-from gpuscout.plan.search import SearchPlan, TargetSearch
 
 CLOUD_OVERHEAD_S = 360.0
 

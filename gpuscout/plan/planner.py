@@ -36,6 +36,7 @@ from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_targets import Target
 from gpuscout.domain.manifest_training import Variant, fewest_max_steps, timed_steps_problem
 from gpuscout.domain.models import QWEN_TOKENIZER_VOCAB, Architecture, training_vocab
+from gpuscout.domain.search_plan import SearchPlan, TargetSearch
 from gpuscout.errors import JobsRefusedError, PlanError, Problem
 from gpuscout.plan import memory, search
 from gpuscout.plan.device_fit import device_refusal
@@ -300,7 +301,7 @@ def predict_tokens_per_s(
 def _search_candidates(
     manifest: Manifest, ti: int, target: Target, *, arch: Architecture, seq: int, precision: str, world: int,
     device: str, defaults: Any, capacity: float | None,
-) -> tuple[list[Variant], search.TargetSearch]:  # fmt: skip
+) -> tuple[list[Variant], TargetSearch]:  # fmt: skip
     """A search target's launchable candidates (memory model and divisibility, gpuscout.plan.search)."""
     assert manifest.search is not None
 
@@ -321,7 +322,7 @@ def _search_candidates(
         raise PlanError(
             f"targets[{ti}] {target.instance_type}: no search candidate can run ({len(skipped)} skipped: {reasons})"
         )
-    return variants, search.TargetSearch(
+    return variants, TargetSearch(
         target_index=ti, instance_type=target.instance_type, dimensions=searched,
         candidates=[v.name for v in variants], skipped=skipped, max_trials=manifest.search.max_trials,
     )  # fmt: skip
@@ -398,7 +399,7 @@ def plan(
     seq = manifest.builtin()[2]
     training = manifest.training
     jobs: list[JobSpec] = []
-    target_searches: list[search.TargetSearch] = []
+    target_searches: list[TargetSearch] = []
     refusals: list[str] = []  # every target's and variant's, raised together: one `plan` shows them all
     for ti, target in enumerate(manifest.targets):
         inst: InstanceType = catalog.get(target.instance_type)
@@ -511,7 +512,7 @@ def plan(
     search_plan = None
     if manifest.search is not None:
         pruning = manifest.search.pruning
-        search_plan = search.SearchPlan(
+        search_plan = SearchPlan(
             targets=target_searches,
             max_cost_usd=manifest.search.max_cost_usd or manifest.constraints.budget_usd,
             max_parallel_trials=manifest.search.max_parallel_trials,

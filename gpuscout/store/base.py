@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.domain.run_analysis import PriceSnapshot, RunAnalysis
+from gpuscout.domain.search_plan import SearchPlan
 
 if TYPE_CHECKING:
     from gpuscout.domain.jobspec import JobSpec
@@ -110,7 +111,7 @@ class RunRecord(BaseModel):
     execution_arn: str | None = None  # cloud runs
     host: str | None = None  # local runs: where `gpuscout local` ran
     pid: int | None = None  # local runs: its process id (a non-final run whose process is gone is abandoned)
-    search: dict[str, Any] | None = None  # a settings search's plan (gpuscout.plan.search.SearchPlan), if any
+    search: SearchPlan | None = None  # a settings search's plan, if any
 
 
 class JobRecord(BaseModel):

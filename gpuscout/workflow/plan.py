@@ -39,7 +39,7 @@ def within_budget(the_plan: Plan, run: RunRecord, *, store: ResultStore, extra_c
     run = run.model_copy(
         update={
             "predicted_cost_usd": the_plan.predicted_cost_usd + extra_cost_usd,
-            "search": the_plan.search.model_dump(mode="json") if the_plan.search else None,
+            "search": the_plan.search,
         }
     )
     try:

@@ -110,7 +110,7 @@ def test_plan_jobs_turns_a_search_into_one_tuning_job_per_target(cloud: Cloud) -
         assert tuning["target_index"] == index and tuning["job_name"] == request["HyperParameterTuningJobName"]
         config = request["HyperParameterTuningJobConfig"]
         [candidates] = config["ParameterRanges"]["CategoricalParameterRanges"]
-        assert candidates["Values"] == run.search["targets"][index]["candidates"]
+        assert candidates["Values"] == run.search.targets[index].candidates
         assert len(candidates["Values"]) == 4
         # search.max_parallel_trials (3) within the stack's 4 concurrent jobs (MAP_MAX_CONCURRENCY default) shared by
         # the 2 tuning jobs
