@@ -38,7 +38,7 @@ from gpuscout.domain import intervals
 from gpuscout.domain.benchmark import BenchmarkResult, Disturbance, LossPoint, StepAccount
 from gpuscout.domain.catalog import LOCAL, Catalog
 from gpuscout.domain.disturbance import judged, recompiled
-from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS
+from gpuscout.domain.jobspec import NAME_HYPERPARAMETERS, JobSpec
 from gpuscout.domain.manifest_training import MIN_TIMED_STEPS
 from gpuscout.domain.run_analysis import (
     Constraints,
@@ -64,7 +64,7 @@ _FAILURE_WORDS = {
 
 
 def _group_key(job: JobRecord) -> tuple[Any, ...]:
-    target_index = job.spec.get("target_index")
+    target_index = job.spec.target_index
     return (target_index, job.instance_type, job.instance_count, job.spot, job.variant_name)
 
 
@@ -186,12 +186,10 @@ def _curve_array(points: Sequence[LossPoint]) -> NDArray[np.float64]:
     return np.fromiter(chain.from_iterable(map(_LOSS_POINT, points)), dtype=float, count=3 * len(points)).reshape(-1, 3)
 
 
-def _prediction_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _prediction_fields(spec: JobSpec) -> dict[str, Any]:
     """The plan's predicted rate (in the job's unit) and how it was made, as the job's spec recorded them."""
-    prediction = spec.get("prediction") or {}
-    unit = prediction.get("unit", "tokens")
-    rate = prediction.get("samples_per_s" if unit == "samples" else "tokens_per_s")
-    return {"predicted_rate": float(rate) if rate else None, "prediction_method": prediction.get("method")}
+    rate = spec.prediction.rate
+    return {"predicted_rate": rate or None, "prediction_method": spec.prediction.method}
 
 
 def _completed(bench: BenchmarkResult) -> _Rep | str:
@@ -211,14 +209,14 @@ def settings_key(job: JobRecord) -> str:
     """What the job actually runs (instance, count, spot, precision and every hyperparameter but its names): two
     variants with the same key are the same settings, so any difference between them is noise."""
     spec = job.spec
-    hyperparameters = {k: v for k, v in (spec.get("hyperparameters") or {}).items() if k not in NAME_HYPERPARAMETERS}
+    hyperparameters = {k: v for k, v in spec.hyperparameters.items() if k not in NAME_HYPERPARAMETERS}
     return json.dumps(
         [
             job.instance_type,
             job.instance_count,
             job.spot,
-            spec.get("precision"),
-            spec.get("deepspeed_config"),
+            spec.precision,
+            spec.deepspeed_config,
             hyperparameters,
         ],
         sort_keys=True,
@@ -242,7 +240,7 @@ def interval_problem(mean: float, ci: tuple[float, float] | None, timed_steps: i
     return None
 
 
-def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any]:
+def stop_outcome(reps: Sequence[_Rep], spec: JobSpec) -> dict[str, Any]:
     """The stop rule's outcome over the repetitions: rule, reason, and for steady_state whether every repetition's
     within-run throughput interval reached the tolerance (the widest half-width counts)."""
     rule = next((r.stop_rule for r in reps if r.stop_rule), None)
@@ -251,7 +249,7 @@ def stop_outcome(reps: Sequence[_Rep], spec: Mapping[str, Any]) -> dict[str, Any
     if rule != "steady_state":
         return out
     try:
-        tolerance = float((spec.get("hyperparameters") or {}).get("ci_tolerance", 0.02))
+        tolerance = float(spec.hyperparameters.get("ci_tolerance", 0.02))
     except (TypeError, ValueError):
         tolerance = 0.02
     widths = [(r.ci95[1] - r.ci95[0]) / 2 / r.tokens_per_s for r in reps if r.ci95 is not None and r.tokens_per_s > 0]
@@ -300,11 +298,11 @@ def _measure_group(
             billed_source = billed_source or "wall time of the training script (local run)"
 
     spec = first.spec
-    gpus_per_instance = int(spec.get("gpus_per_instance", 0) or 0)
+    gpus_per_instance = spec.gpus_per_instance
     fields: dict[str, Any] = {
         "job_name": first.job_name,
         "job_names": [j.job_name for j in jobs],
-        "target_index": spec.get("target_index"),
+        "target_index": spec.target_index,
         "instance_type": first.instance_type,
         "instance_count": first.instance_count,
         "gpus": gpus_per_instance * first.instance_count,
@@ -450,15 +448,15 @@ def _cost_ci(usd_per_hour: float, count: int, ci: tuple[float, float] | None) ->
     )
 
 
-def price_job(job: JobAnalysis, prices: PriceBook, spec: Mapping[str, Any] | None = None) -> JobAnalysis:
+def price_job(job: JobAnalysis, prices: PriceBook, spec: JobSpec | None = None) -> JobAnalysis:
     """Stage 2: dollar fields of one JobAnalysis from the PriceBook (or the job spec's plan-time price)."""
     if job.instance_type in prices or spec is None:
         price = prices.get(job.instance_type)
     else:
         price = prices.ensure(
             job.instance_type,
-            float(spec["price_per_hour_usd"]),
-            spec.get("spot_price_per_hour_usd"),
+            spec.price_per_hour_usd,
+            spec.spot_price_per_hour_usd,
             source="job spec (plan-time price)",
         )
     on_demand = price.on_demand_usd_per_hour
@@ -627,7 +625,7 @@ def search_outcome(plan: SearchPlan, jobs: Sequence[JobRecord], ranked: Sequence
     targets = []
     for t in plan.targets:
         rows = sorted(
-            (j for j in jobs if j.spec.get("target_index") == t.target_index),
+            (j for j in jobs if j.spec.target_index == t.target_index),
             key=lambda j: (j.updated_at, j.job_name),
         )
         ran = {j.variant_name for j in rows}

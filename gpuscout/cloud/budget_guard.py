@@ -100,11 +100,11 @@ def running_spend_usd(job: JobRecord, *, now: datetime) -> float:
     if job.status not in BILLING_JOB_STATUSES or job.billable_seconds is not None:
         return 0.0
     seconds = billing_seconds_so_far(job, now=now)
-    limit = job.spec.get("max_runtime_seconds")
+    limit = job.spec.max_runtime_seconds
     if limit:
         seconds = min(seconds, float(limit) + RUNTIME_MARGIN_S)
-    spot_price = job.spec.get("spot_price_per_hour_usd") if job.spot else None
-    price = float(spot_price if spot_price is not None else job.spec.get("price_per_hour_usd", 0.0))
+    spot_price = job.spec.spot_price_per_hour_usd if job.spot else None
+    price = spot_price if spot_price is not None else job.spec.price_per_hour_usd
     return seconds / 3600 * price * job.instance_count
 
 

@@ -304,7 +304,7 @@ def measured_spend_usd(jobs: list[JobRecord]) -> float:
     for job in jobs:
         if job.billable_seconds is None:
             continue
-        price = float(job.spec.get("price_per_hour_usd", 0.0))
+        price = job.spec.price_per_hour_usd
         total += job.billable_seconds / 3600 * price * job.instance_count
     return total
 

@@ -191,7 +191,7 @@ def run_search(
 
 def _prior_cost(record: JobRecord) -> float:
     """A finished trial's spend, as :func:`_trial_cost` counted it: its wall time x price x instances."""
-    price = float(record.spec.get("price_per_hour_usd") or 0.0) * int(record.spec.get("instance_count") or 1)
+    price = record.spec.price_per_hour_usd * record.spec.instance_count
     return float(record.training_seconds or 0) / 3600.0 * price
 
 

@@ -14,16 +14,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.run_analysis import PriceSnapshot, RunAnalysis
 from gpuscout.domain.search_plan import SearchPlan
-
-if TYPE_CHECKING:
-    from gpuscout.domain.jobspec import JobSpec
 
 
 class RunStatus(StrEnum):
@@ -125,7 +123,7 @@ class JobRecord(BaseModel):
     variant_name: str
     repetition: int = 0
     spot: bool = False
-    spec: dict[str, Any]  # JobSpec.model_dump(mode="json")
+    spec: JobSpec  # the planned job
     benchmark: BenchmarkResult | None = None  # the job's benchmark.json
     failure_reason: str | None = None
     billable_seconds: int | None = None
@@ -156,7 +154,7 @@ class JobRecord(BaseModel):
             variant_name=spec.variant_name,
             repetition=spec.repetition,
             spot=spec.spot,
-            spec=spec.model_dump(mode="json"),
+            spec=spec,
             **fields,
         )
 

@@ -13,17 +13,18 @@ updated in place. ``last_event_time`` is stored as a Number (epoch microseconds)
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import boto3
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import BotoCoreError, ClientError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from gpuscout.errors import RunExistsError, RunNotFoundError, StoreError
 from gpuscout.store.base import (
@@ -122,6 +123,14 @@ def _decode_item(item: dict[str, Any], model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as err:
         raise StoreError(f"stored {model.__name__} row {item.get('pk')}/{item.get('sk')} is invalid: {err}") from err
+
+
+@functools.cache
+def _job_field(name: str) -> TypeAdapter[Any]:
+    """One JobRecord field's type with its constraints: a job event's fields are checked as the row holds them."""
+    info = JobRecord.model_fields[name]
+    annotated: Any = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+    return TypeAdapter(annotated)
 
 
 BATCH_WRITE_ITEMS = 25  # DynamoDB BatchWriteItem: at most 25 put or delete requests per call
@@ -367,17 +376,8 @@ class DynamoDbStore:
         rank = JOB_STATUS_RANK[status]
         try:
             # Validate the carried fields exactly as a JobRecord would hold them.
-            checked = JobRecord.model_validate(
-                {
-                    "run_id": run_id,
-                    "job_name": job_name,
-                    "status": status,
-                    "instance_type": "-",
-                    "variant_name": "-",
-                    "spec": {},
-                    **fields,
-                }
-            ).model_dump(mode="json", include=set(fields))
+            checked = {name: _job_field(name).dump_python(_job_field(name).validate_python(value), mode="json")
+                       for name, value in fields.items()}  # fmt: skip
         except ValidationError as err:
             raise StoreError(f"invalid job event fields for {job_name!r}: {err}") from err
 

@@ -56,7 +56,7 @@ def disturbance_to_measure_again(record: JobRecord) -> tuple[Disturbance, bool] 
 def remeasure_spec(record: JobRecord, specs: Sequence[JobSpec]) -> JobSpec:
     """The same job once more, under a name of its own, as the next repetition of its target x variant: the analysis
     ranks a variant on its undisturbed repetitions and says which one it left out."""
-    spec = JobSpec.model_validate(record.spec)
+    spec = record.spec
     name = f"{spec.job_name[:60].rstrip('-')}-m2"
     same = [s.repetition for s in specs if (s.target_index, s.variant_name) == (spec.target_index, spec.variant_name)]
     return spec.model_copy(

@@ -45,7 +45,8 @@ def _started_hours_ago(cloud: Cloud, hours: float) -> tuple[str, str, float]:
     store = cloud.services.store
     planned_row = store.get_job(run_id, name)
     assert planned_row is not None
-    store.put_job(planned_row.model_copy(update={"spec": {**planned_row.spec, "max_runtime_seconds": 5 * 86400}}))
+    longer = planned_row.spec.model_copy(update={"max_runtime_seconds": 5 * 86400})
+    store.put_job(planned_row.model_copy(update={"spec": longer}))
     event = job_event("training_inprogress_training", run_id=run_id, job_name=name, instance_type="ml.p4d.24xlarge")
     start = datetime.now(UTC) - timedelta(hours=hours)
     millis = [int((start + timedelta(minutes=m)).timestamp() * 1000) for m in (0, 2, 5)]
@@ -61,7 +62,7 @@ def _started_hours_ago(cloud: Cloud, hours: float) -> tuple[str, str, float]:
     assert out["applied"] is True and out["stopped_jobs"] == []
     row = cloud.services.store.get_job(run_id, name)
     assert row is not None and row.status is JobStatus.TRAINING and row.billable_seconds is None
-    return run_id, name, float(row.spec["price_per_hour_usd"])
+    return run_id, name, row.spec.price_per_hour_usd
 
 
 def test_the_scheduled_check_stops_a_long_job_over_budget_once(

@@ -136,11 +136,9 @@ def test_without_an_estimate_each_variant_is_calibrated_on_this_machine_and_the_
         "calibrating 'b512': 7 steps on this machine (no job.estimate)",
     ]
     for job in store.list_jobs(run.run_id):
-        prediction = job.spec["prediction"]
-        assert (
-            prediction["method"].startswith("calibrated: ") and "5 timed steps of this variant" in prediction["method"]
-        )
-        assert prediction["samples_per_s"] > 0 and prediction["training_seconds"] > 0
+        prediction = job.spec.prediction
+        assert prediction.method.startswith("calibrated: ") and "5 timed steps of this variant" in prediction.method
+        assert (prediction.samples_per_s or 0) > 0 and prediction.training_seconds > 0
     # and the report says how each prediction was made, and how the measurement compares
     report = (tmp_path / "runs" / run.run_id / "report" / "report.md").read_text()
     assert "planner's prediction" in report and "(calibrated: " in report and "x of it" in report

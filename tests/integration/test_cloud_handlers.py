@@ -870,7 +870,7 @@ def test_a_canarys_row_bills_its_spend_to_the_budget_guard_and_is_never_read_as_
     row = store.get_job(run_id, canary.job_name)
     assert row is not None and row.status is JobStatus.COMPLETED and row.billable_seconds == 705
     assert row.benchmark is None and outcome["tokens_per_s"] is None
-    price = float(canary.spec["price_per_hour_usd"])
+    price = canary.spec.price_per_hour_usd
     assert outcome["measured_spend_usd"] == pytest.approx(705 / 3600 * price * canary.instance_count)
     # and the analysis leaves it out
     result = control_plane.analyze(

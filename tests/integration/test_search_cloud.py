@@ -160,8 +160,8 @@ def test_trial_events_become_rows_and_an_early_stopped_trial_is_pruned(cloud: Cl
     assert out["applied"] is True and out["status"] == "TRAINING"
     row = store.get_job(run_id, first)
     assert row is not None and row.status is JobStatus.TRAINING and row.variant_name == values[0]
-    assert row.tuning_job_name == name and row.spec["job_name"] == first and row.spec["target_index"] == 0
-    assert row.instance_type == "ml.g5.12xlarge" and row.spec["hyperparameters"]["job_name"] == first
+    assert row.tuning_job_name == name and row.spec.job_name == first and row.spec.target_index == 0
+    assert row.instance_type == "ml.g5.12xlarge" and row.spec.hyperparameters["job_name"] == first
     out = job_events_handler.handler(
         trial_event("tuning_trial_completed", trial=first, candidate=values[0], **address), cloud.context
     )

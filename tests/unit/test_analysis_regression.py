@@ -25,6 +25,7 @@ from example_run import load_example_run
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+from tests.job_specs import job_spec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BENCHMARKS = FIXTURES / "benchmarks"
@@ -114,12 +115,20 @@ def _synthetic_jobs() -> tuple[list[JobRecord], dict[str, Any]]:
                     variant_name=f"v{group // 6}",
                     repetition=rep,
                     spot=group % 4 == 0,
-                    spec={
-                        "target_index": group % 6,
-                        "gpus_per_instance": 8,
-                        "price_per_hour_usd": 10.0,
-                        "spot_price_per_hour_usd": 4.5 if group % 2 else None,
-                    },
+                    spec=job_spec(
+                        name,
+                        "regression",
+                        target_index=group % 6,
+                        variant_name=f"v{group // 6}",
+                        repetition=rep,
+                        instance_type=instance,
+                        instance_count=count,
+                        gpus_per_instance=8,
+                        spot=group % 4 == 0,
+                        price_per_hour_usd=10.0,
+                        spot_price_per_hour_usd=4.5 if group % 2 else None,
+                        precision="bf16",
+                    ),
                     benchmark=benchmark,
                     billable_seconds=rng.randint(300, 3000) if cloud else None,
                     secondary_status_transitions=_transitions(rng, 1_763_700_000_000 + group) if cloud else [],

@@ -25,6 +25,7 @@ from gpuscout.cloud.budget_guard import (
 )
 from gpuscout.cloud.events import SecondaryStatusTransition, enforce_budget, measured_spend_usd
 from gpuscout.store.base import JobRecord, JobStatus, ResultStore, RunRecord, RunStatus
+from tests.job_specs import job_spec
 from tests.unit.store_factories import STORE_FACTORIES
 
 NOW = datetime(2025, 3, 13, 20, 0, tzinfo=UTC)
@@ -55,7 +56,16 @@ def job(name: str, status: JobStatus, *, price: float, run_id: str = "run-a", **
             "status": status,
             "instance_type": "ml.p5.48xlarge",
             "variant_name": "b8",
-            "spec": {"job_name": name, "price_per_hour_usd": price},
+            # a runtime limit far beyond these tests' hours, unless a test sets one
+            "spec": job_spec(
+                name,
+                run_id,
+                instance_type="ml.p5.48xlarge",
+                variant_name="b8",
+                price_per_hour_usd=price,
+                spot=bool(fields.get("spot")),
+                max_runtime_seconds=30 * 86400,
+            ),
             **fields,
         }
     )
@@ -133,7 +143,7 @@ def test_a_job_counts_at_its_planned_price_and_at_most_its_runtime() -> None:
     # a spot job planned at the manifest's spot price counts at that price (the plan's budget check did), not 3x it
     spot = job("gs-spot", JobStatus.TRAINING, price=30.0, spot=True, secondary_status_transitions=transitions(
         ("Training", NOW - timedelta(hours=2))))  # fmt: skip
-    spot.spec["spot_price_per_hour_usd"] = 9.0
+    spot.spec.spot_price_per_hour_usd = 9.0
     assert running_spend_usd(spot, now=NOW) == pytest.approx(18.0)
     # a training-plan job waiting in Pending for its plan to start spends nothing while it waits
     queued = job("gs-plan", JobStatus.STARTING, price=P5_PRICE, secondary_status_transitions=transitions(
@@ -142,7 +152,7 @@ def test_a_job_counts_at_its_planned_price_and_at_most_its_runtime() -> None:
     # a canary whose final event was lost counts its 30-minute MaxRuntime (and the margin), not 72 h
     lost = job("gs-canary", JobStatus.TRAINING, price=4.0, canary_for=["gs-x"],
                secondary_status_transitions=transitions(("Training", NOW - timedelta(hours=72))))  # fmt: skip
-    lost.spec["max_runtime_seconds"] = 1800
+    lost.spec.max_runtime_seconds = 1800
     assert running_spend_usd(lost, now=NOW) == pytest.approx((1800 + RUNTIME_MARGIN_S) / 3600 * 4.0)
 
 

@@ -23,6 +23,7 @@ from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from tests.job_specs import job_spec
 
 QUICKSTART = MANIFESTS_DIR / "quickstart.yaml"
 RUN_ID = "quickstart-20250301-120000-abc123"
@@ -123,9 +124,11 @@ def _stored_run(db: Path) -> SqliteStore:
     )
     store.put_run(run)
     jobs = []
-    for i, (variant, tps, status) in enumerate(
-        [("b2-a8", 6000.0, JobStatus.COMPLETED), ("b8-a2", 9000.0, JobStatus.COMPLETED), ("b8-a2-nopack", 0, None)]
-    ):
+    for variant, tps, status in [
+        ("b2-a8", 6000.0, JobStatus.COMPLETED),
+        ("b8-a2", 9000.0, JobStatus.COMPLETED),
+        ("b8-a2-nopack", 0, None),
+    ]:
         name = f"gs-abc123-local-{variant}-r0"
         job = JobRecord(
             run_id=RUN_ID,
@@ -133,7 +136,7 @@ def _stored_run(db: Path) -> SqliteStore:
             status=status or JobStatus.FAILED,
             instance_type="local",
             variant_name=variant,
-            spec={"target_index": 0, "price_per_hour_usd": 0.096, "gpus_per_instance": 0, "variant_index": i},
+            spec=job_spec(name, RUN_ID, variant_name=variant, price_per_hour_usd=0.096),
             benchmark=_benchmark(name, tps, 2 if variant == "b2-a8" else 8) if status else None,
             failure_reason=None if status else "ValueError: per_device_train_batch_size must be >= 1",
         )

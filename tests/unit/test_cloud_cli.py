@@ -43,6 +43,7 @@ from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, R
 from gpuscout.store.dynamodb import DynamoDbStore, table_definition
 from tests.account_quotas import account_quotas
 from tests.benchmark_results import benchmark_result
+from tests.job_specs import job_spec
 from tests.run_analyses import run_analysis
 
 REGION = "us-east-1"
@@ -435,7 +436,14 @@ def _seed_run(store: DynamoDbStore, run_id: str = "bench-0123456789ab") -> str:
                 instance_count=count,
                 variant_name="b4",
                 spot=instance_type == "ml.p5.48xlarge",
-                spec={},
+                spec=job_spec(
+                    name,
+                    run_id,
+                    instance_type=instance_type,
+                    instance_count=count,
+                    variant_name="b4",
+                    spot=instance_type == "ml.p5.48xlarge",
+                ),
                 failure_reason=reason,
                 billable_seconds=812 if completed else None,
                 benchmark=benchmark_result(throughput={"tokens_per_s": 41234.5}) if completed else None,
@@ -461,10 +469,12 @@ def test_status_table(deployed: Deployed) -> None:
 def test_status_shows_a_canarys_row_as_the_canary_of_its_jobs(deployed: Deployed) -> None:
     run_id = _seed_run(deployed.store)
     covered = ["gs-abc123-t0v0r0-p4d-24xlarge-b4", "gs-abc123-t1v0r0-p5-48xlarge-b4"]
+    canary = "gs-abc123-t0v0r0-p4d-24xlarge-b4-canary1"
     deployed.store.put_job(
         JobRecord(
-            run_id=run_id, job_name="gs-abc123-t0v0r0-p4d-24xlarge-b4-canary1", status=JobStatus.COMPLETED,
-            instance_type="ml.g5.8xlarge", variant_name="b4", spec={}, billable_seconds=95, canary_for=covered,
+            run_id=run_id, job_name=canary, status=JobStatus.COMPLETED,
+            instance_type="ml.g5.8xlarge", variant_name="b4", billable_seconds=95, canary_for=covered,
+            spec=job_spec(canary, run_id, instance_type="ml.g5.8xlarge", variant_name="b4"),
         )
     )  # fmt: skip
     code, out, err = invoke("status", run_id)

@@ -18,6 +18,7 @@ from gpuscout.domain.manifest_loader import load_manifest
 from gpuscout.paths import MANIFESTS_DIR
 from gpuscout.store.base import JobRecord, JobStatus, ResultRecord, RunRecord, RunStatus
 from gpuscout.store.sqlite import SqliteStore
+from tests.job_specs import job_spec
 from tests.unit.test_cli import _benchmark
 
 QUICKSTART = MANIFESTS_DIR / "quickstart.yaml"
@@ -57,7 +58,8 @@ def _run(
                                    "slow_steps": 3}  # fmt: skip
         job = JobRecord(
             run_id=run_id, job_name=bench["job_name"], status=JobStatus.COMPLETED, instance_type="local",
-            variant_name=variant, spec={"target_index": 0, "price_per_hour_usd": 0.096, "gpus_per_instance": 0},
+            variant_name=variant,
+            spec=job_spec(bench["job_name"], run_id, variant_name=variant, price_per_hour_usd=0.096),
             benchmark=bench,
         )  # fmt: skip
         store.put_job(job)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from store_factories import STORE_FACTORIES
 
 from gpuscout.store.base import JOB_STATUS_RANK, TERMINAL_JOB_STATUSES, JobRecord, JobStatus, ResultStore, RunRecord
+from tests.job_specs import job_spec
 
 T0 = datetime(2025, 3, 13, 10, 0, tzinfo=UTC)
 TERMINALS = sorted(TERMINAL_JOB_STATUSES)
@@ -54,7 +55,7 @@ def _check(store: ResultStore, job_name: str, history: tuple[list[tuple[JobStatu
             status=JobStatus.PLANNED,
             instance_type="ml.g5.8xlarge",
             variant_name="b4",
-            spec={},
+            spec=job_spec(job_name, "run-p", instance_type="ml.g5.8xlarge", variant_name="b4"),
         )
     )
     seen: tuple[datetime, int] | None = None

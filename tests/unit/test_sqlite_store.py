@@ -12,6 +12,7 @@ import pytest
 from gpuscout.errors import StoreError
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord, RunStatus
 from gpuscout.store.sqlite import SCHEMA_VERSION, SqliteStore, default_db_path
+from tests.job_specs import job_spec
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -22,7 +23,12 @@ def _run(run_id: str = "run-a") -> RunRecord:
 
 def _job(name: str = "gs-a") -> JobRecord:
     return JobRecord(
-        run_id="run-a", job_name=name, status=JobStatus.PLANNED, instance_type="local", variant_name="v", spec={}
+        run_id="run-a",
+        job_name=name,
+        status=JobStatus.PLANNED,
+        instance_type="local",
+        variant_name="v",
+        spec=job_spec(name, "run-a"),
     )
 
 

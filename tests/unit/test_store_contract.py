@@ -21,6 +21,7 @@ from gpuscout.store.base import (
     RunStatus,
 )
 from tests.benchmark_results import benchmark_result
+from tests.job_specs import job_spec
 from tests.run_analyses import run_analysis
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -56,7 +57,9 @@ def make_job(job_name: str = "gs-run-a-local-v0-r0", run_id: str = "run-a", **kw
             "status": JobStatus.PLANNED,
             "instance_type": "ml.g5.xlarge",
             "variant_name": "bs4",
-            "spec": {"job_name": job_name, "hyperparameters": {"max_steps": "10"}},
+            "spec": job_spec(
+                job_name, run_id, instance_type="ml.g5.xlarge", variant_name="bs4", hyperparameters={"max_steps": "10"}
+            ),
             **kw,
         }
     )

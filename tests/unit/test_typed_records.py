@@ -14,6 +14,7 @@ import pytest
 from gpuscout.domain.benchmark import BenchmarkResult
 from gpuscout.store.base import JobRecord
 from tests.benchmark_results import benchmark_result
+from tests.job_specs import job_spec
 
 REPO = Path(__file__).resolve().parents[2]
 FIELD = "    final_train_loss: float | None = None\n"
@@ -22,7 +23,7 @@ FIELD = "    final_train_loss: float | None = None\n"
 def test_a_job_record_holds_its_benchmark_as_the_model() -> None:
     record = JobRecord.model_validate(
         {"run_id": "r", "job_name": "j", "status": "COMPLETED", "instance_type": "local", "variant_name": "v",
-         "spec": {}, "benchmark": benchmark_result()}
+         "spec": job_spec("j", "r"), "benchmark": benchmark_result()}
     )  # fmt: skip
     assert isinstance(record.benchmark, BenchmarkResult)
     assert JobRecord.model_validate_json(record.model_dump_json()) == record

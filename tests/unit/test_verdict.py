@@ -23,6 +23,7 @@ from gpuscout.analysis.terms import RunTerms
 from gpuscout.cli.local_view import _tps_text
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+from tests.job_specs import job_spec
 
 BASE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks" / "p4d-bs8-r0.json").read_text())
 CATALOG = {"local": {"on_demand_usd_per_hour": 0.096, "price_source": "test", "price_date": "2026-11-01"}}
@@ -53,17 +54,20 @@ def _job(variant: str, rep: int, bench: dict[str, Any], *, workers: int = 0, tol
         instance_count=1,
         variant_name=variant,
         repetition=rep,
-        spec={
-            "gpus_per_instance": 0,
-            "price_per_hour_usd": 0.096,
-            "precision": "fp32",
-            "hyperparameters": {
+        spec=job_spec(
+            name,
+            "verdict",
+            variant_name=variant,
+            repetition=rep,
+            price_per_hour_usd=0.096,
+            precision="fp32",
+            hyperparameters={
                 "job_name": name,
                 "per_device_train_batch_size": "4",
                 "dataloader_num_workers": str(workers),
                 "ci_tolerance": tolerance,
             },
-        },
+        ),
         benchmark={**bench, "job_name": name},
     )
 
