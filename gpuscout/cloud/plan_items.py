@@ -79,20 +79,6 @@ def write_plan_items(s3: Any, bucket: str, run_id: str, items: Mapping[str, Sequ
     return PlanItems(bucket=bucket, **written)
 
 
-def read_plan_items(s3: Any, planned: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
-    """The list ``kind`` of a plan_jobs output, read back from S3."""
-    reference = planned["plan"]
-    bucket, key = str(reference["bucket"]), str(reference[kind]["key"])
-    try:
-        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except (ClientError, BotoCoreError) as err:
-        raise PlanItemsError(f"cannot read s3://{bucket}/{key}: {err}") from err
-    listed = json.loads(body)
-    if not isinstance(listed, list):
-        raise PlanItemsError(f"s3://{bucket}/{key} is not a JSON array")
-    return listed
-
-
 def request_count_problems(specs: Sequence[JobSpec], *, search_targets: int | None, canaries: int) -> list[Problem]:
     """Whether the SageMaker requests the state machine iterates over fit a run: the ``canaries`` planned
     (gpuscout.plan.canary.cloud_canaries), then one training job per spec, or for a search one tuning job per target

@@ -31,21 +31,8 @@ class CloudStepError(GpuscoutError):
 
 
 REFUSAL_KEY = "refused"
-REFUSALS: dict[str, type[GpuscoutError]] = {"ManifestRejected": ManifestRejected, "PlanRefused": PlanRefused}
 
 
 def refusal(run_id: str | None, error: ManifestRejected | PlanRefused) -> dict[str, Any]:
     """What a Validate or Plan handler returns for ``error``."""
     return {"run_id": run_id, REFUSAL_KEY: {"Error": type(error).__name__, "Cause": str(error)}}
-
-
-def raise_refusal(output: dict[str, Any]) -> dict[str, Any]:
-    """``output`` unless it is a refusal, which is raised as the error it stands for (callers outside the state
-    machine, e.g. tests and scripts, that want the exception)."""
-    refused = output.get(REFUSAL_KEY)
-    if isinstance(refused, dict):
-        error, cause = str(refused["Error"]), str(refused["Cause"])
-        if error == "ManifestRejected":
-            raise ManifestRejected(output.get("run_id"), cause)
-        raise REFUSALS[error](cause)
-    return output

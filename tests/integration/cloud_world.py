@@ -18,8 +18,8 @@ from typing import Any
 
 from gpuscout.cloud import run_roles
 from gpuscout.cloud.control_plane import Services
-from gpuscout.cloud.plan_items import read_plan_items
 from gpuscout.cloud.settings import LambdaSettings
+from gpuscout.cloud.step_errors import REFUSAL_KEY, ManifestRejected, PlanRefused
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FIXTURES = REPO_DIR / "tests" / "fixtures"
@@ -120,7 +120,11 @@ class Cloud:
 
     def items(self, planned: dict[str, Any], kind: str = "jobs") -> list[dict[str, Any]]:
         """The request list ``kind`` (canaries, jobs, tunings) plan_jobs wrote to S3 for the Distributed Maps."""
-        return read_plan_items(self.s3, planned, kind)
+        reference = planned["plan"]
+        body = self.s3.get_object(Bucket=str(reference["bucket"]), Key=str(reference[kind]["key"]))["Body"].read()
+        listed = json.loads(body)
+        assert isinstance(listed, list), f"{reference[kind]['key']} is not a JSON array"
+        return listed
 
     def upload_benchmark(self, run_id: str, job_name: str, benchmark: dict[str, Any]) -> None:
         """What SageMaker does at the end of a job: tar SM_OUTPUT_DATA_DIR into output.tar.gz."""
@@ -178,3 +182,15 @@ def run_role_arn(run_id: str) -> str:
     """The ARN of run ``run_id``'s own role in this world (gpuscout.cloud.run_roles): what its requests name and
     what the "Create run role" step returns."""
     return run_roles.run_role_arn(LambdaSettings.model_validate(ENVIRONMENT), run_id)
+
+
+def raise_refusal(output: dict[str, Any]) -> dict[str, Any]:
+    """A Validate or Plan handler's ``output`` unless it is a refusal, which is raised as the error it stands for."""
+    refused = output.get(REFUSAL_KEY)
+    if isinstance(refused, dict):
+        error, cause = str(refused["Error"]), str(refused["Cause"])
+        if error == "ManifestRejected":
+            raise ManifestRejected(output.get("run_id"), cause)
+        assert error == "PlanRefused", error
+        raise PlanRefused(cause)
+    return output

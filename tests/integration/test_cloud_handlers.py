@@ -13,7 +13,7 @@ from botocore.stub import Stubber
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
 from gpuscout.cloud import control_plane, plan_step
 from gpuscout.cloud.contract import ValidatedManifest
-from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused, raise_refusal
+from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused
 from gpuscout.errors import RunNotFoundError
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
@@ -35,6 +35,7 @@ from tests.integration.cloud_world import (
     job_event,
     load_event,
     metric_directives,
+    raise_refusal,
     run_role_arn,
     wide_manifest,
 )

@@ -12,14 +12,14 @@ import re
 
 import pytest
 
-from gpuscout.cloud.step_errors import ManifestRejected, raise_refusal
+from gpuscout.cloud.step_errors import ManifestRejected
 from lambdas.analyze_run import handler as analyze_handler
 from lambdas.budget_guard import handler as budget_guard_handler
 from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.record_job_failure import handler as failure_handler
 from lambdas.validate_manifest import handler as validate_handler
-from tests.integration.cloud_world import Cloud, benchmark_for, cloud_manifest, job_event, load_event
+from tests.integration.cloud_world import Cloud, benchmark_for, cloud_manifest, job_event, load_event, raise_refusal
 
 SECRET_KEY = "gpuscoutFAKEsecretKEY0123456789abcdefWXYZ"
 SESSION_TOKEN = "gpuscoutFAKEsessionTOKEN/abc+def=="

@@ -29,7 +29,7 @@ from moto.sagemaker.responses import SageMakerResponse
 
 from gpuscout.cloud.control_plane import TUNING_JOB_VARIANT
 from gpuscout.cloud.events import enforce_budget
-from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused, raise_refusal
+from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused
 from gpuscout.cloud.tuning_requests import SearchTarget, search_target_key
 from gpuscout.domain.metric_lines import OBJECTIVE_METRIC
 from gpuscout.store.base import JobRecord, JobStatus, RunStatus
@@ -37,7 +37,7 @@ from lambdas.job_events import handler as job_events_handler
 from lambdas.plan_jobs import handler as plan_handler
 from lambdas.validate_manifest import handler as validate_handler
 from tests.infra.conftest import Synthesized, synthesized  # noqa: F401 - fixture
-from tests.integration.cloud_world import ARTIFACTS_BUCKET, REGION, Cloud, benchmark_for, load_event
+from tests.integration.cloud_world import ARTIFACTS_BUCKET, REGION, Cloud, benchmark_for, load_event, raise_refusal
 
 ACCOUNT = "123456789012"
 # Two targets, 2 x 2 candidates each, 3 trials per tuning job; the search may spend $5 of the $50 budget.
