@@ -12,10 +12,10 @@ from gpuscout.store.base import JobRecord, JobStatus, RunRecord, RunStatus
 
 def contention_note(jobs: Sequence[JobRecord]) -> str | None:
     """Which repetitions were measured while other processes competed for the machine (local runs)."""
-    flagged = [j.contention for j in jobs if j.contention and j.contention.get("competing")]
+    flagged = [j.contention for j in jobs if j.contention and j.contention.competing]
     if not flagged:
         return None
-    first = str(flagged[0].get("note") or "measured under competition")
+    first = flagged[0].note or "measured under competition"
     return first if len(jobs) == 1 else f"{len(flagged)} of {len(jobs)} repetitions {first}"
 
 

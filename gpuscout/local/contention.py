@@ -14,9 +14,10 @@ import contextlib
 import math
 import os
 import threading
-from typing import Any
 
 import psutil
+
+from gpuscout.domain.contention import Contention
 
 SAMPLE_INTERVAL_S = 1.0
 MIN_OTHER_CORES = 0.5
@@ -110,12 +111,12 @@ class ContentionMonitor:
             except (psutil.Error, OSError):
                 continue
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Contention:
         """What JobRecord.contention stores."""
         return summarize(self._other_cores, self._load, sorted(self._other_gpu), self.cpu_count)
 
 
-def summarize(other_cores: list[float], load: list[float], other_gpu_pids: list[int], cpu_count: int) -> dict[str, Any]:
+def summarize(other_cores: list[float], load: list[float], other_gpu_pids: list[int], cpu_count: int) -> Contention:
     mean = math.fsum(other_cores) / len(other_cores) if other_cores else None
     threshold = competing_threshold_cores(cpu_count)
     reasons = []
@@ -125,13 +126,13 @@ def summarize(other_cores: list[float], load: list[float], other_gpu_pids: list[
         reasons.append(
             f"{len(other_gpu_pids)} other process(es) ran on the GPU (pids {', '.join(map(str, other_gpu_pids))})"
         )
-    return {
-        "samples": len(other_cores),
-        "cpu_count": cpu_count,
-        "other_cpu_cores_mean": round(mean, 3) if mean is not None else None,
-        "other_cpu_cores_max": round(max(other_cores), 3) if other_cores else None,
-        "load_average_max": round(max(load), 2) if load else None,
-        "other_gpu_pids": other_gpu_pids,
-        "competing": bool(reasons),
-        "note": "measured under competition: " + "; ".join(reasons) if reasons else None,
-    }
+    return Contention(
+        samples=len(other_cores),
+        cpu_count=cpu_count,
+        other_cpu_cores_mean=round(mean, 3) if mean is not None else None,
+        other_cpu_cores_max=round(max(other_cores), 3) if other_cores else None,
+        load_average_max=round(max(load), 2) if load else None,
+        other_gpu_pids=other_gpu_pids,
+        competing=bool(reasons),
+        note="measured under competition: " + "; ".join(reasons) if reasons else None,
+    )

@@ -291,7 +291,7 @@ def run_job(
             with monitor:
                 stopped = _wait(
                     proc, spec, started, job_progress, on_progress, should_stop=should_stop,
-                    poll_interval_s=poll_interval_s, competing=lambda: bool(monitor.summary()["competing"]),
+                    poll_interval_s=poll_interval_s, competing=lambda: monitor.summary().competing,
                 )  # fmt: skip
         except KeyboardInterrupt:
             _stop(proc)

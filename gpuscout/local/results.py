@@ -104,7 +104,7 @@ def result_rows(analysis: RunAnalysis | None, jobs: Sequence[JobRecord]) -> list
                 "stop_reason": stop.reason if stop else None,
                 "tolerance_reached": None,
                 "stop": stop.reason if stop else None,
-                "contention": (job.contention or {}).get("note"),
+                "contention": job.contention.note if job.contention else None,
                 "disturbed": bool(disturbance and disturbance.disturbed),
                 "disturbance": disturbance.evidence if disturbance else None,
                 "note": job.failure_reason,

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.contention import Contention
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.run_analysis import PriceSnapshot, RunAnalysis
 from gpuscout.domain.search_plan import SearchPlan
@@ -132,7 +133,7 @@ class JobRecord(BaseModel):
     last_event_time: datetime | None = None  # event time of the last applied state change
     status_rank: int = 0
     updated_at: datetime = Field(default_factory=utcnow)
-    contention: dict[str, Any] | None = None  # local runs: the machine's other load meanwhile (local/contention.py)
+    contention: Contention | None = None  # local runs: the machine's other load meanwhile
     tuning_job_name: str | None = None  # a cloud search's trial: the SageMaker tuning job that launched it
     # a cloud canary (gpuscout.plan.canary): the jobs whose configuration it runs first. Its row shows its status and
     # bills its spend (the budget guard counts it); it is not a measurement: never read as a benchmark or analysed.

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuscout.domain.benchmark import BenchmarkResult
+from gpuscout.domain.contention import Contention
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.store.base import JobStatus
 
@@ -28,7 +29,7 @@ class JobOutcome:
     benchmark: BenchmarkResult | None
     failure_reason: str | None
     wall_seconds: float
-    contention: dict[str, Any] | None = None  # the machine's other load while the job ran (local/contention.py)
+    contention: Contention | None = None  # the machine's other load while the job ran (local/contention.py)
     log: str | None = None  # where its error output is, for a reason that points to it
 
 

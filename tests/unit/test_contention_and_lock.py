@@ -17,12 +17,12 @@ from gpuscout.local.lock import RunsFolderBusyError, RunsFolderLock
 
 def test_the_summary_flags_competition_for_cpu_and_gpu() -> None:
     quiet = summarize([0.1, 0.2, 0.0], [0.4, 0.5], [], cpu_count=2)
-    assert quiet["competing"] is False and quiet["note"] is None and quiet["other_cpu_cores_mean"] == 0.1
+    assert quiet.competing is False and quiet.note is None and quiet.other_cpu_cores_mean == 0.1
     busy = summarize([1.2, 1.4], [2.5, 2.7], [], cpu_count=2)
-    assert busy["competing"] is True and busy["load_average_max"] == 2.7
-    assert busy["note"] == "measured under competition: other processes used 1.3 of 2 CPU cores on average"
+    assert busy.competing is True and busy.load_average_max == 2.7
+    assert busy.note == "measured under competition: other processes used 1.3 of 2 CPU cores on average"
     gpu = summarize([0.0], [0.1], [4242], cpu_count=16)
-    assert gpu["competing"] is True and "(pids 4242)" in gpu["note"]
+    assert gpu.competing is True and "(pids 4242)" in (gpu.note or "")
     assert competing_threshold_cores(2) == 0.5 and competing_threshold_cores(16) == pytest.approx(3.2)
 
 
@@ -47,8 +47,8 @@ def test_a_busy_neighbour_is_seen_and_our_own_job_is_not() -> None:
         job.wait()
     summary = monitor.summary()
     # Then about one core of other load is recorded (the runner's own test process is ours, the neighbour is not)
-    assert summary["samples"] >= 5
-    assert summary["other_cpu_cores_mean"] >= 0.6, summary
+    assert summary.samples >= 5
+    assert (summary.other_cpu_cores_mean or 0.0) >= 0.6, summary
 
 
 @pytest.mark.parametrize(("job_percent", "other", "competing"), [(120.0, 0.0, False), (50.0, 0.7, True)])
@@ -73,7 +73,7 @@ def test_our_own_job_is_not_counted_as_competition(
         job.kill()
         job.wait()
     summary = monitor.summary()
-    assert summary["other_cpu_cores_mean"] == pytest.approx(other) and summary["competing"] is competing
+    assert summary.other_cpu_cores_mean == pytest.approx(other) and summary.competing is competing
 
 
 def test_one_run_per_runs_folder_names_the_holder(tmp_path: Path) -> None:

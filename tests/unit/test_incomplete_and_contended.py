@@ -13,6 +13,7 @@ from gpuscout.analysis.analyze import analyze_run, reprice
 from gpuscout.analysis.pricing import PriceBook
 from gpuscout.analysis.recommend import decide
 from gpuscout.analysis.terms import RunTerms
+from gpuscout.domain.contention import Contention
 from gpuscout.domain.run_analysis import Constraints
 from gpuscout.store.base import JobStatus, RunStatus
 
@@ -102,7 +103,7 @@ def test_a_searchs_advice_is_something_a_search_manifest_can_do() -> None:
 
 def test_the_report_answers_first_and_carries_the_contention_banner_right_after(tmp_path: Path) -> None:
     run, jobs, catalog = load_example_run()
-    busy = {"competing": True, "note": "measured under competition (1.8 other cores busy)"}
+    busy = Contention(competing=True, note="measured under competition (1.8 other cores busy)")
     jobs = [j.model_copy(update={"contention": busy}) if j.variant_name == "bs8" else j for j in jobs]
     analysis = analyze_run(run, jobs, terms=RunTerms.stored(run.manifest), catalog=catalog)
     files = report.write_report(analysis, tmp_path)

@@ -13,6 +13,7 @@ from rich.console import Console
 from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
+from gpuscout.domain.contention import Contention
 from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.errors import BudgetExceededError, DataPreparationError
 from gpuscout.local import job_process
@@ -369,7 +370,7 @@ def test_a_search_never_prunes_a_job_measured_under_competition(
             print(f"gpuscout_metric step={step} loss=1.0 tokens_per_s=100 step_time_s=0.1", flush=True)
             time.sleep(0.1)
     """, monkeypatch)  # fmt: skip
-    busy = {"competing": True, "note": "measured under competition: other processes used 1.9 of 2 CPU cores"}
+    busy = Contention(competing=True, note="measured under competition: other processes used 1.9 of 2 CPU cores")
     monkeypatch.setattr(job_process.ContentionMonitor, "summary", lambda self: busy)
     data = tmp_path / "data"
     data.mkdir()
@@ -380,7 +381,7 @@ def test_a_search_never_prunes_a_job_measured_under_competition(
                       poll_interval_s=0.05)  # fmt: skip
     assert outcome.status is not JobStatus.PRUNED and outcome.contention == busy
     assert progress and progress[-1].prune_withheld == "pruned: slower than the best"
-    quiet = {**busy, "competing": False, "note": None}
+    quiet = busy.model_copy(update={"competing": False, "note": None})
     monkeypatch.setattr(job_process.ContentionMonitor, "summary", lambda self: quiet)
     folders = JobFolders.create(tmp_path / "job2", spec, data)
     outcome = run_job(spec, folders, should_stop=lambda _p: "pruned: slower than the best", poll_interval_s=0.05)

@@ -21,6 +21,7 @@ from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.report import render_markdown
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.cli.local_view import _tps_text
+from gpuscout.domain.contention import Contention
 from gpuscout.local.results import result_rows
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
 from tests.job_specs import job_spec
@@ -205,7 +206,9 @@ def test_a_steady_state_stop_that_never_settled_is_flagged_and_not_firm() -> Non
 
 
 def test_a_measurement_under_competition_is_never_a_clear_winner() -> None:
-    busy = {"competing": True, "note": "measured under competition: other processes used 1.3 of 2 CPU cores on average"}
+    busy = Contention(
+        competing=True, note="measured under competition: other processes used 1.3 of 2 CPU cores on average"
+    )
     fast = [24_000, 24_400, 23_800]
     jobs = [
         _job("fast", r, _bench(v, (v * 0.97, v * 1.03))).model_copy(update={"contention": busy if r == 1 else None})
