@@ -17,7 +17,13 @@ from pathlib import Path
 
 from gpuscout.analysis.analyze import analyze_run
 from gpuscout.analysis.terms import RunTerms
+from gpuscout.domain.jobspec import JobSpec, Prediction
 from gpuscout.store.base import JobRecord, JobStatus, RunRecord
+
+# the synthetic jobs were never planned: no predicted rate
+UNPREDICTED = Prediction(
+    tokens_per_s=None, mfu_assumed=None, training_seconds=0.0, overhead_seconds=0.0, cost_usd=0.0, method="none"
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "benchmarks" / "p4d-bs8-r0.json"
 REPETITIONS = 3
@@ -59,7 +65,22 @@ def make_jobs(count: int, rng: random.Random) -> tuple[list[JobRecord], dict[str
                 variant_name=variant,
                 repetition=rep,
                 spot=group % 7 == 0,
-                spec={"target_index": group % INSTANCE_TYPES, "gpus_per_instance": 8, "price_per_hour_usd": 10.0},
+                spec=JobSpec(
+                    job_name=name,
+                    run_id="bench",
+                    target_index=group % INSTANCE_TYPES,
+                    variant_name=variant,
+                    repetition=rep,
+                    instance_type=instance,
+                    instance_count=1,
+                    gpus_per_instance=8,
+                    spot=group % 7 == 0,
+                    price_per_hour_usd=10.0,
+                    precision="bf16",
+                    max_runtime_seconds=3600,
+                    hyperparameters={},
+                    prediction=UNPREDICTED,
+                ),
                 benchmark=bench if status is JobStatus.COMPLETED else None,
                 billable_seconds=rng.randint(300, 3000),
                 failure_reason=None if status is JobStatus.COMPLETED else "synthetic failure",

@@ -1,6 +1,8 @@
-"""The Cloud contract as models: what each Lambda step of the state machine receives and returns (docs/internals.md,
-"Cloud contract"). The handlers parse their events into these (Powertools' parser) and dump what the logic returns at
-the edge; the logic in between (control_plane, plan_step) takes and returns them, never a bare dict.
+"""The Cloud contract as models (docs/internals.md, "Cloud contract"): every Lambda's event, and the results of the
+Validate, Plan, Analyze, Record job failure and Mark run failed steps. The handlers parse their events into these
+(Powertools' parser) and dump what the logic returns at the edge; the logic in between (control_plane, plan_step)
+takes and returns them. A refusal (step_errors.refusal) and run_role's and record_job_result's results stay plain
+JSON.
 
 A step's output is the next state's input, so its JSON is the contract: fields a step leaves unset are left out of
 its output (``dump``)."""

@@ -414,6 +414,7 @@ def caught_failure_reason(error_name: str, cause: str) -> str:
 
 NOT_ANALYSED_RECOMMENDATION = "No recommendation: the run failed before it was analysed (see Error above)."
 NOT_ANALYSED_REPORT = "none (the run was not analysed)"
+NOT_PUBLISHED_REPORT = "none (the run was analysed, but its report was not published; see Error above)"
 
 
 def tell_refusal(refused: dict[str, Any], *, sns: Any, topic_arn: str | None) -> bool | str:
@@ -450,9 +451,15 @@ def tell_run_failed(run_id: str, *, store: ResultStore, sns: Any, topic_arn: str
     except (GpuscoutError, ClientError, BotoCoreError) as err:  # the run is FAILED already; the summary is lost
         logger.error("cannot read run %s for its summary: %s", run_id, err)
         return f"cannot read the run for its summary: {err}"
-    return close_step.notify_run(
-        run, jobs, recommendation=NOT_ANALYSED_RECOMMENDATION, report_uri=NOT_ANALYSED_REPORT, notifier=notifier
-    )
+    recommendation, report_uri = NOT_ANALYSED_RECOMMENDATION, NOT_ANALYSED_REPORT
+    try:  # analysed, then failed (its report could not be published): the summary says what the analysis found
+        result = store.get_result(run_id)
+    except (GpuscoutError, ClientError, BotoCoreError) as err:
+        logger.error("cannot read the analysis of run %s for its summary: %s", run_id, err)
+        result = None
+    if result is not None:
+        recommendation, report_uri = result.analysis.recommendation.summary, result.report_uri or NOT_PUBLISHED_REPORT
+    return close_step.notify_run(run, jobs, recommendation=recommendation, report_uri=report_uri, notifier=notifier)
 
 
 def fail_run_of_execution(
@@ -503,7 +510,7 @@ def analyze(
     work_dir: Path | None = None,
     sns: Any = None,
 ) -> AnalyzedRun:
-    """Analyze step (the workflow's analyze, report, final status and notify steps): RunAnalysis + report files in
+    """Analyze step (the workflow's analyze, report and close steps): RunAnalysis + report files in
     ``reports/<run_id>/`` of the data bucket + RESULT row + the final run status; then, when the stack has a topic
     (NOTIFICATION_TOPIC_ARN) and ``sns`` is given, the run summary is published to it. ``notified`` in the result
     says whether it was sent, or why not."""

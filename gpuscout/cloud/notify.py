@@ -1,5 +1,5 @@
 """The cloud's ``workflow.ports.Notifier``: the stack's SNS topic (e-mail subscribers get each notice as plain text).
-What is said is the workflow's notify step (gpuscout.workflow.notify); publishing never fails the run: a failed
+What is said is the workflow's close step (gpuscout.workflow.close); publishing never fails the run: a failed
 publish is returned, and logged by the caller."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 length) into ``runs/.cache/data/<key>``, verified against its own file list, staging folders of interrupted runs
 removed. The prepared data is checked by the workflow's step (gpuscout.workflow.prepare_data).
 
-May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process / observer / process_control."""
+May import: gpuscout.domain and gpuscout.local.job_process / process_control."""
 
 from __future__ import annotations
 

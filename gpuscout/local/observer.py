@@ -1,7 +1,7 @@
 """What a local run reports as it goes (the ``RunObserver`` protocol; the CLI's rich view implements it) and an
 observer that reports nothing.
 
-May import: gpuscout.domain, gpuscout.store and gpuscout.local.job_process."""
+May import: gpuscout.domain, gpuscout.store, gpuscout.workflow (its ports) and gpuscout.local.job_process."""
 
 from __future__ import annotations
 

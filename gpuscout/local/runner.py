@@ -11,7 +11,7 @@ state machine's order, with the same scripts the cloud runs:
   SageMaker-like ``opt/ml`` folder tree and ``gpuscout_train.train`` as a subprocess with the same SM_* variables
   SageMaker sets, its row recorded by workflow.train_and_record; a disturbed measurement measured once more;
 - Analyze and Report: ``closing.close_run`` (workflow.analyze, workflow.report and the run's final status). The
-  console tells how it ended (the cloud's Notify step).
+  console tells how it ended, where the cloud publishes the run summary (workflow.close).
 
 A failing job never stops the others. Ctrl-C stops the job in flight, marks the run STOPPED and keeps (and
 analyzes) what was measured.
@@ -82,7 +82,7 @@ def run_local(
     manifest: Validated | Path | str,
     *,
     store: ResultStore,
-    runs_dir: Path = Path("runs"),
+    runs_dir: Path | None = None,
     observer: RunObserver | None = None,
     catalog: Catalog | None = None,
     data_cache_dir: Path | None = None,
@@ -92,17 +92,23 @@ def run_local(
 ) -> RunRecord:
     """Run a manifest's benchmark on this machine and return the final run row (see module docstring).
 
-    ``manifest``: what ``planning.validate`` returned (the CLI validates before it opens the store; ``runs_dir`` is
-    then the one validated), or a manifest file, validated here. ``resume``: the id of an earlier run of the same
-    settings-search manifest that ended (interrupted, or abandoned by a process that is gone): it goes on under that
-    id, its finished trials kept (docs/search.md).
+    ``manifest``: what ``planning.validate`` returned (the CLI validates before it opens the store; its runs folder
+    is the one validated), or a manifest file, validated here with ``runs_dir`` (default ``runs``).
+
+    ``resume``: the id of an earlier run of the same settings-search manifest that ended (interrupted, or abandoned
+    by a process that is gone): it goes on under that id, its finished trials kept (docs/search.md).
 
     One run at a time per runs folder (``lock.RunsFolderLock``) unless ``allow_concurrent``. With ``canary``, each
     distinct configuration first runs a few steps (gpuscout.workflow.canary); a configuration whose canary fails is
     not timed."""
     observer = observer or SilentObserver()
     catalog = catalog or load_catalog()
-    validated = manifest if isinstance(manifest, Validated) else validate(manifest, runs_dir=runs_dir, catalog=catalog)
+    if isinstance(manifest, Validated):
+        validated = manifest
+        if runs_dir is not None and Path(runs_dir).resolve() != validated.runs_dir:
+            raise GpuscoutError(f"--runs-dir {runs_dir}: the manifest was validated for {validated.runs_dir}")
+    else:
+        validated = validate(manifest, runs_dir=runs_dir or Path("runs"), catalog=catalog)
     manifest_path, runs_dir = validated.path, validated.runs_dir
     previous = _resumable(store, resume) if resume else None
     the_plan = plan_jobs(validated.manifest, catalog, run_id=resume, on_message=observer.message)

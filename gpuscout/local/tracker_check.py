@@ -59,7 +59,7 @@ def unreachable_trackers(tracking: Any, *, check: Callable[[str], str | None] = 
 def checked_tracking(
     manifest: Manifest, specs: Sequence[JobSpec], *, on_message: Callable[[str], None],
     check: Callable[[str], str | None] = answers,
-) -> tuple[Any, list[JobSpec]]:  # fmt: skip
+) -> tuple[Manifest, list[JobSpec]]:  # fmt: skip
     """The manifest and job specs with unreachable trackers turned off for the run (one message each), or a
     GpuscoutError when the manifest says ``tracking.if_unreachable: refuse``."""
     tracking = manifest.resolved_tracking()

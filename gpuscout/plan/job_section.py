@@ -74,7 +74,7 @@ def rate_text(value: float) -> str:
 
 @dataclass(frozen=True)
 class Calibration:
-    """A short run of one variant of the user's code on this machine (gpuscout.local.runner.calibrate_job)."""
+    """A short run of one variant of the user's code on this machine (gpuscout.workflow.calibrate)."""
 
     rate: float  # work units per second (the job's unit), the whole job
     step_seconds: float  # mean timed optimizer step

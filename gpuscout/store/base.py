@@ -175,14 +175,11 @@ class ResultRecord(BaseModel):
         return value or None  # rows of the first releases stored {} when an analysis had no prices
 
 
-def outdated_result(run_id: str, err: Exception) -> str:
-    """Why a stored RESULT row cannot be read: an analysis stored by another version of gpuscout. Its jobs are
-    stored, so analysing the run again replaces it."""
+def outdated_result(run_id: str, err: Exception, *, remedy: str) -> str:
+    """Why a stored RESULT row cannot be read: an analysis stored by another version of gpuscout, and ``remedy``,
+    how this store's run is analysed again (its jobs are stored, so a new analysis replaces it)."""
     first = (str(err).strip().splitlines() or [""])[0]
-    return (
-        f"run {run_id}: its stored analysis is not in this version's format ({first}); analyse it again with "
-        f"`gpuscout analyze {run_id}`"
-    )
+    return f"run {run_id}: its stored analysis is not in this version's format ({first}); {remedy}"
 
 
 @runtime_checkable

@@ -427,7 +427,11 @@ class DynamoDbStore:
         try:
             return None if item is None else _decode_item(item, ResultRecord)
         except StoreError as err:
-            raise StoreError(outdated_result(run_id, err)) from err
+            remedy = (
+                "read it with the gpuscout version the stack runs, or analyse it again there: invoke the stack's "
+                f'analyze_run function with {{"run_id": "{run_id}"}}'
+            )
+            raise StoreError(outdated_result(run_id, err, remedy=remedy)) from err
 
 
 def table_definition(table_name: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import closing, contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -75,6 +75,22 @@ def _writable(path: Path) -> bool:
 def _sort_key(value: datetime) -> str:
     """A fixed-width UTC timestamp whose string order is its time order."""
     return as_utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+M = TypeVar("M", RunRecord, JobRecord)
+
+
+def _decoded(model: type[M], payload: str) -> M:
+    """A stored row as its record; a row this version cannot read (another version wrote it) is a StoreError that
+    names the row, not a validation traceback."""
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise StoreError(
+            f"a stored {model.__name__} row is not in this version's format ({first}); read it with the gpuscout "
+            "version that wrote it"
+        ) from err
 
 
 class SqliteStore:
@@ -186,14 +202,14 @@ class SqliteStore:
             row = conn.execute("SELECT payload FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise RunNotFoundError(run_id)
-        return RunRecord.model_validate_json(row[0])
+        return _decoded(RunRecord, row[0])
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
         with self._transaction() as conn:
             rows = conn.execute(
                 "SELECT payload FROM runs ORDER BY created_at DESC, run_id DESC LIMIT ?", (limit,)
             ).fetchall()
-        return [RunRecord.model_validate_json(r[0]) for r in rows]
+        return [_decoded(RunRecord, r[0]) for r in rows]
 
     def delete_run(self, run_id: str) -> None:
         """Remove the run, its jobs and its result in one transaction. Raises RunNotFoundError."""
@@ -221,7 +237,7 @@ class SqliteStore:
             row = conn.execute("SELECT payload FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
                 raise RunNotFoundError(run_id)
-            current = RunRecord.model_validate_json(row[0])
+            current = _decoded(RunRecord, row[0])
             if current.status in set(unless_status):
                 return current
             try:
@@ -265,12 +281,12 @@ class SqliteStore:
             row = conn.execute(
                 "SELECT payload FROM jobs WHERE run_id = ? AND job_name = ?", (run_id, job_name)
             ).fetchone()
-        return JobRecord.model_validate_json(row[0]) if row else None
+        return _decoded(JobRecord, row[0]) if row else None
 
     def list_jobs(self, run_id: str) -> list[JobRecord]:
         with self._transaction() as conn:
             rows = conn.execute("SELECT payload FROM jobs WHERE run_id = ? ORDER BY job_name", (run_id,)).fetchall()
-        return [JobRecord.model_validate_json(r[0]) for r in rows]
+        return [_decoded(JobRecord, r[0]) for r in rows]
 
     def apply_job_event(
         self,
@@ -295,7 +311,7 @@ class SqliteStore:
             ).fetchone()
             if row is None:
                 return False
-            current = JobRecord.model_validate_json(row[0])
+            current = _decoded(JobRecord, row[0])
             if current.status in TERMINAL_JOB_STATUSES and status not in TERMINAL_JOB_STATUSES:
                 return False
             if current.last_event_time is not None:
@@ -338,4 +354,5 @@ class SqliteStore:
         try:
             return ResultRecord.model_validate_json(row[0])
         except ValidationError as err:
-            raise StoreError(outdated_result(run_id, err)) from err
+            remedy = f"analyse it again with `gpuscout analyze {run_id}` (and the same --db)"
+            raise StoreError(outdated_result(run_id, err, remedy=remedy)) from err

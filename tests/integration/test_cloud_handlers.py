@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -13,7 +14,7 @@ from botocore.stub import Stubber
 from gpuscout.analysis.pricing import PRICE_LIST_REGION
 from gpuscout.cloud import control_plane, plan_step
 from gpuscout.cloud.contract import ValidatedManifest
-from gpuscout.cloud.step_errors import ManifestRejected, PlanRefused
+from gpuscout.cloud.step_errors import CloudStepError, ManifestRejected, PlanRefused
 from gpuscout.errors import RunNotFoundError
 from gpuscout.store.base import JobStatus, RunStatus
 from lambdas.analyze_run import handler as analyze_handler
@@ -732,6 +733,38 @@ def test_a_run_that_ends_without_analysis_is_told_like_a_finished_one_once(
     assert f"the workflow execution ended {status}" in body["Message"]
     assert control_plane.NOT_ANALYSED_RECOMMENDATION in body["Message"]
     assert "Jobs: 4 (4 planned)." in body["Message"]
+
+
+def test_a_run_analysed_whose_report_was_not_published_is_told_what_its_analysis_found(
+    cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a stack with a topic and a finished run whose report cannot be uploaded (the analysis is stored first)
+    _, sqs, _, queue = _topic_inbox(monkeypatch)
+    execution_arn = load_event("sfn_execution_timed_out")["detail"]["executionArn"]
+    planned = _planned_by(cloud, execution_arn)
+    run_id = planned["run_id"]
+    job = cloud.items(planned)[0]["job_name"]
+    job_events_handler.handler(job_event("training_completed", run_id=run_id, job_name=job), cloud.context)
+
+    def refuse(self: control_plane.S3ReportSink, run_id: str, folder: Path) -> str:
+        raise CloudStepError(f"cannot upload report.md to s3://{self.bucket}/reports/{run_id}/: AccessDenied")
+
+    monkeypatch.setattr(control_plane.S3ReportSink, "publish", refuse)
+    with pytest.raises(CloudStepError):
+        analyze_handler.handler({"run_id": run_id}, cloud.context)
+    result = cloud.services.store.get_result(run_id)
+    assert result is not None and result.report_uri is None
+    # When the state machine's Catch marks the run failed
+    caught = {"run_id": run_id, "execution_arn": execution_arn,
+              "error": {"Error": "CloudStepError", "Cause": "cannot upload report.md"}}  # fmt: skip
+    [outcome] = mark_failed_handler.handler(caught, cloud.context)["runs"]
+    # Then the summary says FAILED, why, and what the analysis recommended, and that no report was published
+    assert outcome["applied"] is True and outcome["notified"] is True
+    [message] = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10)["Messages"]
+    body = json.loads(message["Body"])["Message"]
+    assert "finished: FAILED." in body and "cannot upload report.md" in body
+    assert result.analysis.recommendation.summary in body and control_plane.NOT_PUBLISHED_REPORT in body
+    assert control_plane.NOT_ANALYSED_RECOMMENDATION not in body
 
 
 def test_a_failed_execution_never_touches_a_run_it_did_not_plan_or_a_final_run(cloud: Cloud) -> None:

@@ -231,24 +231,35 @@ def test_result_round_trip(store: ResultStore) -> None:
     assert store.get_result("run-b") is None
 
 
-def test_an_analysis_another_version_stored_is_a_clear_error_that_says_how_to_replace_it(store: ResultStore) -> None:
-    # Given a RESULT row whose analysis another gpuscout version wrote (a field this version requires is missing)
+def test_a_row_another_version_stored_is_a_clear_error_that_says_what_to_do(store: ResultStore) -> None:
+    # Given a RESULT row whose analysis another gpuscout version wrote (a field this version requires is missing),
+    # and a job row whose spec another version wrote (a field this version does not know)
     store.put_run(make_run())
+    store.put_job(make_job())
     store.put_result(ResultRecord(run_id="run-a", created_at=T0, analysis=run_analysis("run-a")))
     client = getattr(store, "_client", None)
-    if client is not None:  # DynamoDB: the row's analysis attribute rewritten
+    if client is not None:  # DynamoDB: the rows' attributes rewritten
         table = store.table_name  # type: ignore[attr-defined]
         client.update_item(
             TableName=table, Key={"pk": {"S": "RUN#run-a"}, "sk": {"S": "RESULT"}},
             UpdateExpression="SET analysis = :a", ExpressionAttributeValues={":a": {"M": {"jobs": {"L": []}}}},
         )  # fmt: skip
-    else:  # SQLite: the row's payload rewritten
+        client.update_item(
+            TableName=table, Key={"pk": {"S": "RUN#run-a"}, "sk": {"S": "JOB#gs-run-a-local-v0-r0"}},
+            UpdateExpression="SET spec.newer_field = :v", ExpressionAttributeValues={":v": {"S": "x"}},
+        )  # fmt: skip
+        remedy = r"invoke the stack's analyze_run function with \{\"run_id\": \"run-a\"\}"
+    else:  # SQLite: the rows' payloads rewritten
         with store._transaction() as conn:  # type: ignore[attr-defined]
             conn.execute("UPDATE results SET payload = ?", ('{"run_id": "run-a", "analysis": {"jobs": []}}',))
-    # When it is read, Then the store says which run, that its format is another version's, and what replaces it
-    with pytest.raises(StoreError, match=r"run run-a: its stored analysis is not in this version's format .*"
-                       r"`gpuscout analyze run-a`"):  # fmt: skip
+            payload = conn.execute("SELECT payload FROM jobs").fetchone()[0]
+            conn.execute("UPDATE jobs SET payload = ?", (payload.replace('"spec":{', '"spec":{"newer_field":1,'),))
+        remedy = r"analyse it again with `gpuscout analyze run-a` \(and the same --db\)"
+    # When they are read, Then the store says which row, that its format is another version's, and what to do
+    with pytest.raises(StoreError, match=r"run run-a: its stored analysis is not in this version's format .*" + remedy):
         store.get_result("run-a")
+    with pytest.raises(StoreError, match=r"JobRecord row .*(not in this version's format|invalid)"):
+        store.list_jobs("run-a")
 
 
 # Job events: at-least-once, unordered delivery.
