@@ -7,7 +7,6 @@ data preparation's subprocess; everything between them runs as a user's command 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,11 @@ from gpuscout.store.sqlite import SqliteStore
 from gpuscout.workflow import STATES, STEPS
 from gpuscout.workflow.ports import JobOutcome
 from tests.benchmark_results import benchmark_result
+from tests.prepared_data import prepared_data
 from tests.workflow_walk import walked
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 TWO_TOWER = paths.REPO_DIR / "examples" / "two-tower"
-DATASET_JSON = {
-    "sequence_length": 256,
-    "validation_fraction": 0.05,
-    "documents_read": 120,
-    "dropped": {"invalid": 0},
-    "tokenizer": {"kind": "bpe", "vocab_size": 4096},
-    "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
-}
 
 
 def _finished(spec: JobSpec, *_args: Any, **_kwargs: Any) -> JobOutcome:
@@ -64,9 +56,7 @@ def test_gpuscout_local_enters_each_step_once_in_the_state_machines_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given the quickstart (the built-in job: data to prepare, canaries), its jobs finishing at once
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "dataset.json").write_text(json.dumps(DATASET_JSON))
+    data = prepared_data(tmp_path / "data")
     monkeypatch.setattr(runner, "prepare_data", lambda *_a, **_k: data)
     _jobs_finish_at_once(monkeypatch)
     # When `gpuscout local FILE` runs it

@@ -19,21 +19,13 @@ from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus
 from gpuscout.store.sqlite import SqliteStore
 from gpuscout.workflow.ports import JobOutcome
+from tests.prepared_data import DATASET_SUMMARY
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
 
 
 def _summary(**over: Any) -> dict[str, Any]:
-    summary: dict[str, Any] = {
-        "sequence_length": 256,
-        "validation_fraction": 0.05,
-        "documents_read": 120,
-        "dropped": {"invalid": 0},
-        "tokenizer": {"kind": "bpe", "vocab_size": 4096},
-        "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
-    }
-    summary.update(over)
-    return summary
+    return {**DATASET_SUMMARY, **over}
 
 
 def test_healthy_data_has_no_problems() -> None:

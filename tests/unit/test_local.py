@@ -23,20 +23,11 @@ from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus, RunStatus
 from gpuscout.store.sqlite import SqliteStore
 from gpuscout.workflow.ports import JobOutcome
+from tests.prepared_data import DATASET_SUMMARY
 from tests.stand_ins import use_stand_ins
 
 QUICKSTART = paths.MANIFESTS_DIR / "quickstart.yaml"
-# the dataset.json fields the runner's data checks read
-DATASET_JSON = json.dumps(
-    {
-        "sequence_length": 256,
-        "validation_fraction": 0.05,
-        "documents_read": 120,
-        "dropped": {"invalid": 0},
-        "tokenizer": {"kind": "bpe", "vocab_size": 4096},
-        "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
-    }
-)
+DATASET_JSON = json.dumps(DATASET_SUMMARY)  # the dataset.json fields the runner's data checks read
 
 
 def _spec(**update: Any) -> JobSpec:

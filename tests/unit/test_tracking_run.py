@@ -27,6 +27,7 @@ from gpuscout.domain.tracking import (
     prepare_mlflow_uri,
 )
 from tests import wandb_offline_reader as wb
+from tests.prepared_data import prepared_data
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "analysis" / "expected-example_run.json"
 ANALYSIS: dict[str, Any] = json.loads(FIXTURE.read_text())
@@ -243,20 +244,7 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     manifest = tmp_path / "tracked.yaml"
     text = (paths.MANIFESTS_DIR / "quickstart.yaml").read_text()
     manifest.write_text(text + "tracking:\n  wandb: {project: gpuscout-test}\n")
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "dataset.json").write_text(
-        json.dumps(
-            {
-                "sequence_length": 256,
-                "validation_fraction": 0.05,
-                "documents_read": 120,
-                "dropped": {"invalid": 0},
-                "tokenizer": {"kind": "bpe", "vocab_size": 1024},
-                "splits": {"train": {"blocks": 100, "documents": 110}, "validation": {"blocks": 6, "documents": 10}},
-            }
-        )
-    )
+    data = prepared_data(tmp_path / "data", tokenizer={"kind": "bpe", "vocab_size": 1024})
     monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
     fixture = json.loads((FIXTURE.parents[1] / "benchmarks" / "g5-2xl-bs4-ckpt-r0.json").read_text())
     given: dict[str, str | None] = {}
