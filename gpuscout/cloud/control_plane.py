@@ -515,15 +515,15 @@ def analyze(
     (NOTIFICATION_TOPIC_ARN) and ``sns`` is given, the run summary is published to it. ``notified`` in the result
     says whether it was sent, or why not."""
     run = store.get_run(run_id)
+    jobs = analyze_step.measured_jobs(store, run_id)
     catalog = catalog or load_catalog()
     if prices is None:
         prices = PriceBook.from_catalog(catalog).with_manifest_overrides(RunTerms.stored(run.manifest))
         if pricing_client is not None:
             # Today's SageMaker Training list prices for the run's region; any failure keeps the catalog table's
             # price and says so in the analysis notes. Manifest overrides still win.
-            instance_types = {j.instance_type for j in store.list_jobs(run_id) if not j.is_canary}
-            prices.refresh_from_aws(instance_types, settings.region, client=pricing_client)
-    analysis, jobs = analyze_step.analyze_run(run, store, catalog=catalog, prices=prices)
+            prices.refresh_from_aws({j.instance_type for j in jobs}, settings.region, client=pricing_client)
+    analysis, jobs = analyze_step.analyze_run(run, store, catalog=catalog, prices=prices, jobs=jobs)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         report_uri = report_step.write_report(
             analysis, Path(tmp) / run_id, store=store, sink=S3ReportSink(s3, settings.data_bucket)

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from gpuscout.domain.run_analysis import RunAnalysis
 
 
+def measured_jobs(store: ResultStore, run_id: str) -> list[JobRecord]:
+    """The run's jobs the analysis reads: every one but the canaries (a canary is not a measurement)."""
+    return [j for j in store.list_jobs(run_id) if not j.is_canary]
+
+
 def result_record(analysis: RunAnalysis, *, report_uri: str | None = None) -> ResultRecord:
     return ResultRecord(
         run_id=analysis.run_id,
@@ -32,12 +37,14 @@ def analyze_run(
     catalog: Catalog,
     terms: RunTerms | None = None,
     prices: PriceBook | None = None,
+    jobs: list[JobRecord] | None = None,
 ) -> tuple[RunAnalysis, list[JobRecord]]:
     """The run's analysis, stored (without a report yet), and the jobs it analysed. ``terms`` default to the
-    manifest stored on the run, ``prices`` to the catalog's with its overrides (analysis.analyze.analyze_run)."""
+    manifest stored on the run, ``prices`` to the catalog's with its overrides (analysis.analyze.analyze_run);
+    ``jobs`` to the run's measured jobs in the store (a driver that read them to price them passes them)."""
     from gpuscout.analysis.analyze import analyze_run as analyze_jobs  # numpy: only where a run is analysed
 
-    jobs = [j for j in store.list_jobs(run.run_id) if not j.is_canary]  # canaries are not measurements
+    jobs = measured_jobs(store, run.run_id) if jobs is None else jobs
     analysis = analyze_jobs(run, jobs, terms=terms, catalog=catalog, prices=prices)
     store.put_result(result_record(analysis))
     return analysis, jobs
