@@ -42,6 +42,7 @@ from gpuscout.domain.manifest_loader import validate_manifest_data
 from gpuscout.errors import BudgetExceededError, GpuscoutError, RunExistsError, RunNotFoundError
 from gpuscout.plan.canary import Canary, cloud_canaries, predicted_canary_cost_usd
 from gpuscout.plan.jobs import Plan
+from gpuscout.plan.planner import plan
 from gpuscout.store.base import ResultStore, RunRecord, RunStatus
 from gpuscout.workflow import canary as workflow_canary
 from gpuscout.workflow import plan as workflow_plan
@@ -158,7 +159,7 @@ def plan_jobs(
         execution_arn=execution_arn,
     )
     try:
-        the_plan = workflow_plan.plan_run(manifest, catalog, run_id=run_id)
+        the_plan = plan(manifest, catalog, run_id=run_id)
     except GpuscoutError as err:  # the planner cannot plan it (PlanError and the like): a REFUSED run that says why
         store.put_run(run.model_copy(update={"status": RunStatus.REFUSED, "error": f"cannot plan: {err}"}))
         raise PlanRefused(f"{source}: cannot plan: {err}") from err

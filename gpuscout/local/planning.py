@@ -26,8 +26,8 @@ from gpuscout.errors import GpuscoutError, ManifestError, Problem
 from gpuscout.local.job_process import FolderLauncher
 from gpuscout.local.startup import measure_startup_seconds
 from gpuscout.plan.jobs import make_run_id
+from gpuscout.plan.planner import plan
 from gpuscout.workflow import calibrate as calibrate_step
-from gpuscout.workflow import plan as plan_step
 from gpuscout.workflow import validate as validate_step
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def plan_jobs(
             calibration = calibrate_step.calibrate(
                 manifest, catalog, local_hardware, launcher=launcher, on_message=on_message
             )
-    return plan_step.plan_run(
+    return plan(
         manifest, catalog, run_id=run_id or make_run_id(manifest.name), local_hardware=local_hardware,
         calibration=calibration,
     )  # fmt: skip

@@ -17,27 +17,21 @@ from gpuscout.store.base import JOB_STATUS_RANK, JobRecord, JobStatus, ResultSto
 from gpuscout.workflow.ports import JobOutcome
 
 
-def job_record(spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None) -> JobRecord:
-    """The job's row: its spec and ``status``, with what ``outcome`` measured once it ended."""
-    return JobRecord.from_spec(
+def record_job(
+    store: ResultStore, spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None, *, reason: str = ""
+) -> JobRecord:
+    """Store the job's row, its spec and ``status`` with what ``outcome`` measured once it ended (``reason``, when
+    given, is its failure reason instead of the outcome's), and return it."""
+    record = JobRecord.from_spec(
         spec,
         status,
         benchmark=outcome.benchmark if outcome else None,
-        failure_reason=outcome.failure_reason if outcome else None,
+        failure_reason=reason or (outcome.failure_reason if outcome else None),
         training_seconds=round(outcome.wall_seconds) if outcome else None,
         contention=outcome.contention if outcome else None,
         status_rank=JOB_STATUS_RANK[status],
         last_event_time=utcnow(),
     )
-
-
-def record_job(
-    store: ResultStore, spec: JobSpec, status: JobStatus, outcome: JobOutcome | None = None, *, reason: str = ""
-) -> JobRecord:
-    """Store the job's row (``job_record``; ``reason`` overrides the outcome's failure reason) and return it."""
-    record = job_record(spec, status, outcome)
-    if reason:
-        record = record.model_copy(update={"failure_reason": reason})
     store.put_job(record)
     return record
 

@@ -998,8 +998,8 @@ def test_a_manifest_the_planner_cannot_plan_becomes_a_refused_run_with_its_reaso
     synthesized: Synthesized,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from gpuscout.cloud import plan_step
     from gpuscout.errors import PlanError
-    from gpuscout.workflow import plan as plan_step
 
     # Given a valid manifest the planner refuses (e.g. a search whose candidates all exceed the GPU's memory)
     def cannot_plan(*args: Any, **kwargs: Any) -> Any:
