@@ -453,13 +453,24 @@ def int_or_none(value: str | None) -> int | None:
 @dataclass(frozen=True)
 class FolderLauncher:
     """The workflow's ``JobLauncher`` on this machine: each job in ``root/<place>/<job name>`` (``JobFolders``), its
-    prepared data ``data_dir`` (none for a user's own script), run to its end by ``run_job``."""
+    prepared data ``data_dir`` (none for a user's own script), run to its end by ``run_job`` (``on_progress`` and
+    ``should_stop`` as there)."""
 
     root: Path
     data_dir: Path | None
 
-    def run(self, spec: JobSpec, place: str) -> JobOutcome:
-        folders = JobFolders.create(self.root / place / spec.job_name, spec, self.data_dir)
-        outcome = run_job(spec, folders)
+    def folder(self, spec: JobSpec, place: str) -> Path:
+        return self.root / place / spec.job_name
+
+    def run(
+        self,
+        spec: JobSpec,
+        place: str,
+        *,
+        on_progress: Callable[[JobProgress], None] = lambda _progress: None,
+        should_stop: Callable[[JobProgress], str | None] | None = None,
+    ) -> JobOutcome:
+        folders = JobFolders.create(self.folder(spec, place), spec, self.data_dir)
+        outcome = run_job(spec, folders, on_progress=on_progress, should_stop=should_stop)
         outcome.log = str(folders.stderr_log)
         return outcome

@@ -49,7 +49,7 @@ from gpuscout.local.closing import (
     stop_unfinished_jobs,
 )
 from gpuscout.local.data_cache import prepare_data
-from gpuscout.local.job_process import FolderLauncher, JobFolders, JobProgress, job_max_steps, run_job
+from gpuscout.local.job_process import FolderLauncher, JobProgress, job_max_steps
 from gpuscout.local.lock import RunsFolderLock
 from gpuscout.local.observer import RunObserver, SilentObserver
 from gpuscout.local.planning import Validated, plan_jobs, validate
@@ -200,9 +200,10 @@ def _run_planned(
             data_dir, refused = _prepare(manifest, specs, run_id, store=store, observer=observer,
                                          data_cache_dir=data_cache_dir)  # fmt: skip
             store.update_run(run_id, status=RunStatus.RUNNING)
+            launcher = FolderLauncher(run_dir, data_dir)  # canary/<name>/ and jobs/<name>/ in the run folder
             if canary and data_dir is not None and the_plan.search is None:  # a failing trial fails alone
                 refused |= canary_step.run_canaries(
-                    specs, refused, launcher=FolderLauncher(run_dir, data_dir), store=store,
+                    specs, refused, launcher=launcher, store=store,
                     on_message=lambda text, warning: observer.message(text, warning=warning),
                 )  # fmt: skip
             with observer.jobs_running():
@@ -221,14 +222,13 @@ def _run_planned(
                     observer.job_started(trials if the_plan.search else specs.index(spec) + 1,
                                          total if the_plan.search else len(specs), spec, max_steps)  # fmt: skip
                     record_job(store, spec, JobStatus.TRAINING)
-                    job_dir = run_dir / "jobs" / spec.job_name
                     progress = partial(observer.job_progress, spec, max_steps=max_steps)
-                    outcome = _run_job_in(job_dir, spec, data_dir, on_progress=progress, should_stop=should_stop)
+                    outcome = _run_job_in(launcher, spec, on_progress=progress, should_stop=should_stop)
                     record = record_job(store, spec, outcome.status, outcome)
                     observer.job_finished(spec, outcome)
                     current = None
                     if (outcome.failure_reason or "").startswith(DISK_FULL):  # the next job would fail the same way
-                        raise DiskFullError(job_dir, f"job {spec.job_name} ran")
+                        raise DiskFullError(launcher.folder(spec, "jobs"), f"job {spec.job_name} ran")
                     return record
 
                 if the_plan.search is not None:
@@ -367,20 +367,18 @@ def _write_run_folder(run_dir: Path, manifest_path: Path, specs: Sequence[JobSpe
 
 
 def _run_job_in(
-    job_dir: Path,
+    launcher: FolderLauncher,
     spec: JobSpec,
-    data_dir: Path | None,
     *,
     on_progress: Callable[[JobProgress], None],
     should_stop: Callable[[JobProgress], str | None] | None,
 ) -> JobOutcome:
-    """One job in its folder (run_job); a full disk while its folder or logs are written is a DiskFullError."""
+    """One job in its folder under jobs/; a full disk while its folder or logs are written is a DiskFullError."""
     try:
-        folders = JobFolders.create(job_dir, spec, data_dir)
-        return run_job(spec, folders, on_progress=on_progress, should_stop=should_stop)
+        return launcher.run(spec, "jobs", on_progress=on_progress, should_stop=should_stop)
     except OSError as err:
         if is_disk_full(err):
-            raise DiskFullError(job_dir, f"starting job {spec.job_name}") from err
+            raise DiskFullError(launcher.folder(spec, "jobs"), f"starting job {spec.job_name}") from err
         raise
 
 

@@ -23,7 +23,7 @@ from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.run_analysis import RunAnalysis
-from gpuscout.local import closing
+from gpuscout.local import closing, job_process
 from gpuscout.local import runner as local
 from gpuscout.local.data_cache import remove_stale_staging
 from gpuscout.local.job_process import JobFolders
@@ -167,7 +167,7 @@ def test_a_second_signal_cannot_cut_the_final_analysis_short(tmp_path: Path, mon
         analysed.append(run.run_id)
         return run_analysis(run.run_id)
 
-    monkeypatch.setattr(local, "run_job", fake_run_job)
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)
     monkeypatch.setattr(closing, "analyze_and_report", analysis_hit_by_a_second_signal)
     store = SqliteStore(tmp_path / "g.db")
     observer = RichRunObserver(Console(file=io.StringIO()))
@@ -187,7 +187,7 @@ def _run_with_signals_during_the_analysis(
     data.mkdir()
     (data / "dataset.json").write_text(json.dumps(DATASET_SUMMARY))
     monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: data)
-    monkeypatch.setattr(local, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.COMPLETED, None, None, 1.0))
+    monkeypatch.setattr(job_process, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.COMPLETED, None, None, 1.0))
     analysed: list[str] = []
 
     def slow_analysis(run, *_args: object, **_kw: object) -> RunAnalysis:
@@ -298,7 +298,7 @@ def test_stale_staging_folders_of_dead_processes_are_removed(tmp_path: Path) -> 
 def test_runs_record_host_and_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "dataset.json").write_text(json.dumps(DATASET_SUMMARY))
     monkeypatch.setattr(local, "prepare_data", lambda *_args, **_kw: tmp_path)
-    monkeypatch.setattr(local, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.FAILED, None, "boom", 0.1))
+    monkeypatch.setattr(job_process, "run_job", lambda *_a, **_k: JobOutcome(JobStatus.FAILED, None, "boom", 0.1))
     store = SqliteStore(tmp_path / "g.db")
     run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", catalog=load_catalog())
     assert run.pid == os.getpid() and run.host

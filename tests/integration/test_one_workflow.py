@@ -40,8 +40,7 @@ def _finished(spec: JobSpec, *_args: Any, **_kwargs: Any) -> JobOutcome:
 
 
 def _jobs_finish_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner, "run_job", _finished)  # the measured jobs
-    monkeypatch.setattr(job_process, "run_job", _finished)  # the canaries' and calibrations' launcher
+    monkeypatch.setattr(job_process, "run_job", _finished)  # the measured jobs, canaries and calibrations
 
 
 def _local(tmp_path: Path, manifest: Path) -> tuple[list[str], Any]:

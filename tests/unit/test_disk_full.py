@@ -191,7 +191,7 @@ def test_a_job_folder_that_cannot_be_made_stops_the_run(tmp_path: Path, monkeypa
         started.append(root.name)
         raise _enospc(str(root / "opt" / "ml" / "input" / "config" / "hyperparameters.json"))
 
-    monkeypatch.setattr(local.JobFolders, "create", staticmethod(create))
+    monkeypatch.setattr(JobFolders, "create", staticmethod(create))
     store = SqliteStore(tmp_path / "g.db")
     with pytest.raises(DiskFullError) as raised:
         run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs", canary=False)

@@ -183,8 +183,7 @@ def test_ctrl_c_stops_the_run_and_keeps_what_was_recorded(tmp_path: Path, monkey
             return JobOutcome(JobStatus.FAILED, None, "RuntimeError: boom", 1.0)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(local, "run_job", fake_run_job)
-    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)
     store = SqliteStore(tmp_path / "g.db")
     out = io.StringIO()
     run = run_local(
@@ -268,8 +267,7 @@ def test_a_failing_canary_keeps_its_configuration_from_being_timed(
             return JobOutcome(JobStatus.OOM, None, "torch.OutOfMemoryError: CUDA out of memory", 3.0)
         return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
 
-    monkeypatch.setattr(local, "run_job", fake_run_job)
-    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)
     store = SqliteStore(tmp_path / "g.db")
     out = io.StringIO()
     # When the run starts
@@ -303,8 +301,7 @@ def test_a_canary_runs_once_per_configuration_and_can_be_turned_off(
         names.append(spec.job_name)
         return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
 
-    monkeypatch.setattr(local, "run_job", fake_run_job)
-    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)
     run_local(manifest, store=SqliteStore(tmp_path / "a.db"), runs_dir=tmp_path / "a")
     assert sum("-canary" in n for n in names) == 3 and len(names) == 9
     names.clear()
@@ -320,8 +317,7 @@ def test_ctrl_c_during_a_canary_stops_the_run_before_anything_is_timed(
     def fake_run_job(spec: JobSpec, folders: JobFolders, **_: object) -> JobOutcome:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(local, "run_job", fake_run_job)
-    monkeypatch.setattr(job_process, "run_job", fake_run_job)  # the canaries' launcher
+    monkeypatch.setattr(job_process, "run_job", fake_run_job)
     store = SqliteStore(tmp_path / "g.db")
     run = run_local(QUICKSTART, store=store, runs_dir=tmp_path / "runs")
     assert run.status is RunStatus.STOPPED

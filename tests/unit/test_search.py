@@ -15,6 +15,7 @@ from gpuscout.domain.catalog import LocalHardware, load_catalog
 from gpuscout.domain.jobspec import JobSpec
 from gpuscout.domain.manifest_loader import parse_manifest
 from gpuscout.errors import GpuscoutError, ManifestError
+from gpuscout.local import job_process
 from gpuscout.local import runner as local
 from gpuscout.local.job_process import JobFolders
 from gpuscout.local.observer import SilentObserver
@@ -210,7 +211,7 @@ def test_an_interrupted_search_resumes_from_the_store(tmp_path: Path, monkeypatc
             raise KeyboardInterrupt
         return JobOutcome(JobStatus.COMPLETED, None, None, 1.0)
 
-    monkeypatch.setattr(local, "run_job", interrupted)
+    monkeypatch.setattr(job_process, "run_job", interrupted)
     store = SqliteStore(tmp_path / "g.db")
     seen: list[tuple[str, int, int]] = []
 
@@ -232,8 +233,8 @@ def test_an_interrupted_search_resumes_from_the_store(tmp_path: Path, monkeypatc
 
     # When it is resumed
     calls.clear()
-    monkeypatch.setattr(local, "run_job", lambda spec, folders, **_: calls.append(spec.variant_name) or JobOutcome(
-        JobStatus.COMPLETED, None, None, 1.0))  # fmt: skip
+    monkeypatch.setattr(job_process, "run_job", lambda spec, folders, **_: calls.append(spec.variant_name)
+                        or JobOutcome(JobStatus.COMPLETED, None, None, 1.0))  # fmt: skip
     seen.clear()
     again = run_local(manifest, store=store, runs_dir=tmp_path / "runs", resume=first.run_id, observer=Observer())
     assert [i for name, i, _ in seen if name in calls][:1] == [3]  # numbered after the 2 finished before

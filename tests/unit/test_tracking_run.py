@@ -232,6 +232,7 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
     from gpuscout import paths
     from gpuscout.domain.jobspec import JobSpec
     from gpuscout.domain.tracking import TRACKING_ENV, JobTracking
+    from gpuscout.local import job_process
     from gpuscout.local import runner as local
     from gpuscout.local.job_process import JobFolders
     from gpuscout.local.observer import SilentObserver
@@ -254,7 +255,7 @@ def test_gpuscout_local_hands_each_job_its_tracking_and_logs_the_run(
         benchmark = fixture | {"job_name": spec.job_name, "run_id": spec.run_id, "instance_type": "local"}
         return JobOutcome(JobStatus.COMPLETED, benchmark, None, 1.0)
 
-    monkeypatch.setattr(local, "run_job", run_job)
+    monkeypatch.setattr(job_process, "run_job", run_job)
     messages: list[str] = []
 
     class Observer(SilentObserver):
