@@ -14,6 +14,7 @@ from gpuscout import paths
 from gpuscout.cli.local_view import RichRunObserver
 from gpuscout.domain.catalog import load_catalog
 from gpuscout.domain.dataset_checks import dataset_problems, global_batch_blocks
+from gpuscout.local import job_process
 from gpuscout.local import runner as local
 from gpuscout.local.runner import run_local
 from gpuscout.store.base import JobStatus
@@ -69,7 +70,7 @@ def test_the_runner_refuses_jobs_the_data_cannot_fill_and_runs_the_rest(
     monkeypatch.setattr(local, "prepare_data", lambda *_a, **_k: data)
     ran: list[str] = []
     monkeypatch.setattr(
-        local,
+        job_process,
         "run_job",
         lambda spec, *_a, **_k: ran.append(spec.job_name) or JobOutcome(JobStatus.FAILED, None, "x", 0.1),
     )
