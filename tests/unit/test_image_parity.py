@@ -15,8 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = pins(ROOT / "requirements.txt")
 IMAGE = pins(ROOT / "training" / "requirements.txt")
 GPU_CHECK = pins(ROOT / "benchmarks" / "gpu-check-requirements.txt")
-# In the image only: CUDA-only packages, pinned for `make gpu-check` in benchmarks/gpu-check-requirements.txt.
-IMAGE_ONLY = {"nvidia-ml-py", "liger-kernel"}
+# In the image only: CUDA-only packages, pinned for `make gpu-check` in benchmarks/gpu-check-requirements.txt, except
+# bitsandbytes (QLoRA's 4-bit base): its 43 MB wheel does not fit the carried wheels of a short GPU rental beside the
+# others, and the GPU checks do not run QLoRA.
+IMAGE_ONLY = {"nvidia-ml-py", "liger-kernel", "bitsandbytes"}
+NOT_IN_GPU_CHECK = {"bitsandbytes"}
 
 
 def test_the_image_pins_what_the_tests_run() -> None:
@@ -27,7 +30,7 @@ def test_the_image_pins_what_the_tests_run() -> None:
     for name in ("torch", "transformers", "tokenizers", "accelerate", "deepspeed", "safetensors", "numpy"):
         assert name in IMAGE, f"training/requirements.txt does not pin {name}: the base image would decide it"
     assert set(IMAGE) - set(RUNTIME) == IMAGE_ONLY
-    for name in IMAGE_ONLY:
+    for name in IMAGE_ONLY - NOT_IN_GPU_CHECK:
         assert GPU_CHECK.get(name) == IMAGE[name], f"{name}: gpu-check and the image pin different versions"
 
 
