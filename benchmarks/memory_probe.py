@@ -35,6 +35,14 @@ models flex as sdpa without the dense mask. Loss: "plain" and "chunked" are prob
 cross-entropy is CUDA-only and, like the chunked loss, never stores full logits: the planner uses the chunked
 coefficients for it.
 
+LoRA (``adapter_settings``, keys ending ``/lora``): every setting again with adapters on all seven linear layers,
+added by train.py's own ``add_adapters`` before checkpointing is enabled (build.py's order), the frozen base stored
+in bf16 when probing bf16 (as on CUDA). Per layer it adds a ``rank`` term (ADAPTER_RANKS: the same layers at a
+second rank), the dropout's bytes under CUDA's fused kernel (``cuda_dropout``: a bool mask) and the CPU's, and with
+checkpointing the backward pass's transient per token (``backward_bytes_per_token``, from a micro-batch's peak):
+each on ADAPTER_TERM_SHAPES, which vary hidden and intermediate apart. QLoRA's 4-bit layers need bitsandbytes on
+CUDA; the planner uses LoRA's keys for it.
+
     .venv/bin/python benchmarks/memory_probe.py --output configs/memory/calibration.json
 """
 
@@ -59,11 +67,19 @@ from gpuscout_train.packing import CausalLMWithLoss, chunked_cross_entropy, make
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from gpuscout.domain.adapters import Adapter
 from gpuscout.domain.models import PRESETS
 
 LAYER_FEATURES = ("hidden", "intermediate", "kv_width", "heads", "one")
 MASK_FEATURES = ("heads", "one")
 MODEL_FEATURES = ("hidden", "head_dim", "one")
+DROPOUT_FEATURES = ("hidden", "intermediate")  # the adapted layers' inputs are hidden (or query) and intermediate wide
+BACKWARD_FEATURES = ("hidden", "intermediate", "one")
+# LoRA: every setting is probed at the first rank without dropout over all shapes; the rank and dropout terms per
+# layer are the differences at the second rank and with dropout, on shapes that vary hidden and intermediate apart.
+ADAPTER_RANKS = (8, 64)
+ADAPTER_DROPOUT = 0.05
+ADAPTER_TERM_SHAPES = ("synthetic-h256-i512-n4-kv2", "synthetic-h256-i1024-n4-kv2", "synthetic-h512-i512-n8-kv2")
 # Shapes that vary one dimension at a time around a small base, so the fit can tell the dimensions apart
 # (in the presets the query width always equals hidden).
 SYNTHETIC_SHAPES = (
@@ -114,6 +130,25 @@ def kernels(*, real: bool) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if real else ShapesOnly()
 
 
+@contextlib.contextmanager
+def cuda_dropout() -> Iterator[None]:
+    """``F.dropout`` in training as CUDA runs it: torch's fused ``native_dropout``, which saves a bool mask (1 byte
+    per element) for backward, where the CPU's composite dropout saves a mask in the input's dtype (4 bytes in fp32).
+    p = 0 (the attention's) is left to the original, which returns its input."""
+    original = torch.nn.functional.dropout
+
+    def fused(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0 or inplace:
+            return original(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
+
+    torch.nn.functional.dropout = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
 @dataclass(frozen=True)
 class LayerShape:
     name: str
@@ -147,11 +182,17 @@ class Setting:
     attention: str = "sdpa"  # sdpa | eager
     checkpointing: bool = False
     loss: str = "plain"  # plain | chunked
-    precision: str = "bf16"  # bf16 (autocast over fp32 weights) | fp32
+    precision: str = "bf16"  # bf16 (autocast over fp32 weights; a frozen adapter base stored in bf16) | fp32
+    adapter: Adapter | None = None  # LoRA adapters on a frozen base (add_adapters), or full fine-tuning
 
     @property
     def key(self) -> str:
-        return f"{self.precision}/{self.attention}/{'ckpt' if self.checkpointing else 'full'}/{self.loss}"
+        """The calibration's key: one per setting, whatever the adapter's rank and dropout (fitted within it)."""
+        key = f"{self.precision}/{self.attention}/{'ckpt' if self.checkpointing else 'full'}/{self.loss}"
+        return key + ("/lora" if self.adapter is not None else "")
+
+    def with_adapter(self, adapter: Adapter | None) -> Setting:
+        return dataclasses.replace(self, adapter=adapter)
 
 
 @dataclass
@@ -186,6 +227,11 @@ def build_model(shape: LayerShape, *, layers: int, vocab: int, setting: Setting)
                          tie_word_embeddings=True, use_cache=False, max_position_embeddings=4096)  # fmt: skip
     config._attn_implementation = setting.attention
     lm = Qwen2ForCausalLM(config).train()  # fp32 master weights, as train.py keeps them
+    if setting.adapter is not None:  # build.py's order: adapters first (a CUDA bf16 run's base frozen in bf16)
+        from gpuscout_train.adapters import add_adapters
+
+        frozen = torch.bfloat16 if setting.precision == "bf16" else None
+        add_adapters(lm, setting.adapter, frozen_dtype=frozen)
     if setting.checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return CausalLMWithLoss(lm, loss=setting.loss)
@@ -277,6 +323,54 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def micro_batch_peak(
+    shape: LayerShape, setting: Setting, *, layers: int, batch: int, seq: int, vocab: int, real_arithmetic: bool = False
+) -> int:
+    """Peak bytes of the storages a step's first micro-batch creates (train.py's order: the forward pass under
+    autocast, its backward outside it), the parameters made before it not counted."""
+    with kernels(real=real_arithmetic):
+        model = build_model(shape, layers=layers, vocab=vocab, setting=setting)
+        ids, seg = packed_batch(batch, seq, vocab)
+        dtype = torch.bfloat16 if setting.precision == "bf16" else torch.float32
+        tracker = LiveBytes()
+        with tracker:
+            inputs = make_inputs(ids, seg, packing=True, attention=setting.attention, dtype=dtype)
+            with _autocast(setting.precision):
+                loss = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.labels)
+            loss.backward()
+    return tracker.peak
+
+
+def backward_bytes_per_token(
+    shape: LayerShape,
+    setting: Setting,
+    *,
+    layer_bytes: dict[int, int],
+    batch: int,
+    seqs: Sequence[int],
+    vocab: int,
+    real_arithmetic: bool = False,
+) -> float:
+    """The backward pass's transient of a recomputed layer, per token, with checkpointing (``setting``): a one-layer
+    model's micro-batch peak (at the recomputation, where a small vocabulary puts it) less what is held there: the
+    checkpointed model's saved bytes, the layer's recomputed activations (``layer_bytes``: its saved bytes without
+    checkpointing, by sequence length) and make_inputs' dense mask; the difference of two sequence lengths, so that
+    what does not grow with tokens (the layer's adapter gradients) drops out. What is left: the activations'
+    gradients, with adapters the largest part of a layer's backward (peft casts an adapter's input to fp32, so its
+    gradient is fp32 too)."""
+    assert setting.checkpointing
+    mask_entry = 1 if setting.attention != "eager" else (2 if setting.precision == "bf16" else 4)
+    held = {}
+    for seq in seqs:
+        peak = micro_batch_peak(shape, setting, layers=1, batch=batch, seq=seq, vocab=vocab,
+                                real_arithmetic=real_arithmetic)  # fmt: skip
+        saved = saved_bytes(shape, setting, layers=1, batch=batch, seq=seq, vocab=vocab,
+                            real_arithmetic=real_arithmetic).activations  # fmt: skip
+        held[seq] = peak - saved - layer_bytes[seq] - mask_entry * batch * seq * seq
+    (s1, h1), (s2, h2) = sorted(held.items())
+    return (h2 - h1) / (batch * (s2 - s1))
+
+
 def loss_peak_bytes(
     *, loss: str, precision: str, batch: int, seq: int, hidden: int, vocab: int, real_arithmetic: bool = False
 ) -> int:
@@ -354,11 +448,39 @@ def probe_shape(
     }
 
 
-def fit(rows: Sequence[dict], target: str, features: Sequence[str]) -> dict[str, float]:
-    """Least-squares coefficients of ``target`` (a key of each row, or a callable path) on the shape features."""
-    x = np.array([[LayerShape(**r["shape"]).features()[f] for f in features] for r in rows], dtype=float)
-    y = np.array([_value(r, target) for r in rows], dtype=float)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+def adapter_terms(
+    shape: LayerShape, setting: Setting, *, batch: int, seq: int, vocab: int, real_arithmetic: bool = False
+) -> dict[str, float]:
+    """One decoder layer's LoRA bytes per token beyond ``setting``'s (its adapter at ADAPTER_RANKS[0] without
+    dropout): per unit of rank (measured at ADAPTER_RANKS[1]), and with dropout (ADAPTER_DROPOUT) under CUDA's fused
+    kernel and under the CPU's."""
+    assert setting.adapter is not None and not setting.checkpointing
+
+    def per_layer(adapter: Adapter, *, fused_dropout: bool = False) -> float:
+        varied = setting.with_adapter(adapter)
+        with cuda_dropout() if fused_dropout else contextlib.nullcontext():
+            one, two = (saved_bytes(shape, varied, layers=n, batch=batch, seq=seq, vocab=vocab,
+                                    real_arithmetic=real_arithmetic) for n in (1, 2))  # fmt: skip
+        return (two.activations - one.activations) / (batch * seq)
+
+    r1, r2 = ADAPTER_RANKS
+    base = per_layer(setting.adapter)
+    dropped = dataclasses.replace(setting.adapter, dropout=ADAPTER_DROPOUT)
+    return {
+        "rank": (per_layer(dataclasses.replace(setting.adapter, rank=r2)) - base) / (r2 - r1),
+        "dropout": per_layer(dropped, fused_dropout=True) - base,
+        "dropout_cpu": per_layer(dropped) - base,
+    }
+
+
+def fit(rows: Sequence[dict], target: str, features: Sequence[str], *, less: float = 0.0) -> dict[str, float]:
+    """Least-squares coefficients of ``target`` (a key of each row, less ``less``) on the shape features."""
+    return fit_values([LayerShape(**r["shape"]) for r in rows], [_value(r, target) - less for r in rows], features)
+
+
+def fit_values(shapes: Sequence[LayerShape], values: Sequence[float], features: Sequence[str]) -> dict[str, float]:
+    x = np.array([[s.features()[f] for f in features] for s in shapes], dtype=float)
+    coef, *_ = np.linalg.lstsq(x, np.array(values, dtype=float), rcond=None)
     return {f: round(float(c), 4) for f, c in zip(features, coef, strict=True)}
 
 
@@ -369,14 +491,15 @@ def _value(row: dict, target: str) -> float:
     return float(value)
 
 
-def settings() -> Iterator[Setting]:
+def settings(*, adapter: Adapter | None = None) -> Iterator[Setting]:
     """bf16 autocast (GPU training; fp16 saves the same bytes) and fp32 (CPU training, where train.py runs without
-    autocast), sdpa and eager, each with and without checkpointing, with the plain and the chunked loss."""
+    autocast), sdpa and eager, each with and without checkpointing, with the plain and the chunked loss; full
+    fine-tuning, or ``adapter`` on a frozen base."""
     for precision in ("bf16", "fp32"):
         for attention in ("sdpa", "eager"):
             for checkpointing in (False, True):
                 for loss in ("plain", "chunked"):
-                    yield Setting(attention, checkpointing, loss, precision)
+                    yield Setting(attention, checkpointing, loss, precision, adapter)
 
 
 def calibrate(
@@ -406,6 +529,15 @@ def calibrate(
             "bytes_per_token_per_vocab": round(float(np.mean([r["bytes_per_token_per_vocab"] for r in rows])), 4),
             "measurements": {r["shape"]["name"]: r for r in rows},
         }
+        if setting.adapter is not None and not setting.checkpointing:
+            terms = _adapter_fit(rows, setting, batch=batch, seq=min(seqs), vocab=min(vocabs),
+                                 real_arithmetic=real_arithmetic)  # fmt: skip
+            out[setting.key].update(terms)
+        elif setting.adapter is not None:  # its no-checkpointing twin is probed first (settings())
+            twin = out[dataclasses.replace(setting, checkpointing=False).key]["measurements"]
+            out[setting.key]["layer_backward_bytes_per_token"] = _backward_fit(
+                rows, twin, setting, batch=batch, seqs=seqs, vocab=min(vocabs), real_arithmetic=real_arithmetic
+            )
     peaks: dict[str, Any] = {}
     for precision in ("bf16", "fp32"):
         for loss in ("plain", "chunked"):
@@ -419,7 +551,58 @@ def calibrate(
                 "peak_bytes": measured,
                 "bytes_per_token_per_vocab": round((p2 - p1) / (batch * (s2 - s1) * loss_vocab), 4),
             }
-    return {"settings": out, "loss_peak": {"hidden": 64, "vocab": loss_vocab, "batch": batch, **peaks}}
+    return {
+        "settings": {k: v for k, v in out.items() if not k.endswith("/lora")},
+        "adapter_settings": {k: v for k, v in out.items() if k.endswith("/lora")},
+        "loss_peak": {"hidden": 64, "vocab": loss_vocab, "batch": batch, **peaks},
+    }
+
+
+def _adapter_fit(
+    rows: Sequence[dict], setting: Setting, *, batch: int, seq: int, vocab: int, real_arithmetic: bool
+) -> dict[str, Any]:
+    """An adapter setting's rank and dropout terms (adapter_terms on ADAPTER_TERM_SHAPES, or every shape probed when
+    they are not among them): the per-layer fit of ``rows`` less the first rank's share, plus bytes per unit of rank,
+    and the dropout's bytes fitted on hidden and intermediate (under CUDA's kernel, and the CPU's)."""
+    probed = [r for r in rows if r["shape"]["name"] in ADAPTER_TERM_SHAPES] or list(rows)
+    shapes = [LayerShape(**r["shape"]) for r in probed]
+    terms = [adapter_terms(s, setting, batch=batch, seq=seq, vocab=vocab, real_arithmetic=real_arithmetic)
+             for s in shapes]  # fmt: skip
+    for row, term in zip(probed, terms, strict=True):
+        row["adapter_terms_per_token"] = term
+    per_rank = round(float(np.mean([t["rank"] for t in terms])), 4)
+    layer = fit(rows, "layer_bytes_per_token", LAYER_FEATURES, less=per_rank * ADAPTER_RANKS[0])
+    return {
+        "layer_bytes_per_token": {**layer, "rank": per_rank},
+        "layer_dropout_bytes_per_token": fit_values(shapes, [t["dropout"] for t in terms], DROPOUT_FEATURES),
+        "layer_dropout_bytes_per_token_cpu": fit_values(shapes, [t["dropout_cpu"] for t in terms], DROPOUT_FEATURES),
+    }
+
+
+def _backward_fit(
+    rows: Sequence[dict],
+    twin: dict[str, dict],
+    setting: Setting,
+    *,
+    batch: int,
+    seqs: Sequence[int],
+    vocab: int,
+    real_arithmetic: bool,
+) -> dict[str, float]:
+    """A checkpointed adapter setting's backward transient per token (backward_bytes_per_token on
+    ADAPTER_TERM_SHAPES), fitted on hidden, intermediate and a constant; ``twin``: the measurements without
+    checkpointing, whose per-layer saved bytes are the recomputed layer's."""
+    probed = [r for r in rows if r["shape"]["name"] in ADAPTER_TERM_SHAPES] or list(rows)
+    shapes = [LayerShape(**r["shape"]) for r in probed]
+    values = []
+    for row, shape in zip(probed, shapes, strict=True):
+        raw = twin[shape.name]["raw_saved_bytes"]
+        layer = {s: raw[f"layers2_seq{s}_vocab{vocab}"] - raw[f"layers1_seq{s}_vocab{vocab}"] for s in seqs}
+        row["backward_bytes_per_token"] = backward_bytes_per_token(
+            shape, setting, layer_bytes=layer, batch=batch, seqs=seqs, vocab=vocab, real_arithmetic=real_arithmetic
+        )
+        values.append(row["backward_bytes_per_token"])
+    return fit_values(shapes, values, BACKWARD_FEATURES)
 
 
 @dataclass
@@ -466,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch=args.batch,
         seqs=_ints(args.seq_lengths),
         vocabs=_ints(args.vocab_sizes),
-        setting_list=list(settings()),
+        setting_list=list(settings()) + list(settings(adapter=Adapter("lora", rank=ADAPTER_RANKS[0]))),
         loss_vocab=args.loss_vocab,
         loss_seqs=_ints(args.loss_seq_lengths),
         real_arithmetic=args.real_arithmetic,
@@ -475,7 +658,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "about": (
             "Activation and logit bytes of train.py's training step, measured on CPU by benchmarks/memory_probe.py "
             "(saved_tensors_hooks, storages deduplicated, parameters and their autocast copies excluded); "
-            "gpuscout/plan/memory.py reads it. Keys: precision/attention/checkpointing/loss."
+            "gpuscout/plan/memory.py reads it. Keys: precision/attention/checkpointing/loss; adapter_settings' end "
+            "in /lora: LoRA adapters (add_adapters) on a frozen base, stored in bf16 under bf16 autocast."
         ),
         "command": "python benchmarks/memory_probe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
@@ -492,6 +676,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layers": [1, 2],
             "kernels": "real" if args.real_arithmetic else "shapes only (matmul and SDPA outputs not computed)",
             "shapes": [s.name for s in shapes],
+            "adapter": {
+                "ranks": list(ADAPTER_RANKS),
+                "dropout": ADAPTER_DROPOUT,
+                "term_shapes": list(ADAPTER_TERM_SHAPES),
+            },
         },
         **result,
     }

@@ -5,8 +5,8 @@ runs train.py's model wrapping (CausalLMWithLoss, make_inputs with packing and t
 master weights under bf16 autocast, non-reentrant checkpointing) on CPU and counts the bytes autograd saves for
 backward. docs/performance.md ("Memory model") says how, on what, and what still needs a GPU to confirm.
 
-Peak = states + CUDA context (+ NCCL) + the largest of three moments' transients, where (T = batch x sequence
-tokens):
+Peak = states (+ an adapter run's frozen weights) + CUDA context (+ NCCL) + the largest of three moments' transients
+(four with adapters, below), where (T = batch x sequence tokens):
 
 * the loss (end of the forward pass and the loss's backward): weight copies + activations + mask + loss, less the
   fp32 gradients when they do not exist yet (one GPU, no DeepSpeed, accumulation 1: train.py zeroes gradients with
@@ -49,6 +49,28 @@ of the recomputed layer, whose moment's gradients are approximated);
 torch.compile re-plans what is saved (20 % of activations when compiled: not measured yet); the CUDA context
 +-0.75 GB; NCCL +-1 GB. Allocator fragmentation is not counted: the planner compares against
 90 % of the GPU memory, train.py runs with ``expandable_segments`` and reports reserved beside allocated.
+
+Adapters (``StepSettings.adapter``, LoRA or QLoRA; gpuscout_train/adapters.py builds them with peft): only the adapters
+train, so the states are 16 bytes per adapter parameter (gpuscout.domain.adapters.adapter_params) and the frozen base is
+its own part, ``frozen_weights`` (counted exactly), at its storage precision: on CUDA 2 bytes per weight in bf16/fp16
+(no fp32 master copy), 4 in fp32; QLoRA's decoder linears at QLORA_BYTES_PER_WEIGHT (4-bit NF4 with double-quantized
+scales) and the rest in the compute dtype; on a CPU 4 bytes. Autocast copies only the adapters' fp32 weights (2 B each);
+the gradients absent at the loss are the adapters'. The activations come from the calibration's ``adapter_settings``
+(keys ending ``/lora``), measured on the real peft model with its base frozen in bf16 under bf16 autocast: a frozen
+linear saves its weight, not its input, while each adapter saves its own 16-bit copy of its input (peft casts the input
+to the adapters' fp32, autocast casts it back) and B saves A's rank-wide output, so a layer's bytes per token take a
+measured ``rank`` term (two ranks probed); dropout adds its masks (and fp32 dropped copies), measured apart for CUDA's
+fused kernel (bool mask) and the CPU's (a mask in the input's dtype). Without checkpointing the first layer's input
+needs no gradient (its norm saves nothing): the measured model-level term carries that; with checkpointing transformers
+makes the embedding output require a gradient, so every layer is alike. A layer's backward transient (the activations'
+gradients, fp32 where peft cast the input: ``layer_backward_bytes``, measured per token) joins the recomputation moment,
+and without checkpointing makes a fourth moment, the last layer's backward with every activation still saved
+(``at_backward``; the loss's peak is larger at real vocabularies). The calibration covers adapters on all seven linear
+layers; fewer target modules are planned with that figure, an upper bound (only the adapters' own saved tensors go
+away). QLoRA's bitsandbytes layers do not run on a CPU, so LoRA's bytes stand in, an upper bound too (under autocast
+peft does not cast a 4-bit layer's input, so the adapters share it), +-10 % of activations, and one dequantized weight
+in the compute dtype is a backward transient (in the recomputation, else in the uncertainty). ZeRO is refused with
+adapters (PlanError): nothing worth sharding trains.
 """
 
 from __future__ import annotations
@@ -60,6 +82,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuscout.domain.adapters import (
+    QLORA_BYTES_PER_WEIGHT,
+    QLORA_ON_CPU,
+    Adapter,
+    adapter_params,
+    decoder_linear_params,
+)
 from gpuscout.domain.flops import matmul_params, total_params
 from gpuscout.domain.models import Architecture
 from gpuscout.errors import PlanError
@@ -77,13 +106,14 @@ CHUNK_TOKENS = 4096  # training/gpuscout_train/packing.py chunked_cross_entropy'
 
 @dataclass(frozen=True)
 class Calibration:
-    settings: dict[str, dict[str, Any]]
+    settings: dict[str, dict[str, Any]]  # full fine-tuning
     loss_peak: dict[str, Any]
     versions: dict[str, str]
+    adapter_settings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # LoRA: keys end "/lora"
 
     def setting(self, key: str) -> dict[str, Any]:
         try:
-            return self.settings[key]
+            return self.adapter_settings[key] if key.endswith("/lora") else self.settings[key]
         except KeyError:
             raise PlanError(f"{CALIBRATION_PATH}: no memory calibration for {key}") from None
 
@@ -94,7 +124,8 @@ def load_calibration(path: Path = CALIBRATION_PATH) -> Calibration:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise PlanError(f"cannot read the memory calibration {path}: {err}") from err
-    return Calibration(settings=doc["settings"], loss_peak=doc["loss_peak"], versions=doc["versions"])
+    return Calibration(settings=doc["settings"], loss_peak=doc["loss_peak"], versions=doc["versions"],
+                       adapter_settings=doc.get("adapter_settings", {}))  # fmt: skip
 
 
 def shape_features(arch: Architecture) -> dict[str, float]:
@@ -126,13 +157,15 @@ class StepSettings:
     cross_entropy_kernel: str = "chunked"  # chunked | liger | torch (the fused loss's kernel; "auto" is chunked)
     torch_compile: bool = False
     gradient_accumulation_steps: int = 1
+    adapter: Adapter | None = None  # LoRA or QLoRA adapters on a frozen base; None: full fine-tuning
 
     @property
     def calibration_key(self) -> str:
         precision = "fp32" if self.precision == "fp32" else "bf16"  # fp16 saves the same bytes as bf16
         attention = "eager" if self.attention == "eager" else "sdpa"
         layers = "ckpt" if self.gradient_checkpointing else "full"
-        return f"{precision}/{attention}/{layers}/{'chunked' if self.fused_cross_entropy else 'plain'}"
+        key = f"{precision}/{attention}/{layers}/{'chunked' if self.fused_cross_entropy else 'plain'}"
+        return key + ("/lora" if self.adapter is not None else "")  # QLoRA: LoRA's (module docstring)
 
     def with_checkpointing(self, value: bool) -> StepSettings:
         return StepSettings(**{**self.__dict__, "gradient_checkpointing": value})
@@ -143,9 +176,10 @@ class MemoryEstimate:
     """Bytes per GPU by part; ``total`` is the step's peak, the largest of three moments (module docstring): the
     loss (every weight copy, every saved activation and the loss transient at once, less the gradients not yet
     created), with checkpointing a layer's recomputation in the backward pass (the saved inputs, one layer's full
-    activations and its weight copies, less the gradients still to come), and the optimizer step (the states)."""
+    activations and its weight copies, less the gradients still to come), and the optimizer step (the states).
+    With adapters the states are the adapters' alone and the frozen base is ``frozen_weights``."""
 
-    states: float
+    states: float  # the trained parameters' fp32 weights, gradients and AdamW moments (or ZeRO's shares)
     weight_copies: float
     activations: float  # saved for backward at the end of the forward pass
     mask: float
@@ -156,6 +190,10 @@ class MemoryEstimate:
     absent_at_recompute: float = 0.0  # gradients still to come when the first layer is recomputed
     nccl: float = 0.0  # communicator buffers outside torch's allocator (world > 1)
     uncertainty: float = 0.0  # bytes either way (module docstring)
+    frozen_weights: float = 0.0  # an adapter run's frozen base at its storage precision (0: full fine-tuning)
+    # an adapter run's last layer's backward without checkpointing: its activations' gradients, every saved
+    # activation still held (the loss freed); 0 for full fine-tuning and with checkpointing
+    backward: float = 0.0
 
     @property
     def at_loss(self) -> float:
@@ -168,13 +206,27 @@ class MemoryEstimate:
         return self.recompute - self.absent_at_recompute
 
     @property
+    def at_backward(self) -> float:
+        if not self.backward:  # full fine-tuning, or checkpointing (the recomputation holds it)
+            return -(self.activations + self.mask)
+        return self.weight_copies + self.backward - self.absent_at_loss
+
+    @property
     def transient(self) -> float:
-        """What the peak moment adds to the states, the saved activations, mask, context and NCCL."""
-        return max(self.at_loss, self.at_recompute, -(self.activations + self.mask))
+        """What the peak moment adds to the states, frozen weights, saved activations, mask, context and NCCL."""
+        return max(self.at_loss, self.at_recompute, self.at_backward, -(self.activations + self.mask))
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.mask + self.transient + self.cuda_context + self.nccl
+        return (
+            self.states
+            + self.frozen_weights
+            + self.activations
+            + self.mask
+            + self.transient
+            + self.cuda_context
+            + self.nccl
+        )
 
     @property
     def total_gb(self) -> float:
@@ -221,26 +273,45 @@ def _dense_mask_applies(s: StepSettings) -> bool:
     return s.packing and s.attention != "flex"
 
 
-def layer_activation_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
-    """Bytes one decoder layer saves for backward without checkpointing (the recomputed layer's, with it)."""
+def _features(arch: Architecture, settings: StepSettings) -> dict[str, float]:
+    """The shape features, and an adapter's rank (the per-layer fit's "rank" term)."""
+    features = shape_features(arch)
+    if settings.adapter is not None:
+        features["rank"] = float(settings.adapter.rank)
+    return features
+
+
+def layer_activation_bytes(
+    arch: Architecture, *, seq: int, batch: int, settings: StepSettings, device: str = "cuda"
+) -> float:
+    """Bytes one decoder layer saves for backward without checkpointing (the recomputed layer's, with it). An
+    adapter's dropout adds its masks and dropped inputs: CUDA's fused dropout keeps a bool mask, the CPU's a mask in
+    the input's dtype (``device``)."""
     c = load_calibration().setting(settings.with_checkpointing(False).calibration_key)
-    per_token = _linear(c["layer_bytes_per_token"], shape_features(arch))
-    per_seq2 = _linear(c["layer_bytes_per_batch_seq2"], shape_features(arch))
+    features = _features(arch, settings)
+    per_token = _linear(c["layer_bytes_per_token"], features)
+    if settings.adapter is not None and settings.adapter.dropout > 0:
+        per_token += _linear(c["layer_dropout_bytes_per_token" + ("" if device == "cuda" else "_cpu")], features)
+    per_seq2 = _linear(c["layer_bytes_per_batch_seq2"], features)
     if settings.attention != "eager" and not _dense_mask_applies(settings):
         per_seq2 = 0.0  # sdpa without a dense mask (flex, or unpacked rows with a padding mask) keeps no L^2 term
     return per_token * batch * seq + per_seq2 * batch * seq * seq
 
 
-def saved_activation_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
+def saved_activation_bytes(
+    arch: Architecture, *, seq: int, batch: int, settings: StepSettings, device: str = "cuda"
+) -> float:
     """What the forward pass leaves saved for backward: every layer's activations (or checkpointed inputs) and the
-    model-level ones, logits excluded (the loss term covers them)."""
+    model-level ones, logits excluded (the loss term covers them). With adapters and no checkpointing the first
+    layer's input needs no gradient, so its norm saves nothing: the model-level term (measured) is the smaller."""
     c = load_calibration().setting(settings.calibration_key)
-    features = shape_features(arch)
+    features = _features(arch, settings)
     tokens = batch * seq
     model_level = _linear(c["model_bytes_per_token"], features) * tokens
     if settings.gradient_checkpointing:
         return arch.num_hidden_layers * _linear(c["layer_bytes_per_token"], features) * tokens + model_level
-    return arch.num_hidden_layers * layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings) + model_level
+    layer = layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings, device=device)
+    return arch.num_hidden_layers * layer + model_level
 
 
 def saved_logit_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
@@ -293,8 +364,90 @@ def gradients_absent_at_loss(settings: StepSettings, *, world: int) -> bool:
     return world == 1 and settings.deepspeed_stage == 0 and settings.gradient_accumulation_steps <= 1
 
 
-def _uncertainty(settings: StepSettings, e: MemoryEstimate) -> float:
-    """Bytes either way (module docstring): each part's share, summed."""
+def frozen_weight_bytes(arch: Architecture, adapter: Adapter, *, precision: str, device: str) -> float:
+    """An adapter run's frozen base at its storage precision (gpuscout_train/adapters.py): on CUDA in the compute
+    dtype (2 bytes per weight in bf16 or fp16, 4 in fp32), QLoRA's decoder linears in 4-bit NF4 with double-quantized
+    scales (QLORA_BYTES_PER_WEIGHT) and the rest (embedding, norms, biases, lm_head) in the compute dtype; on a CPU
+    in fp32, where train.py computes."""
+    params = total_params(arch)
+    compute = 2.0 if device == "cuda" and precision != "fp32" else 4.0
+    if adapter.method == "qlora":
+        quantized = decoder_linear_params(arch)
+        return QLORA_BYTES_PER_WEIGHT * quantized + compute * (params - quantized)
+    return compute * params
+
+
+def layer_backward_bytes(arch: Architecture, *, seq: int, batch: int, settings: StepSettings) -> float:
+    """An adapter run's transient in one layer's backward pass: the activations' gradients (peft casts an adapter's
+    input to fp32, so its gradient is fp32 too), measured per token with checkpointing (memory_probe's
+    backward_bytes_per_token) and the same for a layer's backward without it."""
+    c = load_calibration().setting(settings.with_checkpointing(True).calibration_key)
+    return _linear(c["layer_backward_bytes_per_token"], _features(arch, settings)) * batch * seq
+
+
+def _dequantized_bytes(arch: Architecture, settings: StepSettings) -> float:
+    """QLoRA's transient: bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype (the largest,
+    an MLP projection); 0 for LoRA and full fine-tuning."""
+    if settings.adapter is None or settings.adapter.method != "qlora":
+        return 0.0
+    return (4.0 if settings.precision == "fp32" else 2.0) * arch.hidden_size * arch.intermediate_size
+
+
+def _adapter_estimate(
+    arch: Architecture, *, seq: int, batch: int, settings: StepSettings, world: int, device: str
+) -> MemoryEstimate:
+    """estimate() for LoRA and QLoRA (module docstring): the states of the adapters alone, the frozen base at its
+    storage precision, autocast copies of the adapters' fp32 weights only, their gradients absent at the loss."""
+    adapter = settings.adapter
+    assert adapter is not None
+    if settings.deepspeed_stage:
+        raise PlanError(f"{adapter.label}: ZeRO stage {settings.deepspeed_stage} is not supported with adapters "
+                        "(only the adapters train: nothing worth sharding); use deepspeed_stage 0")  # fmt: skip
+    if adapter.method == "qlora" and device != "cuda":
+        raise PlanError(QLORA_ON_CPU)
+    if device != "cuda":  # train.py autocasts on CUDA only: on the CPU the model computes (and is stored) in fp32
+        settings = dataclasses.replace(settings, precision="fp32")
+    autocast = settings.precision != "fp32" and device == "cuda"
+    trained = adapter_params(arch, adapter)
+    layers = max(arch.num_hidden_layers, 1)
+    copies = WEIGHT_COPY_BYTES_PER_PARAM * trained if autocast else 0.0  # the bf16 base needs none
+    recompute = 0.0
+    if settings.gradient_checkpointing:
+        # the layer's activations, its backward's activation gradients (measured per token), its adapters' weight
+        # copies, their new gradients and the accumulated sum, and under QLoRA a dequantized weight
+        recompute = layer_activation_bytes(arch, seq=seq, batch=batch, settings=settings, device=device)
+        recompute += layer_backward_bytes(arch, seq=seq, batch=batch, settings=settings)
+        recompute += copies / layers + 8.0 * trained / layers + _dequantized_bytes(arch, settings)
+    # without checkpointing, the last layer's backward (measured with it: the same layer's backward)
+    backward = 0.0 if settings.gradient_checkpointing else layer_backward_bytes(arch, seq=seq, batch=batch,
+                                                                                settings=settings)  # fmt: skip
+    absent = absent_later = 0.0
+    if gradients_absent_at_loss(settings, world=world):
+        absent = 4.0 * trained  # the adapters' gradients; the frozen base has none
+        absent_later = absent / layers  # the first layer's, still to come when it is recomputed
+    e = MemoryEstimate(
+        states=STATE_BYTES_PER_PARAM * trained,
+        weight_copies=copies,
+        activations=saved_activation_bytes(arch, seq=seq, batch=batch, settings=settings, device=device),
+        mask=mask_bytes(seq=seq, batch=batch, settings=settings),
+        loss=loss_bytes(arch, seq=seq, batch=batch, settings=settings),
+        recompute=recompute,
+        cuda_context=CUDA_CONTEXT_GB * 1e9 if device == "cuda" else 0.0,
+        absent_at_loss=absent,
+        absent_at_recompute=absent_later,
+        nccl=NCCL_GB * 1e9 if device == "cuda" and world > 1 else 0.0,
+        frozen_weights=frozen_weight_bytes(arch, adapter, precision=settings.precision, device=device),
+        backward=backward,
+    )
+    # QLoRA's dequantized weight: in the recomputation with checkpointing, else a backward transient left uncounted
+    dequantized = 0.0 if settings.gradient_checkpointing else _dequantized_bytes(arch, settings)
+    uncertainty = _uncertainty(settings, e, dequantized=dequantized)
+    return dataclasses.replace(e, uncertainty=uncertainty)
+
+
+def _uncertainty(settings: StepSettings, e: MemoryEstimate, *, dequantized: float = 0.0) -> float:
+    """Bytes either way (module docstring): each part's share, summed; ``dequantized``: QLoRA's dequantized weight,
+    a backward transient not otherwise counted."""
     kernel = settings.cross_entropy_kernel if settings.fused_cross_entropy else "plain"
     loss_share = 0.25 if kernel in ("liger", "torch") else 0.10
     activation_share = 0.05 + (0.20 if settings.torch_compile else 0.0)
@@ -302,12 +455,16 @@ def _uncertainty(settings: StepSettings, e: MemoryEstimate) -> float:
         activation_share * (e.activations + e.mask),
         # the recomputation moment: which gradients exist by then is approximated (13 % off on CPU at 2 layers)
         (activation_share + 0.15) * e.recompute,
+        activation_share * e.backward,
         loss_share * e.loss,
         CUDA_CONTEXT_UNCERTAINTY_GB * 1e9 if e.cuda_context else 0.0,
         NCCL_UNCERTAINTY_GB * 1e9 if e.nccl else 0.0,
         # ZeRO-3's gathered layers: DeepSpeed's own figure approximates them by the largest one
         e.states * 0.05 if settings.deepspeed_stage == 3 else 0.0,
     )
+    if settings.adapter is not None and settings.adapter.method == "qlora":
+        # bitsandbytes' layers are not probed (LoRA's bytes stand in) and dequantize a weight at a time in backward
+        return sum(parts) + 0.10 * e.activations + dequantized
     return sum(parts)
 
 
@@ -315,6 +472,8 @@ def estimate(
     arch: Architecture, *, seq: int, batch: int, settings: StepSettings, world: int, device: str = "cuda"
 ) -> MemoryEstimate:
     """Peak memory per GPU (or of the host, ``device="cpu"``) for one training step (module docstring)."""
+    if settings.adapter is not None:
+        return _adapter_estimate(arch, seq=seq, batch=batch, settings=settings, world=world, device=device)
     autocast = settings.precision != "fp32" and settings.deepspeed_stage == 0 and device == "cuda"
     half = settings.precision != "fp32" and device == "cuda"
     if device != "cuda":  # train.py autocasts on CUDA only: on the CPU the model computes in fp32

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from gpuscout.domain.adapters import Adapter
 from gpuscout.domain.flops import matmul_params
 from gpuscout.domain.models import PRESETS
 from gpuscout.plan import memory
@@ -57,12 +58,14 @@ CASES = [
     [memory_probe.Setting(attention, ckpt, loss, precision)
      for attention, ckpt, loss, precision in (("sdpa", False, "plain", "bf16"), ("sdpa", True, "chunked", "bf16"),
                                               ("eager", False, "chunked", "bf16"), ("sdpa", False, "plain", "fp32"),
-                                              ("eager", True, "plain", "fp32"))],
+                                              ("eager", True, "plain", "fp32"))]
+    + [memory_probe.Setting("sdpa", False, "plain", "bf16", Adapter("lora", rank=8, dropout=0.05)),
+       memory_probe.Setting("eager", True, "chunked", "fp32", Adapter("lora", rank=8))],
     ids=lambda s: s.key,
 )  # fmt: skip
 def test_the_stand_in_counts_what_the_real_kernels_save_and_hold(setting):
     """Saved bytes, weight copies, the loss peak and a whole micro-batch's peak are the same with and without the
-    arithmetic (narrow layers, so the real bf16 kernels are cheap on any CPU)."""
+    arithmetic (narrow layers, so the real bf16 kernels are cheap on any CPU), LoRA adapters (peft) included."""
     args = dict(layers=LAYERS, batch=BATCH, seq=48, vocab=512)
     stand_in = memory_probe.saved_bytes(NARROW, setting, **args)
     assert stand_in == memory_probe.saved_bytes(NARROW, setting, **args, real_arithmetic=True)
