@@ -177,6 +177,17 @@ class _Rep:
     def host_allocator(self) -> str | None:
         return self.bench.software.host_allocator
 
+    def trained(self) -> dict[str, Any]:
+        """JobAnalysis's method, adapter, trainable and total parameters, from benchmark.json's config."""
+        config = self.bench.config
+        if config is None:
+            return {}
+        lora = config.lora
+        label = f"{'QLoRA' if config.method == 'qlora' else 'LoRA'} r={lora.rank}" if lora else None
+        trainable = config.params_trainable if config.params_trainable is not None else config.params_total
+        return {"method": config.method, "adapter": label, "params_trainable": trainable,
+                "params_total": config.params_total or None}  # fmt: skip
+
 
 _LOSS_POINT = operator.attrgetter("tokens", "elapsed_s", "loss")  # LossPoint -> (tokens, s, loss)
 
@@ -378,6 +389,7 @@ def _measure_group(
         undisturbed_factor=undisturbed_factor(reps),
         kernel_note=kernel_note(reps),
         host_allocator=reps[0].host_allocator,
+        **reps[0].trained(),
         tokens_per_s_per_gpu=tokens_rate / world
         if tokens_rate is not None and reps[0].device == "cuda"
         else None,  # no GPUs, no per-GPU figure

@@ -237,6 +237,36 @@ def recommend(ranked: Sequence[JobAnalysis], objective: str, *, search: bool = F
     )
 
 
+METHOD_ORDER = ("full", "lora", "qlora")
+
+
+def method_comparison(ranked: Sequence[JobAnalysis]) -> str | None:
+    """With more than one training method among the ranked jobs, each method's cheapest way to the target loss:
+    tokens/s and $/1M tokens do not compare a LoRA run with a full fine-tune (a token of adapter training does less
+    to the loss), the time and cost to the same loss do. None with one method."""
+    methods = sorted({j.method for j in ranked}, key=METHOD_ORDER.index)
+    if len(methods) < 2:
+        return None
+    target = next((j.target_loss for j in ranked if j.target_loss is not None), None)
+    if target is None:
+        return (
+            f"Methods differ ({', '.join(methods)}): tokens/s and $/1M tokens do not compare them at equal quality; "
+            "set constraints.target_loss to compare the time and cost each takes to the same loss."
+        )
+    parts = []
+    for method in methods:
+        reached = [j for j in ranked if j.method == method and j.target_loss_usd is not None]
+        if not reached:
+            parts.append(f"{method}: no run projects the loss ({next(j.label for j in ranked if j.method == method)})")
+            continue
+        best = min(reached, key=lambda j: (j.target_loss_usd or 0.0, j.job_name))
+        hours = best.target_loss_hours
+        when = f" in {duration_text(hours)}" if hours is not None else ""
+        parts.append(f"{best.adapter or method} on {best.label} reaches it for {usd_text(best.target_loss_usd or 0.0)}"
+                     f"{when}")  # fmt: skip
+    return f"At equal quality (loss {target:g}, training only): " + "; ".join(parts) + "."
+
+
 def _could_lead(job: JobAnalysis, best: JobAnalysis, objective: str) -> bool:
     """A disturbed job lower down could have led had all its steps run at its own reference speed."""
     factor = job.undisturbed_factor
@@ -398,7 +428,12 @@ def decide(
         )
         for j in excluded
     ]
-    return ranked + excluded, recommend(ranked, objective, search=search), exclusions
+    recommendation = recommend(ranked, objective, search=search)
+    if (methods := method_comparison(ranked)) is not None:
+        recommendation = recommendation.model_copy(
+            update={"summary": f"{recommendation.summary} {methods}", "notes": [*recommendation.notes, methods]}
+        )
+    return ranked + excluded, recommendation, exclusions
 
 
 def with_incomplete(recommendation: Recommendation, incomplete: str | None) -> Recommendation:

@@ -81,13 +81,17 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]], froz
     unit = analysis.unit
     target = analysis.constraints.target_loss
     samples = unit == "samples"
+    # an adapter run's MFU counts less work than a full fine-tune's (docs/metrics.md "Adapters"): marked, never bare
+    mixed = len({j.method for j in analysis.jobs}) > 1
     columns: list[_Column] = [
         ("rank", lambda j: str(j.rank) if j.rank is not None else "–", True, True),
         ("instance / variant", lambda j: j.label, False, True),
+        ("trains", lambda j: j.trains_text if mixed or j.method != "full" else "", False, False),
         ("reps", lambda j: f"{j.repetitions}/{j.repetitions_planned}", True, True),
         (f"{unit}/s ± 95 % CI", _tps, True, True),
         ("tokens/s per GPU", lambda j: _num(j.tokens_per_s_per_gpu), True, False),
-        ("MFU", lambda j: _pct(j.mfu), True, False),
+        ("MFU", lambda j: _pct(j.mfu) + (f" ({j.method} FLOPs)" if mixed and j.mfu is not None else ""), True,
+         False),
         (f"$/1M {unit} on-demand",
          lambda j: _usd(j.usd_per_million_samples if samples else j.usd_per_million_tokens), True, True),
         (f"$/1M {unit} spot",

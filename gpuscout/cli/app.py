@@ -174,9 +174,11 @@ def validate(file: ManifestArg) -> None:
             soft_wrap=True,
         )
         return
+    pairs = sum(v.runs_on(t.instance_type) for t in manifest.targets for v in manifest.variants)
+    limited = " (each variant on its instance_types)" if pairs != targets * variants else ""
     console.print(
-        f"[green]ok[/] {escape(str(file))}: {targets} target(s) x {variants} variant(s) x {repetitions} "
-        f"repetition(s) = {targets * variants * repetitions} job(s)",
+        f"[green]ok[/] {escape(str(file))}: {targets} target(s) x {variants} variant(s){limited} x {repetitions} "
+        f"repetition(s) = {pairs * repetitions} job(s)",
         soft_wrap=True,
     )
 

@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.5"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
+SCHEMA_VERSION = "1.6"  # 1.1: unit, samples throughput, job (the user's own code); config/dataset optional
 # 1.2: steps[], disturbance, timing.import_time_s; 1.3: software.nvidia_driver, cuda_driver, cuda_runtime
 # 1.4: steps[].compiled_graphs, disturbance.compiled_graphs_timed; 1.5: disturbance.compiled_graphs_slow,
-# compile_explains
+# compile_explains; 1.6: config.method, params_trainable, lora (adapter runs)
 
 
 class _Strict(BaseModel):
@@ -51,9 +51,23 @@ class Software(_Strict):
     cuda_runtime: str | None = None
 
 
+class LoraInfo(_Strict):
+    """The adapters an adapter run trained (gpuscout.domain.adapters)."""
+
+    rank: int
+    alpha: int
+    dropout: float
+    target_modules: list[str]
+
+
 class TrainConfig(_Strict):
     model: str  # preset name, HF id or path
     params_total: int
+    # what trained: every weight (full), LoRA adapters on a frozen base, or QLoRA's on a 4-bit one; the trainable
+    # parameters (None in results written before methods existed: every parameter, a full fine-tune)
+    method: Literal["full", "lora", "qlora"] = "full"
+    params_trainable: int | None = None
+    lora: LoraInfo | None = None
     params_matmul: int
     num_layers: int
     num_heads: int
@@ -108,7 +122,9 @@ class Throughput(_Strict):
 
 
 class Efficiency(_Strict):
-    flops_per_token: float  # model FLOPs (PaLM convention, docs/metrics.md)
+    # model FLOPs (PaLM convention, docs/metrics.md); an adapter run's count only what it computes (no weight
+    # gradients of the frozen base), so its MFU is not the same work as a full fine-tune's
+    flops_per_token: float
     hardware_flops_per_token: float
     t_eff: float  # effective attention context used in flops_per_token
     mfu: float | None = None  # fraction; None on CPU or an unknown SKU

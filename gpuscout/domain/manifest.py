@@ -74,6 +74,7 @@ class Manifest(StrictModel):
                     f"({arch.max_position_embeddings})",
                 )
             )
+        problems += self._variant_target_problems()
         if self.objective == "cheapest_within_deadline" and self.constraints.deadline_hours is None:
             problems.append(Problem("constraints.deadline_hours", f"objective {self.objective} needs deadline_hours"))
         if self.tokenizer.kind == "bpe" and self.model is not None and self.model.preset is None:
@@ -95,7 +96,7 @@ class Manifest(StrictModel):
                 continue
             world = inst.gpu_count * t.instance_count
             for j, v in enumerate(self.variants):
-                if v.deepspeed_stage > 0 and world < 2:
+                if v.deepspeed_stage > 0 and world < 2 and v.runs_on(t.instance_type):
                     problems.append(
                         Problem(
                             f"variants[{j}].deepspeed_stage",
@@ -106,6 +107,17 @@ class Manifest(StrictModel):
         if problems:
             raise ManifestProblemsError(problems)
         return self
+
+    def _variant_target_problems(self) -> list[Problem]:
+        """A variant's ``instance_types`` name targets, and a variant runs on at least one."""
+        targets = {t.instance_type for t in self.targets}
+        names = ", ".join(sorted(targets))
+        return [
+            Problem(f"variants[{j}].instance_types[{k}]", f"{name} is not a target; targets: {names}")
+            for j, v in enumerate(self.variants)
+            for k, name in enumerate(v.instance_types or [])
+            if name not in targets
+        ]
 
     def _search_problems(self) -> list[Problem]:
         search = self.search
@@ -120,6 +132,9 @@ class Manifest(StrictModel):
             )
         if self.repetitions != 1:
             problems.append(Problem("repetitions", "a search runs each candidate once (repetitions: 1)"))
+        if self.variants and self.variants[0].instance_types is not None:
+            problems.append(Problem("variants[0].instance_types", "a search varies its base on every target; list "
+                                    "only the targets to search"))  # fmt: skip
         targets = {t.instance_type for t in self.targets}
         for key in search.by_instance_type:
             if key not in targets:

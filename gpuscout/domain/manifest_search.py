@@ -21,6 +21,8 @@ SEARCH_DIMENSIONS = (
     "attention",
     "fused_cross_entropy",
     "dataloader_workers",
+    "method",
+    "lora_rank",
 )
 
 
@@ -35,6 +37,9 @@ class SearchSpace(StrictModel):
     attention: list[Literal["sdpa", "eager", "flex"]] | None = Field(default=None, min_length=1)
     fused_cross_entropy: list[bool] | None = Field(default=None, min_length=1)
     dataloader_workers: list[Annotated[int, Field(ge=0, le=64)]] | None = Field(default=None, min_length=1)
+    # full | lora | qlora, and the adapters' ranks (a full candidate has none; the base's lora knobs otherwise)
+    method: list[Literal["full", "lora", "qlora"]] | None = Field(default=None, min_length=1)
+    lora_rank: list[Annotated[int, Field(ge=1, le=1024)]] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _distinct(self) -> SearchSpace:

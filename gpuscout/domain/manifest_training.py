@@ -1,7 +1,7 @@
 """The manifest sections that say what is trained and how: the model, tokenizer and dataset, the training budget and
 stop rule, a job section (the user's own code and its estimate), and the variants (the settings compared).
 
-May import: gpuscout.domain's catalog, models and manifest_fields, pydantic."""
+May import: gpuscout.domain's adapters, catalog, models and manifest_fields, pydantic."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from gpuscout.domain.adapters import (
+    DEFAULT_ALPHA,
+    DEFAULT_DROPOUT,
+    DEFAULT_RANK,
+    DEFAULT_TARGET_MODULES,
+    Adapter,
+    LinearModule,
+    Method,
+)
 from gpuscout.domain.manifest_fields import CONTROL_RE, S3_URI_RE, Slug, StrictModel
 from gpuscout.domain.models import HF_ID_TO_PRESET, PRESETS, Architecture
 
@@ -275,6 +284,23 @@ def _check_hp_keys(v: dict[str, HyperparameterValue]) -> dict[str, Hyperparamete
     return v
 
 
+class LoraSpec(StrictModel):
+    """A LoRA adapter's knobs (peft's names): rank, alpha (the update is scaled by alpha / rank), dropout on the
+    adapters' input, and which linear layers of every decoder block carry one (default: all seven)."""
+
+    rank: int = Field(default=DEFAULT_RANK, ge=1, le=1024)
+    alpha: int = Field(default=DEFAULT_ALPHA, ge=1, le=65536)
+    dropout: float = Field(default=DEFAULT_DROPOUT, ge=0.0, lt=1.0)
+    target_modules: list[LinearModule] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES), min_length=1)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _unique(cls, v: list[LinearModule]) -> list[LinearModule]:
+        if len(set(v)) != len(v):
+            raise ValueError("each module once")
+        return v
+
+
 class Variant(StrictModel):
     name: Slug
     hyperparameters: dict[str, HyperparameterValue] = Field(default_factory=dict)  # job section only
@@ -293,6 +319,13 @@ class Variant(StrictModel):
     # train.py's host memory allocator: "training" keeps freed memory for the next step, "system" leaves malloc as
     # the environment set it (training/gpuscout_train/host_allocator.py, docs/metrics.md "Host allocator")
     host_allocator: Literal["training", "system"] = "training"
+    # What trains (docs/manifest.md "Methods"): every weight (full), LoRA adapters on a frozen base (lora), or the
+    # adapters on a 4-bit base (qlora, CUDA only); ``lora`` holds the adapters' knobs (defaults when omitted).
+    method: Method = "full"
+    lora: LoraSpec | None = None
+    # the targets (by instance type) this variant runs on; None = every target (a 7B LoRA on one L40S beside a full
+    # fine-tune on a P5, without the full fine-tune planned on the L40S too)
+    instance_types: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(default=None, min_length=1)
 
     @field_validator("hyperparameters")
     @classmethod
@@ -305,3 +338,24 @@ class Variant(StrictModel):
             raise ValueError(f"cross_entropy_kernel: {self.cross_entropy_kernel} chooses a fused loss; it needs "
                              "fused_cross_entropy: true")  # fmt: skip
         return self
+
+    @model_validator(mode="after")
+    def _adapter_settings(self) -> Variant:
+        if self.method == "full" and self.lora is not None:
+            raise ValueError("lora: adapter settings need method lora or qlora (method is full)")
+        if self.method != "full" and self.deepspeed_stage:
+            raise ValueError(f"method {self.method} trains only the adapters, which ZeRO does not need to shard; "
+                             "use deepspeed_stage 0 (one GPU, or data parallel across several)")  # fmt: skip
+        return self
+
+    def runs_on(self, instance_type: str) -> bool:
+        """Whether this variant is planned on a target of ``instance_type`` (``instance_types``)."""
+        return self.instance_types is None or instance_type in self.instance_types
+
+    def adapter(self) -> Adapter | None:
+        """The adapter this variant trains, or None for full fine-tuning."""
+        if self.method == "full":
+            return None
+        spec = self.lora or LoraSpec()
+        return Adapter(method=self.method, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
+                       target_modules=tuple(spec.target_modules))  # fmt: skip

@@ -102,6 +102,14 @@ Objective = Literal["cheapest_per_token", "fastest", "cheapest_within_deadline",
 OBJECTIVES: tuple[str, ...] = ("cheapest_per_token", "fastest", "cheapest_within_deadline", "fastest_within_budget")
 
 
+def _count(n: int) -> str:
+    """12,345 -> 12.3k; 1,234,567 -> 1.23M; 7,615,616,512 -> 7.62B."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.3g}{suffix}"
+    return str(n)
+
+
 class JobAnalysis(BaseModel):
     """One target x variant: its repetitions aggregated. Dollar fields are None until priced."""
 
@@ -151,6 +159,12 @@ class JobAnalysis(BaseModel):
     undisturbed_factor: float | None = None
     kernel_note: str | None = None  # the kernel took a large share of the step time (a steady cost, not a disturbance)
     host_allocator: str | None = None  # train.py's host memory allocator (benchmark.json software.host_allocator)
+    # what trained (benchmark.json config): full, lora or qlora; the adapters ("LoRA r=16"); trainable and all
+    # parameters (None for a job section's job, which reports no model)
+    method: Literal["full", "lora", "qlora"] = "full"
+    adapter: str | None = None
+    params_trainable: int | None = None
+    params_total: int | None = None
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
     hfu: float | None = None
@@ -230,6 +244,17 @@ class JobAnalysis(BaseModel):
         notes = (self.contention_note, self.disturbance_note, self.kernel_note, self.validation_note)
         flags += [note for note in notes if note]
         return "; ".join(flags)
+
+    @property
+    def trains_text(self) -> str:
+        """``LoRA r=16: 37.4k of 1.2M parameters (3.1 %)``, ``full: 1.2M parameters``; empty without a count."""
+        if not self.params_total:
+            return ""
+        total = _count(self.params_total)
+        if self.method == "full" or not self.params_trainable:
+            return f"full: {total} parameters"
+        share = self.params_trainable / self.params_total
+        return f"{self.adapter or self.method}: {_count(self.params_trainable)} of {total} parameters ({share:.1%})"
 
     @property
     def label(self) -> str:

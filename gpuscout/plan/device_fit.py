@@ -3,13 +3,19 @@ search's skipped candidates and `gpuscout validate`'s check of a `local` target 
 
 from __future__ import annotations
 
+from gpuscout.domain.adapters import QLORA_ON_CPU
+
 # PyTorch's FlexAttention runs forward on a CPU, but with inputs that need gradients it refuses ("FlexAttention does
 # not support backward on CPU"); tests/training/test_device_fit.py holds the installed torch to that.
 FLEX_ON_CPU = "attention flex has no backward pass on a CPU (PyTorch's FlexAttention); use attention sdpa or eager"
 
 
-def device_refusal(*, deepspeed_stage: int, attention: str, device: str, world: int) -> str | None:
+def device_refusal(
+    *, deepspeed_stage: int, attention: str, device: str, world: int, method: str = "full"
+) -> str | None:
     """Why a variant with these settings cannot train on ``device`` with ``world`` GPUs in all, or None."""
+    if method == "qlora" and device == "cpu":
+        return QLORA_ON_CPU
     if deepspeed_stage and (device == "cpu" or world < 2):
         where = "on a CPU" if device == "cpu" else "with one GPU"
         return f"ZeRO stage {deepspeed_stage} shards across GPUs, not {where}; use deepspeed_stage 0"

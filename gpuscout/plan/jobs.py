@@ -228,6 +228,16 @@ def hyperparameters(
     )
     if t.stop_rule.min_timed_seconds is not None:
         hp["min_timed_seconds"] = repr(t.stop_rule.min_timed_seconds)
+    if (adapter := variant.adapter()) is not None:
+        hp.update(
+            {
+                "method": adapter.method,
+                "lora_rank": str(adapter.rank),
+                "lora_alpha": str(adapter.alpha),
+                "lora_dropout": repr(adapter.dropout),
+                "lora_target_modules": ",".join(adapter.target_modules),
+            }
+        )
     if variant.cross_entropy_kernel != "auto":
         hp["cross_entropy_kernel"] = variant.cross_entropy_kernel
     if t.warmup_steps is not None:

@@ -122,6 +122,7 @@ def step_settings(variant: Variant, *, precision: str, accumulation: int | None 
         cross_entropy_kernel="chunked" if kernel == "auto" else kernel,
         torch_compile=variant.torch_compile,
         gradient_accumulation_steps=accumulation or variant.gradient_accumulation_steps or 2,
+        adapter=variant.adapter(),
     )
 
 
@@ -190,8 +191,10 @@ def what_fits(
         changes.append(("gradient_checkpointing: true", {"gradient_checkpointing": True}))
     if not variant.fused_cross_entropy:
         changes.append(("fused_cross_entropy: true", {"fused_cross_entropy": True}))
-    if device == "cuda" and world > 1 and variant.deepspeed_stage != 3:
+    if device == "cuda" and world > 1 and variant.deepspeed_stage != 3 and variant.method == "full":
         changes.append(("deepspeed_stage: 3", {"deepspeed_stage": 3}))
+    if device == "cuda" and variant.method == "lora":  # the same adapters on a 4-bit base
+        changes.append(("method: qlora", {"method": "qlora"}))
     for text, change in changes:
         if fits(variant.model_copy(update=change), batch):
             out.append(text)
@@ -233,8 +236,14 @@ def local_refusals(manifest: Manifest, catalog: Catalog, hw: LocalHardware) -> l
             continue
         world = max(hw.gpu_count if hw.device == "cuda" else 0, 1) * target.instance_count
         for vi, variant in enumerate(manifest.variants):
+            if not variant.runs_on(target.instance_type):
+                continue
             refusal = device_refusal(
-                deepspeed_stage=variant.deepspeed_stage, attention=variant.attention, device=hw.device, world=world
+                deepspeed_stage=variant.deepspeed_stage,
+                attention=variant.attention,
+                device=hw.device,
+                world=world,
+                method=variant.method,
             )
             if refusal is not None:
                 problems.append(Problem(f"variants[{vi}]", f"{variant.name!r} on targets[{ti}] local: {refusal}"))
@@ -267,8 +276,11 @@ def predict_tokens_per_s(
     instance_count: int,
     device: str,
 ) -> tuple[float, float | None, str]:
-    model_flops = model_flops_per_token(arch, float(seq))
-    hw_flops = hardware_flops_per_token(arch, float(seq), activation_recompute=variant.gradient_checkpointing)
+    adapter = variant.adapter()  # an adapter run computes fewer FLOPs per token (no frozen weight gradients)
+    model_flops = model_flops_per_token(arch, float(seq), adapter=adapter)
+    hw_flops = hardware_flops_per_token(
+        arch, float(seq), activation_recompute=variant.gradient_checkpointing, adapter=adapter
+    )
     peak_tflops = sku.peak_for(precision) if sku else None
     if sku is not None and sku.assumed_mfu is not None and peak_tflops:
         util = sku.assumed_mfu
@@ -284,8 +296,10 @@ def predict_tokens_per_s(
         method = (
             f"FLOPs model: {'; '.join(factors)}; {gpus_total} GPU x {peak_tflops:g} TFLOPS dense {precision}; "
             f"{hw_flops / 1e9:.3g} GFLOP/token (T_eff={seq}"
-            f"{', recompute' if variant.gradient_checkpointing else ''})"
+            f"{', recompute' if variant.gradient_checkpointing else ''}{f', {adapter.label}' if adapter else ''})"
         )
+        if adapter is not None and adapter.method == "qlora":
+            method += "; QLoRA's 4-bit dequantization is not modelled: an optimistic prediction"
         return tokens_per_s, predicted_mfu, method
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision] if device != "cpu" else "float32"
     achieved = measure_matmul_flops(device, dtype)
@@ -439,10 +453,16 @@ def plan(
             variants = found[0]
             target_searches.append(found[1])
         for vi, variant in enumerate(variants):
+            if not variant.runs_on(target.instance_type):
+                continue
             batch = variant.per_device_batch_size or (defaults.per_device_batch_size if defaults else 1)
             accum = variant.gradient_accumulation_steps or (defaults.gradient_accumulation_steps if defaults else 1)
             refusal = device_refusal(
-                deepspeed_stage=variant.deepspeed_stage, attention=variant.attention, device=device, world=world
+                deepspeed_stage=variant.deepspeed_stage,
+                attention=variant.attention,
+                device=device,
+                world=world,
+                method=variant.method,
             )
             if refusal is not None:
                 refusals.append(f"{where}, variant {variant.name!r}: {refusal}")

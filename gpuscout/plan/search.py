@@ -14,7 +14,7 @@ from gpuscout.domain.candidates import candidate_name
 from gpuscout.domain.manifest import Manifest
 from gpuscout.domain.manifest_search import SEARCH_DIMENSIONS, SearchSpace
 from gpuscout.domain.manifest_targets import Target
-from gpuscout.domain.manifest_training import Variant
+from gpuscout.domain.manifest_training import LoraSpec, Variant
 from gpuscout.domain.search_plan import SearchPlan, SkippedCandidate
 from gpuscout.plan.device_fit import device_refusal
 
@@ -31,10 +31,20 @@ def dimensions(space: SearchSpace, base: Variant, *, default_batch: int) -> dict
     for name in SEARCH_DIMENSIONS:
         values = getattr(space, name)
         if values is None:
-            value = getattr(base, name)
+            value = (base.lora or LoraSpec()).rank if name == "lora_rank" else getattr(base, name)
             values = [default_batch if name == "per_device_batch_size" and value is None else value]
         out[name] = list(values)
     return out
+
+
+def adapter_update(base: Variant, settings: dict[str, Any]) -> dict[str, Any]:
+    """A candidate's settings as Variant fields: the searched rank replaces the base's (its other lora knobs kept);
+    a full candidate has no adapters."""
+    update = {k: v for k, v in settings.items() if k != "lora_rank"}
+    update["lora"] = None
+    if settings["method"] != "full":
+        update["lora"] = (base.lora or LoraSpec()).model_copy(update={"rank": settings["lora_rank"]})
+    return update
 
 
 def expand(
@@ -61,6 +71,10 @@ def expand(
     keep, skipped = [], []
     for values in itertools.product(*dims.values()):
         settings = dict(zip(dims, values, strict=True))
+        if settings["method"] == "full":  # no adapters, no rank: one full candidate, not one per rank
+            if settings["lora_rank"] != dims["lora_rank"][0]:
+                continue
+            del settings["lora_rank"]
         micro = settings["per_device_batch_size"]
         accumulation = per_step // micro if per_step % micro == 0 else 0
         name = candidate_name(settings, max(accumulation, 1))
@@ -69,12 +83,21 @@ def expand(
             skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
             continue
         refusal = device_refusal(
-            deepspeed_stage=settings["deepspeed_stage"], attention=settings["attention"], device=device, world=world
+            deepspeed_stage=settings["deepspeed_stage"],
+            attention=settings["attention"],
+            device=device,
+            world=world,
+            method=settings["method"],
         )
         if refusal is not None:
             skipped.append(SkippedCandidate(name=name, settings=settings, reason=refusal))
             continue
-        variant = base.model_copy(update={**settings, "name": name, "gradient_accumulation_steps": accumulation})
+        if settings["method"] != "full" and settings["deepspeed_stage"]:
+            why = f"method {settings['method']} trains only the adapters, with deepspeed_stage 0"
+            skipped.append(SkippedCandidate(name=name, settings=settings, reason=why))
+            continue
+        variant = base.model_copy(update={**adapter_update(base, settings), "name": name,
+                                          "gradient_accumulation_steps": accumulation})  # fmt: skip
         if capacity_gb is not None:
             need = need_gb(variant, micro)
             if need > usable_fraction * capacity_gb:

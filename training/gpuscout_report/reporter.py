@@ -19,7 +19,7 @@ from gpuscout_train.nvidia_versions import nvidia_versions
 from gpuscout.domain.disturbance import detect
 from gpuscout.domain.metric_lines import format_metric_line
 
-SCHEMA_VERSION = "1.5"
+SCHEMA_VERSION = "1.6"
 
 
 def _env_int(name: str, default: int | None) -> int | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuscout.domain.adapters import DEFAULT_ALPHA, DEFAULT_DROPOUT, DEFAULT_RANK, DEFAULT_TARGET_MODULES, Adapter
 from gpuscout.domain.candidates import parse_candidate_name
 from gpuscout.domain.models import PRESETS
 from gpuscout.errors import TrainingError
@@ -29,6 +30,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "cross_entropy_kernel": ("auto", "chunked", "liger", "torch"),
     "host_allocator": ("training", "system"),
     "stop_rule": ("fixed", "steady_state"),
+    "method": ("full", "lora", "qlora"),
 }
 
 
@@ -60,6 +62,12 @@ class Hyperparameters:
     cross_entropy_kernel: str = "auto"
     fused_adamw: bool = False
     host_allocator: str = "training"  # training | system (host_allocator.py)
+    # full | lora | qlora, and the adapters' knobs (adapters.py; gpuscout.domain.adapters has the defaults)
+    method: str = "full"
+    lora_rank: int = DEFAULT_RANK
+    lora_alpha: int = DEFAULT_ALPHA
+    lora_dropout: float = DEFAULT_DROPOUT
+    lora_target_modules: str = ",".join(DEFAULT_TARGET_MODULES)
     stop_rule: str = "fixed"  # fixed | steady_state
     ci_tolerance: float = 0.02  # fraction of the mean
     min_timed_steps: int = 10
@@ -88,6 +96,7 @@ class Hyperparameters:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {', '.join(map(str, allowed))}")
+        problems += self._adapter_problems()
         if self.cross_entropy_kernel != "auto" and not self.fused_cross_entropy:
             problems.append(f"cross_entropy_kernel {self.cross_entropy_kernel} needs fused_cross_entropy true")
         if not 0 < self.ci_tolerance < 1:
@@ -106,6 +115,28 @@ class Hyperparameters:
             problems.append("price_per_hour_usd must not be negative and objective_min_timed_steps must be at least 1")
         if problems:
             raise TrainingError("invalid hyperparameters: " + "; ".join(problems))
+
+    def _adapter_problems(self) -> list[str]:
+        if self.method == "full":
+            return []
+        problems = []
+        try:
+            self.adapter()
+        except ValueError as err:
+            problems.append(f"lora: {err}")
+        if self.deepspeed_stage:
+            problems.append(f"method {self.method} runs with deepspeed_stage 0 (only the adapters train)")
+        if not 0 <= self.lora_dropout < 1 or self.lora_alpha <= 0:
+            problems.append("lora_dropout is a fraction in [0, 1) and lora_alpha is positive")
+        return problems
+
+    def adapter(self) -> Adapter | None:
+        """The adapter ``method`` trains, or None for full fine-tuning (ValueError for unknown target modules)."""
+        if self.method == "full":
+            return None
+        modules = tuple(m.strip() for m in self.lora_target_modules.split(",") if m.strip())
+        return Adapter(method="qlora" if self.method == "qlora" else "lora", rank=self.lora_rank,
+                       alpha=self.lora_alpha, dropout=self.lora_dropout, target_modules=modules)  # fmt: skip
 
 
 def _convert(name: str, kind: Any, raw: Any) -> Any:
@@ -177,6 +208,8 @@ CANDIDATE_HYPERPARAMETERS = {
     "attention": "attention_implementation",
     "fused_cross_entropy": "fused_cross_entropy",
     "dataloader_workers": "dataloader_num_workers",
+    "method": "method",
+    "lora_rank": "lora_rank",
 }
 
 

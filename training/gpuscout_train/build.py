@@ -15,8 +15,10 @@ import torch
 from gpuscout_data.dataset import load_split, load_summary, piece_lengths
 
 from gpuscout.domain import flops
+from gpuscout.domain.adapters import QLORA_ON_CPU
 from gpuscout.errors import TrainingError
 
+from .adapters import add_adapters, qlora_load, trainable_parameters
 from .args import Hyperparameters
 from .data import Blocks, StepBatches, collate, split_blocks
 from .distributed import Dist
@@ -56,9 +58,25 @@ def warmup_steps(hp: Hyperparameters) -> int:
 def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> CausalLMWithLoss:
     """The causal LM (preset, path, channel or S3) with its loss, gradient checkpointing and compilation as asked."""
     assert facts.summary is not None
+    quantized = None
+    if hp.method == "qlora":
+        if dist.device.type != "cuda":
+            raise TrainingError(QLORA_ON_CPU)
+        quantized = qlora_load({"fp16": torch.float16, "fp32": torch.float32}.get(facts.precision, torch.bfloat16),
+                               dist.device)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
-        lm, facts.arch, facts.model_name = build_model(hp, facts.summary, Path(work))
+        lm, facts.arch, facts.model_name = build_model(hp, facts.summary, Path(work), quantized=quantized)
     facts.params_total = sum(p.numel() for p in lm.parameters())
+    adapter = hp.adapter()
+    if adapter is not None:
+        # the frozen base at its storage precision: the compute dtype on CUDA, fp32 where train.py computes in fp32
+        half = dist.device.type == "cuda" and facts.precision in ("bf16", "fp16")
+        frozen = {"bf16": torch.bfloat16, "fp16": torch.float16}[facts.precision] if half else None
+        facts.adapter_model = add_adapters(lm, adapter, frozen_dtype=frozen)
+        facts.params_trainable = sum(p.numel() for p in trainable_parameters(lm))
+        facts.optimizations.append(f"{adapter.method}_r{adapter.rank}")
+    else:
+        facts.params_trainable = facts.params_total
     if hp.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         facts.optimizations.append("gradient_checkpointing")
@@ -72,7 +90,9 @@ def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> C
         except ValueError as err:
             raise TrainingError(str(err)) from err
         facts.optimizations.append(f"{loss_kind}_cross_entropy")
-    model = CausalLMWithLoss(lm, loss=loss_kind).to(dist.device)
+    model = CausalLMWithLoss(lm, loss=loss_kind)
+    if hp.method != "qlora":  # a 4-bit model is placed on its GPU as it loads (model.py)
+        model = model.to(dist.device)
     if hp.torch_compile:
         model.compile()
         facts.optimizations.append("torch_compile")
@@ -82,10 +102,12 @@ def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> C
 def build_optimizer(
     model: CausalLMWithLoss, hp: Hyperparameters, dist: Dist, facts: RunFacts, warmup: int
 ) -> tuple[Any, Any]:
-    """AdamW (no weight decay on biases and norms) and a linear learning-rate warm-up over the warm-up steps."""
+    """AdamW over the trainable parameters (every one, or an adapter run's adapters; no weight decay on biases and
+    norms) and a linear learning-rate warm-up over the warm-up steps."""
     cuda = dist.device.type == "cuda"
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trained = trainable_parameters(model)
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     adam_kwargs: dict[str, Any] = {"lr": hp.learning_rate, "betas": (0.9, 0.95), "eps": 1e-8}
     if hp.fused_adamw:
         adam_kwargs["fused" if cuda else "foreach"] = True

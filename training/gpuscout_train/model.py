@@ -103,8 +103,12 @@ def _fetch_canary_model(source: str, layers: int, folder: Path) -> str:
     return str(fetched.directory)
 
 
-def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> tuple[Any, Architecture, str]:
-    """The causal LM (fp32 master weights), its architecture and the name benchmark.json reports."""
+def build_model(
+    hp: Hyperparameters, summary: DatasetSummary, workdir: Path, *, quantized: Any = None
+) -> tuple[Any, Architecture, str]:
+    """The causal LM (fp32 master weights), its architecture and the name benchmark.json reports. ``quantized``:
+    QLoRA's load (adapters.qlora_load), the model placed on its GPU with its decoder linears in 4 bits: a preset's
+    random weights are saved first and loaded back quantized, as a checkpoint's are."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     attention = ATTENTION_IMPLEMENTATIONS[hp.attention_implementation]
@@ -127,7 +131,11 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
             bos_token_id=None,
         )
         config._attn_implementation = attention
-        return Qwen2ForCausalLM(config), arch, hp.model_preset
+        if quantized is None:
+            return Qwen2ForCausalLM(config), arch, hp.model_preset
+        Qwen2ForCausalLM(config).save_pretrained(workdir / "preset")
+        loaded = AutoModelForCausalLM.from_pretrained(workdir / "preset", attn_implementation=attention, **quantized)
+        return loaded, arch, hp.model_preset
     source = hp.model_name_or_path
     # an S3 model the control plane passed as the "model" channel; the image's entry point is not SageMaker's
     # training toolkit, so SM_CHANNEL_MODEL is usually unset: the channel's fixed path is the default
@@ -141,9 +149,8 @@ def build_model(hp: Hyperparameters, summary: DatasetSummary, workdir: Path) -> 
     model: Any
     try:
         layers: dict[str, Any] = {"num_hidden_layers": hp.canary_layers} if hp.canary_layers else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            source, attn_implementation=attention, dtype=torch.float32, **layers
-        )
+        load: dict[str, Any] = quantized if quantized is not None else {"dtype": torch.float32}
+        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attention, **load, **layers)
     except (OSError, ValueError) as err:
         hint = (
             " (HF_HUB_OFFLINE=1: hub models need network; use model_preset or a local path)" if _hub_offline() else ""

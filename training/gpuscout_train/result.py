@@ -14,17 +14,20 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from gpuscout_data.dataset import DatasetSummary
 
 from gpuscout.domain import flops
+from gpuscout.domain.adapters import Adapter
 from gpuscout.domain.benchmark import (
     BenchmarkResult,
     DatasetInfo,
     Disturbance,
     Efficiency,
     Hardware,
+    LoraInfo,
     Loss,
     Memory,
     Software,
@@ -63,6 +66,8 @@ class RunFacts:
     summary: DatasetSummary | None = None
     arch: Architecture | None = None
     params_total: int = 0
+    params_trainable: int = 0
+    adapter_model: Any = None  # an adapter run's peft PeftModel (what saves the adapters alone), else None
     optimizations: list[str] = field(default_factory=list)
     t_eff: float = 0.0  # effective attended context per token (documents shorter than the block attend less)
 
@@ -113,6 +118,9 @@ def train_config(facts: RunFacts) -> TrainConfig:
     return TrainConfig(
         model=facts.model_name,
         params_total=facts.params_total,
+        method=hp.method,  # args.CHOICES holds it to full | lora | qlora
+        params_trainable=facts.params_trainable or facts.params_total,
+        lora=lora_info(hp.adapter()),
         params_matmul=flops.matmul_params(arch) if arch else 0,
         num_layers=arch.num_hidden_layers if arch else 0,
         num_heads=arch.num_attention_heads if arch else 0,
@@ -132,6 +140,13 @@ def train_config(facts: RunFacts) -> TrainConfig:
         seed=hp.seed,
         optimizations=facts.optimizations,
     )
+
+
+def lora_info(adapter: Adapter | None) -> LoraInfo | None:
+    if adapter is None:
+        return None
+    return LoraInfo(rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout,
+                    target_modules=list(adapter.target_modules))  # fmt: skip
 
 
 def dataset_info(facts: RunFacts) -> DatasetInfo:
@@ -185,11 +200,12 @@ def efficiency(facts: RunFacts, tokens_per_s: float, positions_per_token: float)
     per real token in the timed steps), and the forward pass again under gradient checkpointing."""
     hp, dist = facts.hp, facts.dist
     assert facts.arch is not None
-    flops_per_token = flops.model_flops_per_token(facts.arch, facts.t_eff)
+    adapter = hp.adapter()
+    flops_per_token = flops.model_flops_per_token(facts.arch, facts.t_eff, adapter=adapter)
     packed_flex = hp.packing and hp.attention_implementation == "flex"
     executed_context = facts.t_eff if packed_flex else facts.sequence_length
     hw_flops = positions_per_token * flops.hardware_flops_per_token(
-        facts.arch, float(executed_context), activation_recompute=hp.gradient_checkpointing
+        facts.arch, float(executed_context), activation_recompute=hp.gradient_checkpointing, adapter=adapter
     )
     peak = facts.hardware.peak_tflops_per_gpu
     gpus = dist.world_size if dist.device.type == "cuda" else 0

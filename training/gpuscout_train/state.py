@@ -108,11 +108,33 @@ def training_state(progress: Progress, parts: Parts) -> dict[str, Any]:
         },
     }
     if parts.engine is None:
-        state["model"] = parts.model.state_dict()
+        state["model"] = trained_state(parts.model)
         state["optimizer"] = parts.optimizer.state_dict()
         state["scheduler"] = parts.scheduler.state_dict()
         state["scaler"] = parts.scaler.state_dict() if parts.scaler else None
     return state
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state a checkpoint keeps: all of it, or an adapter run's trained tensors only (its frozen base is
+    rebuilt as it was loaded: a 7B base is 15 GB a checkpoint need not write again)."""
+    frozen = _frozen_keys(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def _frozen_keys(model: torch.nn.Module) -> set[str]:
+    """The state-dict keys of frozen parameters, a tied head's included (named_parameters lists a tied weight once)."""
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+    return {k for k, v in model.state_dict().items() if v.data_ptr() in frozen}
+
+
+def load_trained_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """``trained_state`` back into ``model``: every key but the frozen parameters', or TrainingError."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    lost = sorted(set(missing) - _frozen_keys(model))
+    if unexpected or lost:
+        raise TrainingError(f"the checkpoint's model state does not match this model: missing {lost[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
 
 
 def load_training_state(folder: Path, parts: Parts) -> dict[str, Any]:
@@ -126,7 +148,7 @@ def load_training_state(folder: Path, parts: Parts) -> dict[str, Any]:
             if loaded is None:  # DeepSpeed warns and returns None for a missing tag folder
                 raise TrainingError(f"DeepSpeed found no checkpoint {folder.name} in {folder.parent / DEEPSPEED}")
         else:
-            parts.model.load_state_dict(state["model"])
+            load_trained_state(parts.model, state["model"])
             parts.optimizer.load_state_dict(state["optimizer"])
             parts.scheduler.load_state_dict(state["scheduler"])
             if parts.scaler is not None and state.get("scaler"):
