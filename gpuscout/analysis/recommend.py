@@ -13,6 +13,10 @@ spend at planning time; here it excludes a target whose workload costs more only
 Ties are broken deterministically: by the other metric (cheaper first for speed objectives, faster first for cost
 objectives), then instance type, instance count, variant name, spot last, and job name, all ascending.
 
+Jobs that train by different methods (full, LoRA, QLoRA) do different work per token: such a run is ranked by the
+cost (cost objectives) or time (speed objectives) to ``constraints.target_loss``, its pick is provisional at best
+(that comparison has no interval), and without a target loss there is no pick.
+
 The winner is "clear" only when its 95 % confidence interval on the objective's metric does not overlap the
 runner-up's; otherwise the summary says "No pick (no clear winner)" and names both. Every summary answers first
 ("Pick ..." or "No pick (...)"), then says what to do next; the diagnostics are the recommendation's notes.
@@ -262,9 +266,38 @@ def method_comparison(ranked: Sequence[JobAnalysis]) -> str | None:
         best = min(reached, key=lambda j: (j.target_loss_usd or 0.0, j.job_name))
         hours = best.target_loss_hours
         when = f" in {duration_text(hours)}" if hours is not None else ""
+        how = "" if best.target_loss_method == "measured" else f" ({best.target_loss_method or 'projected'})"
         parts.append(f"{best.adapter or method} on {best.label} reaches it for {usd_text(best.target_loss_usd or 0.0)}"
-                     f"{when}")  # fmt: skip
+                     f"{when}{how}")  # fmt: skip
     return f"At equal quality (loss {target:g}, training only): " + "; ".join(parts) + "."
+
+
+def _to_target(job: JobAnalysis, objective: str) -> float:
+    """What reaching the target loss takes: dollars under a cost objective, hours under a speed one (inf: unknown)."""
+    value = job.target_loss_usd if objective in COST_OBJECTIVES else job.target_loss_hours
+    return value if value is not None else float("inf")
+
+
+def across_methods(ranked: Sequence[JobAnalysis], objective: str, comparison: str) -> Recommendation:
+    """The recommendation of a run whose jobs train by different methods, ranked (``decide``) by the time or cost to
+    the target loss: never a clear winner (that comparison has no interval), and no pick without a target loss."""
+    best = ranked[0]
+    base = dict(job_name=best.job_name, instance_type=best.instance_type, instance_count=best.instance_count,
+                variant_name=best.variant_name)  # fmt: skip
+    if best.target_loss is None or math.isinf(_to_target(best, objective)):
+        return Recommendation(
+            **base, summary=f"No pick (methods differ): {comparison}", notes=[comparison], verdict="cannot_tell"
+        )
+    reach = "cheapest" if objective in COST_OBJECTIVES else "fastest"
+    return Recommendation(
+        **base,
+        summary=f"Pick {best.label} (provisional: the {reach} to the target loss; methods compare there, with no "
+        f"confidence interval): {comparison} Next: repeat the run to see the spread, and compare the validation "
+        "losses (training.eval_interval).",
+        notes=[comparison],
+        runner_up_job_name=ranked[1].job_name if len(ranked) > 1 else None,
+        verdict="provisional",
+    )
 
 
 def _could_lead(job: JobAnalysis, best: JobAnalysis, objective: str) -> bool:
@@ -411,7 +444,8 @@ def decide(
             eligible.append(job)
         else:
             excluded.append(job.model_copy(update={"excluded_reason": reason, "rank": None}))
-    eligible.sort(key=lambda j: sort_key(j, objective))
+    mixed = len({j.method for j in eligible}) > 1  # methods compare at the target loss, not per token
+    eligible.sort(key=lambda j: ((_to_target(j, objective),) if mixed else ()) + sort_key(j, objective))
     excluded.sort(key=lambda j: (j.instance_type, j.instance_count, j.variant_name, j.spot, j.job_name))
     front = pareto_front(eligible + excluded)
     ranked = [
@@ -428,12 +462,10 @@ def decide(
         )
         for j in excluded
     ]
-    recommendation = recommend(ranked, objective, search=search)
-    if (methods := method_comparison(ranked)) is not None:
-        recommendation = recommendation.model_copy(
-            update={"summary": f"{recommendation.summary} {methods}", "notes": [*recommendation.notes, methods]}
-        )
-    return ranked + excluded, recommendation, exclusions
+    comparison = method_comparison(ranked)
+    if comparison is not None:
+        return ranked + excluded, across_methods(ranked, objective, comparison), exclusions
+    return ranked + excluded, recommend(ranked, objective, search=search), exclusions
 
 
 def with_incomplete(recommendation: Recommendation, incomplete: str | None) -> Recommendation:

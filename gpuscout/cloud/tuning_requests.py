@@ -55,8 +55,13 @@ CANDIDATE_KEYS = frozenset(
         "attention_implementation",
         "fused_cross_entropy",
         "dataloader_num_workers",
+        "method",
+        "lora_rank",
     }
 )
+# The adapters' other knobs: the base variant's for every adapter candidate, absent from a full one (train.py reads
+# them only with method lora or qlora), so shared by the candidates that have them.
+ADAPTER_KEYS = frozenset({"lora_alpha", "lora_dropout", "lora_target_modules"})
 TUNING_JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,31}$")  # HyperParameterTuningJobName (1-32)
 
 
@@ -126,10 +131,16 @@ def objective_price_per_hour(spec: JobSpec) -> float:
 def static_hyperparameters(specs: Sequence[JobSpec], where: str) -> dict[str, str]:
     """The hyperparameters every candidate shares; raises TuningRequestError when one that a candidate's name does
     not set differs between them (train.py could not tell the trials apart)."""
-    first = specs[0].hyperparameters
-    keys = set().union(*(s.hyperparameters for s in specs))
-    common = {k: v for k, v in first.items() if all(s.hyperparameters.get(k) == v for s in specs)}
-    differing = sorted(keys - set(common) - CANDIDATE_KEYS)
+    values: dict[str, set[str]] = {}
+    for spec in specs:
+        for key, value in spec.hyperparameters.items():
+            values.setdefault(key, set()).add(value)
+    common = {
+        key: next(iter(seen))
+        for key, seen in values.items()
+        if len(seen) == 1 and (key in ADAPTER_KEYS or all(key in s.hyperparameters for s in specs))
+    }
+    differing = sorted(set(values) - set(common) - CANDIDATE_KEYS)
     if differing:
         raise TuningRequestError(
             f"search: {where}: the candidates differ in {', '.join(differing)}, which a candidate's name does not "

@@ -112,7 +112,12 @@ class Manifest(StrictModel):
         """A variant's ``instance_types`` name targets, and a variant runs on at least one."""
         targets = {t.instance_type for t in self.targets}
         names = ", ".join(sorted(targets))
-        return [
+        idle = [
+            Problem(f"targets[{i}]", f"no variant runs on {t.instance_type} (no variant's instance_types name it)")
+            for i, t in enumerate(self.targets)
+            if self.variants and not any(v.runs_on(t.instance_type) for v in self.variants)
+        ]
+        return idle + [
             Problem(f"variants[{j}].instance_types[{k}]", f"{name} is not a target; targets: {names}")
             for j, v in enumerate(self.variants)
             for k, name in enumerate(v.instance_types or [])
@@ -132,6 +137,13 @@ class Manifest(StrictModel):
             )
         if self.repetitions != 1:
             problems.append(Problem("repetitions", "a search runs each candidate once (repetitions: 1)"))
+        quality = [n for n in ("method", "lora_rank") if len(getattr(search.space, n) or []) > 1 or any(
+            len(getattr(space, n) or []) > 1 for space in search.by_instance_type.values())]  # fmt: skip
+        if quality and (self.constraints.target_loss is None or search.pruning.enabled):
+            problems.append(Problem(f"search.space.{quality[0]}", (
+                "methods and ranks differ in what a token of training does to the loss, not only in speed: a search "
+                "over them needs constraints.target_loss (each candidate is compared by the time and cost to that "
+                "loss) and search.pruning.enabled: false (the pruner compares $ per token)")))  # fmt: skip
         if self.variants and self.variants[0].instance_types is not None:
             problems.append(Problem("variants[0].instance_types", "a search varies its base on every target; list "
                                     "only the targets to search"))  # fmt: skip
@@ -185,6 +197,15 @@ class Manifest(StrictModel):
         for i, v in enumerate(self.variants):
             if v.hyperparameters:
                 problems.append(Problem(f"variants[{i}].hyperparameters", "only used with a job section"))
+        preset = self.model is not None and self.model.preset is not None
+        searched = self.search is not None and "qlora" in (self.search.space.method or [])
+        quantized = [f"variants[{i}].method" for i, v in enumerate(self.variants) if v.method == "qlora"]
+        why = "qlora quantizes pretrained weights: give model.hf_id or model.path (a preset is random weights)"
+        problems += [Problem(path, why) for path in quantized + (["search.space.method"] if searched else []) if preset]
+        for i, v in enumerate(self.variants):
+            if v.method == "qlora" and v.torch_compile:
+                problems.append(Problem(f"variants[{i}].torch_compile", "not with method qlora: bitsandbytes' 4-bit "
+                                        "layers are not measured under torch.compile"))  # fmt: skip
         return problems
 
     def _job_problems(self) -> list[Problem]:

@@ -323,6 +323,9 @@ class Variant(StrictModel):
     # adapters on a 4-bit base (qlora, CUDA only); ``lora`` holds the adapters' knobs (defaults when omitted).
     method: Method = "full"
     lora: LoraSpec | None = None
+    # this variant's learning rate (None = training.learning_rate): adapters usually train at a rate about ten times a
+    # full fine-tune's, and comparing methods at equal quality needs each at its own
+    learning_rate: float | None = Field(default=None, gt=0.0, le=1.0)
     # the targets (by instance type) this variant runs on; None = every target (a 7B LoRA on one L40S beside a full
     # fine-tune on a P5, without the full fine-tune planned on the L40S too)
     instance_types: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(default=None, min_length=1)

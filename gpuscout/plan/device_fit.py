@@ -3,6 +3,8 @@ search's skipped candidates and `gpuscout validate`'s check of a `local` target 
 
 from __future__ import annotations
 
+import importlib.util
+
 from gpuscout.domain.adapters import QLORA_ON_CPU
 
 # PyTorch's FlexAttention runs forward on a CPU, but with inputs that need gradients it refuses ("FlexAttention does
@@ -11,11 +13,14 @@ FLEX_ON_CPU = "attention flex has no backward pass on a CPU (PyTorch's FlexAtten
 
 
 def device_refusal(
-    *, deepspeed_stage: int, attention: str, device: str, world: int, method: str = "full"
+    *, deepspeed_stage: int, attention: str, device: str, world: int, method: str = "full", local: bool = False
 ) -> str | None:
-    """Why a variant with these settings cannot train on ``device`` with ``world`` GPUs in all, or None."""
+    """Why a variant with these settings cannot train on ``device`` with ``world`` GPUs in all, or None; ``local``:
+    on this machine (whose libraries are the job's)."""
     if method == "qlora" and device == "cpu":
         return QLORA_ON_CPU
+    if method == "qlora" and local and importlib.util.find_spec("bitsandbytes") is None:
+        return "method qlora needs bitsandbytes, which is not installed here: pip install bitsandbytes==0.50.2"
     if deepspeed_stage and (device == "cpu" or world < 2):
         where = "on a CPU" if device == "cpu" else "with one GPU"
         return f"ZeRO stage {deepspeed_stage} shards across GPUs, not {where}; use deepspeed_stage 0"

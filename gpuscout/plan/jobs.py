@@ -204,7 +204,7 @@ def hyperparameters(
             "per_device_train_batch_size": str(batch),
             "gradient_accumulation_steps": str(accum),
             "max_steps": str(max_steps),
-            "learning_rate": repr(t.learning_rate),
+            "learning_rate": repr(variant.learning_rate or t.learning_rate),
             "weight_decay": repr(t.weight_decay),
             "seed": str(t.seed),
             "precision": precision,

@@ -365,8 +365,9 @@ def gradients_absent_at_loss(settings: StepSettings, *, world: int) -> bool:
 
 
 def frozen_weight_bytes(arch: Architecture, adapter: Adapter, *, precision: str, device: str) -> float:
-    """An adapter run's frozen base at its storage precision (gpuscout_train/adapters.py): on CUDA in the compute
-    dtype (2 bytes per weight in bf16 or fp16, 4 in fp32), QLoRA's decoder linears in 4-bit NF4 with double-quantized
+    """An adapter run's frozen base at its storage precision (gpuscout_train/build.py frozen_dtype): on CUDA in the
+    compute dtype (2 bytes per weight in bf16, 4 in fp32; LoRA under fp16 keeps an fp32 base, which autocast copies),
+    QLoRA's decoder linears in 4-bit NF4 with double-quantized
     scales (QLORA_BYTES_PER_WEIGHT) and the rest (embedding, norms, biases, lm_head) in the compute dtype; on a CPU
     in fp32, where train.py computes."""
     params = total_params(arch)
@@ -374,6 +375,8 @@ def frozen_weight_bytes(arch: Architecture, adapter: Adapter, *, precision: str,
     if adapter.method == "qlora":
         quantized = decoder_linear_params(arch)
         return QLORA_BYTES_PER_WEIGHT * quantized + compute * (params - quantized)
+    if precision == "fp16":  # LoRA under fp16 keeps its base in fp32 (an fp16 residual stream overflows in Qwen2)
+        return 4.0 * params
     return compute * params
 
 
@@ -411,6 +414,8 @@ def _adapter_estimate(
     trained = adapter_params(arch, adapter)
     layers = max(arch.num_hidden_layers, 1)
     copies = WEIGHT_COPY_BYTES_PER_PARAM * trained if autocast else 0.0  # the bf16 base needs none
+    if autocast and settings.precision == "fp16" and adapter.method == "lora":  # its fp32 base is copied too
+        copies += WEIGHT_COPY_BYTES_PER_PARAM * matmul_params(arch)
     recompute = 0.0
     if settings.gradient_checkpointing:
         # the layer's activations, its backward's activation gradients (measured per token), its adapters' weight

@@ -244,6 +244,7 @@ def local_refusals(manifest: Manifest, catalog: Catalog, hw: LocalHardware) -> l
                 device=hw.device,
                 world=world,
                 method=variant.method,
+                local=True,
             )
             if refusal is not None:
                 problems.append(Problem(f"variants[{vi}]", f"{variant.name!r} on targets[{ti}] local: {refusal}"))
@@ -463,6 +464,7 @@ def plan(
                 device=device,
                 world=world,
                 method=variant.method,
+                local=inst.is_local,
             )
             if refusal is not None:
                 refusals.append(f"{where}, variant {variant.name!r}: {refusal}")

@@ -1031,3 +1031,31 @@ def test_every_state_the_workflow_steps_name_is_in_the_synthesized_state_machine
     _walk_states(state_machine_definition(synthesized), collect)
     missing = {step: [s for s in states if s not in names] for step, states in STATES.items()}
     assert not any(missing.values()), missing
+
+
+METHODS = ONE_JOB_MANIFEST.replace(
+    "variants:\n  - name: b4\n    per_device_batch_size: 4\n",
+    "variants:\n  - name: b4\n    per_device_batch_size: 4\n  - name: lora\n    per_device_batch_size: 4\n"
+    "    method: lora\n    lora: {rank: 8, alpha: 16, target_modules: [q_proj, v_proj]}\n    learning_rate: 1.0e-3\n",
+)
+
+
+def test_each_method_reaches_its_training_job_and_canary_as_hyperparameters(
+    with_canary: Cloud,
+    synthesized: Synthesized,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a full and a LoRA variant (two configurations) on a GPU target, When the run executes
+    run = _execute_live(with_canary, synthesized, monkeypatch, METHODS, name="methods")
+    assert run.described["status"] == "SUCCEEDED", json.dumps(run.events[-3:], default=str)[-3000:]
+    # Then every job and its canary carry the method and the adapters' knobs train.py reads (the full one none)
+    for name in _training_jobs(with_canary):
+        hp = with_canary.sagemaker.describe_training_job(TrainingJobName=name)["HyperParameters"]
+        methods = {k: v for k, v in hp.items() if k.startswith(("method", "lora_"))}
+        if hp["learning_rate"] != "0.001":
+            assert methods == {}, name
+        else:
+            assert methods == {"method": "lora", "lora_rank": "8", "lora_alpha": "16", "lora_dropout": "0.0",
+                               "lora_target_modules": "q_proj,v_proj"}, name  # fmt: skip
+    names = _training_jobs(with_canary)
+    assert len([n for n in names if "-canary" in n]) == 2 and len(names) == 4

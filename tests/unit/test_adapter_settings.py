@@ -32,6 +32,12 @@ def _quickstart(variants: list[dict[str, Any]], **over: Any) -> dict[str, Any]:
     return data
 
 
+def _pretrained(variants: list[dict[str, Any]]) -> dict[str, Any]:
+    """The quickstart from a pretrained model's folder (QLoRA quantizes pretrained weights, not a preset's)."""
+    return _quickstart(variants, model={"path": "models/tiny", "architecture": "qwen2-tiny"},
+                       tokenizer={"kind": "hf", "path": "models/tiny"})  # fmt: skip
+
+
 def _problems(data: dict[str, Any]) -> str:
     with pytest.raises(ManifestError) as err:
         parse_manifest(yaml.safe_dump(data), "m.yaml")
@@ -67,7 +73,7 @@ def test_qlora_is_refused_on_a_cpu_by_validate_and_plan() -> None:
     assert device_refusal(deepspeed_stage=0, attention="sdpa", device="cpu", world=1, method="qlora") == QLORA_ON_CPU
     assert device_refusal(deepspeed_stage=0, attention="sdpa", device="cuda", world=1, method="qlora") is None
     manifest = parse_manifest(
-        yaml.safe_dump(_quickstart([{"name": "q", "method": "qlora"}, {"name": "l", "method": "lora"}])), "m.yaml"
+        yaml.safe_dump(_pretrained([{"name": "q", "method": "qlora"}, {"name": "l", "method": "lora"}])), "m.yaml"
     )
     assert [(p.path, p.message) for p in local_refusals(manifest, CATALOG, CPU)] == [
         ("variants[0]", f"'q' on targets[0] local: {QLORA_ON_CPU}")
@@ -114,9 +120,14 @@ def test_a_variant_runs_only_on_its_instance_types() -> None:
 
 
 def test_a_search_tries_methods_and_ranks() -> None:
-    data = _quickstart([{"name": "base", "dataloader_workers": 0, "lora": {"rank": 4, "alpha": 8}, "method": "lora"}])
+    data = _pretrained([{"name": "base", "dataloader_workers": 0, "lora": {"rank": 4, "alpha": 8}, "method": "lora"}])
     data["search"] = {"space": {"per_device_batch_size": [4], "method": ["full", "lora", "qlora"],
                                 "lora_rank": [4, 16]}, "sequences_per_step": 4}  # fmt: skip
+    # a token of LoRA training is not a token of full training: only compared at a target loss, never pruned per token
+    assert "search.space.method: methods and ranks differ in what a token of training does" in _problems(data)
+    data["constraints"]["target_loss"] = 4.0
+    assert "and search.pruning.enabled: false" in _problems(data)
+    data["search"]["pruning"] = {"enabled": False}
     manifest = parse_manifest(yaml.safe_dump(data), "m.yaml")
     the_plan = plan(manifest, CATALOG, run_id="r", local_hardware=CPU)
     [target] = the_plan.search.targets
@@ -134,3 +145,37 @@ def test_a_search_tries_methods_and_ranks() -> None:
     assert parse_candidate_name("b4-a1-lora-r16-w0")["lora_rank"] == 16
     with pytest.raises(ValueError, match="never writes it so"):
         parse_candidate_name("b4-a1-r16-w0")  # a rank without a method
+
+
+def test_what_adapters_cannot_be_asked_for_is_refused_with_the_reason() -> None:
+    # QLoRA quantizes pretrained weights (a preset's are random) and is not measured under torch.compile
+    text = _problems(_quickstart([{"name": "q", "method": "qlora", "torch_compile": True}]))
+    assert "variants[0].method: qlora quantizes pretrained weights: give model.hf_id or model.path" in text
+    assert "variants[0].torch_compile: not with method qlora" in text
+    # a target no variant runs on
+    data = _quickstart([{"name": "l", "method": "lora", "instance_types": ["local"]}])
+    data["targets"].append({"instance_type": "ml.g6e.xlarge"})
+    assert "targets[1]: no variant runs on ml.g6e.xlarge (no variant's instance_types name it)" in _problems(data)
+
+
+def test_qlora_on_this_machines_gpu_needs_bitsandbytes_installed_here() -> None:
+    import importlib.util
+
+    refusal = device_refusal(deepspeed_stage=0, attention="sdpa", device="cuda", world=1, method="qlora", local=True)
+    if importlib.util.find_spec("bitsandbytes") is None:  # the dev environment: the training image has it
+        assert (
+            refusal == "method qlora needs bitsandbytes, which is not installed here: pip install bitsandbytes==0.50.2"
+        )
+    else:
+        assert refusal is None
+    assert device_refusal(deepspeed_stage=0, attention="sdpa", device="cuda", world=1, method="qlora") is None
+
+
+def test_lora_under_fp16_keeps_an_fp32_base_and_the_plan_counts_it() -> None:
+    from gpuscout.plan.memory import StepSettings, estimate
+
+    seven_b, adapter = PRESETS["qwen2.5-7b"], Adapter("lora")
+    bf16, fp16 = (estimate(seven_b, seq=2048, batch=1, world=1, settings=StepSettings(
+        precision=p, gradient_checkpointing=True, adapter=adapter)) for p in ("bf16", "fp16"))  # fmt: skip
+    assert fp16.frozen_weights == 2 * bf16.frozen_weights  # 4 bytes per weight, not 2
+    assert fp16.weight_copies > bf16.weight_copies  # and autocast's 16-bit copies of it

@@ -247,6 +247,42 @@ def test_candidates_that_differ_in_what_their_name_does_not_carry_are_refused() 
         static_hyperparameters([specs[0], other], "targets[0] ml.g5.12xlarge")
 
 
+METHODS_SEARCH = """
+name: qwen-methods
+model: {hf_id: Qwen/Qwen2.5-0.5B}
+tokenizer: {kind: qwen}
+dataset: {source: "bundled:hebrew-bible"}
+sequence_length: 1024
+training: {max_steps: 40, learning_rate: 2.0e-5, precision: bf16}
+targets:
+  - instance_type: ml.g5.12xlarge
+variants:
+  - {name: base, method: lora, lora: {rank: 8, alpha: 16}}
+constraints: {budget_usd: 900, target_loss: 2.0}
+search:
+  space: {per_device_batch_size: [4], deepspeed_stage: [0, 2], method: [full, lora, qlora], lora_rank: [8, 32]}
+  sequences_per_step: 8
+  pruning: {enabled: false}
+"""
+
+
+def test_a_search_over_methods_and_ranks_is_one_valid_tuning_job_whose_trials_read_their_method() -> None:
+    text = METHODS_SEARCH
+    the_plan = _plan(text)
+    assert the_plan.search is not None
+    request = _requests(the_plan, max_parallel_jobs=8)[0]
+    _assert_valid("CreateHyperParameterTuningJob", request)
+    static = request["TrainingJobDefinition"]["StaticHyperParameters"]
+    # the adapters' shared knobs are static; the method and the rank come with each trial's candidate name
+    assert (static["lora_alpha"], static["lora_target_modules"].count(",")) == ("16", 6)
+    assert "method" not in static and "lora_rank" not in static
+    target = the_plan.search.targets[0]
+    assert {parse_candidate_name(n)["method"] for n in target.candidates} == {"full", "lora", "qlora"}
+    assert {parse_candidate_name(n).get("lora_rank") for n in target.candidates} == {None, 8, 32}
+    # ZeRO with an adapter is skipped with why, never launched
+    assert any(s.reason.startswith("method lora trains only the adapters") for s in target.skipped)
+
+
 def test_the_search_file_gives_each_trial_its_candidates_spec() -> None:
     the_plan = _plan()
     assert the_plan.search is not None

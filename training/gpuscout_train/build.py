@@ -64,15 +64,13 @@ def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> C
             raise TrainingError(QLORA_ON_CPU)
         quantized = qlora_load({"fp16": torch.float16, "fp32": torch.float32}.get(facts.precision, torch.bfloat16),
                                dist.device)  # fmt: skip
+    load = frozen_dtype(dist, facts.precision) if hp.method == "lora" else None  # read in it: no fp32 copy on the host
     with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
-        lm, facts.arch, facts.model_name = build_model(hp, facts.summary, Path(work), quantized=quantized)
-    facts.params_total = sum(p.numel() for p in lm.parameters())
+        lm, facts.arch, facts.model_name = build_model(hp, facts.summary, Path(work), quantized=quantized, dtype=load)
+    facts.params_total = lm.num_parameters()  # a 4-bit weight counts as its parameters, not its packed bytes
     adapter = hp.adapter()
     if adapter is not None:
-        # the frozen base at its storage precision: the compute dtype on CUDA, fp32 where train.py computes in fp32
-        half = dist.device.type == "cuda" and facts.precision in ("bf16", "fp16")
-        frozen = {"bf16": torch.bfloat16, "fp16": torch.float16}[facts.precision] if half else None
-        facts.adapter_model = add_adapters(lm, adapter, frozen_dtype=frozen)
+        facts.adapter_model = add_adapters(lm, adapter, frozen_dtype=frozen_dtype(dist, facts.precision))
         facts.params_trainable = sum(p.numel() for p in trainable_parameters(lm))
         facts.optimizations.append(f"{adapter.method}_r{adapter.rank}")
     else:
@@ -97,6 +95,13 @@ def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> C
         model.compile()
         facts.optimizations.append("torch_compile")
     return model
+
+
+def frozen_dtype(dist: Dist, precision: str) -> torch.dtype | None:
+    """An adapter run's frozen base on CUDA in bf16 (a frozen weight needs no fp32 master, and autocast then makes no
+    copy of it); None (fp32) on a CPU, where train.py computes in fp32, and under fp16, whose residual stream
+    overflows in Qwen2 when the embedding is stored in fp16 (autocast copies the fp32 base instead)."""
+    return torch.bfloat16 if dist.device.type == "cuda" and precision == "bf16" else None
 
 
 def build_optimizer(

@@ -104,11 +104,13 @@ def _fetch_canary_model(source: str, layers: int, folder: Path) -> str:
 
 
 def build_model(
-    hp: Hyperparameters, summary: DatasetSummary, workdir: Path, *, quantized: Any = None
-) -> tuple[Any, Architecture, str]:
+    hp: Hyperparameters, summary: DatasetSummary, workdir: Path, *, quantized: Any = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[Any, Architecture, str]:  # fmt: skip
     """The causal LM (fp32 master weights), its architecture and the name benchmark.json reports. ``quantized``:
-    QLoRA's load (adapters.qlora_load), the model placed on its GPU with its decoder linears in 4 bits: a preset's
-    random weights are saved first and loaded back quantized, as a checkpoint's are."""
+    QLoRA's load (adapters.qlora_load), the model placed on its GPU with its decoder linears in 4 bits (a
+    checkpoint's: a preset's random weights are not quantized). ``dtype``: the weights' dtype
+    (an adapter run's frozen base: read in it, never held in fp32 on the host); None = fp32."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     attention = ATTENTION_IMPLEMENTATIONS[hp.attention_implementation]
@@ -131,11 +133,9 @@ def build_model(
             bos_token_id=None,
         )
         config._attn_implementation = attention
-        if quantized is None:
-            return Qwen2ForCausalLM(config), arch, hp.model_preset
-        Qwen2ForCausalLM(config).save_pretrained(workdir / "preset")
-        loaded = AutoModelForCausalLM.from_pretrained(workdir / "preset", attn_implementation=attention, **quantized)
-        return loaded, arch, hp.model_preset
+        if quantized is not None:  # the manifest refuses it; a hand-made job is told why
+            raise TrainingError("method qlora quantizes pretrained weights: give model_name_or_path, not a preset")
+        return Qwen2ForCausalLM._from_config(config, dtype=dtype or torch.float32), arch, hp.model_preset
     source = hp.model_name_or_path
     # an S3 model the control plane passed as the "model" channel; the image's entry point is not SageMaker's
     # training toolkit, so SM_CHANNEL_MODEL is usually unset: the channel's fixed path is the default
@@ -149,7 +149,7 @@ def build_model(
     model: Any
     try:
         layers: dict[str, Any] = {"num_hidden_layers": hp.canary_layers} if hp.canary_layers else {}
-        load: dict[str, Any] = quantized if quantized is not None else {"dtype": torch.float32}
+        load: dict[str, Any] = quantized if quantized is not None else {"dtype": dtype or torch.float32}
         model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attention, **load, **layers)
     except (OSError, ValueError) as err:
         hint = (

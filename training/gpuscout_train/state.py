@@ -116,25 +116,33 @@ def training_state(progress: Progress, parts: Parts) -> dict[str, Any]:
 
 
 def trained_state(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's state a checkpoint keeps: all of it, or an adapter run's trained tensors only (its frozen base is
-    rebuilt as it was loaded: a 7B base is 15 GB a checkpoint need not write again)."""
-    frozen = _frozen_keys(model)
-    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+    """The model's state a checkpoint keeps: all of it, or an adapter run's trainable parameters alone (its frozen
+    base is rebuilt as it was loaded: a 7B base is 15 GB a checkpoint need not write again, and a 4-bit base's
+    quantization state could not be loaded back into bitsandbytes' layers)."""
+    trainable = _adapter_keys(model)
+    state = model.state_dict()
+    return state if trainable is None else {k: state[k] for k in trainable}
 
 
-def _frozen_keys(model: torch.nn.Module) -> set[str]:
-    """The state-dict keys of frozen parameters, a tied head's included (named_parameters lists a tied weight once)."""
-    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
-    return {k for k, v in model.state_dict().items() if v.data_ptr() in frozen}
+def _adapter_keys(model: torch.nn.Module) -> set[str] | None:
+    """The trainable parameters' names when some parameters are frozen (an adapter run), else None."""
+    named = list(model.named_parameters())
+    if all(p.requires_grad for _, p in named):
+        return None
+    return {name for name, p in named if p.requires_grad}
 
 
 def load_trained_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    """``trained_state`` back into ``model``: every key but the frozen parameters', or TrainingError."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    lost = sorted(set(missing) - _frozen_keys(model))
+    """``trained_state`` back into ``model``: the whole state, or every trainable parameter; else TrainingError."""
+    trainable = _adapter_keys(model)
+    if trainable is None:
+        model.load_state_dict(state)
+        return
+    unexpected, lost = sorted(set(state) - trainable), sorted(trainable - set(state))
     if unexpected or lost:
         raise TrainingError(f"the checkpoint's model state does not match this model: missing {lost[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
+                            f"unexpected {unexpected[:5]}")  # fmt: skip
+    model.load_state_dict(state, strict=False)  # the frozen base's keys are absent by design
 
 
 def load_training_state(folder: Path, parts: Parts) -> dict[str, Any]:

@@ -87,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         stop.uninstall()
+        torch.set_flush_denormal(False)  # the CPU's default again (trainer.device_arithmetic), for a process going on
 
 
 if __name__ == "__main__":
