@@ -352,6 +352,7 @@ def _measure_group(
     world = reps[0].world_size or fields["gpus"] or 1
     peak = [r.peak_memory_gb for r in reps if r.peak_memory_gb is not None]
     reserved = [r.peak_reserved_gb for r in reps if r.peak_reserved_gb is not None]
+    rss = [r.bench.memory.host_rss_peak_gb for r in reps if r.bench.memory.host_rss_peak_gb is not None]
     breakdowns = [
         costs.phase_seconds(
             job.secondary_status_transitions,
@@ -399,6 +400,7 @@ def _measure_group(
         step_time_p90_s=_mean([r.step_p90 for r in reps if r.step_p90 is not None]),
         peak_memory_gb=max(peak) if peak else None,
         peak_reserved_gb=max(reserved) if reserved else None,
+        host_rss_peak_gb=max(rss) if rss else None,
         validation_note=validation_note(reps),
         final_train_loss=_mean([r.final_train_loss for r in reps if r.final_train_loss is not None]),
         dataset_tokens=dataset_tokens,

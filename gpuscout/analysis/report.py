@@ -83,6 +83,7 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]], froz
     samples = unit == "samples"
     # an adapter run's MFU counts less work than a full fine-tune's (docs/metrics.md "Adapters"): marked, never bare
     mixed = len({j.method for j in analysis.jobs}) > 1
+    adapters = any(j.method != "full" for j in analysis.jobs)
     columns: list[_Column] = [
         ("rank", lambda j: str(j.rank) if j.rank is not None else "–", True, True),
         ("instance / variant", lambda j: j.label, False, True),
@@ -101,6 +102,9 @@ def _table_rows(analysis: RunAnalysis) -> tuple[list[str], list[list[str]], froz
         *([(f"to loss {target:g}, training only", _loss_target, False, True)] if target is not None else []),
         ("benchmark billed", lambda j: _usd(j.billed_usd), True, True),
         ("peak mem GB (reserved)", lambda j: _memory(j.peak_memory_gb, j.peak_reserved_gb), True, False),
+        # on a CPU, where methods are compared: the job process's peak resident memory (weights, states and all)
+        ("host peak RSS GB", lambda j: _num(j.host_rss_peak_gb, 2) if adapters and j.peak_memory_gb is None else "",
+         True, False),
         ("stop", lambda j: ("⚠ " if j.tolerance_reached is False else "") + j.stop_text if j.rate is not None else "–",
          False, True),
         ("Pareto", lambda j: "yes" if j.on_pareto_front else "", False, False),

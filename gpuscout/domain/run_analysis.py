@@ -172,6 +172,7 @@ class JobAnalysis(BaseModel):
     step_time_p90_s: float | None = None
     peak_memory_gb: float | None = None  # torch's peak allocated (the most of any repetition)
     peak_reserved_gb: float | None = None  # the caching allocator's peak reserved, beside it (CUDA only)
+    host_rss_peak_gb: float | None = None  # the job process's peak resident memory (the most of any repetition)
     validation_note: str | None = None  # the final validation failed: no validation loss, the measurement stands
     final_train_loss: float | None = None
     # prices used

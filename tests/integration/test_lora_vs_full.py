@@ -120,7 +120,9 @@ def test_lora_and_full_fine_tuning_are_measured_and_compared_at_the_target_loss(
     assert f"At equal quality (loss {TARGET_LOSS:g}, training only): full on local / full reaches it for" in summary
     assert "LoRA r=8 on local / lora-r8 reaches it for" in summary
     markdown = (tmp_path / "runs" / run.run_id / "report" / "report.md").read_text()
-    assert "| trains |" in markdown.replace(" trains ", " trains ") and "LoRA r=8: " in markdown
+    header = markdown.split("## Ranked results", 1)[1].strip().splitlines()[0]
+    assert "| trains |" in header and "| host peak RSS GB |" in header and "LoRA r=8: " in markdown
+    assert all(job.host_rss_peak_gb for job in ranked.values())  # what each job process held, weights and states
     assert f"to loss {TARGET_LOSS:g}" in markdown
 
 
