@@ -253,3 +253,65 @@ def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
     assert predicted == pytest.approx(measured, rel=tolerance), (
         f"predicted {predicted:.1f} GB +- {tolerance:.0%}, measured {measured:.1f} GB"
     )
+
+
+LORA_MEMORY_CASES = [
+    # (micro-batch, sequence, gradient checkpointing): a 0.5B base in bf16 with rank-16 adapters on every linear
+    pytest.param(1, 4096, False, id="0.5b-lora-b1"),
+    pytest.param(2, 4096, True, id="0.5b-lora-b2-ckpt"),
+]
+
+
+@pytest.mark.parametrize(("batch", "seq", "ckpt"), LORA_MEMORY_CASES)
+def test_the_planners_lora_peak_memory_is_within_its_stated_uncertainty(
+    batch: int, seq: int, ckpt: bool, record: Any
+) -> None:
+    """Two optimizer steps of a LoRA run as train.py builds it on CUDA (gpuscout_train.build: the base read in bf16,
+    adapters in fp32 by peft, AdamW over the adapters, the chunked loss): torch's peak allocated against the
+    planner's adapter estimate (gpuscout.plan.memory), within 15 % or the uncertainty it states, whichever is wider
+    (the adapter model's CUDA kernels were not probed on CPU)."""
+    from gpuscout_train.adapters import add_adapters, trainable_parameters
+    from gpuscout_train.packing import CausalLMWithLoss
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from gpuscout.domain.manifest_training import Variant
+    from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
+    from gpuscout.plan.planner import memory_estimate
+
+    arch = PRESETS["qwen2.5-0.5b"]
+    arch = arch.with_vocab(training_vocab(arch.name, arch.vocab_size, QWEN_TOKENIZER_VOCAB))
+    variant = Variant(name="m", method="lora", per_device_batch_size=batch, gradient_checkpointing=ckpt,
+                      fused_cross_entropy=True, packing=False, gradient_accumulation_steps=1)  # fmt: skip
+    adapter = variant.adapter()
+    assert adapter is not None
+    estimate = memory_estimate(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
+    predicted = estimate.allocated / 1e9
+    tolerance = estimate.allocated_uncertainty / estimate.allocated
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    config = Qwen2Config(**arch.to_qwen2_config_kwargs(), use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM._from_config(config, dtype=BF16).cuda().train()
+    add_adapters(model, adapter, frozen_dtype=BF16)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapper = CausalLMWithLoss(model, loss="chunked")
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4, fused=True)
+    ids = torch.randint(0, arch.vocab_size, (batch, seq), device="cuda")
+    positions = torch.arange(seq, device="cuda").expand(batch, seq)
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=BF16):
+            value = wrapper(ids, positions, None, ids)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    measured = torch.cuda.max_memory_allocated() / 1e9
+    reserved = torch.cuda.max_memory_reserved() / 1e9
+    record(predicted_gb=round(predicted, 2), tolerance=round(tolerance, 3), measured_gb=round(measured, 2),
+           reserved_gb=round(reserved, 2), ratio=round(predicted / measured, 3))  # fmt: skip
+    del model, wrapper, optimizer
+    torch.cuda.empty_cache()
+    assert predicted == pytest.approx(measured, rel=max(tolerance, 0.15)), (
+        f"predicted {predicted:.1f} GB +- {tolerance:.0%}, measured {measured:.1f} GB"
+    )
