@@ -307,7 +307,8 @@ def _chart_time_breakdown(analysis: RunAnalysis) -> Figure | None:
         lefts = [a + b for a, b in zip(lefts, widths, strict=True)]
     ax.set_yticks(range(len(jobs)), [j.label for j in jobs], fontsize=9)
     ax.set_xlabel(f"time per benchmark job ({unit}, mean over repetitions)")
-    fig.legend(fontsize=8, loc="outside lower center", ncols=len(PHASE_COLOURS))
+    if any(lefts):  # no phase had any time (jobs that reported none): no legend to draw
+        fig.legend(fontsize=8, loc="outside lower center", ncols=len(PHASE_COLOURS))
     _finish(fig, ax, "Where the benchmark time went: overheads against training", left_out)
     return fig
 
