@@ -228,19 +228,23 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float 
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[hopper]   log: {log}", flush=True)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                **child_popen_kwargs(signal.SIGKILL))  # fmt: skip
-        try:
+        proc: subprocess.Popen[bytes] | None = None
+        try:  # Popen inside: a SIGTERM while the row starts (its process already visible) is still this row's stop
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    **child_popen_kwargs(signal.SIGKILL))  # fmt: skip
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            assert proc is not None
             stop_process_group(proc, ROW_STOP_GRACE_S)
             return f"stopped at the row's {timeout_s:.0f} s limit (--row-timeout-s)"
         except SystemExit:  # SIGTERM to hopper.py (_exit_on_sigterm): the row is stopped and reported, then main exits
-            stop_process_group(proc, ROW_STOP_GRACE_S)
+            if proc is not None:  # else Popen was interrupted: the child dies with hopper.py (PR_SET_PDEATHSIG)
+                stop_process_group(proc, ROW_STOP_GRACE_S)
             TERMINATED.set()
             return "stopped: hopper.py received SIGTERM"
         except BaseException:
-            stop_process_group(proc, ROW_STOP_GRACE_S)
+            if proc is not None:
+                stop_process_group(proc, ROW_STOP_GRACE_S)
             raise
     stop_process_group(proc, 0)  # anything the row left running in its group
     return None

@@ -396,6 +396,19 @@ def _dequantized_bytes(arch: Architecture, settings: StepSettings) -> float:
     return (4.0 if settings.precision == "fp32" else 2.0) * arch.hidden_size * arch.intermediate_size
 
 
+def _step_parts(
+    arch: Architecture, *, seq: int, batch: int, settings: StepSettings, world: int, device: str
+) -> dict[str, float]:
+    """The parts a full fine-tune and an adapter run count alike: the dense mask, the loss, the CUDA context and
+    NCCL's buffers."""
+    return {
+        "mask": mask_bytes(seq=seq, batch=batch, settings=settings),
+        "loss": loss_bytes(arch, seq=seq, batch=batch, settings=settings),
+        "cuda_context": CUDA_CONTEXT_GB * 1e9 if device == "cuda" else 0.0,
+        "nccl": NCCL_GB * 1e9 if device == "cuda" and world > 1 else 0.0,
+    }
+
+
 def _adapter_estimate(
     arch: Architecture, *, seq: int, batch: int, settings: StepSettings, world: int, device: str
 ) -> MemoryEstimate:
@@ -434,13 +447,10 @@ def _adapter_estimate(
         states=STATE_BYTES_PER_PARAM * trained,
         weight_copies=copies,
         activations=saved_activation_bytes(arch, seq=seq, batch=batch, settings=settings, device=device),
-        mask=mask_bytes(seq=seq, batch=batch, settings=settings),
-        loss=loss_bytes(arch, seq=seq, batch=batch, settings=settings),
         recompute=recompute,
-        cuda_context=CUDA_CONTEXT_GB * 1e9 if device == "cuda" else 0.0,
         absent_at_loss=absent,
         absent_at_recompute=absent_later,
-        nccl=NCCL_GB * 1e9 if device == "cuda" and world > 1 else 0.0,
+        **_step_parts(arch, seq=seq, batch=batch, settings=settings, world=world, device=device),
         frozen_weights=frozen_weight_bytes(arch, adapter, precision=settings.precision, device=device),
         backward=backward,
     )
@@ -504,12 +514,9 @@ def estimate(
         states=state_bytes(arch, stage=stage, world=world, half=half),
         weight_copies=copies,
         activations=saved_activation_bytes(arch, seq=seq, batch=batch, settings=settings),
-        mask=mask_bytes(seq=seq, batch=batch, settings=settings),
-        loss=loss_bytes(arch, seq=seq, batch=batch, settings=settings),
         recompute=recompute,
-        cuda_context=CUDA_CONTEXT_GB * 1e9 if device == "cuda" else 0.0,
         absent_at_loss=absent,
         absent_at_recompute=absent_later,
-        nccl=NCCL_GB * 1e9 if device == "cuda" and world > 1 else 0.0,
+        **_step_parts(arch, seq=seq, batch=batch, settings=settings, world=world, device=device),
     )
     return dataclasses.replace(e, uncertainty=_uncertainty(settings, e))

@@ -200,6 +200,20 @@ MEMORY_CASES = [
 ]
 
 
+def _two_steps_peak(wrapper: Any, optimizer: Any, *, vocab: int, batch: int, seq: int) -> tuple[float, float]:
+    """Two optimizer steps as train.py runs them on one GPU (forward under autocast, backward outside it, gradients
+    set to None; the second step has the optimizer state allocated): torch's peak allocated and reserved, in GB."""
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    positions = torch.arange(seq, device="cuda").expand(batch, seq)
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=BF16):
+            value = wrapper(ids, positions, None, ids)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return torch.cuda.max_memory_allocated() / 1e9, torch.cuda.max_memory_reserved() / 1e9
+
+
 @pytest.mark.parametrize(("preset", "batch", "seq", "ckpt", "loss"), MEMORY_CASES)
 def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
     preset: str, batch: int, seq: int, ckpt: bool, loss: str, record: Any
@@ -236,16 +250,7 @@ def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = CausalLMWithLoss(model, loss=loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    ids = torch.randint(0, arch.vocab_size, (batch, seq), device="cuda")
-    positions = torch.arange(seq, device="cuda").expand(batch, seq)
-    for _ in range(2):  # the second step has the optimizer state allocated
-        with torch.autocast("cuda", dtype=BF16):
-            value = wrapper(ids, positions, None, ids)
-        value.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    measured = torch.cuda.max_memory_allocated() / 1e9
-    reserved = torch.cuda.max_memory_reserved() / 1e9
+    measured, reserved = _two_steps_peak(wrapper, optimizer, vocab=arch.vocab_size, batch=batch, seq=seq)
     record(predicted_gb=round(predicted, 2), tolerance=round(tolerance, 3), measured_gb=round(measured, 2),
            reserved_gb=round(reserved, 2), ratio=round(predicted / measured, 3))  # fmt: skip
     del model, wrapper, optimizer
@@ -298,16 +303,7 @@ def test_the_planners_lora_peak_memory_is_within_its_stated_uncertainty(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = CausalLMWithLoss(model, loss="chunked")
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4, fused=True)
-    ids = torch.randint(0, arch.vocab_size, (batch, seq), device="cuda")
-    positions = torch.arange(seq, device="cuda").expand(batch, seq)
-    for _ in range(2):
-        with torch.autocast("cuda", dtype=BF16):
-            value = wrapper(ids, positions, None, ids)
-        value.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    measured = torch.cuda.max_memory_allocated() / 1e9
-    reserved = torch.cuda.max_memory_reserved() / 1e9
+    measured, reserved = _two_steps_peak(wrapper, optimizer, vocab=arch.vocab_size, batch=batch, seq=seq)
     record(predicted_gb=round(predicted, 2), tolerance=round(tolerance, 3), measured_gb=round(measured, 2),
            reserved_gb=round(reserved, 2), ratio=round(predicted / measured, 3))  # fmt: skip
     del model, wrapper, optimizer
