@@ -35,6 +35,7 @@ from gpuscout.analysis.recommend import decide, with_incomplete
 from gpuscout.analysis.step_series import downsample
 from gpuscout.analysis.terms import RunTerms
 from gpuscout.domain import intervals
+from gpuscout.domain.adapters import Adapter
 from gpuscout.domain.benchmark import BenchmarkResult, Disturbance, LossPoint, StepAccount
 from gpuscout.domain.catalog import LOCAL, Catalog
 from gpuscout.domain.disturbance import judged, recompiled
@@ -183,7 +184,7 @@ class _Rep:
         if config is None:
             return {}
         lora = config.lora
-        label = f"{'QLoRA' if config.method == 'qlora' else 'LoRA'} r={lora.rank}" if lora else None
+        label = Adapter("qlora" if config.method == "qlora" else "lora", rank=lora.rank).label if lora else None
         trainable = config.params_trainable if config.params_trainable is not None else config.params_total
         return {"method": config.method, "adapter": label, "params_trainable": trainable,
                 "params_total": config.params_total or None}  # fmt: skip

@@ -174,7 +174,7 @@ def validate(file: ManifestArg) -> None:
             soft_wrap=True,
         )
         return
-    pairs = sum(v.runs_on(t.instance_type) for t in manifest.targets for v in manifest.variants)
+    pairs = manifest.planned_pairs()
     limited = " (each variant on its instance_types)" if pairs != targets * variants else ""
     console.print(
         f"[green]ok[/] {escape(str(file))}: {targets} target(s) x {variants} variant(s){limited} x {repetitions} "

@@ -147,8 +147,7 @@ def target_problems(manifest: Manifest, *, allowed_instance_types: Collection[st
     """`local` targets, GPUs the image cannot run on, and types the stack does not allow (an empty allow-list allows
     every catalogued type)."""
     problems: list[Problem] = []
-    pairs = sum(v.runs_on(t.instance_type) for t in manifest.targets for v in manifest.variants)
-    jobs = pairs * manifest.repetitions
+    jobs = manifest.planned_pairs() * manifest.repetitions
     if jobs > MAX_REQUESTS_PER_RUN:  # the cheap bound; with canaries counted: plan_items.request_count_problems
         problems.append(
             Problem(

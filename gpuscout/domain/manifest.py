@@ -169,6 +169,10 @@ class Manifest(StrictModel):
                 ))  # fmt: skip
         return problems
 
+    def planned_pairs(self) -> int:
+        """Target x variant pairs that are planned: each variant on its ``instance_types`` (every target without)."""
+        return sum(v.runs_on(t.instance_type) for t in self.targets for v in self.variants)
+
     def duplicate_variants(self) -> list[list[str]]:
         """Groups of variants (names, manifest order) whose settings are the same once defaults are filled in: the
         same jobs, run and paid for again under another name (repetitions are the way to repeat a measurement)."""

@@ -200,6 +200,23 @@ MEMORY_CASES = [
 ]
 
 
+def _planned_and_reset(arch: Any, variant: Any, *, batch: int, seq: int) -> tuple[float, float, Any]:
+    """The planner's peak for one GPU in bf16 as torch.cuda.max_memory_allocated sees it (neither the CUDA context
+    nor NCCL) in GB, its stated uncertainty as a fraction, and the model's sdpa config; the GPU's cache emptied, its
+    peak statistics reset and the seed set, for the step about to be measured."""
+    from transformers import Qwen2Config
+
+    from gpuscout.plan.planner import memory_estimate
+
+    estimate = memory_estimate(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    config = Qwen2Config(**arch.to_qwen2_config_kwargs(), use_cache=False)
+    config._attn_implementation = "sdpa"
+    return estimate.allocated / 1e9, estimate.allocated_uncertainty / estimate.allocated, config
+
+
 def _two_steps_peak(wrapper: Any, optimizer: Any, *, vocab: int, batch: int, seq: int) -> tuple[float, float]:
     """Two optimizer steps as train.py runs them on one GPU (forward under autocast, backward outside it, gradients
     set to None; the second step has the optimizer state allocated): torch's peak allocated and reserved, in GB."""
@@ -222,11 +239,10 @@ def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
     AdamW, gradients set to None): torch's peak allocated against the planner's estimate less the CUDA context,
     within the uncertainty the estimate states for this case (gpuscout.plan.memory)."""
     from gpuscout_train.packing import CausalLMWithLoss, liger_available
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from gpuscout.domain.manifest_training import Variant
     from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
-    from gpuscout.plan.planner import memory_estimate
 
     if loss == "liger" and not liger_available():
         pytest.fail("liger-kernel is not installed")
@@ -237,14 +253,7 @@ def test_the_planners_peak_memory_is_within_its_stated_uncertainty(
     variant = Variant(name="m", per_device_batch_size=batch, gradient_checkpointing=ckpt, fused_cross_entropy=fused,
                       cross_entropy_kernel=loss if fused else "auto", packing=False,
                       gradient_accumulation_steps=1)  # fmt: skip
-    estimate = memory_estimate(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
-    predicted = estimate.allocated / 1e9  # max_memory_allocated sees neither the CUDA context nor NCCL
-    tolerance = estimate.allocated_uncertainty / estimate.allocated
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    config = Qwen2Config(**arch.to_qwen2_config_kwargs(), use_cache=False)
-    config._attn_implementation = "sdpa"
+    predicted, tolerance, config = _planned_and_reset(arch, variant, batch=batch, seq=seq)
     model = Qwen2ForCausalLM(config).cuda().train()
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -277,11 +286,10 @@ def test_the_planners_lora_peak_memory_is_within_its_stated_uncertainty(
     (the adapter model's CUDA kernels were not probed on CPU)."""
     from gpuscout_train.adapters import add_adapters, trainable_parameters
     from gpuscout_train.packing import CausalLMWithLoss
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from gpuscout.domain.manifest_training import Variant
     from gpuscout.domain.models import PRESETS, QWEN_TOKENIZER_VOCAB, training_vocab
-    from gpuscout.plan.planner import memory_estimate
 
     arch = PRESETS["qwen2.5-0.5b"]
     arch = arch.with_vocab(training_vocab(arch.name, arch.vocab_size, QWEN_TOKENIZER_VOCAB))
@@ -289,14 +297,7 @@ def test_the_planners_lora_peak_memory_is_within_its_stated_uncertainty(
                       fused_cross_entropy=True, packing=False, gradient_accumulation_steps=1)  # fmt: skip
     adapter = variant.adapter()
     assert adapter is not None
-    estimate = memory_estimate(arch, seq=seq, batch=batch, precision="bf16", stage=0, world=1, variant=variant)
-    predicted = estimate.allocated / 1e9
-    tolerance = estimate.allocated_uncertainty / estimate.allocated
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    config = Qwen2Config(**arch.to_qwen2_config_kwargs(), use_cache=False)
-    config._attn_implementation = "sdpa"
+    predicted, tolerance, config = _planned_and_reset(arch, variant, batch=batch, seq=seq)
     model = Qwen2ForCausalLM._from_config(config, dtype=BF16).cuda().train()
     add_adapters(model, adapter, frozen_dtype=BF16)
     if ckpt:

@@ -1,10 +1,11 @@
 """LoRA and QLoRA adapters on the causal LM (a variant's ``method``), built with peft: the frozen base at its storage
 precision, the adapters trainable in fp32 (gpuscout.domain.adapters has the numbers the planner uses).
 
-Storage of the frozen base: on CUDA in the compute dtype (bf16 or fp16: a frozen weight needs no fp32 master copy,
-and autocast then makes no per-step copy of it), 4-bit NF4 for QLoRA's decoder linears (bitsandbytes, loaded by
-model.py); on a CPU in fp32, as train.py computes there. peft keeps the adapters in fp32 (``autocast_adapter_dtype``),
-so their AdamW states and updates are fp32 as a full fine-tune's are.
+Storage of the frozen base (build.py frozen_dtype): on CUDA in bf16 (a frozen weight needs no fp32 master copy, and
+autocast then makes no per-step copy of it), 4-bit NF4 for QLoRA's decoder linears (bitsandbytes, loaded by
+model.py); in fp32 under fp16 (an fp16 residual stream overflows in Qwen2) and on a CPU, as train.py computes there.
+peft keeps the adapters in fp32 (``autocast_adapter_dtype``), so their AdamW states and updates are fp32 as a full
+fine-tune's are.
 
 Imported by build.py (and benchmarks/memory_probe.py, the FLOPs tests); may import gpuscout.domain."""
 

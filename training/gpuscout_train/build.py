@@ -64,13 +64,13 @@ def build_model_with_loss(hp: Hyperparameters, dist: Dist, facts: RunFacts) -> C
             raise TrainingError(QLORA_ON_CPU)
         quantized = qlora_load({"fp16": torch.float16, "fp32": torch.float32}.get(facts.precision, torch.bfloat16),
                                dist.device)  # fmt: skip
-    load = frozen_dtype(dist, facts.precision) if hp.method == "lora" else None  # read in it: no fp32 copy on the host
+    frozen = frozen_dtype(dist, facts.precision) if hp.method == "lora" else None  # read in it: no fp32 host copy
     with tempfile.TemporaryDirectory(prefix="gpuscout-model-") as work:
-        lm, facts.arch, facts.model_name = build_model(hp, facts.summary, Path(work), quantized=quantized, dtype=load)
+        lm, facts.arch, facts.model_name = build_model(hp, facts.summary, Path(work), quantized=quantized, dtype=frozen)
     facts.params_total = lm.num_parameters()  # a 4-bit weight counts as its parameters, not its packed bytes
     adapter = hp.adapter()
     if adapter is not None:
-        facts.adapter_model = add_adapters(lm, adapter, frozen_dtype=frozen_dtype(dist, facts.precision))
+        facts.adapter_model = add_adapters(lm, adapter, frozen_dtype=frozen)
         facts.params_trainable = sum(p.numel() for p in trainable_parameters(lm))
         facts.optimizations.append(f"{adapter.method}_r{adapter.rank}")
     else:
